@@ -1,0 +1,950 @@
+//! The block index: for every (model, block hash), the engines that hold the block and in which
+//! tier; and the prefix scoring walk over it.
+//!
+//! Shape (per model, [`ModelIndex`]):
+//! - a **node** per distinct block (32 bytes: hash, up to three inline members, an overflow page
+//!   link, a hint to the block's most recently stored child), in a chunked slab;
+//! - a **table** from block hash to node (8-byte key-less slots, open addressing), published to
+//!   readers through `ArcSwap` so a rebuild never blocks them;
+//! - per engine, a **reverse list** of the nodes it holds (4 bytes per membership, compacted
+//!   lazily), so clearing an engine costs O(its blocks), not O(index).
+//!
+//! Reads ([`ModelIndex::score_engines`], [`ModelIndex::lookup`]) take no lock and write nothing
+//! shared: they pin the current table, then walk the prompt's hashes. Consecutive blocks of a
+//! chain are found through the parent's child hint (one compare) and only fall back to a table
+//! probe when the chain branches, so a 700-block prompt costs a few probes, not 700. Each node
+//! is read under its seqlock, so a reader sees each block's member list as of one moment.
+//!
+//! Writes go through one writer per model ([`ModelIndex::write`]), which callers hold for a
+//! whole event batch; different models write in parallel.
+//!
+//! Decisions:
+//! - a `BlockStored` run whose parent this engine does not hold ("orphan") is stored anyway,
+//!   keyed by its hashes, and counted: since a vLLM hash commits to its whole prefix, an orphan
+//!   can never be mistaken for position 0 of another prompt; it only starts to score once its
+//!   parent's chain arrives (e.g. by replay), which is exactly right;
+//! - `podCacheSize` full: the oldest member of the block is dropped (members keep store order);
+//! - `size` full: a CLOCK hand over the nodes evicts a block not stored recently (second
+//!   chance), with all its memberships; counted as capacity evictions.
+//!
+//! Memory per block: 32 bytes (node) + 8 / load-factor bytes (table, load 0.25-0.75) + 4 bytes
+//! per membership (reverse list; up to 2x before compaction) + 1 bit (CLOCK).
+
+mod slab;
+mod table;
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use arc_swap::ArcSwap;
+use parking_lot::Mutex;
+use thiserror::Error;
+
+use crate::events::Medium;
+pub use slab::MAX_MEMBERS;
+use slab::Slab;
+use table::Table;
+
+/// Dense per-model id of an engine (one vLLM process: a pod and its data-parallel rank).
+pub type EngineId = u32;
+
+/// The largest engine id (member encoding keeps 24 bits, `u32::MAX` marks empty slots).
+pub const MAX_ENGINES: usize = (1 << 24) - 1;
+
+/// Who published: the pod (topic's `<pod>` part, or a configured id) and its DP rank.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct EngineKey {
+    /// The pod identifier as the gateway names it (`ip` or `ip:port`).
+    pub pod: Arc<str>,
+    /// The vLLM data-parallel rank inside the pod (0 without DP).
+    pub dp_rank: u32,
+}
+
+impl EngineKey {
+    /// A key for `pod` at `dp_rank`.
+    pub fn new(pod: &str, dp_rank: u32) -> Self {
+        Self {
+            pod: pod.into(),
+            dp_rank,
+        }
+    }
+}
+
+/// Where a block copy lives; scoring weighs tiers differently.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[repr(u8)]
+pub enum Tier {
+    /// GPU memory: a hit is a free prefill.
+    Gpu = 0,
+    /// CPU offload: a hit costs a transfer.
+    Cpu = 1,
+    /// Disk / remote storage offload.
+    Storage = 2,
+    /// Any other medium a connector names.
+    Other = 3,
+}
+
+impl Tier {
+    /// The tier of an event's medium; no medium (vLLM < 0.10.2) means GPU.
+    pub fn from_medium(medium: Option<&Medium>) -> Self {
+        match medium {
+            None | Some(Medium::Gpu) => Tier::Gpu,
+            Some(Medium::Cpu) => Tier::Cpu,
+            Some(Medium::Storage) => Tier::Storage,
+            Some(Medium::Other(_)) => Tier::Other,
+        }
+    }
+
+    fn from_bits(bits: u32) -> Self {
+        match bits & 0xff {
+            0 => Tier::Gpu,
+            1 => Tier::Cpu,
+            2 => Tier::Storage,
+            _ => Tier::Other,
+        }
+    }
+
+    /// The lower-case name used in config and metrics.
+    pub fn name(self) -> &'static str {
+        match self {
+            Tier::Gpu => "gpu",
+            Tier::Cpu => "cpu",
+            Tier::Storage => "storage",
+            Tier::Other => "other",
+        }
+    }
+}
+
+/// Per-tier weights of a matched block in a pod's score.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct TierWeights(pub [f64; 4]);
+
+impl Default for TierWeights {
+    fn default() -> Self {
+        Self([1.0, 0.8, 0.6, 0.5])
+    }
+}
+
+impl TierWeights {
+    /// The weight of `tier`.
+    #[inline(always)]
+    pub fn of(&self, tier: Tier) -> f64 {
+        self.0[tier as usize]
+    }
+}
+
+/// Capacity settings (the `kvBlockIndexConfig.inMemoryConfig` of the config file).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct IndexConfig {
+    /// Most distinct block keys per model (`size`).
+    pub max_keys: usize,
+    /// Most engines per key (`podCacheSize`).
+    pub pod_cache_size: usize,
+}
+
+impl Default for IndexConfig {
+    fn default() -> Self {
+        Self {
+            max_keys: 100_000_000,
+            pod_cache_size: 10,
+        }
+    }
+}
+
+/// Invalid index settings.
+#[derive(Debug, Error, PartialEq, Eq)]
+pub enum IndexConfigError {
+    /// `size` out of range.
+    #[error("size must be between 1 and {max}, got {got}")]
+    Size {
+        /// The configured value.
+        got: usize,
+        /// The largest supported.
+        max: usize,
+    },
+    /// `podCacheSize` out of range.
+    #[error("podCacheSize must be between 1 and {max}, got {got}")]
+    PodCacheSize {
+        /// The configured value.
+        got: usize,
+        /// The largest supported.
+        max: usize,
+    },
+}
+
+impl IndexConfig {
+    /// Checks the ranges the data structure supports.
+    pub fn validate(&self) -> Result<(), IndexConfigError> {
+        let max_keys = (u32::MAX - 2) as usize;
+        if self.max_keys == 0 || self.max_keys > max_keys {
+            return Err(IndexConfigError::Size {
+                got: self.max_keys,
+                max: max_keys,
+            });
+        }
+        if self.pod_cache_size == 0 || self.pod_cache_size > MAX_MEMBERS {
+            return Err(IndexConfigError::PodCacheSize {
+                got: self.pod_cache_size,
+                max: MAX_MEMBERS,
+            });
+        }
+        Ok(())
+    }
+}
+
+/// A pod's result for one prompt.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct EngineScore {
+    /// Who.
+    pub engine: EngineId,
+    /// Consecutive prompt blocks from block 0 the engine holds.
+    pub matched_blocks: u32,
+    /// Those blocks' tier weights, summed.
+    pub score: f64,
+}
+
+/// Counters, readable at any time without the writer.
+#[derive(Debug, Default)]
+struct Counters {
+    keys: AtomicU64,
+    memberships: AtomicU64,
+    admissions: AtomicU64,
+    removals: AtomicU64,
+    capacity_evictions: AtomicU64,
+    pod_cache_evictions: AtomicU64,
+    orphan_runs: AtomicU64,
+    dropped_full: AtomicU64,
+}
+
+/// A snapshot of a model index's size and activity.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct IndexStats {
+    /// Distinct block keys.
+    pub keys: u64,
+    /// (block, engine, tier) memberships.
+    pub memberships: u64,
+    /// Memberships added by stores.
+    pub admissions: u64,
+    /// Memberships removed by `BlockRemoved`, clears and engine removal.
+    pub removals: u64,
+    /// Memberships dropped because the index reached `size`.
+    pub capacity_evictions: u64,
+    /// Memberships dropped because a block reached `podCacheSize`.
+    pub pod_cache_evictions: u64,
+    /// Stored runs whose parent the engine did not hold.
+    pub orphan_runs: u64,
+    /// Blocks not stored because no node could be allocated (never with a sane `size`).
+    pub dropped_full: u64,
+    /// Bytes held by the index's structures.
+    pub memory_bytes: u64,
+}
+
+/// The readers' map of engines: pods by name, and each engine's key.
+#[derive(Debug, Default, Clone)]
+pub struct EngineDirectory {
+    by_pod: HashMap<Arc<str>, Vec<EngineId>>,
+    keys: Vec<Option<EngineKey>>,
+}
+
+impl EngineDirectory {
+    /// The engines (DP ranks) of a pod.
+    pub fn engines_of(&self, pod: &str) -> &[EngineId] {
+        self.by_pod.get(pod).map_or(&[], Vec::as_slice)
+    }
+
+    /// The key of an engine id.
+    pub fn key(&self, engine: EngineId) -> Option<&EngineKey> {
+        self.keys.get(engine as usize).and_then(Option::as_ref)
+    }
+
+    /// Every pod known to the index.
+    pub fn pods(&self) -> impl Iterator<Item = &Arc<str>> {
+        self.by_pod.keys()
+    }
+}
+
+struct EngineState {
+    key: EngineKey,
+    /// Node ids this engine was given memberships on; may hold stale or duplicate ids (checked
+    /// against the node when used, compacted when it grows past twice `live`).
+    blocks: Vec<u32>,
+    /// Memberships the engine holds now.
+    live: u64,
+}
+
+/// The writer's state: everything readers never look at.
+struct Writer {
+    table: Arc<Table>,
+    /// Live entries plus tombstones in `table`.
+    table_used: usize,
+    table_live: usize,
+    free_nodes: Vec<u32>,
+    next_node: u32,
+    free_pages: Vec<u32>,
+    next_page: u32,
+    engines: Vec<Option<EngineState>>,
+    free_engine_ids: Vec<EngineId>,
+    engine_ids: HashMap<EngineKey, EngineId>,
+    /// CLOCK reference bits, one per node id.
+    referenced: Vec<u64>,
+    clock_hand: u32,
+}
+
+/// The index for one model.
+pub struct ModelIndex {
+    config: IndexConfig,
+    slab: Slab,
+    table: ArcSwap<Table>,
+    directory: ArcSwap<EngineDirectory>,
+    writer: Mutex<Writer>,
+    counters: Counters,
+}
+
+/// Maps the one hash value the slab reserves (0 = free node) to another value; a real block
+/// hash is 0 with probability 2^-64, and would merely share a key with this alias.
+#[inline(always)]
+fn key(hash: u64) -> u64 {
+    if hash == 0 {
+        0x9E37_79B9_7F4A_7C15
+    } else {
+        hash
+    }
+}
+
+#[inline(always)]
+fn member(engine: EngineId, tier: Tier) -> u32 {
+    engine << 8 | tier as u32
+}
+
+const INITIAL_TABLE: usize = 1024;
+
+impl ModelIndex {
+    /// An empty index. `config` must be valid ([`IndexConfig::validate`]).
+    pub fn new(config: IndexConfig) -> Result<Self, IndexConfigError> {
+        config.validate()?;
+        let seed = random_seed();
+        let table = Arc::new(Table::with_capacity(INITIAL_TABLE, seed));
+        Ok(Self {
+            slab: Slab::new(config.max_keys, config.pod_cache_size),
+            table: ArcSwap::new(table.clone()),
+            directory: ArcSwap::from_pointee(EngineDirectory::default()),
+            writer: Mutex::new(Writer {
+                table,
+                table_used: 0,
+                table_live: 0,
+                free_nodes: Vec::new(),
+                next_node: 0,
+                free_pages: Vec::new(),
+                next_page: 0,
+                engines: Vec::new(),
+                free_engine_ids: Vec::new(),
+                engine_ids: HashMap::new(),
+                referenced: Vec::new(),
+                clock_hand: 0,
+            }),
+            counters: Counters::default(),
+            config,
+        })
+    }
+
+    /// The capacity settings.
+    pub fn config(&self) -> &IndexConfig {
+        &self.config
+    }
+
+    /// Runs `f` as the model's single writer (hold it for a whole event batch).
+    pub fn write<R>(&self, f: impl FnOnce(&mut IndexWriter<'_>) -> R) -> R {
+        let mut guard = self.writer.lock();
+        let mut w = IndexWriter {
+            index: self,
+            state: &mut guard,
+        };
+        f(&mut w)
+    }
+
+    /// The engines known now (readers; lock-free).
+    pub fn directory(&self) -> Arc<EngineDirectory> {
+        self.directory.load_full()
+    }
+
+    /// Who holds `hash` right now, as (engine, tier) pairs in store order.
+    pub fn lookup(&self, hash: u64) -> Vec<(EngineId, Tier)> {
+        let hash = key(hash);
+        let table = self.table.load();
+        let mut buf = [0u32; MAX_MEMBERS];
+        let n = table
+            .find(hash, |id| self.slab.peek_hash(id))
+            .and_then(|id| self.slab.read_members(id, hash, &mut buf))
+            .unwrap_or(0);
+        buf[..n]
+            .iter()
+            .map(|&m| (m >> 8, Tier::from_bits(m)))
+            .collect()
+    }
+
+    /// Scores every engine that holds the prompt's first block: how many consecutive blocks
+    /// from block 0 it holds, and their tier-weighted sum. `candidates` (sorted), when given,
+    /// restricts the result to those engines. Engines holding nothing are not listed.
+    ///
+    /// Lock-free; allocates nothing but `out`'s growth.
+    pub fn score_engines(
+        &self,
+        hashes: &[u64],
+        candidates: Option<&[EngineId]>,
+        weights: &TierWeights,
+        out: &mut Vec<EngineScore>,
+    ) {
+        out.clear();
+        let table = self.table.load();
+        let slab = &self.slab;
+        let mut members = [0u32; MAX_MEMBERS];
+        let mut active = [EngineScore {
+            engine: 0,
+            matched_blocks: 0,
+            score: 0.0,
+        }; MAX_MEMBERS];
+        let mut active_len = 0usize;
+        let mut prev: Option<u32> = None;
+        for (i, &raw) in hashes.iter().enumerate() {
+            let hash = key(raw);
+            let hinted = prev
+                .and_then(|p| slab.hint(p))
+                .filter(|&c| slab.peek_hash(c) == hash);
+            let node = hinted.or_else(|| table.find(hash, |id| slab.peek_hash(id)));
+            let n = node
+                .and_then(|id| slab.read_members(id, hash, &mut members))
+                .unwrap_or(0);
+            if i == 0 {
+                for &m in &members[..n] {
+                    let engine = m >> 8;
+                    if candidates.is_some_and(|c| c.binary_search(&engine).is_err()) {
+                        continue;
+                    }
+                    let w = weights.of(Tier::from_bits(m));
+                    match active[..active_len].iter_mut().find(|a| a.engine == engine) {
+                        Some(a) => a.score = a.score.max(w),
+                        None => {
+                            active[active_len] = EngineScore {
+                                engine,
+                                matched_blocks: 1,
+                                score: w,
+                            };
+                            active_len += 1;
+                        }
+                    }
+                }
+            } else {
+                let mut k = 0;
+                while k < active_len {
+                    let engine = active[k].engine;
+                    let mut best = -1.0f64;
+                    for &m in &members[..n] {
+                        if m >> 8 == engine {
+                            best = best.max(weights.of(Tier::from_bits(m)));
+                        }
+                    }
+                    if best >= 0.0 {
+                        active[k].score += best;
+                        active[k].matched_blocks += 1;
+                        k += 1;
+                    } else {
+                        out.push(active[k]);
+                        active_len -= 1;
+                        active[k] = active[active_len];
+                    }
+                }
+            }
+            if active_len == 0 {
+                return;
+            }
+            prev = node;
+        }
+        out.extend_from_slice(&active[..active_len]);
+    }
+
+    /// Size and activity counters.
+    pub fn stats(&self) -> IndexStats {
+        let c = &self.counters;
+        IndexStats {
+            keys: c.keys.load(Ordering::Relaxed),
+            memberships: c.memberships.load(Ordering::Relaxed),
+            admissions: c.admissions.load(Ordering::Relaxed),
+            removals: c.removals.load(Ordering::Relaxed),
+            capacity_evictions: c.capacity_evictions.load(Ordering::Relaxed),
+            pod_cache_evictions: c.pod_cache_evictions.load(Ordering::Relaxed),
+            orphan_runs: c.orphan_runs.load(Ordering::Relaxed),
+            dropped_full: c.dropped_full.load(Ordering::Relaxed),
+            memory_bytes: self.memory_bytes() as u64,
+        }
+    }
+
+    /// Bytes the index holds: slab chunks, the table, reverse lists and engine maps (takes the
+    /// writer briefly).
+    pub fn memory_bytes(&self) -> usize {
+        let w = self.writer.lock();
+        let reverse: usize = w
+            .engines
+            .iter()
+            .flatten()
+            .map(|e| e.blocks.capacity() * 4 + std::mem::size_of::<EngineState>())
+            .sum();
+        self.slab.allocated_bytes()
+            + w.table.allocated_bytes()
+            + reverse
+            + w.free_nodes.capacity() * 4
+            + w.free_pages.capacity() * 4
+            + w.referenced.capacity() * 8
+    }
+
+    /// Every engine with the memberships it holds.
+    pub fn engine_blocks(&self) -> Vec<(EngineKey, u64)> {
+        let w = self.writer.lock();
+        w.engines
+            .iter()
+            .flatten()
+            .map(|e| (e.key.clone(), e.live))
+            .collect()
+    }
+}
+
+/// What a `store` did.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct StoreOutcome {
+    /// Memberships added (blocks the engine did not hold in that tier before).
+    pub added: usize,
+    /// The run's parent was given but the engine does not hold it.
+    pub orphan: bool,
+}
+
+/// The model's writer, held for a batch of operations.
+pub struct IndexWriter<'a> {
+    index: &'a ModelIndex,
+    state: &'a mut Writer,
+}
+
+impl IndexWriter<'_> {
+    /// The id of `key`, registering the engine on first sight. `None` when `MAX_ENGINES`
+    /// engines are registered.
+    pub fn engine(&mut self, key: &EngineKey) -> Option<EngineId> {
+        if let Some(&id) = self.state.engine_ids.get(key) {
+            return Some(id);
+        }
+        let id = match self.state.free_engine_ids.pop() {
+            Some(id) => id,
+            None => {
+                if self.state.engines.len() >= MAX_ENGINES {
+                    return None;
+                }
+                self.state.engines.push(None);
+                (self.state.engines.len() - 1) as EngineId
+            }
+        };
+        self.state.engines[id as usize] = Some(EngineState {
+            key: key.clone(),
+            blocks: Vec::new(),
+            live: 0,
+        });
+        self.state.engine_ids.insert(key.clone(), id);
+        self.publish_directory();
+        Some(id)
+    }
+
+    /// Removes an engine entirely (its blocks, then its id). Returns memberships removed.
+    pub fn remove_engine(&mut self, key: &EngineKey) -> usize {
+        let Some(&id) = self.state.engine_ids.get(key) else {
+            return 0;
+        };
+        let removed = self.clear_engine(id);
+        self.state.engine_ids.remove(key);
+        self.state.engines[id as usize] = None;
+        self.state.free_engine_ids.push(id);
+        self.publish_directory();
+        removed
+    }
+
+    fn publish_directory(&self) {
+        let mut dir = EngineDirectory {
+            by_pod: HashMap::new(),
+            keys: vec![None; self.state.engines.len()],
+        };
+        for (id, e) in self.state.engines.iter().enumerate() {
+            if let Some(e) = e {
+                dir.keys[id] = Some(e.key.clone());
+                dir.by_pod
+                    .entry(e.key.pod.clone())
+                    .or_default()
+                    .push(id as EngineId);
+            }
+        }
+        self.index.directory.store(Arc::new(dir));
+    }
+
+    fn find(&self, hash: u64) -> Option<u32> {
+        let slab = &self.index.slab;
+        self.state.table.find(hash, |id| slab.peek_hash(id))
+    }
+
+    fn has_engine(&self, id: u32, engine: EngineId) -> bool {
+        let mut buf = [0u32; MAX_MEMBERS];
+        let n = self.index.slab.members_of(id, &mut buf);
+        buf[..n].iter().any(|&m| m >> 8 == engine)
+    }
+
+    /// `BlockStored`: `engine` holds `hashes` (a chain continuing `parent`) in `tier`.
+    pub fn store(
+        &mut self,
+        engine: EngineId,
+        tier: Tier,
+        parent: Option<u64>,
+        hashes: &[u64],
+    ) -> StoreOutcome {
+        let mut outcome = StoreOutcome::default();
+        let mut prev = None;
+        if let Some(p) = parent {
+            prev = self.find(key(p));
+            outcome.orphan = !prev.is_some_and(|id| self.has_engine(id, engine));
+            if outcome.orphan {
+                self.index.counters.orphan_runs.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+        let m = member(engine, tier);
+        for &raw in hashes {
+            let hash = key(raw);
+            let id = match self.find(hash) {
+                Some(id) => id,
+                None => match self.alloc_node(hash) {
+                    Some(id) => id,
+                    None => {
+                        self.index.counters.dropped_full.fetch_add(1, Ordering::Relaxed);
+                        prev = None;
+                        continue;
+                    }
+                },
+            };
+            if self.add_member(id, hash, m) {
+                outcome.added += 1;
+                self.note_membership(engine, id);
+            }
+            self.set_referenced(id);
+            if let Some(p) = prev {
+                self.index.slab.set_hint(p, id);
+            }
+            prev = Some(id);
+        }
+        outcome
+    }
+
+    /// `BlockRemoved`: `engine` no longer holds `hashes` in `tier`. Returns memberships removed.
+    pub fn remove(&mut self, engine: EngineId, tier: Tier, hashes: &[u64]) -> usize {
+        let mut removed = 0;
+        for &raw in hashes {
+            let hash = key(raw);
+            if let Some(id) = self.find(hash) {
+                removed += self.remove_members(id, hash, |m| m == member(engine, tier));
+            }
+        }
+        removed
+    }
+
+    /// `AllBlocksCleared` / a restart: drops every block `engine` holds, in every tier.
+    pub fn clear_engine(&mut self, engine: EngineId) -> usize {
+        let Some(Some(state)) = self.state.engines.get_mut(engine as usize) else {
+            return 0;
+        };
+        let blocks = std::mem::take(&mut state.blocks);
+        let mut removed = 0;
+        for &id in &blocks {
+            let hash = self.index.slab.hash_of(id);
+            if hash != 0 {
+                removed += self.remove_members(id, hash, |m| m >> 8 == engine);
+            }
+        }
+        removed
+    }
+
+    /// Total memberships `engine` holds.
+    pub fn engine_blocks(&self, engine: EngineId) -> u64 {
+        self.state
+            .engines
+            .get(engine as usize)
+            .and_then(Option::as_ref)
+            .map_or(0, |e| e.live)
+    }
+
+    fn note_membership(&mut self, engine: EngineId, id: u32) {
+        let Some(Some(state)) = self.state.engines.get_mut(engine as usize) else {
+            return;
+        };
+        state.blocks.push(id);
+        state.live += 1;
+        if state.blocks.len() > 2 * state.live as usize + 1024 {
+            let mut blocks = std::mem::take(&mut state.blocks);
+            blocks.sort_unstable();
+            blocks.dedup();
+            blocks.retain(|&id| self.has_engine(id, engine));
+            blocks.shrink_to(blocks.len() * 2);
+            if let Some(Some(state)) = self.state.engines.get_mut(engine as usize) {
+                state.blocks = blocks;
+            }
+        }
+    }
+
+    fn add_member(&mut self, id: u32, hash: u64, m: u32) -> bool {
+        let slab = &self.index.slab;
+        let mut list = [0u32; MAX_MEMBERS];
+        let mut n = slab.members_of(id, &mut list);
+        if list[..n].contains(&m) {
+            return false;
+        }
+        let counters = &self.index.counters;
+        if n >= self.index.config.pod_cache_size {
+            let victim = list[0];
+            list.copy_within(1..n, 0);
+            n -= 1;
+            self.drop_membership(victim);
+            counters.pod_cache_evictions.fetch_add(1, Ordering::Relaxed);
+        }
+        list[n] = m;
+        n += 1;
+        slab.write(
+            id,
+            hash,
+            &list[..n],
+            &mut self.state.free_pages,
+            &mut self.state.next_page,
+        );
+        counters.memberships.fetch_add(1, Ordering::Relaxed);
+        counters.admissions.fetch_add(1, Ordering::Relaxed);
+        true
+    }
+
+    /// Bookkeeping for a membership leaving a node (the reverse list stays lazy).
+    fn drop_membership(&mut self, m: u32) {
+        if let Some(Some(state)) = self.state.engines.get_mut((m >> 8) as usize) {
+            state.live = state.live.saturating_sub(1);
+        }
+        self.index.counters.memberships.fetch_sub(1, Ordering::Relaxed);
+    }
+
+    /// Removes the members matching `pred` from node `id`; frees the node when none remain.
+    fn remove_members(&mut self, id: u32, hash: u64, pred: impl Fn(u32) -> bool) -> usize {
+        let slab = &self.index.slab;
+        let mut list = [0u32; MAX_MEMBERS];
+        let n = slab.members_of(id, &mut list);
+        let mut kept = 0;
+        let mut removed = 0;
+        for i in 0..n {
+            let m = list[i];
+            if pred(m) {
+                removed += 1;
+                self.drop_membership(m);
+            } else {
+                list[kept] = m;
+                kept += 1;
+            }
+        }
+        if removed == 0 {
+            return 0;
+        }
+        self.index
+            .counters
+            .removals
+            .fetch_add(removed as u64, Ordering::Relaxed);
+        if kept == 0 {
+            self.free_node(id, hash);
+        } else {
+            slab.write(
+                id,
+                hash,
+                &list[..kept],
+                &mut self.state.free_pages,
+                &mut self.state.next_page,
+            );
+        }
+        removed
+    }
+
+    fn free_node(&mut self, id: u32, hash: u64) {
+        self.index.slab.write(
+            id,
+            0,
+            &[],
+            &mut self.state.free_pages,
+            &mut self.state.next_page,
+        );
+        if self.state.table.remove(hash, id) {
+            self.state.table_live -= 1;
+        }
+        self.state.free_nodes.push(id);
+        self.index.counters.keys.fetch_sub(1, Ordering::Relaxed);
+    }
+
+    fn set_referenced(&mut self, id: u32) {
+        let word = id as usize / 64;
+        if word >= self.state.referenced.len() {
+            self.state.referenced.resize(word + 1, 0);
+        }
+        self.state.referenced[word] |= 1 << (id % 64);
+    }
+
+    /// A fresh node for `hash`, evicting by CLOCK when the index is at `size`.
+    fn alloc_node(&mut self, hash: u64) -> Option<u32> {
+        if self.index.counters.keys.load(Ordering::Relaxed) as usize >= self.index.config.max_keys
+        {
+            self.evict_one();
+        }
+        let id = match self.state.free_nodes.pop() {
+            Some(id) => id,
+            None => {
+                let id = self.state.next_node;
+                if id as usize >= self.index.slab.nodes.capacity()
+                    || self.index.slab.nodes.get_or_alloc(id).is_none()
+                {
+                    return None;
+                }
+                self.state.next_node += 1;
+                id
+            }
+        };
+        self.index.slab.write(
+            id,
+            hash,
+            &[],
+            &mut self.state.free_pages,
+            &mut self.state.next_page,
+        );
+        self.ensure_table_room();
+        if !self.state.table.insert(hash, id) {
+            self.state.table_used += 1;
+        }
+        self.state.table_live += 1;
+        self.index.counters.keys.fetch_add(1, Ordering::Relaxed);
+        Some(id)
+    }
+
+    /// Rebuilds the table into a new allocation when live entries plus tombstones would pass
+    /// 3/4 of it (doubling when live entries alone pass 3/8).
+    fn ensure_table_room(&mut self) {
+        let cap = self.state.table.capacity();
+        if (self.state.table_used + 1) * 4 <= cap * 3 {
+            return;
+        }
+        let wanted = ((self.state.table_live + 1) * 8 / 3).next_power_of_two().max(cap);
+        let fresh = Table::with_capacity(wanted, self.state.table.seed());
+        let slab = &self.index.slab;
+        let mut live = 0;
+        for id in self.state.table.live_ids() {
+            let hash = slab.hash_of(id);
+            if hash != 0 {
+                fresh.insert(hash, id);
+                live += 1;
+            }
+        }
+        let fresh = Arc::new(fresh);
+        self.state.table = fresh.clone();
+        self.state.table_used = live;
+        self.state.table_live = live;
+        self.index.table.store(fresh);
+    }
+
+    /// Second-chance eviction of one block with all its memberships.
+    fn evict_one(&mut self) {
+        let end = self.state.next_node;
+        if end == 0 {
+            return;
+        }
+        for _ in 0..=(2 * end as usize) {
+            if self.state.clock_hand >= end {
+                self.state.clock_hand = 0;
+            }
+            let id = self.state.clock_hand;
+            self.state.clock_hand += 1;
+            let hash = self.index.slab.hash_of(id);
+            if hash == 0 {
+                continue;
+            }
+            let word = id as usize / 64;
+            let bit = 1u64 << (id % 64);
+            if let Some(w) = self.state.referenced.get_mut(word) {
+                if *w & bit != 0 {
+                    *w &= !bit;
+                    continue;
+                }
+            }
+            let evicted = self.remove_members(id, hash, |_| true);
+            // Those were counted as removals; reclassify them.
+            let c = &self.index.counters;
+            c.removals.fetch_sub(evicted as u64, Ordering::Relaxed);
+            c.capacity_evictions
+                .fetch_add(evicted as u64, Ordering::Relaxed);
+            return;
+        }
+    }
+}
+
+fn random_seed() -> u64 {
+    use std::collections::hash_map::RandomState;
+    use std::hash::BuildHasher;
+    RandomState::new().hash_one(0x6b76_2d69_6e64_6578u64)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn index(max_keys: usize, pod_cache_size: usize) -> ModelIndex {
+        ModelIndex::new(IndexConfig {
+            max_keys,
+            pod_cache_size,
+        })
+        .expect("valid config")
+    }
+
+    fn scores(ix: &ModelIndex, hashes: &[u64]) -> Vec<(EngineId, u32)> {
+        let mut out = Vec::new();
+        ix.score_engines(hashes, None, &TierWeights::default(), &mut out);
+        let mut v: Vec<_> = out.iter().map(|s| (s.engine, s.matched_blocks)).collect();
+        v.sort();
+        v
+    }
+
+    #[test]
+    fn consecutive_prefix_with_holes_and_tiers() {
+        let ix = index(1000, 10);
+        let (a, b) = ix.write(|w| {
+            let a = w.engine(&EngineKey::new("a", 0)).expect("room");
+            let b = w.engine(&EngineKey::new("b", 0)).expect("room");
+            w.store(a, Tier::Gpu, None, &[1, 2, 3, 4]);
+            w.store(b, Tier::Cpu, None, &[1, 2]);
+            w.store(b, Tier::Gpu, Some(2), &[3]);
+            (a, b)
+        });
+        assert_eq!(scores(&ix, &[1, 2, 3, 4, 5]), vec![(a, 4), (b, 3)]);
+        ix.write(|w| w.remove(a, Tier::Gpu, &[2]));
+        assert_eq!(scores(&ix, &[1, 2, 3, 4]), vec![(a, 1), (b, 3)], "a hole stops a");
+        let mut out = Vec::new();
+        ix.score_engines(&[1, 2, 3], Some(&[b]), &TierWeights::default(), &mut out);
+        assert_eq!(out.len(), 1);
+        assert!((out[0].score - (0.8 + 0.8 + 1.0)).abs() < 1e-9, "{out:?}");
+    }
+
+    #[test]
+    fn clear_and_pod_cache_eviction_and_capacity() {
+        let ix = index(4, 2);
+        ix.write(|w| {
+            let ids: Vec<_> = (0..3)
+                .map(|i| w.engine(&EngineKey::new(&format!("p{i}"), 0)).expect("room"))
+                .collect();
+            for &e in &ids {
+                w.store(e, Tier::Gpu, None, &[10, 11]);
+            }
+            assert_eq!(w.engine_blocks(ids[0]), 0, "oldest member dropped at podCacheSize");
+            assert_eq!(w.clear_engine(ids[1]), 2);
+            w.store(ids[2], Tier::Gpu, Some(11), &[12, 13, 14, 15]);
+        });
+        let stats = ix.stats();
+        assert!(stats.keys <= 4, "size bound holds: {stats:?}");
+        assert!(stats.capacity_evictions >= 2, "{stats:?}");
+    }
+}

@@ -1,0 +1,3 @@
+pub mod events;
+pub mod hashing;
+pub mod index;
