@@ -1,1 +1,31 @@
-fn main() {}
+//! The `kv-indexer` binary: subcommands over the library.
+
+mod cli;
+
+use clap::{Parser, Subcommand};
+
+/// kv-indexer: a global KV-cache block index for vLLM fleets.
+#[derive(Debug, Parser)]
+#[command(name = "kv-indexer", version, about)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Print vLLM's sha256_cbor block hashes for a token list.
+    Hash(cli::hash::HashArgs),
+}
+
+fn main() {
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Hash(args) => cli::hash::run(args),
+    };
+    if let Err(error) = result {
+        // `{:#}` prints the cause chain on one line; no backtrace for operator-facing errors.
+        eprintln!("error: {error:#}");
+        std::process::exit(1);
+    }
+}

@@ -23,7 +23,13 @@ const STORED: [&str; 15] = [
     "session_id",
     "lookahead_token_ids",
 ];
-const REMOVED: [&str; 5] = ["block_hashes", "medium", "group_idx", "locality", "ownership"];
+const REMOVED: [&str; 5] = [
+    "block_hashes",
+    "medium",
+    "group_idx",
+    "locality",
+    "ownership",
+];
 
 fn unhex(s: &str) -> Vec<u8> {
     (0..s.len())
@@ -69,7 +75,9 @@ fn value_json(v: &Ev) -> Value {
         Ev::Int(i) => json!(i),
         Ev::Float(f) => json!(f),
         Ev::Str(s) => json!(s),
-        Ev::Bytes(b) => json!({"bytes_hex": b.iter().map(|x| format!("{x:02x}")).collect::<String>()}),
+        Ev::Bytes(b) => {
+            json!({"bytes_hex": b.iter().map(|x| format!("{x:02x}")).collect::<String>()})
+        }
         Ev::Array(a) => Value::Array(a.iter().map(value_json).collect()),
         Ev::Map(m) => Value::Array(
             m.iter()
@@ -150,7 +158,10 @@ fn check_event(ctx: &str, got: &KvEvent, want: &Value) -> usize {
                 compared += 1;
             }
             // Fields the wire omitted must be at their defaults.
-            for name in STORED.iter().filter(|n| !fields.iter().any(|(f, _)| f == *n)) {
+            for name in STORED
+                .iter()
+                .filter(|n| !fields.iter().any(|(f, _)| f == *n))
+            {
                 assert_eq!(stored_field(e, name), Value::Null, "{ctx}: omitted {name}");
             }
         }
@@ -178,10 +189,14 @@ fn every_captured_message_decodes_to_what_vllm_sent() {
                 let frames = msg["frames_hex"].as_array().expect("frames");
                 assert_eq!(frames.len(), 3, "{version} {name}: [topic, seq, payload]");
                 let payload = unhex(frames[2].as_str().expect("payload"));
-                let batch = decode_batch(&payload)
-                    .unwrap_or_else(|e| panic!("{version} {name}: {e}"));
+                let batch =
+                    decode_batch(&payload).unwrap_or_else(|e| panic!("{version} {name}: {e}"));
                 let want = &msg["decoded"];
-                assert_eq!(batch.ts, want[0].as_f64().expect("ts"), "{version} {name}: ts");
+                assert_eq!(
+                    batch.ts,
+                    want[0].as_f64().expect("ts"),
+                    "{version} {name}: ts"
+                );
                 let want_events = want[1].as_array().expect("events");
                 assert_eq!(batch.events.len(), want_events.len(), "{version} {name}");
                 for (i, (got, w)) in batch.events.iter().zip(want_events).enumerate() {
@@ -195,20 +210,28 @@ fn every_captured_message_decodes_to_what_vllm_sent() {
                 messages += 1;
             }
             // Replayed batches (DEALER side): every non-end-marker frame set carries a payload.
-            for frames in scenario["dealer_received_frames_hex"].as_array().into_iter().flatten() {
+            for frames in scenario["dealer_received_frames_hex"]
+                .as_array()
+                .into_iter()
+                .flatten()
+            {
                 let frames = frames.as_array().expect("frames");
                 let payload = unhex(frames.last().and_then(Value::as_str).expect("payload"));
                 if payload.is_empty() {
                     continue; // end marker
                 }
-                let batch = decode_batch(&payload).unwrap_or_else(|e| panic!("{version} replay: {e}"));
+                let batch =
+                    decode_batch(&payload).unwrap_or_else(|e| panic!("{version} replay: {e}"));
                 assert_eq!(batch.events, vec![KvEvent::AllBlocksCleared]);
                 messages += 1;
             }
         }
     }
     eprintln!("decoded {messages} captured payloads, {fields} fields compared");
-    assert!(messages >= 30, "fixtures went missing: only {messages} payloads");
+    assert!(
+        messages >= 30,
+        "fixtures went missing: only {messages} payloads"
+    );
     assert!(fields >= 200, "too few fields compared: {fields}");
 }
 

@@ -46,7 +46,11 @@ fn not_applicable(case: &Value, version: &str) -> Option<&'static str> {
     if !case["lora_request"].is_null() && m < 14 {
         return Some("LoRA hashed by int id (vLLM <= 0.11.0)");
     }
-    if case["mm_features"].as_array().is_some_and(|a| !a.is_empty()) && m < 19 {
+    if case["mm_features"]
+        .as_array()
+        .is_some_and(|a| !a.is_empty())
+        && m < 19
+    {
         return Some("multimodal keys without offsets (vLLM < 0.19)");
     }
     None
@@ -115,10 +119,17 @@ fn check_version(version: &str, expect_checked: usize) {
         let extras = extras_of(case);
         let blocks = case["blocks"].as_array().expect("blocks");
         let mut units = Vec::new();
-        processor.for_each_unit(&tokens, &extras, &mut HashScratch::default(), |i, input, d| {
-            units.push((i, hex(input), *d))
-        });
-        assert_eq!(units.len(), blocks.len(), "{version} {id}: number of full blocks");
+        processor.for_each_unit(
+            &tokens,
+            &extras,
+            &mut HashScratch::default(),
+            |i, input, d| units.push((i, hex(input), *d)),
+        );
+        assert_eq!(
+            units.len(),
+            blocks.len(),
+            "{version} {id}: number of full blocks"
+        );
         assert_eq!(
             blocks.len() as u64,
             case["num_full_blocks"].as_u64().expect("num_full_blocks")

@@ -295,7 +295,7 @@ fn decode_event(r: &mut Reader<'_>) -> Result<KvEvent, DecodeError> {
             if len == 0 {
                 return Err(DecodeError::MissingTag { at });
             }
-            let tag = r.str().map_err(|_| DecodeError::MissingTag { at })?;
+            let tag = r.str().map_err(|e| tag_error(e, at))?;
             decode_array_event(r, tag, len - 1)
         }
         Kind::Map => {
@@ -307,6 +307,14 @@ fn decode_event(r: &mut Reader<'_>) -> Result<KvEvent, DecodeError> {
             found: r.peek_kind().ok(),
             at,
         }),
+    }
+}
+
+/// A tag that is not a string is a missing tag; a payload that ends inside it is truncated.
+fn tag_error(e: DecodeError, at: usize) -> DecodeError {
+    match e {
+        DecodeError::Truncated { .. } => e,
+        _ => DecodeError::MissingTag { at },
     }
 }
 
@@ -329,9 +337,19 @@ const STORED_FIELDS: [&str; 15] = [
     "lookahead_token_ids",
 ];
 /// Field names of BlockRemoved in declaration order.
-const REMOVED_FIELDS: [&str; 5] = ["block_hashes", "medium", "group_idx", "locality", "ownership"];
+const REMOVED_FIELDS: [&str; 5] = [
+    "block_hashes",
+    "medium",
+    "group_idx",
+    "locality",
+    "ownership",
+];
 
-fn decode_array_event(r: &mut Reader<'_>, tag: &str, fields: usize) -> Result<KvEvent, DecodeError> {
+fn decode_array_event(
+    r: &mut Reader<'_>,
+    tag: &str,
+    fields: usize,
+) -> Result<KvEvent, DecodeError> {
     match tag {
         "BlockStored" => {
             if fields < 4 {
@@ -389,7 +407,7 @@ fn decode_map_event(r: &mut Reader<'_>, len: usize, at: usize) -> Result<KvEvent
     for _ in 0..len {
         let key = r.str()?;
         if key == "type" {
-            tag = Some(r.str().map_err(|_| DecodeError::MissingTag { at })?);
+            tag = Some(r.str().map_err(|e| tag_error(e, at))?);
             break;
         }
         r.skip()?;
@@ -473,7 +491,11 @@ fn stored_field(r: &mut Reader<'_>, ev: &mut BlockStored, name: &str) -> Result<
     match name {
         "block_hashes" => read_hashes(r, &mut ev.block_hashes)?,
         "parent_block_hash" => {
-            ev.parent_block_hash = if r.try_nil() { None } else { Some(read_hash(r)?) }
+            ev.parent_block_hash = if r.try_nil() {
+                None
+            } else {
+                Some(read_hash(r)?)
+            }
         }
         "token_ids" => {
             if !r.try_nil() {
@@ -497,7 +519,11 @@ fn stored_field(r: &mut Reader<'_>, ev: &mut BlockStored, name: &str) -> Result<
                 let n = r.array_len()?;
                 let mut keys = Vec::with_capacity(n.min(1024));
                 for _ in 0..n {
-                    keys.push(if r.try_nil() { None } else { Some(read_value(r, 0)?) });
+                    keys.push(if r.try_nil() {
+                        None
+                    } else {
+                        Some(read_value(r, 0)?)
+                    });
                 }
                 Some(keys)
             }

@@ -118,6 +118,9 @@ impl<'a> Reader<'a> {
     }
 
     fn unexpected(&self, expected: &'static str) -> DecodeError {
+        if self.pos >= self.buf.len() {
+            return DecodeError::Truncated { at: self.pos };
+        }
         DecodeError::UnexpectedType {
             expected,
             found: self.peek_kind().ok(),
@@ -355,12 +358,22 @@ mod tests {
             (&[0xcc, 0xff], Int::Unsigned(255)),
             (&[0xcd, 0x01, 0x00], Int::Unsigned(256)),
             (&[0xce, 0, 1, 0, 0], Int::Unsigned(65_536)),
-            (&[0xcf, 0xff, 0, 0, 0, 0, 0, 0, 1], Int::Unsigned(0xff00_0000_0000_0001)),
+            (
+                &[0xcf, 0xff, 0, 0, 0, 0, 0, 0, 1],
+                Int::Unsigned(0xff00_0000_0000_0001),
+            ),
             (&[0xd0, 0x80], Int::Negative(-128)),
-            (&[0xd3, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xfe], Int::Negative(-2)),
+            (
+                &[0xd3, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xfe],
+                Int::Negative(-2),
+            ),
         ];
         for (bytes, want) in cases {
-            assert_eq!(Reader::new(bytes).int().expect("valid"), *want, "{bytes:x?}");
+            assert_eq!(
+                Reader::new(bytes).int().expect("valid"),
+                *want,
+                "{bytes:x?}"
+            );
         }
     }
 

@@ -93,7 +93,9 @@ pub enum TokenProcessorError {
     #[error("blockSize must be at least 1")]
     ZeroBlockSize,
     /// The hash unit must divide the group block size (vLLM views k consecutive hash units).
-    #[error("hashBlockSize {hash_block_size} must be at least 1 and divide blockSize {block_size}")]
+    #[error(
+        "hashBlockSize {hash_block_size} must be at least 1 and divide blockSize {block_size}"
+    )]
     BadHashBlockSize {
         /// The configured group block size.
         block_size: usize,
@@ -129,6 +131,7 @@ impl Default for TokenProcessorConfig {
 /// Recomputes vLLM block hashes; cheap to share (`&self` methods, no interior state).
 #[derive(Debug, Clone)]
 pub struct TokenProcessor {
+    config: TokenProcessorConfig,
     none_hash: BlockDigest,
     block_size: usize,
     hash_block_size: usize,
@@ -165,11 +168,17 @@ impl TokenProcessor {
             });
         }
         Ok(Self {
+            config: config.clone(),
             none_hash: none_hash(config.hash_seed.as_deref()),
             block_size: config.block_size,
             hash_block_size,
             format: config.extra_keys_format,
         })
+    }
+
+    /// The settings this processor was built from.
+    pub fn config(&self) -> &TokenProcessorConfig {
+        &self.config
     }
 
     /// The root parent all chains start from.
@@ -312,7 +321,8 @@ fn write_block_extras(
     mm_cursor: usize,
 ) -> usize {
     // First pass: which multimodal items this block carries (a contiguous range of items).
-    let (mm_first, mm_count, next_cursor) = multimodal_span(&extras.multimodal, start, end, mm_cursor);
+    let (mm_first, mm_count, next_cursor) =
+        multimodal_span(&extras.multimodal, start, end, mm_cursor);
     let salt = extras.cache_salt.as_deref().filter(|_| start == 0);
     let count = usize::from(!lora_cbor.is_empty()) + mm_count + usize::from(salt.is_some());
     if count == 0 {

@@ -42,8 +42,8 @@ use parking_lot::Mutex;
 use thiserror::Error;
 
 use crate::events::Medium;
-pub use slab::MAX_MEMBERS;
 use slab::Slab;
+pub use slab::MAX_MEMBERS;
 use table::Table;
 
 /// Dense per-model id of an engine (one vLLM process: a pod and its data-parallel rank).
@@ -605,7 +605,10 @@ impl IndexWriter<'_> {
             prev = self.find(key(p));
             outcome.orphan = !prev.is_some_and(|id| self.has_engine(id, engine));
             if outcome.orphan {
-                self.index.counters.orphan_runs.fetch_add(1, Ordering::Relaxed);
+                self.index
+                    .counters
+                    .orphan_runs
+                    .fetch_add(1, Ordering::Relaxed);
             }
         }
         let m = member(engine, tier);
@@ -616,7 +619,10 @@ impl IndexWriter<'_> {
                 None => match self.alloc_node(hash) {
                     Some(id) => id,
                     None => {
-                        self.index.counters.dropped_full.fetch_add(1, Ordering::Relaxed);
+                        self.index
+                            .counters
+                            .dropped_full
+                            .fetch_add(1, Ordering::Relaxed);
                         prev = None;
                         continue;
                     }
@@ -724,7 +730,10 @@ impl IndexWriter<'_> {
         if let Some(Some(state)) = self.state.engines.get_mut((m >> 8) as usize) {
             state.live = state.live.saturating_sub(1);
         }
-        self.index.counters.memberships.fetch_sub(1, Ordering::Relaxed);
+        self.index
+            .counters
+            .memberships
+            .fetch_sub(1, Ordering::Relaxed);
     }
 
     /// Removes the members matching `pred` from node `id`; frees the node when none remain.
@@ -790,8 +799,7 @@ impl IndexWriter<'_> {
 
     /// A fresh node for `hash`, evicting by CLOCK when the index is at `size`.
     fn alloc_node(&mut self, hash: u64) -> Option<u32> {
-        if self.index.counters.keys.load(Ordering::Relaxed) as usize >= self.index.config.max_keys
-        {
+        if self.index.counters.keys.load(Ordering::Relaxed) as usize >= self.index.config.max_keys {
             self.evict_one();
         }
         let id = match self.state.free_nodes.pop() {
@@ -830,7 +838,9 @@ impl IndexWriter<'_> {
         if (self.state.table_used + 1) * 4 <= cap * 3 {
             return;
         }
-        let wanted = ((self.state.table_live + 1) * 8 / 3).next_power_of_two().max(cap);
+        let wanted = ((self.state.table_live + 1) * 8 / 3)
+            .next_power_of_two()
+            .max(cap);
         let fresh = Table::with_capacity(wanted, self.state.table.seed());
         let slab = &self.index.slab;
         let mut live = 0;
@@ -922,7 +932,11 @@ mod tests {
         });
         assert_eq!(scores(&ix, &[1, 2, 3, 4, 5]), vec![(a, 4), (b, 3)]);
         ix.write(|w| w.remove(a, Tier::Gpu, &[2]));
-        assert_eq!(scores(&ix, &[1, 2, 3, 4]), vec![(a, 1), (b, 3)], "a hole stops a");
+        assert_eq!(
+            scores(&ix, &[1, 2, 3, 4]),
+            vec![(a, 1), (b, 3)],
+            "a hole stops a"
+        );
         let mut out = Vec::new();
         ix.score_engines(&[1, 2, 3], Some(&[b]), &TierWeights::default(), &mut out);
         assert_eq!(out.len(), 1);
@@ -934,12 +948,19 @@ mod tests {
         let ix = index(4, 2);
         ix.write(|w| {
             let ids: Vec<_> = (0..3)
-                .map(|i| w.engine(&EngineKey::new(&format!("p{i}"), 0)).expect("room"))
+                .map(|i| {
+                    w.engine(&EngineKey::new(&format!("p{i}"), 0))
+                        .expect("room")
+                })
                 .collect();
             for &e in &ids {
                 w.store(e, Tier::Gpu, None, &[10, 11]);
             }
-            assert_eq!(w.engine_blocks(ids[0]), 0, "oldest member dropped at podCacheSize");
+            assert_eq!(
+                w.engine_blocks(ids[0]),
+                0,
+                "oldest member dropped at podCacheSize"
+            );
             assert_eq!(w.clear_engine(ids[1]), 2);
             w.store(ids[2], Tier::Gpu, Some(11), &[12, 13, 14, 15]);
         });

@@ -105,7 +105,9 @@ pub struct Slab {
 impl Slab {
     /// A slab for up to `max_nodes` nodes, each with up to `max_members` members.
     pub fn new(max_nodes: usize, max_members: usize) -> Self {
-        let pages_per_node = max_members.saturating_sub(INLINE_MEMBERS).div_ceil(PAGE_MEMBERS);
+        let pages_per_node = max_members
+            .saturating_sub(INLINE_MEMBERS)
+            .div_ceil(PAGE_MEMBERS);
         // Overflow is rare; the directory is sized for the worst case but chunks are lazy.
         let max_pages = (max_nodes.saturating_mul(pages_per_node)).min(u32::MAX as usize - 1);
         Self {
@@ -192,7 +194,9 @@ impl Slab {
 
     /// Writer: copies the node's member list.
     pub fn members_of(&self, id: u32, out: &mut [u32; MAX_MEMBERS]) -> usize {
-        self.nodes.get(id).map_or(0, |node| self.copy_members(node, out))
+        self.nodes
+            .get(id)
+            .map_or(0, |node| self.copy_members(node, out))
     }
 
     /// Writer: sets the child hint of `parent` to `child`.
@@ -255,15 +259,16 @@ impl Slab {
         for (i, slot) in node.members.iter().enumerate() {
             slot.store(members.get(i).copied().unwrap_or(EMPTY), Ordering::Relaxed);
         }
-        node.more.store(
-            if need > 0 { chain[0] + 1 } else { 0 },
-            Ordering::Relaxed,
-        );
+        node.more
+            .store(if need > 0 { chain[0] + 1 } else { 0 }, Ordering::Relaxed);
         for p in 0..need {
             if let Some(page) = self.pages.get(chain[p]) {
                 let base = INLINE_MEMBERS + p * PAGE_MEMBERS;
                 for (i, slot) in page.members.iter().enumerate() {
-                    slot.store(members.get(base + i).copied().unwrap_or(EMPTY), Ordering::Relaxed);
+                    slot.store(
+                        members.get(base + i).copied().unwrap_or(EMPTY),
+                        Ordering::Relaxed,
+                    );
                 }
                 let next = if p + 1 < need { chain[p + 1] + 1 } else { 0 };
                 page.next.store(next, Ordering::Relaxed);

@@ -139,7 +139,11 @@ mod tests {
         assert!(t.remove(hashes[3], 3));
         assert_eq!(t.find(hashes[3], hash_of), None);
         for (id, &h) in hashes.iter().enumerate().filter(|(i, _)| *i != 3) {
-            assert_eq!(t.find(h, hash_of), Some(id as u32), "entries past a tombstone stay");
+            assert_eq!(
+                t.find(h, hash_of),
+                Some(id as u32),
+                "entries past a tombstone stay"
+            );
         }
         assert_eq!(t.live_ids().count(), 9);
     }

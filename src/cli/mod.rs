@@ -1,0 +1,3 @@
+//! Subcommands of the `kv-indexer` binary (the only place `anyhow` is used).
+
+pub mod hash;
