@@ -1,1 +1,373 @@
-fn main() {}
+//! `cargo bench --bench core`: the core engine's figures, each beside a baseline measured in
+//! the same run (these machines are noisy; ratios are what to compare).
+//!
+//! - hashing: vLLM block hashes per second (block size 16) vs raw SHA-256 over inputs of the
+//!   same size (the floor: CBOR encoding is all we add);
+//! - decoding: blocks per second from vLLM-shaped payloads (map form 0.24+, array form <= 0.23)
+//!   vs rmp-serde decoding the same bytes into a generic value;
+//! - index: the Mooncake conversation trace replayed on one thread (see `kv_indexer::workload`):
+//!   block-ops/s, apply blocks/s, query p50/p99, bytes per (block, pod) membership, vs a flat
+//!   hash map probed block by block.
+//!
+//! The trace is read from `../shared/traces/mooncake/conversation_trace.jsonl` or
+//! `$KV_INDEXER_TRACE`; without it the index part says so and is skipped.
+
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::hint::black_box;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Instant;
+
+use kv_indexer::events::decode_batch;
+use kv_indexer::hashing::{HashScratch, RequestExtras, TokenProcessor, TokenProcessorConfig};
+use kv_indexer::workload::{
+    load_mooncake, replay, FlatMapBackend, IndexBackend, IndexWorkload, KvIndexerBackend,
+    WorkloadShape,
+};
+use sha2::{Digest, Sha256};
+
+/// Counts live heap bytes, so index memory is measured, not estimated.
+struct Counting;
+static LIVE: AtomicUsize = AtomicUsize::new(0);
+
+unsafe impl GlobalAlloc for Counting {
+    unsafe fn alloc(&self, l: Layout) -> *mut u8 {
+        LIVE.fetch_add(l.size(), Ordering::Relaxed);
+        unsafe { System.alloc(l) }
+    }
+    unsafe fn dealloc(&self, p: *mut u8, l: Layout) {
+        LIVE.fetch_sub(l.size(), Ordering::Relaxed);
+        unsafe { System.dealloc(p, l) }
+    }
+    unsafe fn alloc_zeroed(&self, l: Layout) -> *mut u8 {
+        LIVE.fetch_add(l.size(), Ordering::Relaxed);
+        unsafe { System.alloc_zeroed(l) }
+    }
+    unsafe fn realloc(&self, p: *mut u8, l: Layout, new: usize) -> *mut u8 {
+        LIVE.fetch_add(new, Ordering::Relaxed);
+        LIVE.fetch_sub(l.size(), Ordering::Relaxed);
+        unsafe { System.realloc(p, l, new) }
+    }
+}
+
+#[global_allocator]
+static GLOBAL: Counting = Counting;
+
+fn rng_tokens(n: usize, seed: u64) -> Vec<u32> {
+    let mut x = seed;
+    (0..n)
+        .map(|_| {
+            x = x
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            ((x >> 33) % 151_000) as u32
+        })
+        .collect()
+}
+
+/// Best-of-`rounds` seconds for `f`.
+fn best_of(rounds: usize, mut f: impl FnMut()) -> f64 {
+    (0..rounds)
+        .map(|_| {
+            let t = Instant::now();
+            f();
+            t.elapsed().as_secs_f64()
+        })
+        .fold(f64::INFINITY, f64::min)
+}
+
+fn bench_hashing() {
+    let processor = TokenProcessor::new(&TokenProcessorConfig {
+        hash_seed: Some("12345".into()),
+        ..Default::default()
+    })
+    .expect("valid");
+    let tokens = rng_tokens(16 * 4096, 1);
+    let blocks = tokens.len() / 16;
+    let mut scratch = HashScratch::default();
+    let mut out = Vec::new();
+    let extras = RequestExtras::default();
+    let mut input_bytes = 0usize;
+    processor.for_each_unit(&tokens, &extras, &mut scratch, |_, input, _| {
+        input_bytes += input.len()
+    });
+    let ours = best_of(7, || {
+        out.clear();
+        processor.block_hashes_into(black_box(&tokens), &extras, &mut scratch, &mut out);
+        black_box(&out);
+    });
+    let avg = input_bytes / blocks;
+    let buf = vec![0x5au8; avg];
+    let raw = best_of(7, || {
+        for _ in 0..blocks {
+            black_box(Sha256::digest(black_box(&buf)));
+        }
+    });
+    println!("## Hashing (block size 16, {blocks} blocks, avg CBOR input {avg} B)");
+    println!(
+        "SHA-NI: {}",
+        if std::arch::is_x86_feature_detected!("sha") {
+            "yes"
+        } else {
+            "no"
+        }
+    );
+    println!("| what | blocks/s | ratio |");
+    println!("|---|---:|---:|");
+    println!(
+        "| raw SHA-256 of {avg} B (floor) | {:.2}M | 1.00 |",
+        blocks as f64 / raw / 1e6
+    );
+    println!(
+        "| kv-indexer sha256_cbor | {:.2}M | {:.2} |",
+        blocks as f64 / ours / 1e6,
+        raw / ours
+    );
+    println!();
+}
+
+/// msgpack writer for bench payloads shaped exactly as msgspec writes them.
+fn payloads() -> (Vec<Vec<u8>>, Vec<Vec<u8>>, usize) {
+    use rmp::encode::*;
+    let mut map_form = Vec::new();
+    let mut array_form = Vec::new();
+    let mut blocks = 0;
+    let mut h = 0x1234_5678_9abc_def0u64;
+    for batch in 0..200 {
+        let mut m = Vec::new();
+        let mut a = Vec::new();
+        for out in [&mut m, &mut a] {
+            write_array_len(out, 3).ok();
+            write_f64(out, 1_700_000_000.0 + batch as f64).ok();
+            write_array_len(out, 9).ok();
+        }
+        for e in 0..9 {
+            let stored = e < 4;
+            let n = if stored { 32 } else { 1 };
+            let hashes: Vec<u64> = (0..n)
+                .map(|_| {
+                    h = h.wrapping_mul(6364136223846793005).wrapping_add(1);
+                    h
+                })
+                .collect();
+            blocks += n;
+            let tokens = rng_tokens(n * 16, h);
+            // map form (0.33): {"type", block_hashes, parent, token_ids, block_size, lora_id,
+            // medium, lora_name, extra_keys, group_idx, kv_cache_spec_kind}
+            if stored {
+                m.extend_from_slice(&[0xde, 0x00, 0x0b]);
+                write_str(&mut m, "type").ok();
+                write_str(&mut m, "BlockStored").ok();
+                write_str(&mut m, "block_hashes").ok();
+            } else {
+                write_map_len(&mut m, 4).ok();
+                write_str(&mut m, "type").ok();
+                write_str(&mut m, "BlockRemoved").ok();
+                write_str(&mut m, "block_hashes").ok();
+            }
+            write_array_len(&mut a, if stored { 12 } else { 4 }).ok();
+            write_str(
+                &mut a,
+                if stored {
+                    "BlockStored"
+                } else {
+                    "BlockRemoved"
+                },
+            )
+            .ok();
+            for out in [&mut m, &mut a] {
+                write_array_len(out, n as u32).ok();
+                for &x in &hashes {
+                    write_uint(out, x).ok();
+                }
+            }
+            if stored {
+                write_str(&mut m, "parent_block_hash").ok();
+                for out in [&mut m, &mut a] {
+                    write_uint(out, h ^ 7).ok();
+                }
+                write_str(&mut m, "token_ids").ok();
+                for out in [&mut m, &mut a] {
+                    write_array_len(out, tokens.len() as u32).ok();
+                    for &t in &tokens {
+                        write_uint(out, t as u64).ok();
+                    }
+                }
+                for (k, v) in [("block_size", 16u64)] {
+                    write_str(&mut m, k).ok();
+                    write_uint(&mut m, v).ok();
+                    write_uint(&mut a, v).ok();
+                }
+                write_str(&mut m, "lora_id").ok();
+                write_nil(&mut m).ok();
+                write_nil(&mut a).ok();
+                write_str(&mut m, "medium").ok();
+                write_str(&mut m, "GPU").ok();
+                write_str(&mut a, "GPU").ok();
+                write_str(&mut m, "lora_name").ok();
+                write_nil(&mut m).ok();
+                write_nil(&mut a).ok();
+                write_str(&mut m, "extra_keys").ok();
+                for out in [&mut m, &mut a] {
+                    write_array_len(out, n as u32).ok();
+                    for _ in 0..n {
+                        write_nil(out).ok();
+                    }
+                }
+                write_str(&mut m, "group_idx").ok();
+                write_uint(&mut m, 0).ok();
+                write_uint(&mut a, 0).ok();
+                write_str(&mut m, "kv_cache_spec_kind").ok();
+                write_str(&mut m, "full_attention").ok();
+                write_str(&mut a, "full_attention").ok();
+                write_nil(&mut a).ok(); // sliding window
+            } else {
+                write_str(&mut m, "medium").ok();
+                write_str(&mut m, "GPU").ok();
+                write_str(&mut a, "GPU").ok();
+                write_str(&mut m, "group_idx").ok();
+                write_uint(&mut m, 0).ok();
+                write_uint(&mut a, 0).ok();
+            }
+        }
+        for out in [&mut m, &mut a] {
+            write_uint(out, 0).ok();
+        }
+        map_form.push(m);
+        array_form.push(a);
+    }
+    (map_form, array_form, blocks)
+}
+
+fn bench_decoding() {
+    let (map_form, array_form, blocks) = payloads();
+    for p in map_form.iter().chain(&array_form) {
+        assert!(decode_batch(p).is_ok(), "bench payloads must be valid");
+    }
+    println!("## Decoding (200 batches x 4 BlockStored of 32 blocks + 5 BlockRemoved)");
+    println!("| form | decoder | blocks/s | MB/s | ratio |");
+    println!("|---|---|---:|---:|---:|");
+    for (form, payloads) in [
+        ("map (vLLM >= 0.24)", &map_form),
+        ("array (vLLM <= 0.23)", &array_form),
+    ] {
+        let bytes: usize = payloads.iter().map(Vec::len).sum();
+        let generic = best_of(7, || {
+            for p in payloads {
+                black_box(rmp_serde::from_slice::<rmpv::Value>(black_box(p)).ok());
+            }
+        });
+        let ours = best_of(7, || {
+            for p in payloads {
+                black_box(decode_batch(black_box(p)).ok());
+            }
+        });
+        for (name, t) in [("rmp-serde -> rmpv::Value", generic), ("kv-indexer", ours)] {
+            println!(
+                "| {form} | {name} | {:.1}M | {:.0} | {:.2} |",
+                blocks as f64 / t / 1e6,
+                bytes as f64 / t / 1e6,
+                generic / t
+            );
+        }
+    }
+    println!();
+}
+
+fn bench_index() {
+    let path = std::env::var("KV_INDEXER_TRACE").unwrap_or_else(|_| {
+        format!(
+            "{}/../shared/traces/mooncake/conversation_trace.jsonl",
+            env!("CARGO_MANIFEST_DIR")
+        )
+    });
+    let requests = match load_mooncake(std::path::Path::new(&path)) {
+        Ok(r) => r,
+        Err(e) => {
+            println!(
+                "## Index: SKIPPED: the Mooncake trace is not readable ({e}); set KV_INDEXER_TRACE"
+            );
+            return;
+        }
+    };
+    let t = Instant::now();
+    let shape = WorkloadShape::default();
+    let workload = IndexWorkload::simulate(&requests, shape);
+    let (q, s, r) = workload.totals();
+    println!(
+        "## Index: Mooncake conversation trace ({} requests; {:.2}M blocks stored, {:.2}M removed, {:.2}M queried; avg query depth {:.0}; final memberships {}; built in {:.1}s)",
+        requests.len(),
+        s as f64 / 1e6,
+        r as f64 / 1e6,
+        q as f64 / 1e6,
+        q as f64 / workload.steps.len() as f64,
+        workload.final_memberships,
+        t.elapsed().as_secs_f64()
+    );
+    println!("| backend | block-ops/s | apply blocks/s | query p50 | query p99 | bytes/membership | ratio (ops/s) |");
+    println!("|---|---:|---:|---:|---:|---:|---:|");
+    let mut reports = Vec::new();
+    let backends: Vec<Box<dyn Fn() -> Box<dyn IndexBackend>>> = vec![
+        Box::new(|| Box::new(FlatMapBackend::default())),
+        Box::new(move || Box::new(KvIndexerBackend::new(shape.pods))),
+    ];
+    for make in &backends {
+        let before = LIVE.load(Ordering::Relaxed);
+        let mut backend = make();
+        let report = replay(&workload, backend.as_mut());
+        if std::env::var("KV_DEBUG").is_ok() {
+            let mut kv = KvIndexerBackend::new(shape.pods);
+            replay(&workload, &mut kv);
+            eprintln!("{:?}", kv.index().stats());
+            eprintln!("{}", kv.index().debug_memory());
+            eprintln!(
+                "{}: walked blocks {} query s {:.3} => {:.2} ns/block; apply s {:.3}",
+                report.backend,
+                report.checksum,
+                report.query_seconds,
+                report.query_seconds * 1e9 / report.checksum as f64,
+                report.apply_seconds
+            );
+        }
+        let bytes = LIVE.load(Ordering::Relaxed).saturating_sub(before);
+        drop(backend);
+        reports.push((report, bytes));
+    }
+    let base = reports[0].0.block_ops_per_sec();
+    let checksum = reports[0].0.checksum;
+    for (rep, bytes) in &reports {
+        assert_eq!(
+            rep.checksum, checksum,
+            "{} disagrees with the baseline",
+            rep.backend
+        );
+        println!(
+            "| {} | {:.1}M | {:.1}M | {:.2} us | {:.2} us | {:.1} | {:.2} |",
+            rep.backend,
+            rep.block_ops_per_sec() / 1e6,
+            (s + r) as f64 / rep.apply_seconds / 1e6,
+            rep.query_percentile_us(50.0),
+            rep.query_percentile_us(99.0),
+            *bytes as f64 / workload.final_memberships as f64,
+            rep.block_ops_per_sec() / base
+        );
+    }
+    println!();
+}
+
+fn main() {
+    // `cargo bench` passes `--bench`; a filter argument picks one part.
+    let filter: Vec<String> = std::env::args()
+        .skip(1)
+        .filter(|a| !a.starts_with("--"))
+        .collect();
+    let wants = |part: &str| filter.is_empty() || filter.iter().any(|f| part.contains(f.as_str()));
+    if wants("hashing") {
+        bench_hashing();
+    }
+    if wants("decoding") {
+        bench_decoding();
+    }
+    if wants("index") {
+        bench_index();
+    }
+}

@@ -5,6 +5,7 @@
 //! - [`events`]: decode the msgpack `KVEventBatch` a vLLM publisher sends;
 //! - [`hashing`]: recompute vLLM's `sha256_cbor` block hashes from token ids;
 //! - [`index`]: the block -> (engine, tier) index and the prefix-scoring walk;
+//! - [`workload`]: request traces and the index benchmark built from them;
 //! - [`indexer`]: per-model indexes and token processors, batch application, hash-mismatch
 //!   detection, pod scores: the API the daemon's transports call.
 //!
@@ -14,3 +15,4 @@ pub mod events;
 pub mod hashing;
 pub mod index;
 pub mod indexer;
+pub mod workload;

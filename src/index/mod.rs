@@ -2,10 +2,12 @@
 //! tier; and the prefix scoring walk over it.
 //!
 //! Shape (per model, [`ModelIndex`]):
-//! - a **node** per distinct block (32 bytes: hash, up to three inline members, an overflow page
-//!   link, a hint to the block's most recently stored child), in a chunked slab;
-//! - a **table** from block hash to node (8-byte key-less slots, open addressing), published to
-//!   readers through `ArcSwap` so a rebuild never blocks them;
+//! - a **node** per distinct block (24 bytes: hash, two member words with overflow pages beyond,
+//!   a hint to the block's most recently stored child), in a chunked slab; a stored run gets
+//!   consecutive node ids where free ids allow (freed ids are kept as ranges), so a chain is
+//!   mostly contiguous in memory;
+//! - a **table** from block hash to node (8-byte key-less slots, open addressing, sized to 1.5x
+//!   its live entries), published to readers through `ArcSwap` so a rebuild never blocks them;
 //! - per engine, a **reverse list** of the nodes it holds (4 bytes per membership, compacted
 //!   lazily), so clearing an engine costs O(its blocks), not O(index).
 //!
@@ -27,8 +29,8 @@
 //! - `size` full: a CLOCK hand over the nodes evicts a block not stored recently (second
 //!   chance), with all its memberships; counted as capacity evictions.
 //!
-//! Memory per block: 32 bytes (node) + 8 / load-factor bytes (table, load 0.25-0.75) + 4 bytes
-//! per membership (reverse list; up to 2x before compaction) + 1 bit (CLOCK).
+//! Memory per block: 24 bytes (node) + 8 / load-factor bytes (table, load 0.67-0.85) + 4 bytes
+//! per membership (reverse list; up to 1.25x before compaction) + 1 bit (CLOCK).
 
 mod slab;
 mod table;
@@ -42,15 +44,15 @@ use parking_lot::Mutex;
 use thiserror::Error;
 
 use crate::events::Medium;
-use slab::Slab;
 pub use slab::MAX_MEMBERS;
+use slab::{NodeRead, SetPool, Slab, NO_WORDS};
 use table::Table;
 
 /// Dense per-model id of an engine (one vLLM process: a pod and its data-parallel rank).
 pub type EngineId = u32;
 
-/// The largest engine id (member encoding keeps 24 bits, `u32::MAX` marks empty slots).
-pub const MAX_ENGINES: usize = (1 << 24) - 1;
+/// The most engines per model (a member is `engine << 8 | tier` with bit 31 reserved).
+pub const MAX_ENGINES: usize = (1 << 23) - 1;
 
 /// Who published: the pod (topic's `<pod>` part, or a configured id) and its DP rank.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -279,10 +281,12 @@ struct Writer {
     /// Live entries plus tombstones in `table`.
     table_used: usize,
     table_live: usize,
-    free_nodes: Vec<u32>,
+    /// Freed node ids as `(start, len)` ranges, reused from the last one, so a run of new blocks
+    /// gets consecutive ids.
+    free_ranges: Vec<(u32, u32)>,
     next_node: u32,
-    free_pages: Vec<u32>,
-    next_page: u32,
+    /// Interned member sets of nodes with more than two members.
+    sets: SetPool,
     engines: Vec<Option<EngineState>>,
     free_engine_ids: Vec<EngineId>,
     engine_ids: HashMap<EngineKey, EngineId>,
@@ -333,10 +337,9 @@ impl ModelIndex {
                 table,
                 table_used: 0,
                 table_live: 0,
-                free_nodes: Vec::new(),
+                free_ranges: Vec::new(),
                 next_node: 0,
-                free_pages: Vec::new(),
-                next_page: 0,
+                sets: SetPool::default(),
                 engines: Vec::new(),
                 free_engine_ids: Vec::new(),
                 engine_ids: HashMap::new(),
@@ -399,22 +402,43 @@ impl ModelIndex {
         let table = self.table.load();
         let slab = &self.slab;
         let mut members = [0u32; MAX_MEMBERS];
+        // Active engines: each with its score so far and its weight on the last decoded block.
         let mut active = [EngineScore {
             engine: 0,
             matched_blocks: 0,
             score: 0.0,
         }; MAX_MEMBERS];
+        let mut last_weight = [0f64; MAX_MEMBERS];
         let mut active_len = 0usize;
+        // Blocks since the last decoded one whose member set was the same (not yet credited).
+        let mut pending = 0u32;
+        let mut words = NO_WORDS;
         let mut prev: Option<u32> = None;
         for (i, &raw) in hashes.iter().enumerate() {
             let hash = key(raw);
-            let hinted = prev
-                .and_then(|p| slab.hint(p))
-                .filter(|&c| slab.peek_hash(c) == hash);
-            let node = hinted.or_else(|| table.find(hash, |id| slab.peek_hash(id)));
-            let n = node
-                .and_then(|id| slab.read_members(id, hash, &mut members))
-                .unwrap_or(0);
+            let node = locate(slab, &table, prev, hash);
+            let read = match node {
+                Some(id) => slab.read_node(id, hash, words, &mut members),
+                None => NodeRead::Gone,
+            };
+            let n = match read {
+                NodeRead::Same => {
+                    pending += 1;
+                    prev = node;
+                    continue;
+                }
+                NodeRead::Gone => 0,
+                NodeRead::Members(n, w) => {
+                    words = w;
+                    n
+                }
+            };
+            // The set changed: credit the blocks that shared the previous one, then intersect.
+            for (a, w) in active[..active_len].iter_mut().zip(&last_weight) {
+                a.score += pending as f64 * w;
+                a.matched_blocks += pending;
+            }
+            pending = 0;
             if i == 0 {
                 for &m in &members[..n] {
                     let engine = m >> 8;
@@ -422,14 +446,18 @@ impl ModelIndex {
                         continue;
                     }
                     let w = weights.of(Tier::from_bits(m));
-                    match active[..active_len].iter_mut().find(|a| a.engine == engine) {
-                        Some(a) => a.score = a.score.max(w),
+                    match active[..active_len].iter().position(|a| a.engine == engine) {
+                        Some(k) => {
+                            active[k].score = active[k].score.max(w);
+                            last_weight[k] = active[k].score;
+                        }
                         None => {
                             active[active_len] = EngineScore {
                                 engine,
                                 matched_blocks: 1,
                                 score: w,
                             };
+                            last_weight[active_len] = w;
                             active_len += 1;
                         }
                     }
@@ -447,11 +475,13 @@ impl ModelIndex {
                     if best >= 0.0 {
                         active[k].score += best;
                         active[k].matched_blocks += 1;
+                        last_weight[k] = best;
                         k += 1;
                     } else {
                         out.push(active[k]);
                         active_len -= 1;
                         active[k] = active[active_len];
+                        last_weight[k] = last_weight[active_len];
                     }
                 }
             }
@@ -459,6 +489,10 @@ impl ModelIndex {
                 return;
             }
             prev = node;
+        }
+        for (a, w) in active[..active_len].iter_mut().zip(&last_weight) {
+            a.score += pending as f64 * w;
+            a.matched_blocks += pending;
         }
         out.extend_from_slice(&active[..active_len]);
     }
@@ -492,9 +526,28 @@ impl ModelIndex {
         self.slab.allocated_bytes()
             + w.table.allocated_bytes()
             + reverse
-            + w.free_nodes.capacity() * 4
-            + w.free_pages.capacity() * 4
+            + w.free_ranges.capacity() * 8
+            + w.sets.bookkeeping_bytes()
             + w.referenced.capacity() * 8
+    }
+
+    /// Memory breakdown (debugging).
+    pub fn debug_memory(&self) -> String {
+        let w = self.writer.lock();
+        let reverse: usize = w
+            .engines
+            .iter()
+            .flatten()
+            .map(|e| e.blocks.capacity() * 4)
+            .sum();
+        let rev_len: usize = w.engines.iter().flatten().map(|e| e.blocks.len()).sum();
+        format!(
+            "nodes {} (next_node {}, free ranges {}), pages {} (sets {}), table {} (cap {}, live {}, used {}), reverse {} (len {}), referenced {}",
+            self.slab.nodes.allocated_bytes(), w.next_node, w.free_ranges.len(),
+            self.slab.pages.allocated_bytes(), w.sets.set_count(),
+            w.table.allocated_bytes(), w.table.capacity(), w.table_live, w.table_used,
+            reverse, rev_len, w.referenced.capacity() * 8
+        )
     }
 
     /// Every engine with the memberships it holds.
@@ -612,9 +665,15 @@ impl IndexWriter<'_> {
             }
         }
         let m = member(engine, tier);
-        for &raw in hashes {
+        for &raw in hashes.iter().take(PREFETCH_AHEAD) {
+            self.state.table.prefetch(key(raw));
+        }
+        for (i, &raw) in hashes.iter().enumerate() {
+            if let Some(&ahead) = hashes.get(i + PREFETCH_AHEAD) {
+                self.state.table.prefetch(key(ahead));
+            }
             let hash = key(raw);
-            let id = match self.find(hash) {
+            let id = match locate(&self.index.slab, &self.state.table, prev, hash) {
                 Some(id) => id,
                 None => match self.alloc_node(hash) {
                     Some(id) => id,
@@ -644,7 +703,13 @@ impl IndexWriter<'_> {
     /// `BlockRemoved`: `engine` no longer holds `hashes` in `tier`. Returns memberships removed.
     pub fn remove(&mut self, engine: EngineId, tier: Tier, hashes: &[u64]) -> usize {
         let mut removed = 0;
-        for &raw in hashes {
+        for &raw in hashes.iter().take(PREFETCH_AHEAD) {
+            self.state.table.prefetch(key(raw));
+        }
+        for (i, &raw) in hashes.iter().enumerate() {
+            if let Some(&ahead) = hashes.get(i + PREFETCH_AHEAD) {
+                self.state.table.prefetch(key(ahead));
+            }
             let hash = key(raw);
             if let Some(id) = self.find(hash) {
                 removed += self.remove_members(id, hash, |m| m == member(engine, tier));
@@ -684,12 +749,12 @@ impl IndexWriter<'_> {
         };
         state.blocks.push(id);
         state.live += 1;
-        if state.blocks.len() > 2 * state.live as usize + 1024 {
+        if state.blocks.len() > state.live as usize + state.live as usize / 4 + 256 {
             let mut blocks = std::mem::take(&mut state.blocks);
             blocks.sort_unstable();
             blocks.dedup();
             blocks.retain(|&id| self.has_engine(id, engine));
-            blocks.shrink_to(blocks.len() * 2);
+            blocks.shrink_to(blocks.len() + blocks.len() / 4 + 256);
             if let Some(Some(state)) = self.state.engines.get_mut(engine as usize) {
                 state.blocks = blocks;
             }
@@ -713,13 +778,7 @@ impl IndexWriter<'_> {
         }
         list[n] = m;
         n += 1;
-        slab.write(
-            id,
-            hash,
-            &list[..n],
-            &mut self.state.free_pages,
-            &mut self.state.next_page,
-        );
+        slab.write(id, hash, &list[..n], &mut self.state.sets);
         counters.memberships.fetch_add(1, Ordering::Relaxed);
         counters.admissions.fetch_add(1, Ordering::Relaxed);
         true
@@ -763,29 +822,24 @@ impl IndexWriter<'_> {
         if kept == 0 {
             self.free_node(id, hash);
         } else {
-            slab.write(
-                id,
-                hash,
-                &list[..kept],
-                &mut self.state.free_pages,
-                &mut self.state.next_page,
-            );
+            slab.write(id, hash, &list[..kept], &mut self.state.sets);
         }
         removed
     }
 
     fn free_node(&mut self, id: u32, hash: u64) {
-        self.index.slab.write(
-            id,
-            0,
-            &[],
-            &mut self.state.free_pages,
-            &mut self.state.next_page,
-        );
+        self.index.slab.write(id, 0, &[], &mut self.state.sets);
         if self.state.table.remove(hash, id) {
             self.state.table_live -= 1;
         }
-        self.state.free_nodes.push(id);
+        match self.state.free_ranges.last_mut() {
+            Some((start, len)) if *start + *len == id => *len += 1,
+            Some((start, len)) if id + 1 == *start => {
+                *start = id;
+                *len += 1;
+            }
+            _ => self.state.free_ranges.push((id, 1)),
+        }
         self.index.counters.keys.fetch_sub(1, Ordering::Relaxed);
     }
 
@@ -802,8 +856,16 @@ impl IndexWriter<'_> {
         if self.index.counters.keys.load(Ordering::Relaxed) as usize >= self.index.config.max_keys {
             self.evict_one();
         }
-        let id = match self.state.free_nodes.pop() {
-            Some(id) => id,
+        let id = match self.state.free_ranges.last_mut() {
+            Some((start, len)) => {
+                let id = *start;
+                *start += 1;
+                *len -= 1;
+                if *len == 0 {
+                    self.state.free_ranges.pop();
+                }
+                id
+            }
             None => {
                 let id = self.state.next_node;
                 if id as usize >= self.index.slab.nodes.capacity()
@@ -815,13 +877,7 @@ impl IndexWriter<'_> {
                 id
             }
         };
-        self.index.slab.write(
-            id,
-            hash,
-            &[],
-            &mut self.state.free_pages,
-            &mut self.state.next_page,
-        );
+        self.index.slab.write(id, hash, &[], &mut self.state.sets);
         self.ensure_table_room();
         if !self.state.table.insert(hash, id) {
             self.state.table_used += 1;
@@ -831,26 +887,15 @@ impl IndexWriter<'_> {
         Some(id)
     }
 
-    /// Rebuilds the table into a new allocation when live entries plus tombstones would pass
-    /// 3/4 of it (doubling when live entries alone pass 3/8).
+    /// Rebuilds the table into a new allocation, sized to 1.5x the live entries, when live
+    /// entries plus tombstones would pass 85% of it.
     fn ensure_table_room(&mut self) {
         let cap = self.state.table.capacity();
-        if (self.state.table_used + 1) * 4 <= cap * 3 {
+        if (self.state.table_used + 1) * 100 <= cap * 85 {
             return;
         }
-        let wanted = ((self.state.table_live + 1) * 8 / 3)
-            .next_power_of_two()
-            .max(cap);
-        let fresh = Table::with_capacity(wanted, self.state.table.seed());
-        let slab = &self.index.slab;
-        let mut live = 0;
-        for id in self.state.table.live_ids() {
-            let hash = slab.hash_of(id);
-            if hash != 0 {
-                fresh.insert(hash, id);
-                live += 1;
-            }
-        }
+        let wanted = ((self.state.table_live + 1) * 3 / 2).max(INITIAL_TABLE);
+        let (fresh, live) = self.state.table.rebuilt(wanted);
         let fresh = Arc::new(fresh);
         self.state.table = fresh.clone();
         self.state.table_used = live;
@@ -892,6 +937,27 @@ impl IndexWriter<'_> {
         }
     }
 }
+
+/// Finds `hash`'s node, trying the chain first: the node after `prev`, then `prev`'s child
+/// hint, then the table. Unvalidated (the caller reads the node under its seqlock).
+#[inline(always)]
+fn locate(slab: &Slab, table: &Table, prev: Option<u32>, hash: u64) -> Option<u32> {
+    if let Some(p) = prev {
+        let next = p.wrapping_add(1);
+        if slab.peek_hash(next) == hash {
+            return Some(next);
+        }
+        if let Some(c) = slab.hint(p) {
+            if slab.peek_hash(c) == hash {
+                return Some(c);
+            }
+        }
+    }
+    table.find(hash, |id| slab.peek_hash(id))
+}
+
+/// How far ahead a batch prefetches table slots.
+const PREFETCH_AHEAD: usize = 16;
 
 fn random_seed() -> u64 {
     use std::collections::hash_map::RandomState;

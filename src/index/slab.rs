@@ -1,45 +1,53 @@
-//! Storage for the index's nodes (one per distinct block) and their overflow member pages.
+//! Storage for the index's nodes (one per distinct block) and their member sets.
 //!
 //! Memory is a directory of fixed-size chunks allocated on first use and never moved or freed
 //! while the index lives, so a reader can hold a node reference without any lock. Every field is
 //! an atomic: the single writer mutates with relaxed stores inside a per-node seqlock, readers
 //! load relaxed and validate with the node's sequence number (Boehm's seqlock recipe).
 //!
-//! Node layout (32 bytes, two per cache line): sequence, child hint, block hash, three inline
-//! members, overflow page link. A member is `engine_id << 8 | tier`; [`EMPTY`] ends the list.
+//! Node layout (24 bytes): sequence, child hint, block hash, two member words. A member is
+//! `engine_id << 8 | tier` (engine ids below 2^23, so bit 31 is free). The two words hold:
+//! - up to two members inline (`EMPTY` where unused), or
+//! - `SET_TAG | set id` and the member count, for more than two members. Such sets are
+//!   **interned**: immutable, reference-counted, stored once in 32-byte pages however many nodes
+//!   share them (every block of a prefix that the same pods hold).
+//!
+//! So a node's two words identify its member set exactly: the scoring walk compares them with
+//! the previous block's and decodes nothing while they are equal.
 
+use std::collections::HashMap;
 use std::sync::atomic::{fence, AtomicU32, AtomicU64, Ordering};
 use std::sync::OnceLock;
 
-/// An unused member slot (also never a valid member: engine ids stop below 2^24 - 1).
+/// An unused member word (never a valid member: engine ids stop below 2^23 - 1).
 pub const EMPTY: u32 = u32::MAX;
-/// Members stored in the node itself.
-pub const INLINE_MEMBERS: usize = 3;
-/// Members per overflow page.
+/// Marks the first member word as an interned set id.
+const SET_TAG: u32 = 1 << 31;
+/// Members per set page.
 pub const PAGE_MEMBERS: usize = 7;
 /// The most members one node may hold (the `podCacheSize` upper bound).
 pub const MAX_MEMBERS: usize = 64;
 /// Pages a reader follows at most (bounds a walk over a page chain being rewritten).
 const MAX_PAGES: usize = MAX_MEMBERS.div_ceil(PAGE_MEMBERS);
+/// Member words that no node ever holds: "no previous block" for [`Slab::read_node`].
+pub const NO_WORDS: u64 = u64::MAX - 1;
 
 /// One distinct block: its hash, who holds it, and a hint to its most recently stored child.
-#[repr(C, align(32))]
+#[repr(C)]
 #[derive(Default)]
 pub struct Node {
-    /// Seqlock sequence: odd while the writer changes `hash`, `members` or `more`.
+    /// Seqlock sequence: odd while the writer changes `hash` or `members`.
     seq: AtomicU32,
     /// `child id + 1` of the block stored after this one most recently; 0 = none. A hint only:
     /// readers verify the child's hash, so it is written without the seqlock.
     hint: AtomicU32,
     /// The block hash (event form); 0 for a free node.
     hash: AtomicU64,
-    /// The first members, `EMPTY`-terminated.
-    members: [AtomicU32; INLINE_MEMBERS],
-    /// `page id + 1` of the first overflow page; 0 = none.
-    more: AtomicU32,
+    /// Two inline members, or `SET_TAG | set id` and the set's size.
+    members: [AtomicU32; 2],
 }
 
-/// Members beyond the inline ones, chained.
+/// A slice of an interned member set, chained.
 #[repr(C, align(32))]
 #[derive(Default)]
 pub struct Page {
@@ -94,22 +102,34 @@ impl<T: Default> Chunked<T> {
     }
 }
 
-/// Nodes plus their overflow pages.
+/// What [`Slab::read_node`] saw.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum NodeRead {
+    /// The node no longer holds the block.
+    Gone,
+    /// The member words equal the ones passed in: the same member set.
+    Same,
+    /// A different member set: `n` members copied out, and its words.
+    Members(usize, u64),
+}
+
+/// Nodes plus interned member-set pages.
 pub struct Slab {
     /// One node per distinct block.
     pub nodes: Chunked<Node>,
-    /// Overflow member pages.
+    /// Pages of interned member sets.
     pub pages: Chunked<Page>,
 }
 
 impl Slab {
     /// A slab for up to `max_nodes` nodes, each with up to `max_members` members.
     pub fn new(max_nodes: usize, max_members: usize) -> Self {
-        let pages_per_node = max_members
-            .saturating_sub(INLINE_MEMBERS)
-            .div_ceil(PAGE_MEMBERS);
-        // Overflow is rare; the directory is sized for the worst case but chunks are lazy.
-        let max_pages = (max_nodes.saturating_mul(pages_per_node)).min(u32::MAX as usize - 1);
+        let pages_per_set = max_members.div_ceil(PAGE_MEMBERS);
+        // Sets are shared and rare; the directory is sized for the worst case (one set per
+        // node) but chunks are lazy. Page ids stay below SET_TAG.
+        let max_pages = max_nodes
+            .saturating_mul(pages_per_set)
+            .min(SET_TAG as usize - 1);
         Self {
             nodes: Chunked::new(max_nodes),
             pages: Chunked::new(max_pages.max(1)),
@@ -131,12 +151,19 @@ impl Slab {
         h.checked_sub(1)
     }
 
-    /// Reader: copies node `id`'s members into `out` if the node still holds `hash`; returns the
-    /// member count, or `None` when the node no longer holds that block. Consistent: the copy is
-    /// one version of the member list, never a mix of two.
-    #[inline]
-    pub fn read_members(&self, id: u32, hash: u64, out: &mut [u32; MAX_MEMBERS]) -> Option<usize> {
-        let node = self.nodes.get(id)?;
+    /// Reader: node `id`'s member set if the node still holds `hash`, as one consistent version.
+    /// When its member words equal `prev_words`, nothing is decoded ([`NodeRead::Same`]).
+    #[inline(always)]
+    pub fn read_node(
+        &self,
+        id: u32,
+        hash: u64,
+        prev_words: u64,
+        out: &mut [u32; MAX_MEMBERS],
+    ) -> NodeRead {
+        let Some(node) = self.nodes.get(id) else {
+            return NodeRead::Gone;
+        };
         loop {
             let s1 = node.seq.load(Ordering::Acquire);
             if s1 & 1 == 1 {
@@ -144,44 +171,66 @@ impl Slab {
                 continue;
             }
             let current = node.hash.load(Ordering::Relaxed);
-            let mut n = 0;
-            if current == hash {
-                n = self.copy_members(node, out);
-            }
+            let m0 = node.members[0].load(Ordering::Relaxed);
+            let m1 = node.members[1].load(Ordering::Relaxed);
+            let words = (m0 as u64) << 32 | m1 as u64;
+            let result = if current != hash {
+                NodeRead::Gone
+            } else if words == prev_words {
+                NodeRead::Same
+            } else {
+                NodeRead::Members(self.decode(m0, m1, out), words)
+            };
             fence(Ordering::Acquire);
             if node.seq.load(Ordering::Relaxed) == s1 {
-                return (current == hash).then_some(n);
+                return result;
             }
         }
     }
 
-    /// Copies the member list (reader or writer); bounded even on a list being rewritten.
-    #[inline(always)]
-    fn copy_members(&self, node: &Node, out: &mut [u32; MAX_MEMBERS]) -> usize {
-        let mut n = 0;
-        for slot in &node.members {
-            let m = slot.load(Ordering::Relaxed);
-            if m == EMPTY {
-                return n;
-            }
-            out[n] = m;
-            n += 1;
+    /// Reader: copies node `id`'s members into `out` if it still holds `hash`.
+    pub fn read_members(&self, id: u32, hash: u64, out: &mut [u32; MAX_MEMBERS]) -> Option<usize> {
+        match self.read_node(id, hash, NO_WORDS, out) {
+            NodeRead::Members(n, _) => Some(n),
+            NodeRead::Same => Some(0),
+            NodeRead::Gone => None,
         }
-        let mut link = node.more.load(Ordering::Relaxed);
+    }
+
+    /// Decodes member words (inline, or an interned set's pages); bounded even on a set being
+    /// rewritten (the caller's seqlock check discards such a read).
+    #[inline(always)]
+    fn decode(&self, m0: u32, m1: u32, out: &mut [u32; MAX_MEMBERS]) -> usize {
+        if m0 == EMPTY {
+            return 0;
+        }
+        if m0 & SET_TAG == 0 {
+            out[0] = m0;
+            if m1 == EMPTY {
+                return 1;
+            }
+            out[1] = m1;
+            return 2;
+        }
+        let count = (m1 as usize).min(MAX_MEMBERS);
+        let mut n = 0;
+        let mut link = Some(m0 & !SET_TAG);
         let mut pages = 0;
-        while link != 0 && pages < MAX_PAGES {
-            let Some(page) = self.pages.get(link - 1) else {
-                return n;
+        while let Some(id) = link {
+            if pages == MAX_PAGES {
+                break;
+            }
+            let Some(page) = self.pages.get(id) else {
+                break;
             };
             for slot in &page.members {
-                let m = slot.load(Ordering::Relaxed);
-                if m == EMPTY || n == MAX_MEMBERS {
+                if n == count {
                     return n;
                 }
-                out[n] = m;
+                out[n] = slot.load(Ordering::Relaxed);
                 n += 1;
             }
-            link = page.next.load(Ordering::Relaxed);
+            link = page.next.load(Ordering::Relaxed).checked_sub(1);
             pages += 1;
         }
         n
@@ -194,9 +243,11 @@ impl Slab {
 
     /// Writer: copies the node's member list.
     pub fn members_of(&self, id: u32, out: &mut [u32; MAX_MEMBERS]) -> usize {
-        self.nodes
-            .get(id)
-            .map_or(0, |node| self.copy_members(node, out))
+        self.nodes.get(id).map_or(0, |node| {
+            let m0 = node.members[0].load(Ordering::Relaxed);
+            let m1 = node.members[1].load(Ordering::Relaxed);
+            self.decode(m0, m1, out)
+        })
     }
 
     /// Writer: sets the child hint of `parent` to `child`.
@@ -206,77 +257,33 @@ impl Slab {
         }
     }
 
-    /// Writer: rewrites node `id` (hash and member list) as one seqlock write. Overflow pages
-    /// are taken from / returned to `free_pages` (`next_page` grows the page space).
-    ///
-    /// Returns `false` if the page directory is exhausted (the caller caps members first, so
-    /// this only happens on a misconfiguration).
-    pub fn write(
-        &self,
-        id: u32,
-        hash: u64,
-        members: &[u32],
-        free_pages: &mut Vec<u32>,
-        next_page: &mut u32,
-    ) -> bool {
+    /// Writer: rewrites node `id` (hash and member list) as one seqlock write, interning the
+    /// list in `sets` when it has more than two members. Returns `false` if the node or page
+    /// space is exhausted.
+    pub fn write(&self, id: u32, hash: u64, members: &[u32], sets: &mut SetPool) -> bool {
         let Some(node) = self.nodes.get_or_alloc(id) else {
             return false;
         };
-        // Pages the new list needs, reusing the node's current chain first.
-        let mut chain: [u32; MAX_PAGES] = [0; MAX_PAGES];
-        let mut have = 0;
-        let mut link = node.more.load(Ordering::Relaxed);
-        while link != 0 && have < MAX_PAGES {
-            chain[have] = link - 1;
-            have += 1;
-            link = self
-                .pages
-                .get(link - 1)
-                .map_or(0, |p| p.next.load(Ordering::Relaxed));
-        }
-        let overflow = members.len().saturating_sub(INLINE_MEMBERS);
-        let need = overflow.div_ceil(PAGE_MEMBERS).min(MAX_PAGES);
-        while have < need {
-            let page = match free_pages.pop() {
-                Some(p) => p,
-                None => {
-                    let p = *next_page;
-                    if self.pages.get_or_alloc(p).is_none() {
-                        return false;
-                    }
-                    *next_page += 1;
-                    p
-                }
-            };
-            chain[have] = page;
-            have += 1;
-        }
-
+        let (m0, m1) = match members {
+            [] => (EMPTY, EMPTY),
+            [a] => (*a, EMPTY),
+            [a, b] => (*a, *b),
+            many => match sets.acquire(self, many) {
+                Some(set) => (SET_TAG | set, many.len() as u32),
+                None => return false,
+            },
+        };
+        let old = node.members[0].load(Ordering::Relaxed);
         let s = node.seq.load(Ordering::Relaxed);
         node.seq.store(s.wrapping_add(1), Ordering::Relaxed);
         fence(Ordering::Release);
         node.hash.store(hash, Ordering::Relaxed);
-        for (i, slot) in node.members.iter().enumerate() {
-            slot.store(members.get(i).copied().unwrap_or(EMPTY), Ordering::Relaxed);
-        }
-        node.more
-            .store(if need > 0 { chain[0] + 1 } else { 0 }, Ordering::Relaxed);
-        for p in 0..need {
-            if let Some(page) = self.pages.get(chain[p]) {
-                let base = INLINE_MEMBERS + p * PAGE_MEMBERS;
-                for (i, slot) in page.members.iter().enumerate() {
-                    slot.store(
-                        members.get(base + i).copied().unwrap_or(EMPTY),
-                        Ordering::Relaxed,
-                    );
-                }
-                let next = if p + 1 < need { chain[p + 1] + 1 } else { 0 };
-                page.next.store(next, Ordering::Relaxed);
-            }
-        }
+        node.members[0].store(m0, Ordering::Relaxed);
+        node.members[1].store(m1, Ordering::Relaxed);
         node.seq.store(s.wrapping_add(2), Ordering::Release);
-        // Pages the list no longer needs go back; readers of the old version fail validation.
-        free_pages.extend_from_slice(&chain[need..have]);
+        if old != EMPTY && old & SET_TAG != 0 {
+            sets.release(old & !SET_TAG);
+        }
         if hash == 0 {
             node.hint.store(0, Ordering::Relaxed);
         }
@@ -289,29 +296,152 @@ impl Slab {
     }
 }
 
+/// One interned set.
+struct SetEntry {
+    refs: u32,
+    contents: Box<[u32]>,
+    pages: Box<[u32]>,
+}
+
+/// The writer's bookkeeping of interned member sets.
+#[derive(Default)]
+pub struct SetPool {
+    /// Set contents -> set id (the id of its first page).
+    by_contents: HashMap<Box<[u32]>, u32>,
+    /// Set id -> its references, contents and pages.
+    sets: HashMap<u32, SetEntry>,
+    free_pages: Vec<u32>,
+    next_page: u32,
+}
+
+impl SetPool {
+    /// A reference to the set holding exactly `members` (in order), creating it if needed.
+    fn acquire(&mut self, slab: &Slab, members: &[u32]) -> Option<u32> {
+        if let Some(&set) = self.by_contents.get(members) {
+            if let Some(entry) = self.sets.get_mut(&set) {
+                entry.refs += 1;
+            }
+            return Some(set);
+        }
+        let pages = members.len().div_ceil(PAGE_MEMBERS);
+        let mut ids = [0u32; MAX_PAGES];
+        for slot in ids.iter_mut().take(pages) {
+            *slot = match self.free_pages.pop() {
+                Some(p) => p,
+                None => {
+                    let p = self.next_page;
+                    if p >= SET_TAG - 1 || slab.pages.get_or_alloc(p).is_none() {
+                        return None;
+                    }
+                    self.next_page += 1;
+                    p
+                }
+            };
+        }
+        // Fresh pages: no node points at them yet, so no reader can see these stores half-done.
+        for (k, &page_id) in ids.iter().take(pages).enumerate() {
+            let page = slab.pages.get(page_id)?;
+            for (i, slot) in page.members.iter().enumerate() {
+                let m = members.get(k * PAGE_MEMBERS + i).copied().unwrap_or(EMPTY);
+                slot.store(m, Ordering::Relaxed);
+            }
+            let next = if k + 1 < pages { ids[k + 1] + 1 } else { 0 };
+            page.next.store(next, Ordering::Relaxed);
+        }
+        let set = ids[0];
+        self.by_contents.insert(members.into(), set);
+        self.sets.insert(
+            set,
+            SetEntry {
+                refs: 1,
+                contents: members.into(),
+                pages: ids[..pages].into(),
+            },
+        );
+        Some(set)
+    }
+
+    /// Drops a reference; the last one frees the set's pages.
+    fn release(&mut self, set: u32) {
+        let Some(entry) = self.sets.get_mut(&set) else {
+            return;
+        };
+        entry.refs -= 1;
+        if entry.refs > 0 {
+            return;
+        }
+        if let Some(entry) = self.sets.remove(&set) {
+            self.by_contents.remove(&entry.contents);
+            self.free_pages.extend_from_slice(&entry.pages);
+        }
+    }
+
+    /// Distinct interned sets (for stats).
+    pub fn set_count(&self) -> usize {
+        self.sets.len()
+    }
+
+    /// Bytes of the writer's bookkeeping (approximate: map entries and contents).
+    pub fn bookkeeping_bytes(&self) -> usize {
+        self.sets
+            .values()
+            .map(|e| 2 * e.contents.len() * 4 + e.pages.len() * 4 + 96)
+            .sum::<usize>()
+            + self.free_pages.capacity() * 4
+    }
+}
+
+/// Asks the CPU to bring the cache line at `ptr` in; a pure hint (never faults, no effect on
+/// results), used to overlap the misses of a batch.
+#[inline(always)]
+pub fn prefetch_read(ptr: *const u8) {
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: prefetch is a hint; it never faults or reads memory architecturally, whatever the
+    // address.
+    unsafe {
+        std::arch::x86_64::_mm_prefetch(ptr as *const i8, std::arch::x86_64::_MM_HINT_T0);
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = ptr;
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
     #[test]
-    fn node_is_half_a_cache_line() {
-        assert_eq!(std::mem::size_of::<Node>(), 32);
+    fn node_is_24_bytes() {
+        assert_eq!(std::mem::size_of::<Node>(), 24);
         assert_eq!(std::mem::size_of::<Page>(), 32);
     }
 
     #[test]
-    fn members_round_trip_through_pages_and_pages_are_recycled() {
+    fn sets_are_interned_shared_and_freed() {
         let slab = Slab::new(100, MAX_MEMBERS);
-        let (mut free, mut next) = (Vec::new(), 0);
+        let mut pool = SetPool::default();
         let many: Vec<u32> = (0..20).map(|i| i << 8).collect();
-        assert!(slab.write(5, 42, &many, &mut free, &mut next));
+        assert!(slab.write(5, 42, &many, &mut pool));
+        assert!(slab.write(6, 43, &many, &mut pool));
+        assert_eq!(pool.set_count(), 1, "one set for two nodes");
+        assert_eq!(pool.next_page, 3, "20 members need 3 pages, once");
         let mut out = [0; MAX_MEMBERS];
         assert_eq!(slab.read_members(5, 42, &mut out), Some(20));
         assert_eq!(&out[..20], &many[..]);
         assert_eq!(slab.read_members(5, 43, &mut out), None, "other hash");
-        assert_eq!(next, 3, "17 overflow members need 3 pages");
-        assert!(slab.write(5, 42, &many[..2], &mut free, &mut next));
-        assert_eq!(free.len(), 3, "shrinking returns the pages");
-        assert_eq!(slab.read_members(5, 42, &mut out), Some(2));
+        let words = match slab.read_node(5, 42, NO_WORDS, &mut out) {
+            NodeRead::Members(20, w) => w,
+            other => panic!("{other:?}"),
+        };
+        assert_eq!(slab.read_node(6, 43, words, &mut out), NodeRead::Same);
+        assert!(slab.write(5, 42, &many[..2], &mut pool));
+        assert_eq!(pool.set_count(), 1, "node 6 still references the set");
+        assert!(slab.write(6, 43, &many[..1], &mut pool));
+        assert_eq!(pool.set_count(), 0);
+        assert_eq!(
+            pool.free_pages.len(),
+            3,
+            "the last reference frees the pages"
+        );
+        assert_eq!(slab.read_members(6, 43, &mut out), Some(1));
     }
 }

@@ -1,9 +1,15 @@
 //! The hash -> node table: open addressing with linear probing over `AtomicU64` slots, read
 //! without locks, written by the index's single writer.
 //!
-//! A slot is `0` (empty), `1` (tombstone) or `tag << 32 | (node_id + 2)`, the tag being 32 bits
-//! of the mixed block hash. Slots carry no full key: a tag match is confirmed against the node's
-//! hash, which the reader reads anyway. 8 bytes per slot.
+//! A slot is `0` (empty), `1` (tombstone) or `tag << 32 | (node_id + 2)`, the tag being the low
+//! 32 bits of the mixed block hash, from which the home slot is also derived. Slots carry no
+//! full key: a tag match is confirmed against the node's hash, which the reader reads anyway.
+//! Because the tag determines the home slot, a rebuild re-places entries without reading any
+//! node. 8 bytes per slot.
+//!
+//! The capacity is any size (not a power of two): a slot is chosen by multiply-shift range
+//! reduction, so a rebuild can size the table to 1.5x its live entries instead of rounding up to
+//! the next power of two (which costs up to 2x the memory).
 //!
 //! Invariants: the writer never moves an entry (deletes leave tombstones), so a concurrent reader
 //! can miss only an entry inserted after it looked, never an old one; the table is rebuilt into a
@@ -25,24 +31,44 @@ pub fn mix(hash: u64, seed: u64) -> u64 {
 /// One published version of the table.
 pub struct Table {
     slots: Box<[AtomicU64]>,
-    mask: usize,
     seed: u64,
 }
 
 impl Table {
-    /// An empty table with `capacity` (a power of two, at least 16) slots.
+    /// An empty table with `capacity` (at least 16) slots.
     pub fn with_capacity(capacity: usize, seed: u64) -> Self {
-        let capacity = capacity.next_power_of_two().max(16);
+        let capacity = capacity.max(16);
         Self {
             slots: (0..capacity).map(|_| AtomicU64::new(EMPTY)).collect(),
-            mask: capacity - 1,
             seed,
         }
     }
 
     /// Slot count.
     pub fn capacity(&self) -> usize {
-        self.mask + 1
+        self.slots.len()
+    }
+
+    /// The first slot of a tag's probe sequence: multiply-shift onto `0..capacity`.
+    #[inline(always)]
+    fn home(&self, tag: u32) -> usize {
+        ((tag as u64 * self.slots.len() as u64) >> 32) as usize
+    }
+
+    #[inline(always)]
+    fn next(&self, pos: usize) -> usize {
+        if pos + 1 == self.slots.len() {
+            0
+        } else {
+            pos + 1
+        }
+    }
+
+    /// Hints the CPU to fetch `hash`'s home slot (a batch prefetches before it probes).
+    #[inline(always)]
+    pub fn prefetch(&self, hash: u64) {
+        let pos = self.home(mix(hash, self.seed) as u32);
+        super::slab::prefetch_read(&self.slots[pos] as *const AtomicU64 as *const u8);
     }
 
     /// Bytes of slot storage.
@@ -53,21 +79,20 @@ impl Table {
     /// The node holding `hash`, if any. `hash_of(id)` reads a node's current hash.
     #[inline(always)]
     pub fn find(&self, hash: u64, hash_of: impl Fn(u32) -> u64) -> Option<u32> {
-        let mixed = mix(hash, self.seed);
-        let tag = mixed >> 32;
-        let mut pos = mixed as usize & self.mask;
-        for _ in 0..=self.mask {
+        let tag = mix(hash, self.seed) as u32;
+        let mut pos = self.home(tag);
+        for _ in 0..self.slots.len() {
             let slot = self.slots[pos].load(Ordering::Acquire);
             if slot == EMPTY {
                 return None;
             }
-            if slot != TOMBSTONE && slot >> 32 == tag {
+            if slot != TOMBSTONE && (slot >> 32) as u32 == tag {
                 let id = (slot as u32).wrapping_sub(2);
                 if hash_of(id) == hash {
                     return Some(id);
                 }
             }
-            pos = (pos + 1) & self.mask;
+            pos = self.next(pos);
         }
         None
     }
@@ -75,25 +100,26 @@ impl Table {
     /// Writer: records `hash -> id` (the caller knows `hash` is absent). Returns whether it
     /// reused a tombstone.
     pub fn insert(&self, hash: u64, id: u32) -> bool {
-        let mixed = mix(hash, self.seed);
-        let entry = (mixed >> 32) << 32 | (id as u64 + 2);
-        let mut pos = mixed as usize & self.mask;
+        self.insert_entry((mix(hash, self.seed) as u32 as u64) << 32 | (id as u64 + 2))
+    }
+
+    fn insert_entry(&self, entry: u64) -> bool {
+        let mut pos = self.home((entry >> 32) as u32);
         loop {
             let slot = self.slots[pos].load(Ordering::Relaxed);
             if slot == EMPTY || slot == TOMBSTONE {
                 self.slots[pos].store(entry, Ordering::Release);
                 return slot == TOMBSTONE;
             }
-            pos = (pos + 1) & self.mask;
+            pos = self.next(pos);
         }
     }
 
     /// Writer: removes the entry `hash -> id`; returns whether it was present.
     pub fn remove(&self, hash: u64, id: u32) -> bool {
-        let mixed = mix(hash, self.seed);
-        let entry = (mixed >> 32) << 32 | (id as u64 + 2);
-        let mut pos = mixed as usize & self.mask;
-        for _ in 0..=self.mask {
+        let entry = (mix(hash, self.seed) as u32 as u64) << 32 | (id as u64 + 2);
+        let mut pos = self.home((entry >> 32) as u32);
+        for _ in 0..self.slots.len() {
             let slot = self.slots[pos].load(Ordering::Relaxed);
             if slot == EMPTY {
                 return false;
@@ -102,22 +128,24 @@ impl Table {
                 self.slots[pos].store(TOMBSTONE, Ordering::Release);
                 return true;
             }
-            pos = (pos + 1) & self.mask;
+            pos = self.next(pos);
         }
         false
     }
 
-    /// Writer: every live node id (for a rebuild).
-    pub fn live_ids(&self) -> impl Iterator<Item = u32> + '_ {
-        self.slots.iter().filter_map(|s| {
+    /// Writer: a new table of `capacity` slots holding this one's live entries. Entries are
+    /// re-placed from their tags alone, in slot order, so the copy streams through memory.
+    pub fn rebuilt(&self, capacity: usize) -> (Table, usize) {
+        let fresh = Table::with_capacity(capacity, self.seed);
+        let mut live = 0;
+        for s in self.slots.iter() {
             let slot = s.load(Ordering::Relaxed);
-            (slot != EMPTY && slot != TOMBSTONE).then(|| (slot as u32).wrapping_sub(2))
-        })
-    }
-
-    /// The seed this table mixes with.
-    pub fn seed(&self) -> u64 {
-        self.seed
+            if slot != EMPTY && slot != TOMBSTONE {
+                fresh.insert_entry(slot);
+                live += 1;
+            }
+        }
+        (fresh, live)
     }
 }
 
@@ -145,6 +173,14 @@ mod tests {
                 "entries past a tombstone stay"
             );
         }
-        assert_eq!(t.live_ids().count(), 9);
+        let (bigger, live) = t.rebuilt(100);
+        assert_eq!(live, 9);
+        for (id, &h) in hashes.iter().enumerate().filter(|(i, _)| *i != 3) {
+            assert_eq!(
+                bigger.find(h, hash_of),
+                Some(id as u32),
+                "rebuilt keeps entries"
+            );
+        }
     }
 }
