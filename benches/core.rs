@@ -192,11 +192,9 @@ fn payloads() -> (Vec<Vec<u8>>, Vec<Vec<u8>>, usize) {
                         write_uint(out, t as u64).ok();
                     }
                 }
-                for (k, v) in [("block_size", 16u64)] {
-                    write_str(&mut m, k).ok();
-                    write_uint(&mut m, v).ok();
-                    write_uint(&mut a, v).ok();
-                }
+                write_str(&mut m, "block_size").ok();
+                write_uint(&mut m, 16).ok();
+                write_uint(&mut a, 16).ok();
                 write_str(&mut m, "lora_id").ok();
                 write_nil(&mut m).ok();
                 write_nil(&mut a).ok();
