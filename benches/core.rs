@@ -308,7 +308,9 @@ fn bench_index() {
         Box::new(|| Box::new(FlatMapBackend::default())),
         Box::new(move || Box::new(KvIndexerBackend::new(shape.pods))),
     ];
-    for make in &backends {
+    // KV_BENCH_ONLY_OURS=1 skips the baseline (for profiling).
+    let skip = usize::from(std::env::var_os("KV_BENCH_ONLY_OURS").is_some());
+    for make in backends.iter().skip(skip) {
         let before = LIVE.load(Ordering::Relaxed);
         let mut backend = make();
         let report = replay(&workload, backend.as_mut());

@@ -32,6 +32,7 @@
 //! Memory per block: 24 bytes (node) + 8 / load-factor bytes (table, load 0.67-0.85) + 4 bytes
 //! per membership (reverse list; up to 1.25x before compaction) + 1 bit (CLOCK).
 
+mod memory;
 mod slab;
 mod table;
 
@@ -206,7 +207,20 @@ pub struct EngineScore {
     pub score: f64,
 }
 
-/// Counters, readable at any time without the writer.
+/// The writer's running totals; published to [`Counters`] when each write ends.
+#[derive(Debug, Default, Clone, Copy)]
+struct Tally {
+    keys: u64,
+    memberships: u64,
+    admissions: u64,
+    removals: u64,
+    capacity_evictions: u64,
+    pod_cache_evictions: u64,
+    orphan_runs: u64,
+    dropped_full: u64,
+}
+
+/// Counters, readable at any time without the writer (as of the last finished write).
 #[derive(Debug, Default)]
 struct Counters {
     keys: AtomicU64,
@@ -292,12 +306,18 @@ struct Writer {
     engine_ids: HashMap<EngineKey, EngineId>,
     /// CLOCK reference bits, one per node id.
     referenced: Vec<u64>,
+    /// Scratch bitset over node ids for reverse-list compaction.
+    seen: Vec<u64>,
+    /// Running totals (plain integers: the hot path does no atomic read-modify-write).
+    tally: Tally,
     clock_hand: u32,
 }
 
 /// The index for one model.
 pub struct ModelIndex {
     config: IndexConfig,
+    /// Mixes block hashes into table positions (random per index).
+    seed: u64,
     slab: Slab,
     table: ArcSwap<Table>,
     directory: ArcSwap<EngineDirectory>,
@@ -330,7 +350,8 @@ impl ModelIndex {
         let seed = random_seed();
         let table = Arc::new(Table::with_capacity(INITIAL_TABLE, seed));
         Ok(Self {
-            slab: Slab::new(config.max_keys, config.pod_cache_size),
+            seed,
+            slab: Slab::new(config.max_keys),
             table: ArcSwap::new(table.clone()),
             directory: ArcSwap::from_pointee(EngineDirectory::default()),
             writer: Mutex::new(Writer {
@@ -344,6 +365,8 @@ impl ModelIndex {
                 free_engine_ids: Vec::new(),
                 engine_ids: HashMap::new(),
                 referenced: Vec::new(),
+                seen: Vec::new(),
+                tally: Tally::default(),
                 clock_hand: 0,
             }),
             counters: Counters::default(),
@@ -359,11 +382,25 @@ impl ModelIndex {
     /// Runs `f` as the model's single writer (hold it for a whole event batch).
     pub fn write<R>(&self, f: impl FnOnce(&mut IndexWriter<'_>) -> R) -> R {
         let mut guard = self.writer.lock();
-        let mut w = IndexWriter {
+        let result = f(&mut IndexWriter {
             index: self,
             state: &mut guard,
-        };
-        f(&mut w)
+        });
+        let t = guard.tally;
+        let c = &self.counters;
+        for (counter, value) in [
+            (&c.keys, t.keys),
+            (&c.memberships, t.memberships),
+            (&c.admissions, t.admissions),
+            (&c.removals, t.removals),
+            (&c.capacity_evictions, t.capacity_evictions),
+            (&c.pod_cache_evictions, t.pod_cache_evictions),
+            (&c.orphan_runs, t.orphan_runs),
+            (&c.dropped_full, t.dropped_full),
+        ] {
+            counter.store(value, Ordering::Relaxed);
+        }
+        result
     }
 
     /// The engines known now (readers; lock-free).
@@ -529,6 +566,7 @@ impl ModelIndex {
             + w.free_ranges.capacity() * 8
             + w.sets.bookkeeping_bytes()
             + w.referenced.capacity() * 8
+            + w.seen.capacity() * 8
     }
 
     /// Memory breakdown (debugging).
@@ -658,10 +696,7 @@ impl IndexWriter<'_> {
             prev = self.find(key(p));
             outcome.orphan = !prev.is_some_and(|id| self.has_engine(id, engine));
             if outcome.orphan {
-                self.index
-                    .counters
-                    .orphan_runs
-                    .fetch_add(1, Ordering::Relaxed);
+                self.state.tally.orphan_runs += 1;
             }
         }
         let m = member(engine, tier);
@@ -674,26 +709,32 @@ impl IndexWriter<'_> {
             }
             let hash = key(raw);
             let id = match locate(&self.index.slab, &self.state.table, prev, hash) {
-                Some(id) => id,
-                None => match self.alloc_node(hash) {
-                    Some(id) => id,
+                Some(id) => {
+                    if self.add_member(id, hash, m) {
+                        outcome.added += 1;
+                        self.note_membership(engine, id);
+                    }
+                    id
+                }
+                None => match self.alloc_node(hash, m) {
+                    Some(id) => {
+                        outcome.added += 1;
+                        self.note_membership(engine, id);
+                        id
+                    }
                     None => {
-                        self.index
-                            .counters
-                            .dropped_full
-                            .fetch_add(1, Ordering::Relaxed);
+                        self.state.tally.dropped_full += 1;
                         prev = None;
                         continue;
                     }
                 },
             };
-            if self.add_member(id, hash, m) {
-                outcome.added += 1;
-                self.note_membership(engine, id);
-            }
             self.set_referenced(id);
             if let Some(p) = prev {
-                self.index.slab.set_hint(p, id);
+                // The walk tries `p + 1` before the hint: no need to write the hint then.
+                if p.wrapping_add(1) != id {
+                    self.index.slab.set_hint(p, id);
+                }
             }
             prev = Some(id);
         }
@@ -701,18 +742,32 @@ impl IndexWriter<'_> {
     }
 
     /// `BlockRemoved`: `engine` no longer holds `hashes` in `tier`. Returns memberships removed.
+    ///
+    /// Works in chunks: prefetch the chunk's table slots, find candidate nodes by tag and
+    /// prefetch them, then verify and remove, so the cache misses of a chunk overlap.
     pub fn remove(&mut self, engine: EngineId, tier: Tier, hashes: &[u64]) -> usize {
+        const CHUNK: usize = 32;
+        let m = member(engine, tier);
         let mut removed = 0;
-        for &raw in hashes.iter().take(PREFETCH_AHEAD) {
-            self.state.table.prefetch(key(raw));
-        }
-        for (i, &raw) in hashes.iter().enumerate() {
-            if let Some(&ahead) = hashes.get(i + PREFETCH_AHEAD) {
-                self.state.table.prefetch(key(ahead));
+        let mut candidates = [None; CHUNK];
+        for chunk in hashes.chunks(CHUNK) {
+            for &raw in chunk {
+                self.state.table.prefetch(key(raw));
             }
-            let hash = key(raw);
-            if let Some(id) = self.find(hash) {
-                removed += self.remove_members(id, hash, |m| m == member(engine, tier));
+            for (c, &raw) in candidates.iter_mut().zip(chunk) {
+                *c = self.state.table.find_tagged(key(raw));
+                if let Some(id) = *c {
+                    self.index.slab.prefetch(id);
+                }
+            }
+            for (c, &raw) in candidates.iter().zip(chunk) {
+                let hash = key(raw);
+                let id = c
+                    .filter(|&id| self.index.slab.peek_hash(id) == hash)
+                    .or_else(|| self.find(hash));
+                if let Some(id) = id {
+                    removed += self.remove_members(id, hash, |x| x == m);
+                }
             }
         }
         removed
@@ -725,7 +780,10 @@ impl IndexWriter<'_> {
         };
         let blocks = std::mem::take(&mut state.blocks);
         let mut removed = 0;
-        for &id in &blocks {
+        for (i, &id) in blocks.iter().enumerate() {
+            if let Some(&ahead) = blocks.get(i + PREFETCH_AHEAD) {
+                self.index.slab.prefetch(ahead);
+            }
             let hash = self.index.slab.hash_of(id);
             if hash != 0 {
                 removed += self.remove_members(id, hash, |m| m >> 8 == engine);
@@ -747,17 +805,61 @@ impl IndexWriter<'_> {
         let Some(Some(state)) = self.state.engines.get_mut(engine as usize) else {
             return;
         };
-        state.blocks.push(id);
-        state.live += 1;
-        if state.blocks.len() > state.live as usize + state.live as usize / 4 + 256 {
-            let mut blocks = std::mem::take(&mut state.blocks);
-            blocks.sort_unstable();
-            blocks.dedup();
-            blocks.retain(|&id| self.has_engine(id, engine));
-            blocks.shrink_to(blocks.len() + blocks.len() / 4 + 256);
-            if let Some(Some(state)) = self.state.engines.get_mut(engine as usize) {
-                state.blocks = blocks;
+        if state.blocks.len() == state.blocks.capacity() {
+            // Full: compact if at least a third is stale, else grow by a quarter. Capacity stays
+            // within ~1.5x the live memberships (a doubling Vec would reach 4x).
+            let live = state.live as usize;
+            if state.blocks.len() >= 1024 && state.blocks.len() > live + live / 2 {
+                self.compact_reverse_list(engine);
             }
+            if let Some(Some(state)) = self.state.engines.get_mut(engine as usize) {
+                if state.blocks.len() == state.blocks.capacity() {
+                    state
+                        .blocks
+                        .reserve_exact((state.blocks.len() / 4).max(256));
+                }
+            }
+        }
+        if let Some(Some(state)) = self.state.engines.get_mut(engine as usize) {
+            state.blocks.push(id);
+            state.live += 1;
+        }
+    }
+
+    /// Drops stale and duplicate ids from an engine's reverse list: one pass, nodes prefetched,
+    /// duplicates found with a bitset over node ids (no sort).
+    fn compact_reverse_list(&mut self, engine: EngineId) {
+        let Some(Some(state)) = self.state.engines.get_mut(engine as usize) else {
+            return;
+        };
+        let mut blocks = std::mem::take(&mut state.blocks);
+        let mut seen = std::mem::take(&mut self.state.seen);
+        seen.clear();
+        seen.resize(self.state.next_node as usize / 64 + 1, 0);
+        let slab = &self.index.slab;
+        let mut kept = 0;
+        for i in 0..blocks.len() {
+            if let Some(&ahead) = blocks.get(i + PREFETCH_AHEAD) {
+                slab.prefetch(ahead);
+            }
+            let id = blocks[i];
+            let (word, bit) = (id as usize / 64, 1u64 << (id % 64));
+            if seen.get(word).is_none_or(|w| w & bit != 0) {
+                continue;
+            }
+            if self.has_engine(id, engine) {
+                seen[word] |= bit;
+                blocks[kept] = id;
+                kept += 1;
+            }
+        }
+        blocks.truncate(kept);
+        if blocks.capacity() > 2 * kept + 4096 {
+            blocks.shrink_to(kept + kept / 4 + 1024);
+        }
+        self.state.seen = seen;
+        if let Some(Some(state)) = self.state.engines.get_mut(engine as usize) {
+            state.blocks = blocks;
         }
     }
 
@@ -768,20 +870,35 @@ impl IndexWriter<'_> {
         if list[..n].contains(&m) {
             return false;
         }
-        let counters = &self.index.counters;
         if n >= self.index.config.pod_cache_size {
             let victim = list[0];
             list.copy_within(1..n, 0);
             n -= 1;
             self.drop_membership(victim);
-            counters.pod_cache_evictions.fetch_add(1, Ordering::Relaxed);
+            self.state.tally.pod_cache_evictions += 1;
         }
         list[n] = m;
         n += 1;
-        slab.write(id, hash, &list[..n], &mut self.state.sets);
-        counters.memberships.fetch_add(1, Ordering::Relaxed);
-        counters.admissions.fetch_add(1, Ordering::Relaxed);
+        self.state.tally.memberships += 1;
+        self.state.tally.admissions += 1;
+        self.write_members(id, hash, &list[..n]);
         true
+    }
+
+    /// Writes a node's member list. Should the set pages ever run out, the node keeps its two
+    /// newest members (the others are dropped and counted as pod-cache evictions).
+    fn write_members(&mut self, id: u32, hash: u64, list: &[u32]) {
+        if self.index.slab.write(id, hash, list, &mut self.state.sets) {
+            return;
+        }
+        let keep = list.len().saturating_sub(2);
+        for &victim in &list[..keep] {
+            self.drop_membership(victim);
+            self.state.tally.pod_cache_evictions += 1;
+        }
+        self.index
+            .slab
+            .write(id, hash, &list[keep..], &mut self.state.sets);
     }
 
     /// Bookkeeping for a membership leaving a node (the reverse list stays lazy).
@@ -789,10 +906,7 @@ impl IndexWriter<'_> {
         if let Some(Some(state)) = self.state.engines.get_mut((m >> 8) as usize) {
             state.live = state.live.saturating_sub(1);
         }
-        self.index
-            .counters
-            .memberships
-            .fetch_sub(1, Ordering::Relaxed);
+        self.state.tally.memberships -= 1;
     }
 
     /// Removes the members matching `pred` from node `id`; frees the node when none remain.
@@ -815,22 +929,20 @@ impl IndexWriter<'_> {
         if removed == 0 {
             return 0;
         }
-        self.index
-            .counters
-            .removals
-            .fetch_add(removed as u64, Ordering::Relaxed);
+        self.state.tally.removals += removed as u64;
         if kept == 0 {
             self.free_node(id, hash);
         } else {
-            slab.write(id, hash, &list[..kept], &mut self.state.sets);
+            self.write_members(id, hash, &list[..kept]);
         }
         removed
     }
 
     fn free_node(&mut self, id: u32, hash: u64) {
         self.index.slab.write(id, 0, &[], &mut self.state.sets);
-        if self.state.table.remove(hash, id) {
+        if let Some(emptied) = self.state.table.remove(hash, id) {
             self.state.table_live -= 1;
+            self.state.table_used -= emptied;
         }
         match self.state.free_ranges.last_mut() {
             Some((start, len)) if *start + *len == id => *len += 1,
@@ -840,7 +952,7 @@ impl IndexWriter<'_> {
             }
             _ => self.state.free_ranges.push((id, 1)),
         }
-        self.index.counters.keys.fetch_sub(1, Ordering::Relaxed);
+        self.state.tally.keys -= 1;
     }
 
     fn set_referenced(&mut self, id: u32) {
@@ -851,9 +963,10 @@ impl IndexWriter<'_> {
         self.state.referenced[word] |= 1 << (id % 64);
     }
 
-    /// A fresh node for `hash`, evicting by CLOCK when the index is at `size`.
-    fn alloc_node(&mut self, hash: u64) -> Option<u32> {
-        if self.index.counters.keys.load(Ordering::Relaxed) as usize >= self.index.config.max_keys {
+    /// A fresh node holding `hash` with the single member `m`, evicting by CLOCK when the index
+    /// is at `size`.
+    fn alloc_node(&mut self, hash: u64, m: u32) -> Option<u32> {
+        if self.state.tally.keys as usize >= self.index.config.max_keys {
             self.evict_one();
         }
         let id = match self.state.free_ranges.last_mut() {
@@ -877,13 +990,16 @@ impl IndexWriter<'_> {
                 id
             }
         };
-        self.index.slab.write(id, hash, &[], &mut self.state.sets);
+        self.index.slab.write(id, hash, &[m], &mut self.state.sets);
         self.ensure_table_room();
         if !self.state.table.insert(hash, id) {
             self.state.table_used += 1;
         }
         self.state.table_live += 1;
-        self.index.counters.keys.fetch_add(1, Ordering::Relaxed);
+        let tally = &mut self.state.tally;
+        tally.keys += 1;
+        tally.memberships += 1;
+        tally.admissions += 1;
         Some(id)
     }
 
@@ -895,7 +1011,8 @@ impl IndexWriter<'_> {
             return;
         }
         let wanted = ((self.state.table_live + 1) * 3 / 2).max(INITIAL_TABLE);
-        let (fresh, live) = self.state.table.rebuilt(wanted);
+        let fresh = Table::with_capacity(wanted, self.index.seed);
+        let live = self.state.table.copy_into(&fresh);
         let fresh = Arc::new(fresh);
         self.state.table = fresh.clone();
         self.state.table_used = live;
@@ -927,12 +1044,10 @@ impl IndexWriter<'_> {
                     continue;
                 }
             }
-            let evicted = self.remove_members(id, hash, |_| true);
-            // Those were counted as removals; reclassify them.
-            let c = &self.index.counters;
-            c.removals.fetch_sub(evicted as u64, Ordering::Relaxed);
-            c.capacity_evictions
-                .fetch_add(evicted as u64, Ordering::Relaxed);
+            let evicted = self.remove_members(id, hash, |_| true) as u64;
+            // Those were counted as removals; they are capacity evictions.
+            self.state.tally.removals -= evicted;
+            self.state.tally.capacity_evictions += evicted;
             return;
         }
     }

@@ -15,9 +15,11 @@
 //! So a node's two words identify its member set exactly: the scoring walk compares them with
 //! the previous block's and decodes nothing while they are equal.
 
-use std::collections::HashMap;
+use rustc_hash::FxHashMap as HashMap;
 use std::sync::atomic::{fence, AtomicU32, AtomicU64, Ordering};
 use std::sync::OnceLock;
+
+use super::memory::{zeroed_slice, Zeroable};
 
 /// An unused member word (never a valid member: engine ids stop below 2^23 - 1).
 pub const EMPTY: u32 = u32::MAX;
@@ -47,6 +49,10 @@ pub struct Node {
     members: [AtomicU32; 2],
 }
 
+// SAFETY: every field is an integer atomic; all zero is a free node (hash 0, seq 0, no hint),
+// with its member words to be written before it is linked.
+unsafe impl Zeroable for Node {}
+
 /// A slice of an interned member set, chained.
 #[repr(C, align(32))]
 #[derive(Default)]
@@ -56,18 +62,20 @@ pub struct Page {
     next: AtomicU32,
 }
 
-/// A directory of lazily allocated chunks of `T`, addressed by `u32` ids.
-pub struct Chunked<T> {
+// SAFETY: integer atomics only.
+unsafe impl Zeroable for Page {}
+
+/// A directory of lazily allocated chunks of `2^BITS` items `T`, addressed by `u32` ids.
+pub struct Chunked<T, const BITS: u32> {
     chunks: Box<[OnceLock<Box<[T]>>]>,
 }
 
-const CHUNK_BITS: u32 = 14;
-const CHUNK: usize = 1 << CHUNK_BITS;
+impl<T: Zeroable, const BITS: u32> Chunked<T, BITS> {
+    const CHUNK: usize = 1 << BITS;
 
-impl<T: Default> Chunked<T> {
     /// A directory able to hold `capacity` items.
     pub fn new(capacity: usize) -> Self {
-        let n = capacity.div_ceil(CHUNK).max(1);
+        let n = capacity.div_ceil(Self::CHUNK).max(1);
         Self {
             chunks: (0..n).map(|_| OnceLock::new()).collect(),
         }
@@ -76,29 +84,29 @@ impl<T: Default> Chunked<T> {
     /// The item, if its chunk exists (readers; never allocates).
     #[inline(always)]
     pub fn get(&self, id: u32) -> Option<&T> {
-        let chunk = self.chunks.get((id >> CHUNK_BITS) as usize)?.get()?;
-        chunk.get(id as usize & (CHUNK - 1))
+        let chunk = self.chunks.get((id >> BITS) as usize)?.get()?;
+        chunk.get(id as usize & (Self::CHUNK - 1))
     }
 
     /// The item, allocating its chunk if needed (the writer). `None` past the directory's end.
     pub fn get_or_alloc(&self, id: u32) -> Option<&T> {
         let chunk = self
             .chunks
-            .get((id >> CHUNK_BITS) as usize)?
-            .get_or_init(|| (0..CHUNK).map(|_| T::default()).collect());
-        chunk.get(id as usize & (CHUNK - 1))
+            .get((id >> BITS) as usize)?
+            .get_or_init(|| zeroed_slice(Self::CHUNK));
+        chunk.get(id as usize & (Self::CHUNK - 1))
     }
 
     /// Bytes held from the allocator (allocated chunks plus the directory).
     pub fn allocated_bytes(&self) -> usize {
         let chunks = self.chunks.iter().filter(|c| c.get().is_some()).count();
-        chunks * CHUNK * std::mem::size_of::<T>()
+        chunks * Self::CHUNK * std::mem::size_of::<T>()
             + self.chunks.len() * std::mem::size_of::<OnceLock<Box<[T]>>>()
     }
 
     /// How many ids the directory can address.
     pub fn capacity(&self) -> usize {
-        self.chunks.len() * CHUNK
+        self.chunks.len() * Self::CHUNK
     }
 }
 
@@ -115,21 +123,18 @@ pub enum NodeRead {
 
 /// Nodes plus interned member-set pages.
 pub struct Slab {
-    /// One node per distinct block.
-    pub nodes: Chunked<Node>,
-    /// Pages of interned member sets.
-    pub pages: Chunked<Page>,
+    /// One node per distinct block, in chunks of 16Ki nodes (384 KiB).
+    pub nodes: Chunked<Node, 14>,
+    /// Pages of interned member sets, in chunks of 4Ki pages (128 KiB).
+    pub pages: Chunked<Page, 12>,
 }
 
 impl Slab {
     /// A slab for up to `max_nodes` nodes, each with up to `max_members` members.
-    pub fn new(max_nodes: usize, max_members: usize) -> Self {
-        let pages_per_set = max_members.div_ceil(PAGE_MEMBERS);
-        // Sets are shared and rare; the directory is sized for the worst case (one set per
-        // node) but chunks are lazy. Page ids stay below SET_TAG.
-        let max_pages = max_nodes
-            .saturating_mul(pages_per_set)
-            .min(SET_TAG as usize - 1);
+    pub fn new(max_nodes: usize) -> Self {
+        // Sets are interned and shared (a prefix held by the same pods is one set), so one page
+        // per possible node is ample; if it ever runs out, the writer keeps two members inline.
+        let max_pages = max_nodes.min(SET_TAG as usize - 1);
         Self {
             nodes: Chunked::new(max_nodes),
             pages: Chunked::new(max_pages.max(1)),
@@ -236,6 +241,14 @@ impl Slab {
         n
     }
 
+    /// Hints the CPU to fetch node `id` (no effect on results).
+    #[inline(always)]
+    pub fn prefetch(&self, id: u32) {
+        if let Some(node) = self.nodes.get(id) {
+            prefetch_read(node as *const Node as *const u8);
+        }
+    }
+
     /// Writer: the node's hash.
     pub fn hash_of(&self, id: u32) -> u64 {
         self.peek_hash(id)
@@ -306,6 +319,7 @@ struct SetEntry {
 /// The writer's bookkeeping of interned member sets.
 #[derive(Default)]
 pub struct SetPool {
+    // Fx hashing: keys are member words the index assigns itself, not network input.
     /// Set contents -> set id (the id of its first page).
     by_contents: HashMap<Box<[u32]>, u32>,
     /// Set id -> its references, contents and pages.
@@ -417,7 +431,7 @@ mod tests {
 
     #[test]
     fn sets_are_interned_shared_and_freed() {
-        let slab = Slab::new(100, MAX_MEMBERS);
+        let slab = Slab::new(100);
         let mut pool = SetPool::default();
         let many: Vec<u32> = (0..20).map(|i| i << 8).collect();
         assert!(slab.write(5, 42, &many, &mut pool));

@@ -39,7 +39,8 @@ impl Table {
     pub fn with_capacity(capacity: usize, seed: u64) -> Self {
         let capacity = capacity.max(16);
         Self {
-            slots: (0..capacity).map(|_| AtomicU64::new(EMPTY)).collect(),
+            // EMPTY is 0: a zeroed allocation is an empty table.
+            slots: super::memory::zeroed_slice(capacity),
             seed,
         }
     }
@@ -97,6 +98,25 @@ impl Table {
         None
     }
 
+    /// The first entry whose tag matches `hash`, unverified (a batch prefetches the candidate's
+    /// node before verifying it; a 32-bit tag collision only costs a fallback `find`).
+    #[inline(always)]
+    pub fn find_tagged(&self, hash: u64) -> Option<u32> {
+        let tag = mix(hash, self.seed) as u32;
+        let mut pos = self.home(tag);
+        for _ in 0..self.slots.len() {
+            let slot = self.slots[pos].load(Ordering::Acquire);
+            if slot == EMPTY {
+                return None;
+            }
+            if slot != TOMBSTONE && (slot >> 32) as u32 == tag {
+                return Some((slot as u32).wrapping_sub(2));
+            }
+            pos = self.next(pos);
+        }
+        None
+    }
+
     /// Writer: records `hash -> id` (the caller knows `hash` is absent). Returns whether it
     /// reused a tombstone.
     pub fn insert(&self, hash: u64, id: u32) -> bool {
@@ -115,28 +135,47 @@ impl Table {
         }
     }
 
-    /// Writer: removes the entry `hash -> id`; returns whether it was present.
-    pub fn remove(&self, hash: u64, id: u32) -> bool {
+    /// Writer: removes the entry `hash -> id`. Returns `None` if absent, else how many slots
+    /// became empty again (0 when a tombstone was left).
+    ///
+    /// A slot whose successor is empty ends its cluster: no probe sequence goes past it, so it
+    /// (and the tombstones before it) can be emptied outright, safely for concurrent readers.
+    pub fn remove(&self, hash: u64, id: u32) -> Option<usize> {
         let entry = (mix(hash, self.seed) as u32 as u64) << 32 | (id as u64 + 2);
         let mut pos = self.home((entry >> 32) as u32);
         for _ in 0..self.slots.len() {
             let slot = self.slots[pos].load(Ordering::Relaxed);
             if slot == EMPTY {
-                return false;
+                return None;
             }
             if slot == entry {
-                self.slots[pos].store(TOMBSTONE, Ordering::Release);
-                return true;
+                if self.slots[self.next(pos)].load(Ordering::Relaxed) != EMPTY {
+                    self.slots[pos].store(TOMBSTONE, Ordering::Release);
+                    return Some(0);
+                }
+                let mut freed = 0;
+                loop {
+                    self.slots[pos].store(EMPTY, Ordering::Release);
+                    freed += 1;
+                    pos = if pos == 0 {
+                        self.slots.len() - 1
+                    } else {
+                        pos - 1
+                    };
+                    if self.slots[pos].load(Ordering::Relaxed) != TOMBSTONE {
+                        return Some(freed);
+                    }
+                }
             }
             pos = self.next(pos);
         }
-        false
+        None
     }
 
-    /// Writer: a new table of `capacity` slots holding this one's live entries. Entries are
+    /// Writer: copies this table's live entries into `fresh` (empty, same seed). Entries are
     /// re-placed from their tags alone, in slot order, so the copy streams through memory.
-    pub fn rebuilt(&self, capacity: usize) -> (Table, usize) {
-        let fresh = Table::with_capacity(capacity, self.seed);
+    /// Returns the number copied.
+    pub fn copy_into(&self, fresh: &Table) -> usize {
         let mut live = 0;
         for s in self.slots.iter() {
             let slot = s.load(Ordering::Relaxed);
@@ -145,13 +184,33 @@ impl Table {
                 live += 1;
             }
         }
-        (fresh, live)
+        live
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn removing_a_cluster_end_empties_it_and_the_tombstones_before() {
+        // Capacity 16: craft a cluster by inserting many entries, then remove them all.
+        let t = Table::with_capacity(16, 3);
+        let hashes: Vec<u64> = (1..=8).map(|i| i * 0x9E37_79B9).collect();
+        for (id, &h) in hashes.iter().enumerate() {
+            t.insert(h, id as u32);
+        }
+        let mut freed = 0;
+        for (id, &h) in hashes.iter().enumerate() {
+            freed += t.remove(h, id as u32).expect("present");
+        }
+        assert_eq!(
+            freed, 8,
+            "every slot is empty again once the cluster is gone"
+        );
+        let hash_of = |_: u32| 0;
+        assert_eq!(t.find(hashes[0], hash_of), None);
+    }
 
     #[test]
     fn insert_find_remove_with_tombstones() {
@@ -164,7 +223,8 @@ mod tests {
         for (id, &h) in hashes.iter().enumerate() {
             assert_eq!(t.find(h, hash_of), Some(id as u32));
         }
-        assert!(t.remove(hashes[3], 3));
+        assert!(t.remove(hashes[3], 3).is_some());
+        assert_eq!(t.remove(hashes[3], 3), None, "already gone");
         assert_eq!(t.find(hashes[3], hash_of), None);
         for (id, &h) in hashes.iter().enumerate().filter(|(i, _)| *i != 3) {
             assert_eq!(
@@ -173,8 +233,8 @@ mod tests {
                 "entries past a tombstone stay"
             );
         }
-        let (bigger, live) = t.rebuilt(100);
-        assert_eq!(live, 9);
+        let bigger = Table::with_capacity(100, 7);
+        assert_eq!(t.copy_into(&bigger), 9);
         for (id, &h) in hashes.iter().enumerate().filter(|(i, _)| *i != 3) {
             assert_eq!(
                 bigger.find(h, hash_of),
