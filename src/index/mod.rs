@@ -308,6 +308,9 @@ struct Writer {
     referenced: Vec<u64>,
     /// Scratch bitset over node ids for reverse-list compaction.
     seen: Vec<u64>,
+    /// Bit `id`: node `id`'s block is the chain child of node `id - 1`'s (known from a stored
+    /// run); the continuation bit also needs equal member words.
+    linked: Vec<u64>,
     /// Running totals (plain integers: the hot path does no atomic read-modify-write).
     tally: Tally,
     clock_hand: u32,
@@ -366,6 +369,7 @@ impl ModelIndex {
                 engine_ids: HashMap::new(),
                 referenced: Vec::new(),
                 seen: Vec::new(),
+                linked: Vec::new(),
                 tally: Tally::default(),
                 clock_hand: 0,
             }),
@@ -451,8 +455,9 @@ impl ModelIndex {
         let mut pending = 0u32;
         let mut words = NO_WORDS;
         let mut prev: Option<u32> = None;
-        for (i, &raw) in hashes.iter().enumerate() {
-            let hash = key(raw);
+        let mut i = 0;
+        while i < hashes.len() {
+            let hash = key(hashes[i]);
             let node = locate(slab, &table, prev, hash);
             let read = match node {
                 Some(id) => slab.read_node(id, hash, words, &mut members),
@@ -461,7 +466,14 @@ impl ModelIndex {
             let n = match read {
                 NodeRead::Same => {
                     pending += 1;
-                    prev = node;
+                    i += 1;
+                    // Same set: follow the chain segment that continues it.
+                    if let Some(id) = node {
+                        let run = follow_segment(slab, id, words, &hashes[i..]);
+                        pending += run as u32;
+                        i += run;
+                        prev = Some(id + run as u32);
+                    }
                     continue;
                 }
                 NodeRead::Gone => 0,
@@ -526,6 +538,15 @@ impl ModelIndex {
                 return;
             }
             prev = node;
+            i += 1;
+            // Fast path: the chain segment that follows with the same member set is matched by
+            // every active engine, at the same weights.
+            if let Some(id) = node {
+                let run = follow_segment(slab, id, words, &hashes[i..]);
+                pending += run as u32;
+                i += run;
+                prev = Some(id + run as u32);
+            }
         }
         for (a, w) in active[..active_len].iter_mut().zip(&last_weight) {
             a.score += pending as f64 * w;
@@ -567,6 +588,7 @@ impl ModelIndex {
             + w.sets.bookkeeping_bytes()
             + w.referenced.capacity() * 8
             + w.seen.capacity() * 8
+            + w.linked.capacity() * 8
     }
 
     /// Memory breakdown (debugging).
@@ -734,6 +756,9 @@ impl IndexWriter<'_> {
                 // The walk tries `p + 1` before the hint: no need to write the hint then.
                 if p.wrapping_add(1) != id {
                     self.index.slab.set_hint(p, id);
+                } else if !self.linked(id) {
+                    self.set_linked(id, true);
+                    self.refresh_cont(id);
                 }
             }
             prev = Some(id);
@@ -888,7 +913,7 @@ impl IndexWriter<'_> {
     /// Writes a node's member list. Should the set pages ever run out, the node keeps its two
     /// newest members (the others are dropped and counted as pod-cache evictions).
     fn write_members(&mut self, id: u32, hash: u64, list: &[u32]) {
-        if self.index.slab.write(id, hash, list, &mut self.state.sets) {
+        if self.write_node(id, hash, list) {
             return;
         }
         let keep = list.len().saturating_sub(2);
@@ -896,9 +921,53 @@ impl IndexWriter<'_> {
             self.drop_membership(victim);
             self.state.tally.pod_cache_evictions += 1;
         }
-        self.index
-            .slab
-            .write(id, hash, &list[keep..], &mut self.state.sets);
+        self.write_node(id, hash, &list[keep..]);
+    }
+
+    /// Every node write goes through here: the continuation bits of `id` and `id + 1` are
+    /// cleared before the node changes and recomputed after.
+    fn write_node(&mut self, id: u32, hash: u64, list: &[u32]) -> bool {
+        let slab = &self.index.slab;
+        slab.set_cont(id, false);
+        slab.set_cont(id.wrapping_add(1), false);
+        let ok = slab.write(id, hash, list, &mut self.state.sets);
+        self.refresh_cont(id);
+        self.refresh_cont(id.wrapping_add(1));
+        ok
+    }
+
+    /// Sets the continuation bit of `id` iff it is linked to `id - 1` and both hold blocks with
+    /// equal member words.
+    fn refresh_cont(&self, id: u32) {
+        let slab = &self.index.slab;
+        let on = id > 0
+            && self.linked(id)
+            && slab.hash_of(id) != 0
+            && slab.hash_of(id - 1) != 0
+            && slab.words_of(id) == slab.words_of(id - 1);
+        slab.set_cont(id, on);
+    }
+
+    fn linked(&self, id: u32) -> bool {
+        self.state
+            .linked
+            .get(id as usize / 64)
+            .is_some_and(|w| w & (1 << (id % 64)) != 0)
+    }
+
+    fn set_linked(&mut self, id: u32, on: bool) {
+        let word = id as usize / 64;
+        if word >= self.state.linked.len() {
+            if !on {
+                return;
+            }
+            self.state.linked.resize(word + 1, 0);
+        }
+        if on {
+            self.state.linked[word] |= 1 << (id % 64);
+        } else {
+            self.state.linked[word] &= !(1 << (id % 64));
+        }
     }
 
     /// Bookkeeping for a membership leaving a node (the reverse list stays lazy).
@@ -939,7 +1008,10 @@ impl IndexWriter<'_> {
     }
 
     fn free_node(&mut self, id: u32, hash: u64) {
-        self.index.slab.write(id, 0, &[], &mut self.state.sets);
+        // The block leaves: it is nobody's chain child, and its successor id no longer follows it.
+        self.set_linked(id, false);
+        self.set_linked(id.wrapping_add(1), false);
+        self.write_node(id, 0, &[]);
         if let Some(emptied) = self.state.table.remove(hash, id) {
             self.state.table_live -= 1;
             self.state.table_used -= emptied;
@@ -990,7 +1062,7 @@ impl IndexWriter<'_> {
                 id
             }
         };
-        self.index.slab.write(id, hash, &[m], &mut self.state.sets);
+        self.write_node(id, hash, &[m]);
         self.ensure_table_room();
         if !self.state.table.insert(hash, id) {
             self.state.table_used += 1;
@@ -1069,6 +1141,36 @@ fn locate(slab: &Slab, table: &Table, prev: Option<u32>, hash: u64) -> Option<u3
         }
     }
     table.find(hash, |id| slab.peek_hash(id))
+}
+
+/// How many of `rest` (the request's next hashes) continue from node `id` through the chain
+/// segment after it, all with member words `words`. The continuation bits give the segment's
+/// length `k`; since chained hashes commit to their prefix, node `id + j` holding `rest[j - 1]`
+/// implies every earlier one does too, so the last node is checked first and, if the request
+/// leaves the segment early, the exit is found by binary search: O(log k) node reads.
+#[inline]
+fn follow_segment(slab: &Slab, id: u32, words: u64, rest: &[u64]) -> usize {
+    let k = slab.cont_run(id.wrapping_add(1), rest.len());
+    if k == 0 {
+        return 0;
+    }
+    let mut scratch = [0u32; MAX_MEMBERS];
+    let mut holds = |j: usize| {
+        slab.read_node(id + j as u32, key(rest[j - 1]), words, &mut scratch) == NodeRead::Same
+    };
+    if holds(k) {
+        return k;
+    }
+    let (mut lo, mut hi) = (0usize, k);
+    while hi - lo > 1 {
+        let mid = lo + (hi - lo) / 2;
+        if holds(mid) {
+            lo = mid;
+        } else {
+            hi = mid;
+        }
+    }
+    lo
 }
 
 /// How far ahead a batch prefetches table slots.

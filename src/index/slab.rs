@@ -14,6 +14,13 @@
 //!
 //! So a node's two words identify its member set exactly: the scoring walk compares them with
 //! the previous block's and decodes nothing while they are equal.
+//!
+//! The **continuation bitmap** goes further: bit `id` is set when node `id` is the chain child
+//! of node `id - 1` and has the same member words. A run of set bits is one chain segment held
+//! by one member set; because chained hashes commit to their whole prefix, the walk checks only
+//! the segment's last hash (or binary-searches where the request leaves the segment) instead of
+//! reading every node. The writer clears a bit before it changes either node and sets it again
+//! after, so a set bit is never newer than the nodes it describes.
 
 use rustc_hash::FxHashMap as HashMap;
 use std::sync::atomic::{fence, AtomicU32, AtomicU64, Ordering};
@@ -127,6 +134,8 @@ pub struct Slab {
     pub nodes: Chunked<Node, 14>,
     /// Pages of interned member sets, in chunks of 4Ki pages (128 KiB).
     pub pages: Chunked<Page, 12>,
+    /// Continuation bits, one per node id (chunks of 256 words = 16Ki ids, like `nodes`).
+    cont: Chunked<AtomicU64, 8>,
 }
 
 impl Slab {
@@ -138,7 +147,50 @@ impl Slab {
         Self {
             nodes: Chunked::new(max_nodes),
             pages: Chunked::new(max_pages.max(1)),
+            cont: Chunked::new(max_nodes.div_ceil(64)),
         }
+    }
+
+    /// Writer: sets or clears the continuation bit of `id` (single writer: load + store).
+    pub fn set_cont(&self, id: u32, on: bool) {
+        if let Some(word) = self.cont.get_or_alloc(id / 64) {
+            let bit = 1u64 << (id % 64);
+            let w = word.load(Ordering::Relaxed);
+            let new = if on { w | bit } else { w & !bit };
+            if new != w {
+                word.store(new, Ordering::Release);
+            }
+        }
+    }
+
+    /// Reader: how many consecutive continuation bits are set from `first` on, at most `max`.
+    #[inline(always)]
+    pub fn cont_run(&self, first: u32, max: usize) -> usize {
+        let mut n = 0usize;
+        let mut id = first as usize;
+        while n < max {
+            let Some(word) = self.cont.get((id / 64) as u32) else {
+                break;
+            };
+            let shift = id % 64;
+            let bits = word.load(Ordering::Acquire) >> shift;
+            let ones = (!bits).trailing_zeros() as usize;
+            let room = 64 - shift;
+            n += ones.min(room);
+            if ones < room {
+                break;
+            }
+            id += room;
+        }
+        n.min(max)
+    }
+
+    /// Writer: node `id`'s member words.
+    pub fn words_of(&self, id: u32) -> u64 {
+        self.nodes.get(id).map_or(NO_WORDS, |node| {
+            (node.members[0].load(Ordering::Relaxed) as u64) << 32
+                | node.members[1].load(Ordering::Relaxed) as u64
+        })
     }
 
     /// Reader: the hash stored in node `id` right now (unvalidated; 0 if free or absent).
@@ -305,7 +357,7 @@ impl Slab {
 
     /// Bytes held from the allocator.
     pub fn allocated_bytes(&self) -> usize {
-        self.nodes.allocated_bytes() + self.pages.allocated_bytes()
+        self.nodes.allocated_bytes() + self.pages.allocated_bytes() + self.cont.allocated_bytes()
     }
 }
 
