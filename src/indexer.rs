@@ -350,6 +350,18 @@ impl Indexer {
         })
     }
 
+    /// Drops every block of one engine (`pod` at data-parallel rank `rank`): its vLLM process
+    /// restarted. Returns memberships removed.
+    pub fn clear_engine(&self, model: &str, pod: &str, rank: u32) -> usize {
+        let Some(state) = self.model(model) else {
+            return 0;
+        };
+        let key = EngineKey::new(pod, rank);
+        state
+            .index
+            .write(|w| w.engine(&key).map_or(0, |e| w.clear_engine(e)))
+    }
+
     /// Scores `pods` (every known pod of the model when empty) for a prompt given as tokens.
     pub fn score_tokens(
         &self,

@@ -7,12 +7,22 @@
 //! - [`index`]: the block -> (engine, tier) index and the prefix-scoring walk;
 //! - [`workload`]: request traces and the index benchmark built from them;
 //! - [`indexer`]: per-model indexes and token processors, batch application, hash-mismatch
-//!   detection, pod scores: the API the daemon's transports call.
+//!   detection, pod scores: the API the daemon's transports call;
+//! - [`ingest`]: ZMQ subscribers, sequence tracking, replay, per-pod ordered workers;
+//! - [`server`]: gRPC (ScorePods, admin, llm-d compatibility, health, reflection) and HTTP
+//!   (metrics, probes);
+//! - [`config`], [`metrics`], [`daemon`]: the YAML schema, the Prometheus registry, and the
+//!   wiring with ordered start-up and graceful shutdown.
 //!
 //! Errors: each module has its own `thiserror` enum; `anyhow` appears only in the binary.
 
+pub mod config;
+pub mod daemon;
 pub mod events;
 pub mod hashing;
 pub mod index;
 pub mod indexer;
+pub mod ingest;
+pub mod metrics;
+pub mod server;
 pub mod workload;

@@ -14,6 +14,10 @@ struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum Command {
+    /// Run the daemon: subscribe to vLLM's KV events, serve ScorePods over gRPC.
+    Serve(cli::serve::ServeArgs),
+    /// Validate a configuration and print the effective result.
+    CheckConfig(cli::serve::ServeArgs),
     /// Print vLLM's sha256_cbor block hashes for a token list.
     Hash(cli::hash::HashArgs),
 }
@@ -21,6 +25,8 @@ enum Command {
 fn main() {
     let cli = Cli::parse();
     let result = match cli.command {
+        Command::Serve(args) => cli::serve::serve(args),
+        Command::CheckConfig(args) => cli::serve::check_config(args),
         Command::Hash(args) => cli::hash::run(args),
     };
     if let Err(error) = result {

@@ -1,3 +1,4 @@
 //! Subcommands of the `kv-indexer` binary (the only place `anyhow` is used).
 
 pub mod hash;
+pub mod serve;

@@ -1,0 +1,199 @@
+//! The daemon: wires configuration, the indexer, event ingestion and the servers together, and
+//! shuts them down in order.
+//!
+//! Start-up: validate the config, build the indexer, bind the ZMQ socket (or start dialling in
+//! connect mode), bind gRPC and HTTP, then report ready. Shutdown (SIGTERM/SIGINT, or
+//! [`RunningDaemon::shutdown`]): not ready, stop intake, let workers apply what is queued, let
+//! gRPC finish in-flight calls (bounded by `server.shutdownGraceMs`), stop.
+
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use thiserror::Error;
+use tokio::net::TcpListener;
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+use tokio_stream::wrappers::TcpListenerStream;
+
+use crate::config::{Config, ConfigError};
+use crate::indexer::{Indexer, SettingsError};
+use crate::ingest::{self, IngestError, IngestHandle, Publishers};
+use crate::metrics::Metrics;
+use crate::server::grpc::{
+    indexer_v1::indexer_service_server::IndexerServiceServer,
+    kvindexer_v1::kv_indexer_server::KvIndexerServer, KvIndexerApi, LlmdIndexerApi, ScoreService,
+    FILE_DESCRIPTOR_SET,
+};
+use crate::server::http;
+
+/// Why the daemon could not start.
+#[derive(Debug, Error)]
+pub enum DaemonError {
+    /// Invalid configuration.
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    /// Invalid index or hashing settings.
+    #[error(transparent)]
+    Settings(#[from] SettingsError),
+    /// ZMQ set-up failed.
+    #[error(transparent)]
+    Ingest(#[from] IngestError),
+    /// A listen address could not be bound.
+    #[error("binding {what} on {addr}: {source}")]
+    Listen {
+        /// Which server.
+        what: &'static str,
+        /// The address.
+        addr: String,
+        /// Why.
+        source: std::io::Error,
+    },
+    /// Reflection descriptors are broken (a build problem).
+    #[error("gRPC reflection: {0}")]
+    Reflection(String),
+}
+
+/// A started daemon.
+pub struct RunningDaemon {
+    /// The gRPC address actually bound.
+    pub grpc_addr: SocketAddr,
+    /// The HTTP address actually bound.
+    pub metrics_addr: SocketAddr,
+    /// The bind-mode ZMQ endpoint actually bound, if bind mode is on.
+    pub zmq_endpoint: Option<String>,
+    /// The index.
+    pub indexer: Arc<Indexer>,
+    /// The metrics registry.
+    pub metrics: Arc<Metrics>,
+    shutdown: watch::Sender<bool>,
+    ready: Arc<AtomicBool>,
+    ingest: IngestHandle,
+    grpc: JoinHandle<Result<(), tonic::transport::Error>>,
+    http: JoinHandle<std::io::Result<()>>,
+    grace: Duration,
+}
+
+async fn listen(what: &'static str, addr: &str) -> Result<TcpListener, DaemonError> {
+    TcpListener::bind(addr)
+        .await
+        .map_err(|source| DaemonError::Listen {
+            what,
+            addr: addr.to_owned(),
+            source,
+        })
+}
+
+/// Starts everything `config` describes; returns once all sockets are bound.
+pub async fn start(config: Config) -> Result<RunningDaemon, DaemonError> {
+    config.validate()?;
+    let indexer = Arc::new(Indexer::new(config.indexer_settings())?);
+    let metrics = Metrics::new();
+    let (shutdown, shutdown_rx) = watch::channel(false);
+
+    let ingest =
+        ingest::start(&config.kv_events_config, indexer.clone(), metrics.clone(), shutdown_rx.clone())
+            .await?;
+
+    let service = ScoreService::new(
+        indexer.clone(),
+        metrics.clone(),
+        ingest.publishers.clone(),
+        config.server.clone(),
+    );
+    let (health_reporter, health_service) = tonic_health::server::health_reporter();
+    health_reporter
+        .set_serving::<KvIndexerServer<KvIndexerApi>>()
+        .await;
+    health_reporter
+        .set_serving::<IndexerServiceServer<LlmdIndexerApi>>()
+        .await;
+    let reflection = tonic_reflection::server::Builder::configure()
+        .register_encoded_file_descriptor_set(FILE_DESCRIPTOR_SET)
+        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+        .build_v1()
+        .map_err(|e| DaemonError::Reflection(e.to_string()))?;
+
+    let grpc_listener = listen("gRPC", &config.server.grpc_addr).await?;
+    let grpc_addr = grpc_listener
+        .local_addr()
+        .map_err(|source| DaemonError::Listen {
+            what: "gRPC",
+            addr: config.server.grpc_addr.clone(),
+            source,
+        })?;
+    let mut grpc_shutdown = shutdown_rx.clone();
+    let grpc = tokio::spawn(
+        tonic::transport::Server::builder()
+            .add_service(health_service)
+            .add_service(reflection)
+            .add_service(KvIndexerServer::new(KvIndexerApi(service.clone())))
+            .add_service(IndexerServiceServer::new(LlmdIndexerApi(service)))
+            .serve_with_incoming_shutdown(TcpListenerStream::new(grpc_listener), async move {
+                let _ = grpc_shutdown.changed().await;
+            }),
+    );
+
+    let ready = Arc::new(AtomicBool::new(false));
+    let http_listener = listen("metrics", &config.server.metrics_addr).await?;
+    let metrics_addr = http_listener
+        .local_addr()
+        .map_err(|source| DaemonError::Listen {
+            what: "metrics",
+            addr: config.server.metrics_addr.clone(),
+            source,
+        })?;
+    let app = http::router(http::HttpState {
+        indexer: indexer.clone(),
+        metrics: metrics.clone(),
+        ready: ready.clone(),
+    });
+    let mut http_shutdown = shutdown_rx.clone();
+    let http = tokio::spawn(async move {
+        axum::serve(http_listener, app)
+            .with_graceful_shutdown(async move {
+                let _ = http_shutdown.changed().await;
+            })
+            .await
+    });
+
+    ready.store(true, Ordering::Relaxed);
+    tracing::info!(grpc = %grpc_addr, metrics = %metrics_addr, zmq = ?ingest.bound_endpoint, "kv-indexer ready");
+    Ok(RunningDaemon {
+        grpc_addr,
+        metrics_addr,
+        zmq_endpoint: ingest.bound_endpoint.clone(),
+        indexer,
+        metrics,
+        shutdown,
+        ready,
+        ingest,
+        grpc,
+        http,
+        grace: Duration::from_millis(config.server.shutdown_grace_ms),
+    })
+}
+
+impl RunningDaemon {
+    /// Publisher states (for tests and tools).
+    pub fn publishers(&self) -> Arc<Publishers> {
+        self.ingest.publishers.clone()
+    }
+
+    /// Graceful shutdown: stop intake, drain the event queues, finish in-flight RPCs.
+    pub async fn shutdown(self) {
+        self.ready.store(false, Ordering::Relaxed);
+        let _ = self.shutdown.send(true);
+        let grace = self.grace;
+        let drain = async {
+            self.ingest.join().await;
+            let _ = self.grpc.await;
+            let _ = self.http.await;
+        };
+        if tokio::time::timeout(grace, drain).await.is_err() {
+            tracing::warn!(?grace, "shutdown grace period over; exiting with work in flight");
+        }
+        tracing::info!("kv-indexer stopped");
+    }
+}

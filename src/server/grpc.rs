@@ -1,0 +1,265 @@
+//! The gRPC services: `kvindexer.v1.KvIndexer` (ScorePods and admin) and, for clients of the
+//! llm-d indexer, `indexer.v1.IndexerService/GetPodScores`.
+//!
+//! Invariants: every request is validated before any work (empty or oversize input is
+//! INVALID_ARGUMENT, an unknown model NOT_FOUND); at most `maxConcurrentRequests` score requests
+//! run at once (beyond: RESOURCE_EXHAUSTED, at once, rather than queueing behind a backlog);
+//! scoring never blocks event application (reads take no index lock).
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use tokio::sync::Semaphore;
+use tonic::{Request, Response, Status};
+
+use crate::config::ServerConfig;
+use crate::indexer::{Indexer, ScoreError};
+use crate::ingest::Publishers;
+use crate::metrics::Metrics;
+
+/// Generated code for `proto/kvindexer/v1/kv_indexer.proto`.
+pub mod kvindexer_v1 {
+    #![allow(missing_docs, clippy::all, clippy::pedantic)]
+    tonic::include_proto!("kvindexer.v1");
+}
+
+/// Generated code for `proto/indexer/v1/indexer.proto`.
+pub mod indexer_v1 {
+    #![allow(missing_docs, clippy::all, clippy::pedantic)]
+    tonic::include_proto!("indexer.v1");
+}
+
+/// Encoded descriptors of both schemas, for server reflection.
+pub const FILE_DESCRIPTOR_SET: &[u8] =
+    tonic::include_file_descriptor_set!("kv_indexer_descriptor");
+
+use kvindexer_v1::score_pods_request::Input;
+
+/// State shared by both services.
+pub struct ScoreService {
+    indexer: Arc<Indexer>,
+    metrics: Arc<Metrics>,
+    publishers: Arc<Publishers>,
+    limits: ServerConfig,
+    in_flight: Arc<Semaphore>,
+}
+
+impl ScoreService {
+    /// A service over `indexer`, limited by `limits`.
+    pub fn new(
+        indexer: Arc<Indexer>,
+        metrics: Arc<Metrics>,
+        publishers: Arc<Publishers>,
+        limits: ServerConfig,
+    ) -> Arc<Self> {
+        Arc::new(Self {
+            in_flight: Arc::new(Semaphore::new(limits.max_concurrent_requests)),
+            indexer,
+            metrics,
+            publishers,
+            limits,
+        })
+    }
+
+    fn admit(&self) -> Result<tokio::sync::OwnedSemaphorePermit, Status> {
+        self.in_flight.clone().try_acquire_owned().map_err(|_| {
+            Status::resource_exhausted(format!(
+                "too many score requests in flight (server.maxConcurrentRequests = {})",
+                self.limits.max_concurrent_requests
+            ))
+        })
+    }
+
+    fn check_pods(&self, pods: &[String]) -> Result<(), Status> {
+        if pods.len() > self.limits.max_candidate_pods {
+            return Err(Status::invalid_argument(format!(
+                "{} candidate pods; at most {} (server.maxCandidatePods)",
+                pods.len(),
+                self.limits.max_candidate_pods
+            )));
+        }
+        Ok(())
+    }
+
+    fn record(&self, rpc: &str, status: &Result<(), &Status>) {
+        let code = match status {
+            Ok(()) => "OK".to_owned(),
+            Err(s) => format!("{:?}", s.code()),
+        };
+        self.metrics
+            .score_requests
+            .with_label_values(&[rpc, &code])
+            .inc();
+    }
+
+    fn score(
+        &self,
+        req: kvindexer_v1::ScorePodsRequest,
+    ) -> Result<kvindexer_v1::ScorePodsResponse, Status> {
+        if req.model.is_empty() {
+            return Err(Status::invalid_argument("model is required"));
+        }
+        self.check_pods(&req.pods)?;
+        let tokens = match req.input {
+            None => return Err(Status::invalid_argument("input is required: prompt, tokens or chat")),
+            Some(Input::Tokens(t)) => t.ids,
+            Some(Input::Prompt(_)) | Some(Input::Chat(_)) => {
+                return Err(Status::unimplemented(
+                    "prompt and chat input need the tokenizer pool, which this build does not have yet; send token ids (`tokens`)",
+                ))
+            }
+        };
+        if tokens.is_empty() {
+            return Err(Status::invalid_argument("the prompt has no tokens"));
+        }
+        if tokens.len() > self.limits.max_prompt_tokens {
+            return Err(Status::invalid_argument(format!(
+                "the prompt has {} tokens; at most {} (server.maxPromptTokens)",
+                tokens.len(),
+                self.limits.max_prompt_tokens
+            )));
+        }
+        let started = Instant::now();
+        let result = self
+            .indexer
+            .score_tokens(
+                &req.model,
+                &tokens,
+                &req.pods,
+                Some(req.lora_name.as_str()),
+                Some(req.cache_salt.as_str()),
+            )
+            .map_err(|e| match e {
+                ScoreError::UnknownModel(_) => Status::not_found(e.to_string()),
+                ScoreError::UnknownLora(_) => Status::invalid_argument(e.to_string()),
+            })?;
+        let elapsed = started.elapsed().as_secs_f64();
+        self.metrics.lookup_requests.inc();
+        if result.scores.iter().any(|s| s.matched_blocks > 0) {
+            self.metrics.lookup_hits.inc();
+        }
+        self.metrics.lookup_latency.observe(elapsed);
+        self.metrics
+            .score_latency
+            .with_label_values(&["tokens"])
+            .observe(elapsed);
+        Ok(kvindexer_v1::ScorePodsResponse {
+            scores: result
+                .scores
+                .into_iter()
+                .map(|s| kvindexer_v1::PodScore {
+                    pod: s.pod.to_string(),
+                    score: s.score,
+                    matched_blocks: s.matched_blocks,
+                })
+                .collect(),
+            total_blocks: result.total_blocks,
+            prompt_tokens: result.prompt_tokens,
+        })
+    }
+}
+
+/// `kvindexer.v1.KvIndexer`.
+#[derive(Clone)]
+pub struct KvIndexerApi(pub Arc<ScoreService>);
+
+#[tonic::async_trait]
+impl kvindexer_v1::kv_indexer_server::KvIndexer for KvIndexerApi {
+    async fn score_pods(
+        &self,
+        request: Request<kvindexer_v1::ScorePodsRequest>,
+    ) -> Result<Response<kvindexer_v1::ScorePodsResponse>, Status> {
+        let svc = &self.0;
+        let result = match svc.admit() {
+            Ok(_permit) => svc.score(request.into_inner()),
+            Err(s) => Err(s),
+        };
+        svc.record("ScorePods", &result.as_ref().map(|_| ()));
+        result.map(Response::new)
+    }
+
+    async fn list_pods(
+        &self,
+        request: Request<kvindexer_v1::ListPodsRequest>,
+    ) -> Result<Response<kvindexer_v1::ListPodsResponse>, Status> {
+        let want = request.into_inner().model;
+        let svc = &self.0;
+        let publishers = svc.publishers.snapshot();
+        let mut pods = Vec::new();
+        for model in svc.indexer.models() {
+            if !want.is_empty() && model.name() != want {
+                continue;
+            }
+            let checks = model.hash_checks();
+            for (key, blocks) in model.index().engine_blocks() {
+                let last_sequence = publishers
+                    .iter()
+                    .find(|(p, _)| {
+                        *p.pod == *key.pod && &*p.model == model.name() && p.rank == key.dp_rank
+                    })
+                    .and_then(|(_, s)| s.last_seq)
+                    .map_or(-1, |s| s as i64);
+                let check = checks.get(&key.pod).cloned().unwrap_or_default();
+                pods.push(kvindexer_v1::PodInfo {
+                    model: model.name().to_owned(),
+                    pod: key.pod.to_string(),
+                    data_parallel_rank: key.dp_rank,
+                    blocks,
+                    last_sequence,
+                    hash_matches: check.matches,
+                    hash_mismatches: check.mismatches,
+                });
+            }
+        }
+        pods.sort_by(|a, b| (&a.model, &a.pod, a.data_parallel_rank).cmp(&(&b.model, &b.pod, b.data_parallel_rank)));
+        Ok(Response::new(kvindexer_v1::ListPodsResponse { pods }))
+    }
+
+    async fn clear_pod(
+        &self,
+        request: Request<kvindexer_v1::ClearPodRequest>,
+    ) -> Result<Response<kvindexer_v1::ClearPodResponse>, Status> {
+        let req = request.into_inner();
+        if req.model.is_empty() || req.pod.is_empty() {
+            return Err(Status::invalid_argument("model and pod are required"));
+        }
+        if self.0.indexer.model(&req.model).is_none() {
+            return Err(Status::not_found(format!("unknown model {:?}", req.model)));
+        }
+        let removed = self.0.indexer.clear_pod(&req.model, &req.pod);
+        self.0.publishers.forget_pod(&req.model, &req.pod);
+        tracing::info!(model = %req.model, pod = %req.pod, removed, "pod cleared by admin request");
+        Ok(Response::new(kvindexer_v1::ClearPodResponse {
+            removed: removed as u64,
+        }))
+    }
+}
+
+/// `indexer.v1.IndexerService` (llm-d compatibility).
+#[derive(Clone)]
+pub struct LlmdIndexerApi(pub Arc<ScoreService>);
+
+#[tonic::async_trait]
+impl indexer_v1::indexer_service_server::IndexerService for LlmdIndexerApi {
+    async fn get_pod_scores(
+        &self,
+        request: Request<indexer_v1::GetPodScoresRequest>,
+    ) -> Result<Response<indexer_v1::GetPodScoresResponse>, Status> {
+        let req = request.into_inner();
+        let result: Result<indexer_v1::GetPodScoresResponse, Status> = (|| {
+            if req.model_name.is_empty() {
+                return Err(Status::invalid_argument("model_name is required"));
+            }
+            if req.prompt.is_empty() {
+                return Err(Status::invalid_argument("prompt is required"));
+            }
+            self.0.check_pods(&req.pod_identifiers)?;
+            Err(Status::unimplemented(
+                "GetPodScores takes prompt text, which needs the tokenizer pool (not in this build yet); use kvindexer.v1.KvIndexer/ScorePods with token ids",
+            ))
+        })();
+        self.0
+            .record("GetPodScores", &result.as_ref().map(|_| ()));
+        result.map(Response::new)
+    }
+}

@@ -1,0 +1,5 @@
+//! The daemon's network servers: gRPC (scoring, admin, health, reflection) and HTTP (metrics and
+//! probes).
+
+pub mod grpc;
+pub mod http;
