@@ -370,7 +370,9 @@ impl Config {
     /// `HF_TOKEN` -> `huggingFaceToken`, `PYTHONHASHSEED` -> `hashSeed`.
     pub fn apply_env(&mut self, get: impl Fn(&str) -> Option<String>) {
         if let Some(token) = get("HF_TOKEN").filter(|t| !t.is_empty()) {
-            self.indexer_config.tokenizers_pool_config.hugging_face_token = token;
+            self.indexer_config
+                .tokenizers_pool_config
+                .hugging_face_token = token;
         }
         if let Some(seed) = get("PYTHONHASHSEED") {
             self.indexer_config.token_processor_config.hash_seed = Some(seed);
@@ -400,7 +402,10 @@ impl Config {
         }
         let ps = &self.indexer_config.prefix_store_config;
         if ps.block_size == 0 {
-            return Err(invalid("indexerConfig.prefixStoreConfig.blockSize", "must be at least 1"));
+            return Err(invalid(
+                "indexerConfig.prefixStoreConfig.blockSize",
+                "must be at least 1",
+            ));
         }
         let pool = &self.indexer_config.tokenizers_pool_config;
         if pool.workers_count == 0 || pool.workers_count > 256 {
@@ -417,7 +422,10 @@ impl Config {
         }
         let ev = &self.kv_events_config;
         if ev.concurrency == 0 || ev.concurrency > 1024 {
-            return Err(invalid("kvEventsConfig.concurrency", "must be between 1 and 1024"));
+            return Err(invalid(
+                "kvEventsConfig.concurrency",
+                "must be between 1 and 1024",
+            ));
         }
         if ev.queue_depth == 0 {
             return Err(invalid("kvEventsConfig.queueDepth", "must be at least 1"));
@@ -433,7 +441,10 @@ impl Config {
             ));
         }
         for (i, ep) in ev.endpoints.iter().enumerate() {
-            check_tcp_endpoint(&format!("kvEventsConfig.endpoints[{i}].endpoint"), &ep.endpoint)?;
+            check_tcp_endpoint(
+                &format!("kvEventsConfig.endpoints[{i}].endpoint"),
+                &ep.endpoint,
+            )?;
             if !ep.replay_endpoint.is_empty() {
                 check_tcp_endpoint(
                     &format!("kvEventsConfig.endpoints[{i}].replayEndpoint"),
@@ -442,7 +453,9 @@ impl Config {
             }
         }
         if ev.zmq_endpoint.is_empty() && ev.endpoints.is_empty() {
-            tracing::warn!("no event source: kvEventsConfig.zmqEndpoint is empty and no endpoints are listed");
+            tracing::warn!(
+                "no event source: kvEventsConfig.zmqEndpoint is empty and no endpoints are listed"
+            );
         }
         for (field, addr) in [
             ("server.grpcAddr", &self.server.grpc_addr),
@@ -452,7 +465,10 @@ impl Config {
                 .map_err(|e| invalid(field, format!("{addr:?} is not host:port ({e})")))?;
         }
         for (field, value) in [
-            ("server.maxConcurrentRequests", self.server.max_concurrent_requests),
+            (
+                "server.maxConcurrentRequests",
+                self.server.max_concurrent_requests,
+            ),
             ("server.maxPromptTokens", self.server.max_prompt_tokens),
             ("server.maxPromptBytes", self.server.max_prompt_bytes),
             ("server.maxCandidatePods", self.server.max_candidate_pods),
@@ -462,8 +478,12 @@ impl Config {
             }
         }
         let w = &self.scoring.tier_weights;
-        for (name, v) in [("gpu", w.gpu), ("cpu", w.cpu), ("storage", w.storage), ("other", w.other)]
-        {
+        for (name, v) in [
+            ("gpu", w.gpu),
+            ("cpu", w.cpu),
+            ("storage", w.storage),
+            ("other", w.other),
+        ] {
             if !v.is_finite() || v < 0.0 {
                 return Err(invalid(
                     format!("scoring.tierWeights.{name}"),
@@ -544,7 +564,7 @@ fn check_block_sizes(prefix: &str, block: usize, unit: Option<usize>) -> Result<
         return Err(invalid(format!("{prefix}.blockSize"), "must be at least 1"));
     }
     if let Some(u) = unit {
-        if u == 0 || block % u != 0 {
+        if u == 0 || !block.is_multiple_of(u) {
             return Err(invalid(
                 format!("{prefix}.hashBlockSize"),
                 format!("must be at least 1 and divide blockSize ({block})"),
@@ -556,12 +576,18 @@ fn check_block_sizes(prefix: &str, block: usize, unit: Option<usize>) -> Result<
 
 fn check_tcp_endpoint(field: &str, endpoint: &str) -> Result<(), ConfigError> {
     let Some(rest) = endpoint.strip_prefix("tcp://") else {
-        return Err(invalid(field, format!("{endpoint:?}: only tcp:// endpoints are supported")));
+        return Err(invalid(
+            field,
+            format!("{endpoint:?}: only tcp:// endpoints are supported"),
+        ));
     };
     let port = rest.rsplit_once(':').map(|(_, p)| p);
     match port.and_then(|p| p.parse::<u16>().ok()) {
         Some(_) => Ok(()),
-        None => Err(invalid(field, format!("{endpoint:?} needs a port (tcp://host:port)"))),
+        None => Err(invalid(
+            field,
+            format!("{endpoint:?} needs a port (tcp://host:port)"),
+        )),
     }
 }
 
@@ -598,20 +624,36 @@ kvEventsConfig: {zmqEndpoint: "tcp://*:5557", topicFilter: "kv@", concurrency: 1
 
     #[test]
     fn unknown_fields_and_bad_values_name_the_field() {
-        let e = Config::from_yaml("indexerConfig:\n  tokenProcessorConfig: {blokSize: 16}\n", "f")
-            .expect_err("typo");
+        let e = Config::from_yaml(
+            "indexerConfig:\n  tokenProcessorConfig: {blokSize: 16}\n",
+            "f",
+        )
+        .expect_err("typo");
         assert!(e.to_string().contains("blokSize"), "{e}");
-        let c = Config::from_yaml("indexerConfig:\n  tokenProcessorConfig: {blockSize: 0}\n", "f")
-            .expect("parses");
+        let c = Config::from_yaml(
+            "indexerConfig:\n  tokenProcessorConfig: {blockSize: 0}\n",
+            "f",
+        )
+        .expect("parses");
         let e = c.validate().expect_err("zero block size");
         assert!(
-            e.to_string().contains("indexerConfig.tokenProcessorConfig.blockSize"),
+            e.to_string()
+                .contains("indexerConfig.tokenProcessorConfig.blockSize"),
             "{e}"
         );
         let c = Config::from_yaml("server: {grpcAddr: nonsense}\n", "f").expect("parses");
-        assert!(c.validate().expect_err("bad addr").to_string().contains("server.grpcAddr"));
-        let c = Config::from_yaml("kvEventsConfig: {zmqEndpoint: \"ipc:///x\"}\n", "f").expect("parses");
-        assert!(c.validate().expect_err("ipc").to_string().contains("zmqEndpoint"));
+        assert!(c
+            .validate()
+            .expect_err("bad addr")
+            .to_string()
+            .contains("server.grpcAddr"));
+        let c = Config::from_yaml("kvEventsConfig: {zmqEndpoint: \"ipc:///x\"}\n", "f")
+            .expect("parses");
+        assert!(c
+            .validate()
+            .expect_err("ipc")
+            .to_string()
+            .contains("zmqEndpoint"));
     }
 
     #[test]
@@ -626,7 +668,10 @@ kvEventsConfig: {zmqEndpoint: "tcp://*:5557", topicFilter: "kv@", concurrency: 1
             "PYTHONHASHSEED" => Some("42".into()),
             _ => None,
         });
-        assert_eq!(c.indexer_config.token_processor_config.hash_seed.as_deref(), Some("42"));
+        assert_eq!(
+            c.indexer_config.token_processor_config.hash_seed.as_deref(),
+            Some("42")
+        );
         let printed = c.redacted().to_yaml();
         assert!(!printed.contains("hf_secret"), "{printed}");
         assert!(printed.contains("<redacted>"));
@@ -642,7 +687,10 @@ kvEventsConfig: {zmqEndpoint: "tcp://*:5557", topicFilter: "kv@", concurrency: 1
         c.validate().expect("valid");
         let s = c.indexer_settings();
         assert_eq!(s.models["m1"].token_processor.block_size, 32);
-        assert_eq!(s.models["m1"].token_processor.hash_seed.as_deref(), Some("7"));
+        assert_eq!(
+            s.models["m1"].token_processor.hash_seed.as_deref(),
+            Some("7")
+        );
         assert_eq!(s.models["m1"].lora_paths["sql"], "/a/sql");
         assert_eq!(s.models["m2"].token_processor.block_size, 16);
         assert_eq!(

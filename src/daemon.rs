@@ -92,9 +92,13 @@ pub async fn start(config: Config) -> Result<RunningDaemon, DaemonError> {
     let metrics = Metrics::new();
     let (shutdown, shutdown_rx) = watch::channel(false);
 
-    let ingest =
-        ingest::start(&config.kv_events_config, indexer.clone(), metrics.clone(), shutdown_rx.clone())
-            .await?;
+    let ingest = ingest::start(
+        &config.kv_events_config,
+        indexer.clone(),
+        metrics.clone(),
+        shutdown_rx.clone(),
+    )
+    .await?;
 
     let service = ScoreService::new(
         indexer.clone(),
@@ -192,7 +196,10 @@ impl RunningDaemon {
             let _ = self.http.await;
         };
         if tokio::time::timeout(grace, drain).await.is_err() {
-            tracing::warn!(?grace, "shutdown grace period over; exiting with work in flight");
+            tracing::warn!(
+                ?grace,
+                "shutdown grace period over; exiting with work in flight"
+            );
         }
         tracing::info!("kv-indexer stopped");
     }

@@ -108,19 +108,22 @@ pub struct Metrics {
 
 fn counter(r: &Registry, name: &str, help: &str) -> IntCounter {
     let c = IntCounter::new(name, help).expect("static metric definition is valid");
-    r.register(Box::new(c.clone())).expect("metric names are unique");
+    r.register(Box::new(c.clone()))
+        .expect("metric names are unique");
     c
 }
 
 fn counter_vec(r: &Registry, name: &str, help: &str, labels: &[&str]) -> IntCounterVec {
     let c = IntCounterVec::new(Opts::new(name, help), labels).expect("static metric definition");
-    r.register(Box::new(c.clone())).expect("metric names are unique");
+    r.register(Box::new(c.clone()))
+        .expect("metric names are unique");
     c
 }
 
 fn gauge_vec(r: &Registry, name: &str, help: &str, labels: &[&str]) -> IntGaugeVec {
     let g = IntGaugeVec::new(Opts::new(name, help), labels).expect("static metric definition");
-    r.register(Box::new(g.clone())).expect("metric names are unique");
+    r.register(Box::new(g.clone()))
+        .expect("metric names are unique");
     g
 }
 
@@ -144,7 +147,8 @@ impl Metrics {
             .buckets(latency_buckets()),
         )
         .expect("static metric definition");
-        r.register(Box::new(lookup_latency.clone())).expect("unique");
+        r.register(Box::new(lookup_latency.clone()))
+            .expect("unique");
         let score_latency = HistogramVec::new(
             HistogramOpts::new(
                 "kvindexer_score_latency_seconds",
@@ -155,32 +159,131 @@ impl Metrics {
         )
         .expect("static metric definition");
         r.register(Box::new(score_latency.clone())).expect("unique");
-        let event_queue_depth =
-            IntGauge::new("kvindexer_event_queue_depth", "Event messages waiting in worker queues")
-                .expect("static metric definition");
-        r.register(Box::new(event_queue_depth.clone())).expect("unique");
+        let event_queue_depth = IntGauge::new(
+            "kvindexer_event_queue_depth",
+            "Event messages waiting in worker queues",
+        )
+        .expect("static metric definition");
+        r.register(Box::new(event_queue_depth.clone()))
+            .expect("unique");
         Arc::new(Self {
-            index_admissions: counter(&r, "kvcache_index_admissions_total", "Blocks added to the index (per pod and tier)"),
-            index_evictions: counter(&r, "kvcache_index_evictions_total", "Blocks removed from the index (per pod and tier)"),
-            lookup_requests: counter(&r, "kvcache_index_lookup_requests_total", "Index lookups (score requests)"),
-            lookup_hits: counter(&r, "kvcache_index_lookup_hits_total", "Lookups where some pod held at least the first block"),
+            index_admissions: counter(
+                &r,
+                "kvcache_index_admissions_total",
+                "Blocks added to the index (per pod and tier)",
+            ),
+            index_evictions: counter(
+                &r,
+                "kvcache_index_evictions_total",
+                "Blocks removed from the index (per pod and tier)",
+            ),
+            lookup_requests: counter(
+                &r,
+                "kvcache_index_lookup_requests_total",
+                "Index lookups (score requests)",
+            ),
+            lookup_hits: counter(
+                &r,
+                "kvcache_index_lookup_hits_total",
+                "Lookups where some pod held at least the first block",
+            ),
             lookup_latency,
-            messages_received: counter_vec(&r, "kvindexer_zmq_messages_received_total", "ZMQ messages received", &["pod"]),
-            events_received: counter_vec(&r, "kvindexer_events_received_total", "KV events received", &["pod", "type"]),
-            decode_errors: counter_vec(&r, "kvindexer_decode_errors_total", "Event payloads that failed to decode", &["reason"]),
-            frame_errors: counter_vec(&r, "kvindexer_frame_errors_total", "ZMQ messages dropped before decoding", &["reason"]),
-            sequence_gaps: counter_vec(&r, "kvindexer_sequence_gaps_total", "Gaps in a publisher's sequence numbers", &["pod"]),
-            messages_lost: counter_vec(&r, "kvindexer_messages_lost_total", "Messages missing after replay (or without replay)", &["pod"]),
-            replays: counter_vec(&r, "kvindexer_replays_total", "Replay requests to vLLM's ROUTER", &["result"]),
-            pod_restarts: counter_vec(&r, "kvindexer_pod_restarts_total", "Publisher restarts detected (sequence went backwards)", &["pod"]),
-            hash_checks: counter_vec(&r, "kvindexer_hash_checks_total", "Root-block hashes recomputed from event tokens", &["pod", "model", "result"]),
-            blocks_applied: counter_vec(&r, "kvindexer_blocks_applied_total", "Blocks applied to the index", &["op"]),
-            events_skipped: counter_vec(&r, "kvindexer_events_skipped_total", "Events not applied", &["reason"]),
-            index_keys: gauge_vec(&r, "kvindexer_index_keys", "Distinct block keys in the index", &["model"]),
-            index_memberships: gauge_vec(&r, "kvindexer_index_memberships", "(block, pod, tier) memberships in the index", &["model"]),
-            index_memory_bytes: gauge_vec(&r, "kvindexer_index_memory_bytes", "Memory held by the index", &["model"]),
-            index_capacity_drops: gauge_vec(&r, "kvindexer_index_capacity_drops", "Memberships dropped because the index or a block was full", &["model", "reason"]),
-            score_requests: counter_vec(&r, "kvindexer_score_requests_total", "Score requests", &["rpc", "code"]),
+            messages_received: counter_vec(
+                &r,
+                "kvindexer_zmq_messages_received_total",
+                "ZMQ messages received",
+                &["pod"],
+            ),
+            events_received: counter_vec(
+                &r,
+                "kvindexer_events_received_total",
+                "KV events received",
+                &["pod", "type"],
+            ),
+            decode_errors: counter_vec(
+                &r,
+                "kvindexer_decode_errors_total",
+                "Event payloads that failed to decode",
+                &["reason"],
+            ),
+            frame_errors: counter_vec(
+                &r,
+                "kvindexer_frame_errors_total",
+                "ZMQ messages dropped before decoding",
+                &["reason"],
+            ),
+            sequence_gaps: counter_vec(
+                &r,
+                "kvindexer_sequence_gaps_total",
+                "Gaps in a publisher's sequence numbers",
+                &["pod"],
+            ),
+            messages_lost: counter_vec(
+                &r,
+                "kvindexer_messages_lost_total",
+                "Messages missing after replay (or without replay)",
+                &["pod"],
+            ),
+            replays: counter_vec(
+                &r,
+                "kvindexer_replays_total",
+                "Replay requests to vLLM's ROUTER",
+                &["result"],
+            ),
+            pod_restarts: counter_vec(
+                &r,
+                "kvindexer_pod_restarts_total",
+                "Publisher restarts detected (sequence went backwards)",
+                &["pod"],
+            ),
+            hash_checks: counter_vec(
+                &r,
+                "kvindexer_hash_checks_total",
+                "Root-block hashes recomputed from event tokens",
+                &["pod", "model", "result"],
+            ),
+            blocks_applied: counter_vec(
+                &r,
+                "kvindexer_blocks_applied_total",
+                "Blocks applied to the index",
+                &["op"],
+            ),
+            events_skipped: counter_vec(
+                &r,
+                "kvindexer_events_skipped_total",
+                "Events not applied",
+                &["reason"],
+            ),
+            index_keys: gauge_vec(
+                &r,
+                "kvindexer_index_keys",
+                "Distinct block keys in the index",
+                &["model"],
+            ),
+            index_memberships: gauge_vec(
+                &r,
+                "kvindexer_index_memberships",
+                "(block, pod, tier) memberships in the index",
+                &["model"],
+            ),
+            index_memory_bytes: gauge_vec(
+                &r,
+                "kvindexer_index_memory_bytes",
+                "Memory held by the index",
+                &["model"],
+            ),
+            index_capacity_drops: gauge_vec(
+                &r,
+                "kvindexer_index_capacity_drops",
+                "Memberships dropped because the index or a block was full",
+                &["model", "reason"],
+            ),
+            score_requests: counter_vec(
+                &r,
+                "kvindexer_score_requests_total",
+                "Score requests",
+                &["rpc", "code"],
+            ),
             score_latency,
             event_queue_depth,
             pods: BoundedLabels::new(MAX_POD_LABELS),
@@ -203,7 +306,9 @@ impl Metrics {
     pub fn render(&self, indexer: &Indexer) -> String {
         for (model, stats) in indexer.stats() {
             let m = self.model_label(&model);
-            self.index_keys.with_label_values(&[&m]).set(stats.keys as i64);
+            self.index_keys
+                .with_label_values(&[&m])
+                .set(stats.keys as i64);
             self.index_memberships
                 .with_label_values(&[&m])
                 .set(stats.memberships as i64);
@@ -236,6 +341,10 @@ mod tests {
             assert_eq!(m.pod_label(&format!("10.0.0.{i}")), format!("10.0.0.{i}"));
         }
         assert_eq!(m.pod_label("one-too-many"), "_other");
-        assert_eq!(m.pod_label("10.0.0.3"), "10.0.0.3", "known pods keep their label");
+        assert_eq!(
+            m.pod_label("10.0.0.3"),
+            "10.0.0.3",
+            "known pods keep their label"
+        );
     }
 }

@@ -114,7 +114,9 @@ async fn matched(
     let r = client
         .score_pods(ScorePodsRequest {
             model: MODEL.into(),
-            input: Some(Input::Tokens(TokenIds { ids: tokens.to_vec() })),
+            input: Some(Input::Tokens(TokenIds {
+                ids: tokens.to_vec(),
+            })),
             pods: vec![pod.into()],
             ..Default::default()
         })
@@ -142,7 +144,9 @@ where
 }
 
 async fn http_get(addr: std::net::SocketAddr, path: &str) -> (u16, String) {
-    let mut s = tokio::net::TcpStream::connect(addr).await.expect("HTTP connects");
+    let mut s = tokio::net::TcpStream::connect(addr)
+        .await
+        .expect("HTTP connects");
     s.write_all(format!("GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").as_bytes())
         .await
         .expect("request sent");
@@ -185,7 +189,10 @@ async fn bind_mode_scores_what_vllm_published_for_every_wire_format() {
     let d = daemon::start(base_config()).await.expect("daemon starts");
     let endpoint = d.zmq_endpoint.clone().expect("bind mode");
     let mut publisher = PubSocket::new();
-    publisher.connect(&endpoint).await.expect("PUB connects to the daemon");
+    publisher
+        .connect(&endpoint)
+        .await
+        .expect("PUB connects to the daemon");
     let grpc = client(&d).await;
 
     let cases = [
@@ -208,7 +215,11 @@ async fn bind_mode_scores_what_vllm_published_for_every_wire_format() {
             async move { matched(&mut g, &tokens, &p).await == 3 }
         })
         .await;
-        assert_eq!(matched(&mut g, &c.tokens, &pod).await, 3, "{version} {scenario}");
+        assert_eq!(
+            matched(&mut g, &c.tokens, &pod).await,
+            3,
+            "{version} {scenario}"
+        );
         // seq 1: three BlockRemoved (evictions, leaf first) and AllBlocksCleared.
         publisher
             .send(message(&topic, 1, &batch(&c, &[2, 3, 4, 5])))
@@ -222,10 +233,19 @@ async fn bind_mode_scores_what_vllm_published_for_every_wire_format() {
         .await;
     }
     let (_, page) = http_get(d.metrics_addr, "/metrics").await;
-    assert!(metric(&page, "kvindexer_events_received_total{pod=\"10.0.0.2:8000\",type=\"BlockStored\"}") >= 2.0, "{page}");
+    assert!(
+        metric(
+            &page,
+            "kvindexer_events_received_total{pod=\"10.0.0.2:8000\",type=\"BlockStored\"}"
+        ) >= 2.0,
+        "{page}"
+    );
     assert!(metric(&page, "kvindexer_hash_checks_total{model=\"Qwen/Qwen3-8B\",pod=\"10.0.0.0:8000\",result=\"match\"}") >= 1.0);
     assert_eq!(metric(&page, "kvindexer_hash_checks_total{model=\"Qwen/Qwen3-8B\",pod=\"10.0.0.0:8000\",result=\"mismatch\"}"), 0.0);
-    assert!(metric(&page, "kvcache_index_admissions_total") >= 15.0, "5 cases x 3 blocks");
+    assert!(
+        metric(&page, "kvcache_index_admissions_total") >= 15.0,
+        "5 cases x 3 blocks"
+    );
     drop(grpc);
     d.shutdown().await;
 }
@@ -235,7 +255,10 @@ async fn connect_mode_dials_a_binding_publisher() {
     // vLLM binds (endpoint without `*` means connect in vLLM; here the test plays a pod whose
     // publisher binds), kv-indexer dials it; the captured topic "kv-events" is used as is.
     let mut publisher = PubSocket::new();
-    let bound = publisher.bind("tcp://127.0.0.1:0").await.expect("PUB binds");
+    let bound = publisher
+        .bind("tcp://127.0.0.1:0")
+        .await
+        .expect("PUB binds");
     let mut config = base_config();
     config.kv_events_config.zmq_endpoint = String::new();
     config.kv_events_config.topic_filter = String::new();
@@ -249,13 +272,19 @@ async fn connect_mode_dials_a_binding_publisher() {
     let mut grpc = client(&d).await;
     let c = captured("0.33.0", "int_hashes_topic_kv-events_dp0");
     let g = grpc.clone();
-    send_until(&mut publisher, message("kv-events", 0, &batch(&c, &[0, 1])), || {
-        let (mut g, tokens) = (g.clone(), c.tokens.clone());
-        async move { matched(&mut g, &tokens, "10.1.0.1:8000").await == 3 }
-    })
+    send_until(
+        &mut publisher,
+        message("kv-events", 0, &batch(&c, &[0, 1])),
+        || {
+            let (mut g, tokens) = (g.clone(), c.tokens.clone());
+            async move { matched(&mut g, &tokens, "10.1.0.1:8000").await == 3 }
+        },
+    )
     .await;
     let pods = grpc
-        .list_pods(ListPodsRequest { model: MODEL.into() })
+        .list_pods(ListPodsRequest {
+            model: MODEL.into(),
+        })
         .await
         .expect("ListPods")
         .into_inner()
@@ -279,8 +308,7 @@ fn spawn_replay_router(
         let mut requests = Vec::new();
         // Wait long for the first request, briefly for any further (there should be none).
         let wait = |first: bool| Duration::from_secs(if first { 20 } else { 1 });
-        while let Ok(Ok(req)) =
-            tokio::time::timeout(wait(requests.is_empty()), router.recv()).await
+        while let Ok(Ok(req)) = tokio::time::timeout(wait(requests.is_empty()), router.recv()).await
         {
             let frames = req.into_vec();
             assert_eq!(frames.len(), 3, "[identity, empty, start_seq]");
@@ -298,7 +326,10 @@ fn spawn_replay_router(
                 ZmqMessage::try_from(f).expect("frames")
             };
             for (seq, payload) in buffer.iter().filter(|(s, _)| *s >= start) {
-                router.send(reply(*seq, payload)).await.expect("replay send");
+                router
+                    .send(reply(*seq, payload))
+                    .await
+                    .expect("replay send");
             }
             // End marker: seq -1, empty payload (0.26+: with an empty topic frame).
             let mut end = vec![identity.clone(), Bytes::new()];
@@ -307,7 +338,10 @@ fn spawn_replay_router(
             }
             end.push(Bytes::copy_from_slice(&u64::MAX.to_be_bytes()));
             end.push(Bytes::new());
-            router.send(ZmqMessage::try_from(end).expect("frames")).await.expect("end marker");
+            router
+                .send(ZmqMessage::try_from(end).expect("frames"))
+                .await
+                .expect("end marker");
         }
         requests
     })
@@ -317,8 +351,16 @@ fn spawn_replay_router(
 async fn a_gap_is_recovered_from_vllms_replay_buffer_in_both_layouts() {
     for (layout, topic_frame) in [("0.26+", true), ("<=0.25", false)] {
         let mut router = RouterSocket::new();
-        let router_ep = router.bind("tcp://127.0.0.1:0").await.expect("ROUTER binds");
-        let port = router_ep.to_string().rsplit(':').next().expect("port").to_owned();
+        let router_ep = router
+            .bind("tcp://127.0.0.1:0")
+            .await
+            .expect("ROUTER binds");
+        let port = router_ep
+            .to_string()
+            .rsplit(':')
+            .next()
+            .expect("port")
+            .to_owned();
         let mut config = base_config();
         config.kv_events_config.replay_endpoint_template = format!("tcp://{{ip}}:{port}");
         let d = daemon::start(config).await.expect("daemon starts");
@@ -333,11 +375,8 @@ async fn a_gap_is_recovered_from_vllms_replay_buffer_in_both_layouts() {
         let topic = format!("kv@{pod}@{MODEL}");
         // The publisher's buffer: seq 1 holds block 2, which the SUB never receives.
         let seq1 = batch(&c, &[1]);
-        let replay = spawn_replay_router(
-            router,
-            vec![(1, seq1)],
-            topic_frame.then(|| topic.clone()),
-        );
+        let replay =
+            spawn_replay_router(router, vec![(1, seq1)], topic_frame.then(|| topic.clone()));
         let g = grpc.clone();
         let tokens = c.tokens.clone();
         send_until(&mut publisher, message(&topic, 0, &batch(&c, &[0])), || {
@@ -350,19 +389,44 @@ async fn a_gap_is_recovered_from_vllms_replay_buffer_in_both_layouts() {
         empty.extend_from_slice(&c.ts);
         empty.push(0x90);
         empty.extend_from_slice(&c.rank);
-        publisher.send(message(&topic, 2, &empty)).await.expect("send");
+        publisher
+            .send(message(&topic, 2, &empty))
+            .await
+            .expect("send");
         eventually("block 2 recovered by replay", || {
             let (mut g, tokens) = (grpc.clone(), c.tokens.clone());
             async move { matched(&mut g, &tokens, pod).await == 3 }
         })
         .await;
         let (_, page) = http_get(d.metrics_addr, "/metrics").await;
-        assert_eq!(metric(&page, "kvindexer_sequence_gaps_total{pod=\"127.0.0.1:8000\"}"), 1.0, "{layout}");
-        assert_eq!(metric(&page, "kvindexer_replays_total{result=\"ok\"}"), 1.0, "{layout}");
-        assert_eq!(metric(&page, "kvindexer_messages_lost_total{pod=\"127.0.0.1:8000\"}"), 0.0, "{layout}");
+        assert_eq!(
+            metric(
+                &page,
+                "kvindexer_sequence_gaps_total{pod=\"127.0.0.1:8000\"}"
+            ),
+            1.0,
+            "{layout}"
+        );
+        assert_eq!(
+            metric(&page, "kvindexer_replays_total{result=\"ok\"}"),
+            1.0,
+            "{layout}"
+        );
+        assert_eq!(
+            metric(
+                &page,
+                "kvindexer_messages_lost_total{pod=\"127.0.0.1:8000\"}"
+            ),
+            0.0,
+            "{layout}"
+        );
         d.shutdown().await;
         let requests = replay.await.expect("router task");
-        assert_eq!(requests, vec![1], "{layout}: one replay request, from the first missing seq");
+        assert_eq!(
+            requests,
+            vec![1],
+            "{layout}: one replay request, from the first missing seq"
+        );
     }
 }
 
@@ -385,7 +449,10 @@ async fn a_publisher_restart_clears_the_pod_and_garbage_is_counted() {
         async move { matched(&mut g, &tokens, pod).await == 2 }
     })
     .await;
-    publisher.send(message(&topic, 1, &batch(&c, &[1]))).await.expect("send");
+    publisher
+        .send(message(&topic, 1, &batch(&c, &[1])))
+        .await
+        .expect("send");
     eventually("seq 1 applied", || {
         let (mut g, tokens) = (grpc.clone(), c.tokens.clone());
         async move { matched(&mut g, &tokens, pod).await == 3 }
@@ -394,8 +461,11 @@ async fn a_publisher_restart_clears_the_pod_and_garbage_is_counted() {
 
     // Garbage of every kind, then a restarted publisher (seq back to 0) storing nothing.
     let garbage = [
-        ZmqMessage::try_from(vec![Bytes::from_static(b"kv@x@y"), Bytes::from_static(b"12")])
-            .expect("frames"),
+        ZmqMessage::try_from(vec![
+            Bytes::from_static(b"kv@x@y"),
+            Bytes::from_static(b"12"),
+        ])
+        .expect("frames"),
         ZmqMessage::try_from(vec![
             Bytes::copy_from_slice(topic.as_bytes()),
             Bytes::from_static(b"1234"),
@@ -403,7 +473,11 @@ async fn a_publisher_restart_clears_the_pod_and_garbage_is_counted() {
         ])
         .expect("frames"),
         message("kv@no-model", 5, &[0x90]),
-        message(&format!("kv@10.2.0.9:8000@{MODEL}"), 0, b"\xc1\xc1 not msgpack"),
+        message(
+            &format!("kv@10.2.0.9:8000@{MODEL}"),
+            0,
+            b"\xc1\xc1 not msgpack",
+        ),
     ];
     for g in garbage {
         publisher.send(g).await.expect("send");
@@ -412,7 +486,10 @@ async fn a_publisher_restart_clears_the_pod_and_garbage_is_counted() {
     empty.extend_from_slice(&c.ts);
     empty.push(0x90);
     empty.extend_from_slice(&c.rank);
-    publisher.send(message(&topic, 0, &empty)).await.expect("send");
+    publisher
+        .send(message(&topic, 0, &empty))
+        .await
+        .expect("send");
     eventually("the restart cleared the pod", || {
         let (mut g, tokens) = (grpc.clone(), c.tokens.clone());
         async move { matched(&mut g, &tokens, pod).await == 0 }
@@ -420,11 +497,33 @@ async fn a_publisher_restart_clears_the_pod_and_garbage_is_counted() {
     .await;
     let (status, page) = http_get(d.metrics_addr, "/metrics").await;
     assert_eq!(status, 200);
-    assert_eq!(metric(&page, "kvindexer_pod_restarts_total{pod=\"10.2.0.1:8000\"}"), 1.0, "{page}");
-    assert_eq!(metric(&page, "kvindexer_frame_errors_total{reason=\"bad_frame_count\"}"), 1.0);
-    assert_eq!(metric(&page, "kvindexer_frame_errors_total{reason=\"short_seq\"}"), 1.0);
-    assert_eq!(metric(&page, "kvindexer_frame_errors_total{reason=\"bad_topic\"}"), 1.0);
-    assert!(metric(&page, "kvindexer_decode_errors_total{reason=\"unexpected_type\"}") >= 1.0, "{page}");
+    assert_eq!(
+        metric(&page, "kvindexer_pod_restarts_total{pod=\"10.2.0.1:8000\"}"),
+        1.0,
+        "{page}"
+    );
+    assert_eq!(
+        metric(
+            &page,
+            "kvindexer_frame_errors_total{reason=\"bad_frame_count\"}"
+        ),
+        1.0
+    );
+    assert_eq!(
+        metric(&page, "kvindexer_frame_errors_total{reason=\"short_seq\"}"),
+        1.0
+    );
+    assert_eq!(
+        metric(&page, "kvindexer_frame_errors_total{reason=\"bad_topic\"}"),
+        1.0
+    );
+    assert!(
+        metric(
+            &page,
+            "kvindexer_decode_errors_total{reason=\"unexpected_type\"}"
+        ) >= 1.0,
+        "{page}"
+    );
     // Still serving.
     assert_eq!(http_get(d.metrics_addr, "/healthz").await.0, 200);
     assert_eq!(http_get(d.metrics_addr, "/readyz").await.0, 200);
@@ -443,23 +542,41 @@ async fn grpc_errors_health_and_reflection() {
     };
     let code = |r: Result<tonic::Response<_>, tonic::Status>| r.err().map(|s| s.code());
     assert_eq!(
-        code(grpc.score_pods(score("nope", Some(Input::Tokens(TokenIds { ids: vec![1; 32] })))).await),
+        code(
+            grpc.score_pods(score(
+                "nope",
+                Some(Input::Tokens(TokenIds { ids: vec![1; 32] }))
+            ))
+            .await
+        ),
         Some(tonic::Code::NotFound)
     );
-    assert_eq!(code(grpc.score_pods(score("", None)).await), Some(tonic::Code::InvalidArgument));
     assert_eq!(
-        code(grpc.score_pods(score(MODEL, Some(Input::Tokens(TokenIds { ids: vec![] })))).await),
+        code(grpc.score_pods(score("", None)).await),
         Some(tonic::Code::InvalidArgument)
     );
     assert_eq!(
-        code(grpc.score_pods(score(MODEL, Some(Input::Prompt("hi".into())))).await),
+        code(
+            grpc.score_pods(score(MODEL, Some(Input::Tokens(TokenIds { ids: vec![] }))))
+                .await
+        ),
+        Some(tonic::Code::InvalidArgument)
+    );
+    assert_eq!(
+        code(
+            grpc.score_pods(score(MODEL, Some(Input::Prompt("hi".into()))))
+                .await
+        ),
         Some(tonic::Code::Unimplemented)
     );
     let too_many = ScorePodsRequest {
         pods: vec!["p".into(); 10_001],
         ..score(MODEL, Some(Input::Tokens(TokenIds { ids: vec![1] })))
     };
-    assert_eq!(code(grpc.score_pods(too_many).await), Some(tonic::Code::InvalidArgument));
+    assert_eq!(
+        code(grpc.score_pods(too_many).await),
+        Some(tonic::Code::InvalidArgument)
+    );
 
     let channel = tonic::transport::Channel::from_shared(format!("http://{}", d.grpc_addr))
         .expect("uri")
@@ -475,11 +592,15 @@ async fn grpc_errors_health_and_reflection() {
         .expect("health")
         .into_inner()
         .status;
-    assert_eq!(status, tonic_health::pb::health_check_response::ServingStatus::Serving as i32);
+    assert_eq!(
+        status,
+        tonic_health::pb::health_check_response::ServingStatus::Serving as i32
+    );
 
     use tonic_reflection::pb::v1::{
-        server_reflection_client::ServerReflectionClient, server_reflection_request::MessageRequest,
-        server_reflection_response::MessageResponse, ServerReflectionRequest,
+        server_reflection_client::ServerReflectionClient,
+        server_reflection_request::MessageRequest, server_reflection_response::MessageResponse,
+        ServerReflectionRequest,
     };
     let mut reflection = ServerReflectionClient::new(channel);
     let request = ServerReflectionRequest {
@@ -496,7 +617,13 @@ async fn grpc_errors_health_and_reflection() {
         panic!("unexpected reflection reply");
     };
     let names: Vec<String> = list.service.into_iter().map(|s| s.name).collect();
-    assert!(names.contains(&"kvindexer.v1.KvIndexer".to_owned()), "{names:?}");
-    assert!(names.contains(&"indexer.v1.IndexerService".to_owned()), "{names:?}");
+    assert!(
+        names.contains(&"kvindexer.v1.KvIndexer".to_owned()),
+        "{names:?}"
+    );
+    assert!(
+        names.contains(&"indexer.v1.IndexerService".to_owned()),
+        "{names:?}"
+    );
     d.shutdown().await;
 }

@@ -161,7 +161,7 @@ impl TokenProcessor {
             return Err(TokenProcessorError::ZeroBlockSize);
         }
         let hash_block_size = config.hash_block_size.unwrap_or(config.block_size);
-        if hash_block_size == 0 || config.block_size % hash_block_size != 0 {
+        if hash_block_size == 0 || !config.block_size.is_multiple_of(hash_block_size) {
             return Err(TokenProcessorError::BadHashBlockSize {
                 block_size: config.block_size,
                 hash_block_size,

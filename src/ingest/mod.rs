@@ -105,7 +105,12 @@ impl Publishers {
         let mut all: Vec<_> = self
             .shards
             .iter()
-            .flat_map(|s| s.lock().iter().map(|(k, v)| (k.clone(), v.clone())).collect::<Vec<_>>())
+            .flat_map(|s| {
+                s.lock()
+                    .iter()
+                    .map(|(k, v)| (k.clone(), v.clone()))
+                    .collect::<Vec<_>>()
+            })
             .collect();
         all.sort_by(|a, b| a.0.cmp(&b.0));
         all
@@ -114,7 +119,9 @@ impl Publishers {
     /// Forgets a pod's publishers (after an admin clear), so its next message starts afresh.
     pub fn forget_pod(&self, model: &str, pod: &str) {
         for shard in &self.shards {
-            shard.lock().retain(|k, _| !(&*k.pod == pod && &*k.model == model));
+            shard
+                .lock()
+                .retain(|k, _| !(&*k.pod == pod && &*k.model == model));
         }
     }
 }
@@ -299,7 +306,12 @@ pub async fn start(
             replay,
             label: bound.to_string().into(),
         };
-        receivers.push(tokio::spawn(receive(socket, source, router.clone(), shutdown.clone())));
+        receivers.push(tokio::spawn(receive(
+            socket,
+            source,
+            router.clone(),
+            shutdown.clone(),
+        )));
     }
     for ep in &config.endpoints {
         receivers.push(tokio::spawn(connect_and_receive(
@@ -418,14 +430,21 @@ async fn route(message: ZmqMessage, source: &Source, router: &Router) {
         return;
     };
     let seq = u64::from_be_bytes(seq);
-    let (pod, model): (Arc<str>, Arc<str>) = if !source.pod.is_empty() && !source.model.is_empty()
-    {
+    let (pod, model): (Arc<str>, Arc<str>) = if !source.pod.is_empty() && !source.model.is_empty() {
         (source.pod.clone(), source.model.clone())
     } else {
         match topic::parse_topic(topic, &shared.filter) {
             Ok((pod, model)) => (
-                if source.pod.is_empty() { pod.into() } else { source.pod.clone() },
-                if source.model.is_empty() { model.into() } else { source.model.clone() },
+                if source.pod.is_empty() {
+                    pod.into()
+                } else {
+                    source.pod.clone()
+                },
+                if source.model.is_empty() {
+                    model.into()
+                } else {
+                    source.model.clone()
+                },
             ),
             Err(e) => {
                 frame_error(shared, "bad_topic", &e.to_string());
@@ -498,7 +517,10 @@ async fn handle(worker: usize, job: Job, shared: &Shared) {
         }
         Some(last) if job.seq == last.wrapping_add(1) => {}
         Some(last) if job.seq == last => {
-            metrics.events_skipped.with_label_values(&["duplicate"]).inc();
+            metrics
+                .events_skipped
+                .with_label_values(&["duplicate"])
+                .inc();
             return;
         }
         Some(last) if job.seq < last => {
@@ -580,7 +602,10 @@ fn apply(shared: &Shared, model: &str, pod: &str, batch: &EventBatch) {
     let report = match shared.indexer.apply_batch(model, pod, batch) {
         Ok(r) => r,
         Err(e) => {
-            metrics.events_skipped.with_label_values(&["bad_model_settings"]).inc();
+            metrics
+                .events_skipped
+                .with_label_values(&["bad_model_settings"])
+                .inc();
             tracing::error!(model, error = %e, "cannot index events for this model");
             return;
         }
@@ -612,7 +637,10 @@ fn apply(shared: &Shared, model: &str, pod: &str, batch: &EventBatch) {
             .inc_by(report.unknown_events as u64);
     }
     if report.engine_rejected {
-        metrics.events_skipped.with_label_values(&["too_many_engines"]).inc();
+        metrics
+            .events_skipped
+            .with_label_values(&["too_many_engines"])
+            .inc();
     }
     metrics
         .blocks_applied

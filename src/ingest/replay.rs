@@ -72,7 +72,11 @@ async fn fetch_inner(endpoint: &str, start: u64) -> Result<Vec<(u64, Bytes)>, Re
         let (seq, payload) = match frames.as_slice() {
             [_, seq, payload] => (seq, payload),
             [_, _topic, seq, payload] => (seq, payload),
-            other => return Err(ReplayError::BadReply { frames: other.len() }),
+            other => {
+                return Err(ReplayError::BadReply {
+                    frames: other.len(),
+                })
+            }
         };
         let seq: [u8; 8] = seq[..]
             .try_into()

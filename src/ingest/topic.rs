@@ -36,7 +36,9 @@ pub fn parse_topic<'a>(topic: &'a [u8], filter: &str) -> Result<(&'a str, &'a st
 /// The host part of a pod id: `10.0.0.1:8000` -> `10.0.0.1`, `[::1]:8000` -> `[::1]`.
 pub fn pod_host(pod: &str) -> &str {
     if pod.starts_with('[') {
-        return pod.split_once(']').map_or(pod, |(h, _)| &pod[..h.len() + 1]);
+        return pod
+            .split_once(']')
+            .map_or(pod, |(h, _)| &pod[..h.len() + 1]);
     }
     match pod.rsplit_once(':') {
         // One colon: host:port. More (bare IPv6): the whole string is the host.
@@ -62,7 +64,9 @@ pub fn replay_endpoint(template: &str, pod: &str, rank: u32) -> Option<String> {
         return None;
     }
     let port = pod.rsplit_once(':').map(|(_, p)| p).unwrap_or("");
-    let filled = template.replace("{ip}", pod_host(pod)).replace("{port}", port);
+    let filled = template
+        .replace("{ip}", pod_host(pod))
+        .replace("{port}", port);
     offset_port(&filled, rank)
 }
 
@@ -81,10 +85,22 @@ mod tests {
             parse_topic(b"kv@10.0.0.1:8000@Qwen/Qwen3-8B", "kv@"),
             Ok(("10.0.0.1:8000", "Qwen/Qwen3-8B"))
         );
-        assert_eq!(parse_topic(b"kv@10.0.0.1@m@v2", "kv@"), Ok(("10.0.0.1", "m@v2")));
-        assert!(matches!(parse_topic(b"kv-events", "kv@"), Err(TopicError::WrongPrefix(_))));
-        assert!(matches!(parse_topic(b"kv@pod", "kv@"), Err(TopicError::Malformed(_))));
-        assert!(matches!(parse_topic(b"kv@@m", "kv@"), Err(TopicError::Malformed(_))));
+        assert_eq!(
+            parse_topic(b"kv@10.0.0.1@m@v2", "kv@"),
+            Ok(("10.0.0.1", "m@v2"))
+        );
+        assert!(matches!(
+            parse_topic(b"kv-events", "kv@"),
+            Err(TopicError::WrongPrefix(_))
+        ));
+        assert!(matches!(
+            parse_topic(b"kv@pod", "kv@"),
+            Err(TopicError::Malformed(_))
+        ));
+        assert!(matches!(
+            parse_topic(b"kv@@m", "kv@"),
+            Err(TopicError::Malformed(_))
+        ));
         assert_eq!(parse_topic(&[0xff], "kv@"), Err(TopicError::NotUtf8));
     }
 
@@ -103,7 +119,10 @@ mod tests {
             Some("tcp://[fd00::1]:5559")
         );
         assert_eq!(replay_endpoint("", "10.0.0.1", 0), None);
-        assert_eq!(offset_port("tcp://*:5557", 2).as_deref(), Some("tcp://*:5559"));
+        assert_eq!(
+            offset_port("tcp://*:5557", 2).as_deref(),
+            Some("tcp://*:5559")
+        );
         assert_eq!(bindable("tcp://*:5557"), "tcp://0.0.0.0:5557");
         assert_eq!(pod_host("10.0.0.1"), "10.0.0.1");
     }

@@ -30,8 +30,7 @@ pub mod indexer_v1 {
 }
 
 /// Encoded descriptors of both schemas, for server reflection.
-pub const FILE_DESCRIPTOR_SET: &[u8] =
-    tonic::include_file_descriptor_set!("kv_indexer_descriptor");
+pub const FILE_DESCRIPTOR_SET: &[u8] = tonic::include_file_descriptor_set!("kv_indexer_descriptor");
 
 use kvindexer_v1::score_pods_request::Input;
 
@@ -211,7 +210,9 @@ impl kvindexer_v1::kv_indexer_server::KvIndexer for KvIndexerApi {
                 });
             }
         }
-        pods.sort_by(|a, b| (&a.model, &a.pod, a.data_parallel_rank).cmp(&(&b.model, &b.pod, b.data_parallel_rank)));
+        pods.sort_by(|a, b| {
+            (&a.model, &a.pod, a.data_parallel_rank).cmp(&(&b.model, &b.pod, b.data_parallel_rank))
+        });
         Ok(Response::new(kvindexer_v1::ListPodsResponse { pods }))
     }
 
@@ -258,8 +259,7 @@ impl indexer_v1::indexer_service_server::IndexerService for LlmdIndexerApi {
                 "GetPodScores takes prompt text, which needs the tokenizer pool (not in this build yet); use kvindexer.v1.KvIndexer/ScorePods with token ids",
             ))
         })();
-        self.0
-            .record("GetPodScores", &result.as_ref().map(|_| ()));
+        self.0.record("GetPodScores", &result.as_ref().map(|_| ()));
         result.map(Response::new)
     }
 }

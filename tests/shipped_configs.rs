@@ -1,0 +1,61 @@
+//! The configuration files shipped in `config/` parse, validate, and mean what they say.
+
+use kv_indexer::config::Config;
+
+fn load(name: &str) -> Config {
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("config")
+        .join(name);
+    let c = Config::load(&path).unwrap_or_else(|e| panic!("{name}: {e}"));
+    c.validate().unwrap_or_else(|e| panic!("{name}: {e}"));
+    c
+}
+
+#[test]
+fn the_commented_example_is_exactly_the_defaults() {
+    assert_eq!(load("kv-indexer.yaml"), Config::default());
+}
+
+#[test]
+fn the_llm_d_example_is_accepted() {
+    let c = load("llm-d-example.yaml");
+    assert_eq!(
+        c.indexer_config.token_processor_config.hash_seed.as_deref(),
+        Some("12345")
+    );
+    assert_eq!(c.kv_events_config.concurrency, 16);
+}
+
+#[test]
+fn check_config_prints_the_effective_config_and_rejects_typos() {
+    let bin = env!("CARGO_BIN_EXE_kv-indexer");
+    let ok = std::process::Command::new(bin)
+        .args(["check-config", "--config", "config/llm-d-example.yaml"])
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .env("HF_TOKEN", "hf_do_not_print")
+        .env_remove("PYTHONHASHSEED")
+        .output()
+        .expect("runs");
+    assert!(ok.status.success());
+    let out = String::from_utf8_lossy(&ok.stdout);
+    assert!(
+        out.contains("hashSeed: '12345'") || out.contains("hashSeed: \"12345\""),
+        "{out}"
+    );
+    assert!(
+        !out.contains("hf_do_not_print"),
+        "the token must not be printed"
+    );
+    let dir = std::env::temp_dir().join(format!("kvi-typo-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("tmp");
+    let bad = dir.join("typo.yaml");
+    std::fs::write(&bad, "kvEventsConfig: {zmqEndpont: \"tcp://*:1\"}\n").expect("write");
+    let err = std::process::Command::new(bin)
+        .args(["check-config", "--config"])
+        .arg(&bad)
+        .output()
+        .expect("runs");
+    assert!(!err.status.success());
+    let msg = String::from_utf8_lossy(&err.stderr);
+    assert!(msg.contains("zmqEndpont"), "{msg}");
+}
