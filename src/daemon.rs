@@ -15,7 +15,6 @@ use thiserror::Error;
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
-use tokio_stream::wrappers::TcpListenerStream;
 
 use crate::config::{Config, ConfigError};
 use crate::indexer::{Indexer, SettingsError};
@@ -130,13 +129,21 @@ pub async fn start(config: Config) -> Result<RunningDaemon, DaemonError> {
     let mut grpc_shutdown = shutdown_rx.clone();
     let grpc = tokio::spawn(
         tonic::transport::Server::builder()
+            // A 500-block prompt is ~25 KB of token ids: open windows wide enough that a
+            // request never waits for a WINDOW_UPDATE round trip.
+            .initial_stream_window_size(Some(1 << 20))
+            .initial_connection_window_size(Some(4 << 20))
             .add_service(health_service)
             .add_service(reflection)
             .add_service(KvIndexerServer::new(KvIndexerApi(service.clone())))
             .add_service(IndexerServiceServer::new(LlmdIndexerApi(service)))
-            .serve_with_incoming_shutdown(TcpListenerStream::new(grpc_listener), async move {
-                let _ = grpc_shutdown.changed().await;
-            }),
+            // TCP_NODELAY: a small response must not wait for a delayed ACK (40 ms on Linux).
+            .serve_with_incoming_shutdown(
+                tonic::transport::server::TcpIncoming::from(grpc_listener).with_nodelay(Some(true)),
+                async move {
+                    let _ = grpc_shutdown.changed().await;
+                },
+            ),
     );
 
     let ready = Arc::new(AtomicBool::new(false));

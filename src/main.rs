@@ -20,6 +20,8 @@ enum Command {
     CheckConfig(cli::serve::ServeArgs),
     /// Print vLLM's sha256_cbor block hashes for a token list.
     Hash(cli::hash::HashArgs),
+    /// Publish vLLM-shaped events at full speed and call ScorePods against a running daemon.
+    Loadgen(cli::loadgen::LoadgenArgs),
 }
 
 fn main() {
@@ -28,6 +30,7 @@ fn main() {
         Command::Serve(args) => cli::serve::serve(args),
         Command::CheckConfig(args) => cli::serve::check_config(args),
         Command::Hash(args) => cli::hash::run(args),
+        Command::Loadgen(args) => cli::loadgen::run(args),
     };
     if let Err(error) = result {
         // `{:#}` prints the cause chain on one line; no backtrace for operator-facing errors.

@@ -1,4 +1,5 @@
 //! Subcommands of the `kv-indexer` binary (the only place `anyhow` is used).
 
 pub mod hash;
+pub mod loadgen;
 pub mod serve;

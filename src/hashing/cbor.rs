@@ -39,6 +39,40 @@ pub fn write_uint(out: &mut Vec<u8>, value: u64) {
     write_head(out, MAJOR_UNSIGNED, value);
 }
 
+/// Writes unsigned integers (a block's token ids) in one pass: the buffer grows once to the
+/// worst case (5 bytes each) and is truncated after, so there is no per-byte capacity check.
+#[inline]
+pub fn write_u32s(out: &mut Vec<u8>, values: &[u32]) {
+    let start = out.len();
+    out.resize(start + values.len() * 5, 0);
+    let buf = &mut out[start..];
+    let mut n = 0;
+    for &v in values {
+        n += match v {
+            0..=23 => {
+                buf[n] = v as u8;
+                1
+            }
+            24..=0xff => {
+                buf[n] = 24;
+                buf[n + 1] = v as u8;
+                2
+            }
+            0x100..=0xffff => {
+                buf[n] = 25;
+                buf[n + 1..n + 3].copy_from_slice(&(v as u16).to_be_bytes());
+                3
+            }
+            _ => {
+                buf[n] = 26;
+                buf[n + 1..n + 5].copy_from_slice(&v.to_be_bytes());
+                5
+            }
+        };
+    }
+    out.truncate(start + n);
+}
+
 /// Writes a signed integer: major 0 for `v >= 0`, major 1 (`-1 - n`) otherwise.
 pub fn write_int(out: &mut Vec<u8>, value: i64) {
     if value >= 0 {
@@ -89,6 +123,18 @@ mod tests {
         let mut neg = Vec::new();
         write_int(&mut neg, -11);
         assert_eq!(neg, [0x2a], "the contract's example: offset -11 is 2a");
+    }
+
+    #[test]
+    fn the_batch_writer_equals_the_one_at_a_time_writer() {
+        let values = [0, 23, 24, 255, 256, 65_535, 65_536, u32::MAX, 7];
+        let mut one = vec![0xaa];
+        for &v in &values {
+            write_uint(&mut one, v as u64);
+        }
+        let mut batch = vec![0xaa];
+        write_u32s(&mut batch, &values);
+        assert_eq!(batch, one);
     }
 
     #[test]

@@ -225,9 +225,7 @@ impl TokenProcessor {
             input.extend_from_slice(&[0x83, 0x58, 0x20]);
             input.extend_from_slice(&parent);
             cbor::write_array_head(input, chunk.len());
-            for &token in chunk {
-                cbor::write_uint(input, token as u64);
-            }
+            cbor::write_u32s(input, chunk);
             if plain {
                 input.push(cbor::NULL);
             } else {
