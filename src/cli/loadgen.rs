@@ -125,10 +125,8 @@ fn block_stored(hashes: &[u64], parent: Option<u64>, tokens: &[u32], block_size:
     }
     write_str(&mut m, "block_size");
     rmp::encode::write_uint(&mut m, block_size as u64).ok();
-    for key in ["lora_id"] {
-        write_str(&mut m, key);
-        rmp::encode::write_nil(&mut m).ok();
-    }
+    write_str(&mut m, "lora_id");
+    rmp::encode::write_nil(&mut m).ok();
     write_str(&mut m, "medium");
     write_str(&mut m, "GPU");
     write_str(&mut m, "lora_name");
