@@ -193,8 +193,8 @@ fn main() {
         t.elapsed().as_secs_f64()
     );
     println!();
-    println!("| backend | block-ops/s | apply blocks/s | query p50 | query p99 | bytes/membership | vs best peer (ops/s) |");
-    println!("|---|---:|---:|---:|---:|---:|---:|");
+    println!("| backend | block-ops/s | apply blocks/s | query p50 | query p99 | bytes/membership | vs best peer (ops/s) | matched blocks (exact = flat map) |");
+    println!("|---|---:|---:|---:|---:|---:|---:|---:|");
     let makers: Vec<(&str, Box<dyn Fn() -> Box<dyn IndexBackend>>)> = vec![
         ("flat", Box::new(|| Box::new(FlatMapBackend::default()))),
         ("smg", Box::new(move || Box::new(Smg::new(shape.pods)))),
@@ -227,7 +227,7 @@ fn main() {
     let checksum = rows[0].1.checksum;
     for (_, rep, bytes) in &rows {
         println!(
-            "| {} | {:.1}M | {:.1}M | {:.2} us | {:.2} us | {:.1} | {:.2} |{}",
+            "| {} | {:.1}M | {:.1}M | {:.2} us | {:.2} us | {:.1} | {:.2} | {}{} |",
             rep.backend,
             rep.block_ops_per_sec() / 1e6,
             (s + r) as f64 / rep.apply_seconds / 1e6,
@@ -235,7 +235,8 @@ fn main() {
             rep.query_percentile_us(99.0),
             *bytes as f64 / workload.final_memberships as f64,
             rep.block_ops_per_sec() / best_peer,
-            if rep.checksum == checksum { "" } else { " (checksum differs!)" }
+            rep.checksum,
+            if rep.checksum == checksum { "" } else { " (differs)" }
         );
     }
 }
