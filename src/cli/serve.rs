@@ -51,7 +51,9 @@ pub fn effective_config(args: &ServeArgs) -> anyhow::Result<Config> {
 fn init_logging(format: &str) -> anyhow::Result<()> {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    let builder = tracing_subscriber::fmt().with_env_filter(filter);
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
     match format {
         "json" => builder.json().init(),
         "text" => builder.init(),
