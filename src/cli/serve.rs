@@ -72,22 +72,20 @@ pub fn serve(args: ServeArgs) -> anyhow::Result<()> {
         .build()
         .context("starting the async runtime")?;
     runtime.block_on(async move {
+        // Handlers first: a SIGTERM that arrives while starting must still shut down cleanly.
+        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+            .context("installing the SIGTERM handler")?;
+        let mut int = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::interrupt())
+            .context("installing the SIGINT handler")?;
         let daemon = kv_indexer::daemon::start(config).await?;
-        wait_for_signal().await?;
+        tokio::select! {
+            _ = term.recv() => {}
+            _ = int.recv() => {}
+        }
         tracing::info!("shutdown requested");
         daemon.shutdown().await;
         Ok(())
     })
-}
-
-async fn wait_for_signal() -> anyhow::Result<()> {
-    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
-        .context("installing the SIGTERM handler")?;
-    tokio::select! {
-        _ = term.recv() => {}
-        r = tokio::signal::ctrl_c() => r.context("waiting for SIGINT")?,
-    }
-    Ok(())
 }
 
 /// Validates the configuration and prints the effective result (secrets redacted).
