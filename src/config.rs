@@ -181,8 +181,10 @@ pub struct TokenizersPoolConfig {
     pub tokenizers_cache_dir: String,
     /// Local tokenizer files (llm-d form).
     pub local: LocalTokenizers,
-    /// Never download; only local files and the cache.
+    /// Never download; only local files and the cache (`HF_HUB_OFFLINE=1` sets it).
     pub offline: bool,
+    /// HuggingFace Hub base URL (`HF_ENDPOINT` overrides it); empty = huggingface.co.
+    pub hf_endpoint: String,
     /// Tokenization requests waiting at most (beyond: RESOURCE_EXHAUSTED).
     pub queue_size: usize,
 }
@@ -196,6 +198,7 @@ impl Default for TokenizersPoolConfig {
             tokenizers_cache_dir: "/tmp".into(),
             local: LocalTokenizers::default(),
             offline: false,
+            hf_endpoint: String::new(),
             queue_size: 1024,
         }
     }
@@ -367,8 +370,15 @@ impl Config {
     }
 
     /// Applies environment overrides through `get` (so tests need no process environment):
-    /// `HF_TOKEN` -> `huggingFaceToken`, `PYTHONHASHSEED` -> `hashSeed`.
+    /// `HF_TOKEN` -> `huggingFaceToken`, `PYTHONHASHSEED` -> `hashSeed`, `HF_ENDPOINT` ->
+    /// `hfEndpoint`, `HF_HUB_OFFLINE=1` -> `offline`.
     pub fn apply_env(&mut self, get: impl Fn(&str) -> Option<String>) {
+        if let Some(endpoint) = get("HF_ENDPOINT").filter(|e| !e.is_empty()) {
+            self.indexer_config.tokenizers_pool_config.hf_endpoint = endpoint;
+        }
+        if get("HF_HUB_OFFLINE").is_some_and(|v| v == "1" || v.eq_ignore_ascii_case("true")) {
+            self.indexer_config.tokenizers_pool_config.offline = true;
+        }
         if let Some(token) = get("HF_TOKEN").filter(|t| !t.is_empty()) {
             self.indexer_config
                 .tokenizers_pool_config
@@ -540,6 +550,33 @@ impl Config {
             },
             models,
             weights: TierWeights([w.gpu, w.cpu, w.storage, w.other]),
+        }
+    }
+
+    /// The tokenizer pool and prefix store settings this config describes.
+    pub fn tokenizer_settings(&self) -> crate::tokenize::TokenizerSettings {
+        let pool = &self.indexer_config.tokenizers_pool_config;
+        let mut explicit: std::collections::HashMap<String, String> =
+            pool.local.model_tokenizer_map.clone().into_iter().collect();
+        for (model, m) in &self.models {
+            if let Some(t) = &m.tokenizer {
+                explicit.insert(model.clone(), t.clone());
+            }
+        }
+        let store = &self.indexer_config.prefix_store_config;
+        crate::tokenize::TokenizerSettings {
+            sources: crate::tokenize::model::SourceSettings {
+                explicit,
+                cache_dir: pool.tokenizers_cache_dir.clone().into(),
+                hf_token: Some(pool.hugging_face_token.clone()).filter(|t| !t.is_empty()),
+                hf_endpoint: Some(pool.hf_endpoint.clone()).filter(|e| !e.is_empty()),
+                offline: pool.offline,
+            },
+            workers: pool.workers_count,
+            queue_size: pool.queue_size,
+            prefix_cache_size: store.cache_size as u64,
+            prefix_block_chars: store.block_size,
+            min_prefix_overlap_ratio: pool.min_prefix_overlap_ratio,
         }
     }
 

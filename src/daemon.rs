@@ -99,8 +99,11 @@ pub async fn start(config: Config) -> Result<RunningDaemon, DaemonError> {
     )
     .await?;
 
+    let tokenizers =
+        crate::tokenize::TokenizerService::new(config.tokenizer_settings(), metrics.clone());
     let service = ScoreService::new(
         indexer.clone(),
+        tokenizers,
         metrics.clone(),
         ingest.publishers.clone(),
         config.server.clone(),

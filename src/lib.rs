@@ -25,4 +25,5 @@ pub mod indexer;
 pub mod ingest;
 pub mod metrics;
 pub mod server;
+pub mod tokenize;
 pub mod workload;

@@ -104,6 +104,12 @@ pub struct Metrics {
     pub score_latency: HistogramVec,
     /// Event batches waiting in worker queues.
     pub event_queue_depth: IntGauge,
+    /// Time to tokenize a prompt that missed the prefix store (llm-d's name).
+    pub tokenization_latency: Histogram,
+    /// Tokens produced (from the tokenizer or the prefix store; llm-d's name).
+    pub tokenized_tokens: IntCounter,
+    /// Prefix-store lookups, by result (hit / miss).
+    pub prefix_store_lookups: IntCounterVec,
 }
 
 fn counter(r: &Registry, name: &str, help: &str) -> IntCounter {
@@ -166,7 +172,29 @@ impl Metrics {
         .expect("static metric definition");
         r.register(Box::new(event_queue_depth.clone()))
             .expect("unique");
+        let tokenization_latency = Histogram::with_opts(
+            HistogramOpts::new(
+                "kvcache_tokenization_tokenization_latency_seconds",
+                "Time to tokenize a prompt (prefix-store misses)",
+            )
+            .buckets(latency_buckets()),
+        )
+        .expect("static metric definition");
+        r.register(Box::new(tokenization_latency.clone()))
+            .expect("unique");
         Arc::new(Self {
+            tokenization_latency,
+            tokenized_tokens: counter(
+                &r,
+                "kvcache_tokenization_tokenized_tokens_total",
+                "Tokens produced for score requests",
+            ),
+            prefix_store_lookups: counter_vec(
+                &r,
+                "kvindexer_prefix_store_lookups_total",
+                "Prefix-store lookups",
+                &["result"],
+            ),
             index_admissions: counter(
                 &r,
                 "kvcache_index_admissions_total",

@@ -564,10 +564,10 @@ async fn grpc_errors_health_and_reflection() {
     );
     assert_eq!(
         code(
-            grpc.score_pods(score(MODEL, Some(Input::Prompt("hi".into()))))
+            grpc.score_pods(score("no-such-model", Some(Input::Prompt("hi".into()))))
                 .await
         ),
-        Some(tonic::Code::Unimplemented)
+        Some(tonic::Code::NotFound)
     );
     let too_many = ScorePodsRequest {
         pods: vec!["p".into(); 10_001],

@@ -16,6 +16,9 @@ use crate::config::ServerConfig;
 use crate::indexer::{Indexer, ScoreError};
 use crate::ingest::Publishers;
 use crate::metrics::Metrics;
+use crate::tokenize::chat::{ChatInput, ChatMessage};
+use crate::tokenize::model::LoadError;
+use crate::tokenize::{TokenizeError, TokenizerService};
 
 /// Generated code for `proto/kvindexer/v1/kv_indexer.proto`.
 pub mod kvindexer_v1 {
@@ -37,6 +40,7 @@ use kvindexer_v1::score_pods_request::Input;
 /// State shared by both services.
 pub struct ScoreService {
     indexer: Arc<Indexer>,
+    tokenizers: Arc<TokenizerService>,
     metrics: Arc<Metrics>,
     publishers: Arc<Publishers>,
     limits: ServerConfig,
@@ -47,6 +51,7 @@ impl ScoreService {
     /// A service over `indexer`, limited by `limits`.
     pub fn new(
         indexer: Arc<Indexer>,
+        tokenizers: Arc<TokenizerService>,
         metrics: Arc<Metrics>,
         publishers: Arc<Publishers>,
         limits: ServerConfig,
@@ -54,6 +59,7 @@ impl ScoreService {
         Arc::new(Self {
             in_flight: Arc::new(Semaphore::new(limits.max_concurrent_requests)),
             indexer,
+            tokenizers,
             metrics,
             publishers,
             limits,
@@ -91,21 +97,88 @@ impl ScoreService {
             .inc();
     }
 
-    fn score(
+    fn check_prompt_text(&self, text: &str) -> Result<(), Status> {
+        if text.is_empty() {
+            return Err(Status::invalid_argument("the prompt is empty"));
+        }
+        if text.len() > self.limits.max_prompt_bytes {
+            return Err(Status::invalid_argument(format!(
+                "the prompt has {} bytes; at most {} (server.maxPromptBytes)",
+                text.len(),
+                self.limits.max_prompt_bytes
+            )));
+        }
+        Ok(())
+    }
+
+    /// Fails fast for a model neither configured nor seen in events (before any tokenizing).
+    fn check_model(&self, model: &str) -> Result<(), Status> {
+        if self.indexer.model(model).is_none() {
+            return Err(Status::not_found(
+                ScoreError::UnknownModel(model.to_owned()).to_string(),
+            ));
+        }
+        Ok(())
+    }
+
+    async fn score(
         &self,
         req: kvindexer_v1::ScorePodsRequest,
+        deadline: Instant,
     ) -> Result<kvindexer_v1::ScorePodsResponse, Status> {
         if req.model.is_empty() {
             return Err(Status::invalid_argument("model is required"));
         }
         self.check_pods(&req.pods)?;
-        let tokens = match req.input {
-            None => return Err(Status::invalid_argument("input is required: prompt, tokens or chat")),
-            Some(Input::Tokens(t)) => t.ids,
-            Some(Input::Prompt(_)) | Some(Input::Chat(_)) => {
-                return Err(Status::unimplemented(
-                    "prompt and chat input need the tokenizer pool, which this build does not have yet; send token ids (`tokens`)",
+        let started = Instant::now();
+        let (tokens, input_kind) = match req.input {
+            None => {
+                return Err(Status::invalid_argument(
+                    "input is required: prompt, tokens or chat",
                 ))
+            }
+            Some(Input::Tokens(t)) => (t.ids, "tokens"),
+            Some(Input::Prompt(text)) => {
+                self.check_prompt_text(&text)?;
+                self.check_model(&req.model)?;
+                let t = self
+                    .tokenizers
+                    .encode_prompt(&req.model, text, deadline)
+                    .await
+                    .map_err(tokenize_status)?;
+                (t.ids, "prompt")
+            }
+            Some(Input::Chat(chat)) => {
+                let bytes: usize = chat.messages.iter().map(|m| m.content.len()).sum();
+                if chat.messages.is_empty() {
+                    return Err(Status::invalid_argument("the chat has no messages"));
+                }
+                if bytes > self.limits.max_prompt_bytes {
+                    return Err(Status::invalid_argument(format!(
+                        "the chat has {bytes} bytes; at most {} (server.maxPromptBytes)",
+                        self.limits.max_prompt_bytes
+                    )));
+                }
+                self.check_model(&req.model)?;
+                let input = ChatInput::from_request(
+                    chat.messages
+                        .into_iter()
+                        .map(|m| ChatMessage {
+                            role: m.role,
+                            content: m.content,
+                        })
+                        .collect(),
+                    chat.add_generation_prompt,
+                    &chat.chat_template_kwargs_json,
+                    &chat.tools_json,
+                )
+                .map_err(|e| Status::invalid_argument(e.to_string()))?;
+                let t = self
+                    .tokenizers
+                    .encode_chat(&req.model, input, deadline)
+                    .await
+                    .map_err(tokenize_status)?;
+                (t.ids, "chat")
             }
         };
         if tokens.is_empty() {
@@ -118,7 +191,7 @@ impl ScoreService {
                 self.limits.max_prompt_tokens
             )));
         }
-        let started = Instant::now();
+        let walk_started = Instant::now();
         let result = self
             .indexer
             .score_tokens(
@@ -132,16 +205,17 @@ impl ScoreService {
                 ScoreError::UnknownModel(_) => Status::not_found(e.to_string()),
                 ScoreError::UnknownLora(_) => Status::invalid_argument(e.to_string()),
             })?;
-        let elapsed = started.elapsed().as_secs_f64();
         self.metrics.lookup_requests.inc();
         if result.scores.iter().any(|s| s.matched_blocks > 0) {
             self.metrics.lookup_hits.inc();
         }
-        self.metrics.lookup_latency.observe(elapsed);
+        self.metrics
+            .lookup_latency
+            .observe(walk_started.elapsed().as_secs_f64());
         self.metrics
             .score_latency
-            .with_label_values(&["tokens"])
-            .observe(elapsed);
+            .with_label_values(&[input_kind])
+            .observe(started.elapsed().as_secs_f64());
         Ok(kvindexer_v1::ScorePodsResponse {
             scores: result
                 .scores
@@ -169,8 +243,9 @@ impl kvindexer_v1::kv_indexer_server::KvIndexer for KvIndexerApi {
         request: Request<kvindexer_v1::ScorePodsRequest>,
     ) -> Result<Response<kvindexer_v1::ScorePodsResponse>, Status> {
         let svc = &self.0;
+        let deadline = deadline_of(&request);
         let result = match svc.admit() {
-            Ok(_permit) => svc.score(request.into_inner()),
+            Ok(_permit) => svc.score(request.into_inner(), deadline).await,
             Err(s) => Err(s),
         };
         svc.record("ScorePods", &result.as_ref().map(|_| ()));
@@ -246,20 +321,92 @@ impl indexer_v1::indexer_service_server::IndexerService for LlmdIndexerApi {
         &self,
         request: Request<indexer_v1::GetPodScoresRequest>,
     ) -> Result<Response<indexer_v1::GetPodScoresResponse>, Status> {
+        let deadline = deadline_of(&request);
         let req = request.into_inner();
-        let result: Result<indexer_v1::GetPodScoresResponse, Status> = (|| {
-            if req.model_name.is_empty() {
-                return Err(Status::invalid_argument("model_name is required"));
+        let result = match self.0.admit() {
+            Ok(_permit) => {
+                let r = kvindexer_v1::ScorePodsRequest {
+                    model: req.model_name,
+                    input: Some(Input::Prompt(req.prompt)),
+                    pods: req.pod_identifiers,
+                    ..Default::default()
+                };
+                self.0
+                    .score(r, deadline)
+                    .await
+                    .map(|resp| indexer_v1::GetPodScoresResponse {
+                        scores: resp
+                            .scores
+                            .into_iter()
+                            .map(|s| indexer_v1::PodScore {
+                                pod: s.pod,
+                                score: s.score,
+                                data_parallel_rank: 0,
+                            })
+                            .collect(),
+                    })
             }
-            if req.prompt.is_empty() {
-                return Err(Status::invalid_argument("prompt is required"));
-            }
-            self.0.check_pods(&req.pod_identifiers)?;
-            Err(Status::unimplemented(
-                "GetPodScores takes prompt text, which needs the tokenizer pool (not in this build yet); use kvindexer.v1.KvIndexer/ScorePods with token ids",
-            ))
-        })();
+            Err(s) => Err(s),
+        };
         self.0.record("GetPodScores", &result.as_ref().map(|_| ()));
         result.map(Response::new)
+    }
+}
+
+/// The request's deadline: its `grpc-timeout`, else 10 s.
+fn deadline_of<T>(request: &Request<T>) -> Instant {
+    let timeout = request
+        .metadata()
+        .get("grpc-timeout")
+        .and_then(|v| v.to_str().ok())
+        .and_then(parse_grpc_timeout)
+        .unwrap_or(std::time::Duration::from_secs(10));
+    Instant::now() + timeout
+}
+
+/// gRPC's `grpc-timeout` header: digits and a unit (H, M, S, m, u, n).
+fn parse_grpc_timeout(v: &str) -> Option<std::time::Duration> {
+    use std::time::Duration;
+    let (digits, unit) = v.split_at(v.len().checked_sub(1)?);
+    let n: u64 = digits.parse().ok()?;
+    Some(match unit {
+        "H" => Duration::from_secs(n.saturating_mul(3600)),
+        "M" => Duration::from_secs(n.saturating_mul(60)),
+        "S" => Duration::from_secs(n),
+        "m" => Duration::from_millis(n),
+        "u" => Duration::from_micros(n),
+        "n" => Duration::from_nanos(n),
+        _ => return None,
+    })
+}
+
+/// How tokenization failures surface: the model and the cause, with a code a client can act on.
+fn tokenize_status(e: TokenizeError) -> Status {
+    let msg = e.to_string();
+    match e {
+        TokenizeError::Load(LoadError::Download { .. }) => Status::unavailable(msg),
+        TokenizeError::Load(_) => Status::failed_precondition(msg),
+        TokenizeError::Chat(_) | TokenizeError::Encode { .. } => Status::invalid_argument(msg),
+        TokenizeError::Overloaded(_) => Status::resource_exhausted(msg),
+        TokenizeError::DeadlineExceeded => Status::deadline_exceeded(msg),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn grpc_timeouts_parse() {
+        assert_eq!(
+            parse_grpc_timeout("100m"),
+            Some(std::time::Duration::from_millis(100))
+        );
+        assert_eq!(
+            parse_grpc_timeout("2S"),
+            Some(std::time::Duration::from_secs(2))
+        );
+        assert_eq!(parse_grpc_timeout("x"), None);
+        assert_eq!(parse_grpc_timeout(""), None);
     }
 }

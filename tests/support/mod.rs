@@ -50,3 +50,70 @@ impl Rng {
         self.next_u64() % n
     }
 }
+
+/// Writes a small word-level tokenizer (made here, so tests run on a fresh clone) and a
+/// `tokenizer_config.json` with a chat template into `dir`. Returns its vocabulary.
+pub fn tiny_tokenizer(dir: &std::path::Path) -> Vec<String> {
+    use std::collections::HashMap;
+    use tokenizers::models::wordlevel::WordLevel;
+    use tokenizers::pre_tokenizers::whitespace::Whitespace;
+    use tokenizers::processors::template::TemplateProcessing;
+    std::fs::create_dir_all(dir).expect("tokenizer dir");
+    let mut words: Vec<String> = ["[UNK]", "<s>", "<|user|>", "<|assistant|>", "<|end|>"]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+    for w in "the quick brown fox jumps over lazy dog a cache prefix shared system prompt is long and \
+              every request starts with it so routing matters . , ! ? you are helpful assistant answer \
+              question about kubernetes pods nodes memory pressure what should i do first"
+        .split_whitespace()
+    {
+        if !words.iter().any(|x| x == w) {
+            words.push(w.to_string());
+        }
+    }
+    let vocab: HashMap<String, u32> = words
+        .iter()
+        .enumerate()
+        .map(|(i, w)| (w.clone(), i as u32))
+        .collect();
+    let model = WordLevel::builder()
+        .vocab(vocab.into_iter().collect())
+        .unk_token("[UNK]".into())
+        .build()
+        .expect("word-level model");
+    let mut tokenizer = tokenizers::Tokenizer::new(model);
+    tokenizer.with_pre_tokenizer(Some(Whitespace {}));
+    // Like Llama-3: the completion prompt gets a BOS from the post-processor.
+    tokenizer.with_post_processor(Some(
+        TemplateProcessing::builder()
+            .try_single("<s> $A")
+            .expect("template")
+            .special_tokens(vec![("<s>", 1)])
+            .build()
+            .expect("post-processor"),
+    ));
+    tokenizer
+        .save(dir.join("tokenizer.json"), false)
+        .expect("tokenizer.json written");
+    let config = serde_json::json!({
+        "bos_token": "<s>",
+        "eos_token": {"content": "<|end|>"},
+        "chat_template": "{{ bos_token }}{% for m in messages %}<|{{ m.role }}|> {{ m.content | trim }} <|end|> {% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}",
+    });
+    std::fs::write(dir.join("tokenizer_config.json"), config.to_string()).expect("config written");
+    words
+}
+
+/// A unique temporary directory for a test.
+pub fn temp_dir(name: &str) -> std::path::PathBuf {
+    let dir = std::env::temp_dir().join(format!(
+        "kv-indexer-{name}-{}-{}",
+        std::process::id(),
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos())
+    ));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    dir
+}
