@@ -330,3 +330,50 @@ async fn load(sources: &SourceSettings, model: &str) -> Result<LoadedTokenizer, 
             detail: e.to_string(),
         })?
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_full_queue_is_refused_and_late_work_is_not_started() {
+        let pool = Arc::new(Pool::new(1, 1));
+        let far = Instant::now() + Duration::from_secs(10);
+        let (release, wait) = std::sync::mpsc::channel::<()>();
+        let p = pool.clone();
+        let first = tokio::spawn(async move {
+            p.run(far, move || {
+                let _ = wait.recv();
+                1
+            })
+            .await
+        });
+        tokio::time::sleep(Duration::from_millis(50)).await; // the worker holds job 1
+        let started = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let flag = started.clone();
+        let p = pool.clone();
+        let second = tokio::spawn(async move {
+            p.run(Instant::now() + Duration::from_millis(100), move || {
+                flag.store(true, std::sync::atomic::Ordering::SeqCst);
+                2
+            })
+            .await
+        });
+        tokio::time::sleep(Duration::from_millis(20)).await; // job 2 fills the queue
+        assert!(matches!(
+            pool.run(far, || 3).await,
+            Err(TokenizeError::Overloaded(1))
+        ));
+        assert!(matches!(
+            second.await.expect("task"),
+            Err(TokenizeError::DeadlineExceeded)
+        ));
+        release.send(()).expect("release");
+        assert_eq!(first.await.expect("task").expect("ran"), 1);
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        assert!(
+            !started.load(std::sync::atomic::Ordering::SeqCst),
+            "a job whose deadline passed in the queue is dropped unstarted"
+        );
+    }
+}
