@@ -22,6 +22,8 @@ enum Command {
     Hash(cli::hash::HashArgs),
     /// Publish vLLM-shaped events at full speed and call ScorePods against a running daemon.
     Loadgen(cli::loadgen::LoadgenArgs),
+    /// Ask a running daemon for pod scores (a ScorePods client).
+    Score(cli::score::ScoreArgs),
 }
 
 fn main() {
@@ -31,6 +33,7 @@ fn main() {
         Command::CheckConfig(args) => cli::serve::check_config(args),
         Command::Hash(args) => cli::hash::run(args),
         Command::Loadgen(args) => cli::loadgen::run(args),
+        Command::Score(args) => cli::score::run(args),
     };
     if let Err(error) = result {
         // `{:#}` prints the cause chain on one line; no backtrace for operator-facing errors.

@@ -98,6 +98,8 @@ pub struct Metrics {
     pub index_memory_bytes: IntGaugeVec,
     /// Memberships dropped at `size` / `podCacheSize`, by model and reason.
     pub index_capacity_drops: IntGaugeVec,
+    /// Stored runs whose parent the pod did not hold, by model.
+    pub index_orphan_runs: IntGaugeVec,
     /// ScorePods / GetPodScores requests, by RPC and gRPC code.
     pub score_requests: IntCounterVec,
     /// End-to-end score latency inside the server, by input kind.
@@ -300,6 +302,12 @@ impl Metrics {
                 "Memory held by the index",
                 &["model"],
             ),
+            index_orphan_runs: gauge_vec(
+                &r,
+                "kvindexer_index_orphan_runs",
+                "Stored runs whose parent the pod did not hold (stored by hash; they score once the chain arrives)",
+                &["model"],
+            ),
             index_capacity_drops: gauge_vec(
                 &r,
                 "kvindexer_index_capacity_drops",
@@ -343,6 +351,9 @@ impl Metrics {
             self.index_memory_bytes
                 .with_label_values(&[&m])
                 .set(stats.memory_bytes as i64);
+            self.index_orphan_runs
+                .with_label_values(&[&m])
+                .set(stats.orphan_runs as i64);
             self.index_capacity_drops
                 .with_label_values(&[&m, "size"])
                 .set(stats.capacity_evictions as i64);

@@ -13,6 +13,7 @@ use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::{ConfigMap, Secret, Service};
 use k8s_openapi::api::policy::v1::PodDisruptionBudget;
 use kv_indexer::config::Config;
+use serde::Deserialize;
 use serde_json::json;
 
 fn chart_dir() -> PathBuf {
@@ -410,4 +411,55 @@ fn connect_mode_dials_every_pod_of_a_statefulset_and_a_static_list() {
         .len();
     assert_eq!(ports, 2, "no ZMQ port on the Service in connect mode");
     assert_eq!(by_kind["Deployment"]["spec"]["replicas"], 2);
+}
+
+#[test]
+fn the_sidecar_patch_and_vllm_examples_are_valid_and_configured_for_kv_indexer() {
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("deploy");
+    let patch: serde_json::Value = serde_yaml::from_str(
+        &std::fs::read_to_string(root.join("sidecar/epp-patch.yaml")).expect("patch"),
+    )
+    .expect("yaml");
+    let d: Deployment = serde_json::from_value(patch).expect("the patch is a Deployment");
+    let c = &d.spec.expect("spec").template.spec.expect("pod").containers[0];
+    assert_eq!(c.name, "kv-indexer");
+    for file in [
+        "examples/vllm-deployment.yaml",
+        "examples/vllm-statefulset-connect.yaml",
+    ] {
+        let text = std::fs::read_to_string(root.join(file)).expect("example");
+        for doc in serde_yaml::Deserializer::from_str(&text) {
+            let v = serde_json::to_value(serde_yaml::Value::deserialize(doc).expect("yaml"))
+                .expect("json");
+            match v["kind"].as_str() {
+                Some("Deployment") | Some("StatefulSet") => {
+                    let args = v["spec"]["template"]["spec"]["containers"][0]["args"].to_string();
+                    for flag in [
+                        "--enable-prefix-caching",
+                        "--prefix-caching-hash-algo=sha256_cbor",
+                        "--block-size=16",
+                        "enable_kv_cache_events",
+                        "replay_endpoint",
+                        "kv@$(POD_IP):$(POD_PORT)@",
+                    ] {
+                        assert!(args.contains(flag), "{file}: {flag} missing from {args}");
+                    }
+                    let env = v["spec"]["template"]["spec"]["containers"][0]["env"].to_string();
+                    assert!(env.contains("PYTHONHASHSEED"), "{file}");
+                    if v["kind"] == "Deployment" {
+                        serde_json::from_value::<Deployment>(v.clone()).expect("Deployment");
+                    } else {
+                        serde_json::from_value::<k8s_openapi::api::apps::v1::StatefulSet>(
+                            v.clone(),
+                        )
+                        .expect("StatefulSet");
+                    }
+                }
+                Some("Service") => {
+                    serde_json::from_value::<Service>(v.clone()).expect("Service");
+                }
+                other => panic!("{file}: unexpected {other:?}"),
+            }
+        }
+    }
 }

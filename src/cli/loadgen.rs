@@ -77,6 +77,9 @@ pub struct LoadgenArgs {
     /// Print JSON instead of text.
     #[arg(long)]
     pub json: bool,
+    /// Write a ScorePods request (grpcurl's JSON) for the prompt the first pod stored.
+    #[arg(long)]
+    pub dump_request: Option<std::path::PathBuf>,
 }
 
 /// A prepared prompt: tokens, block hashes, and its payloads.
@@ -378,8 +381,34 @@ async fn run_async(args: LoadgenArgs) -> anyhow::Result<()> {
         }
     }
     tokio::time::sleep(Duration::from_millis(500)).await;
+    if let Some(path) = &args.dump_request {
+        let request = serde_json::json!({
+            "model": args.model,
+            "tokens": {"ids": docs[0].tokens},
+            "pods": pods,
+        });
+        std::fs::write(path, serde_json::to_string(&request)?)
+            .with_context(|| format!("writing {}", path.display()))?;
+        eprintln!(
+            "wrote a ScorePods request for the prompt {} stored to {}",
+            pods[0],
+            path.display()
+        );
+    }
     let (idle, idle_matched) = score_phase(&args, &docs, &pods, args.baseline).await?;
 
+    if args.duration == 0 {
+        // Warm-up only: every pod holds its first prompt (what --dump-request describes).
+        println!(
+            "warm-up only: {} pods stored one prompt each; ScorePods idle {} calls, p50 {:.1} us, p99 {:.1} us",
+            args.pods,
+            idle.len(),
+            percentile(&idle, 50.0),
+            percentile(&idle, 99.0)
+        );
+        let _ = idle_matched;
+        return Ok(());
+    }
     let before = http_get(&args.metrics, "/metrics").await?;
     let counters = Arc::new(Counters::default());
     let stop = Arc::new(AtomicBool::new(false));

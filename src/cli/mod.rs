@@ -2,4 +2,5 @@
 
 pub mod hash;
 pub mod loadgen;
+pub mod score;
 pub mod serve;

@@ -1,0 +1,69 @@
+//! The reference docs cover what the code has: every configuration field in
+//! `docs/configuration.md`, every metric in `docs/metrics.md`.
+
+use kv_indexer::config::Config;
+
+fn read(rel: &str) -> String {
+    std::fs::read_to_string(std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join(rel))
+        .unwrap_or_else(|e| panic!("{rel}: {e}"))
+}
+
+fn keys(v: &serde_json::Value, prefix: &str, out: &mut Vec<String>) {
+    if let serde_json::Value::Object(m) = v {
+        for (k, v) in m {
+            let path = if prefix.is_empty() {
+                k.clone()
+            } else {
+                format!("{prefix}.{k}")
+            };
+            out.push(path.clone());
+            keys(v, &path, out);
+        }
+    }
+}
+
+#[test]
+fn every_config_field_is_documented() {
+    let doc = read("docs/configuration.md");
+    let mut c = Config::default();
+    c.indexer_config.token_processor_config.hash_seed = Some("x".into());
+    c.indexer_config.token_processor_config.hash_block_size = Some(16);
+    let v = serde_json::to_value(&c).expect("serializes");
+    let mut all = Vec::new();
+    keys(&v, "", &mut all);
+    assert!(all.len() > 40, "{all:?}");
+    let missing: Vec<_> = all
+        .iter()
+        .filter(|p| {
+            let last = p.rsplit('.').next().unwrap_or(p);
+            ![
+                format!("`{last}`"),
+                format!(".{last}`"),
+                format!("`{last}."),
+                format!(".{last}."),
+            ]
+            .iter()
+            .any(|form| doc.contains(form))
+        })
+        .collect();
+    assert!(
+        missing.is_empty(),
+        "undocumented config fields: {missing:?}"
+    );
+}
+
+#[test]
+fn every_metric_is_documented() {
+    let doc = read("docs/metrics.md");
+    let src = read("src/metrics.rs");
+    let names: Vec<&str> = src
+        .split('"')
+        .filter(|s| (s.starts_with("kvcache_") || s.starts_with("kvindexer_")) && !s.contains(' '))
+        .collect();
+    assert!(names.len() >= 25, "{names:?}");
+    let missing: Vec<_> = names
+        .iter()
+        .filter(|n| !doc.contains(&format!("`{n}`")))
+        .collect();
+    assert!(missing.is_empty(), "undocumented metrics: {missing:?}");
+}
