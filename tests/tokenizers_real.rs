@@ -101,3 +101,43 @@ fn qwen3_samples_and_chat() {
 fn llama3_samples_bos_and_chat() {
     check("llama3", "meta-llama/Meta-Llama-3-8B-Instruct");
 }
+
+#[test]
+fn qwen3_template_renders_tools_and_thinking_switches() {
+    let Some(dir) = shared("qwen3") else { return };
+    let tok =
+        LoadedTokenizer::from_files("Qwen/Qwen3-8B", &dir.join("tokenizer.json")).expect("loads");
+    let input = ChatInput::from_request(
+        vec![ChatMessage { role: "user".into(), content: "Weather in Paris?".into() }],
+        true,
+        r#"{"enable_thinking": false}"#,
+        r#"[{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]"#,
+    )
+    .expect("valid JSON");
+    let rendered = tok.render_chat(&input).expect("renders");
+    assert!(rendered.contains("<tools>"), "{rendered}");
+    // HuggingFace's tojson is json.dumps(ensure_ascii=False): ", " and ": " separators.
+    assert!(
+        rendered.contains(r#"{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}"#),
+        "{rendered}"
+    );
+    assert!(
+        rendered.ends_with("<|im_start|>assistant\n<think>\n\n</think>\n\n"),
+        "thinking off: {rendered:?}"
+    );
+    let thinking = ChatInput::from_request(
+        vec![ChatMessage {
+            role: "user".into(),
+            content: "Hi".into(),
+        }],
+        true,
+        r#"{"enable_thinking": true}"#,
+        "",
+    )
+    .expect("valid");
+    let rendered = tok.render_chat(&thinking).expect("renders");
+    assert!(
+        rendered.ends_with("<|im_start|>assistant\n"),
+        "thinking on: {rendered:?}"
+    );
+}
