@@ -24,6 +24,7 @@ pub mod index;
 pub mod indexer;
 pub mod ingest;
 pub mod metrics;
+pub mod replay;
 pub mod server;
 pub mod tokenize;
 pub mod workload;

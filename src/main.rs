@@ -24,6 +24,8 @@ enum Command {
     Loadgen(cli::loadgen::LoadgenArgs),
     /// Ask a running daemon for pod scores (a ScorePods client).
     Score(cli::score::ScoreArgs),
+    /// Replay a request trace against one block-level prefix cache (LRU, LFU, FIFO, S3-FIFO).
+    Replay(cli::replay::ReplayArgs),
 }
 
 fn main() {
@@ -34,6 +36,7 @@ fn main() {
         Command::Hash(args) => cli::hash::run(args),
         Command::Loadgen(args) => cli::loadgen::run(args),
         Command::Score(args) => cli::score::run(args),
+        Command::Replay(args) => cli::replay::run(args),
     };
     if let Err(error) = result {
         // `{:#}` prints the cause chain on one line; no backtrace for operator-facing errors.

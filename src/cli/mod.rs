@@ -2,5 +2,6 @@
 
 pub mod hash;
 pub mod loadgen;
+pub mod replay;
 pub mod score;
 pub mod serve;
