@@ -26,5 +26,6 @@ pub mod ingest;
 pub mod metrics;
 pub mod replay;
 pub mod server;
+pub mod simulate;
 pub mod tokenize;
 pub mod workload;

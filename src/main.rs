@@ -26,6 +26,8 @@ enum Command {
     Score(cli::score::ScoreArgs),
     /// Replay a request trace against one block-level prefix cache (LRU, LFU, FIFO, S3-FIFO).
     Replay(cli::replay::ReplayArgs),
+    /// Compare routing policies on simulated vLLM pods feeding the real index.
+    Simulate(cli::simulate::SimulateArgs),
 }
 
 fn main() {
@@ -37,6 +39,7 @@ fn main() {
         Command::Loadgen(args) => cli::loadgen::run(args),
         Command::Score(args) => cli::score::run(args),
         Command::Replay(args) => cli::replay::run(args),
+        Command::Simulate(args) => cli::simulate::run_cli(args),
     };
     if let Err(error) = result {
         // `{:#}` prints the cause chain on one line; no backtrace for operator-facing errors.

@@ -5,3 +5,4 @@ pub mod loadgen;
 pub mod replay;
 pub mod score;
 pub mod serve;
+pub mod simulate;
