@@ -254,3 +254,45 @@ fn the_cli_runs_the_published_benchmark_and_draws_it() {
     assert!(!bad.status.success());
     assert!(String::from_utf8_lossy(&bad.stderr).contains("unknown policy \"nope\""));
 }
+
+#[test]
+fn restarted_pods_lose_their_cache_and_requests_are_retried_once() {
+    let requests = small_shared_prefix();
+    let span = requests.last().map_or(0.0, |r| r.arrival_ms);
+    // Every pod restarts at the same moment: nothing is live for 5 s, work waits, then resumes.
+    let all_down = SimSettings {
+        restarts: (0..4).map(|p| (span / 2.0, p)).collect(),
+        restart_downtime_ms: 5_000.0,
+        ..settings(4)
+    };
+    let calm = run(
+        &settings(4),
+        &requests,
+        &mut routers::Precise::new(60_000.0),
+    );
+    let restarted = run(&all_down, &requests, &mut routers::Precise::new(60_000.0));
+    check_invariants(&restarted, &requests);
+    // The system prompts cached before the restart are gone: groups that straddle it pay again.
+    assert!(
+        restarted.token_hit_rate < calm.token_hit_rate,
+        "restarted {} vs calm {}",
+        restarted.token_hit_rate,
+        calm.token_hit_rate
+    );
+    assert!(restarted.ttft_p99_ms > calm.ttft_p99_ms);
+
+    // One pod restarting: the index is told (AllBlocksCleared), so precise routing keeps finding
+    // the prefixes that survive on the other pods.
+    let one_down = SimSettings {
+        restarts: vec![(span / 3.0, 1), (2.0 * span / 3.0, 2)],
+        restart_downtime_ms: 10_000.0,
+        ..settings(4)
+    };
+    for policy in [
+        &mut routers::Precise::new(60_000.0) as &mut dyn Router,
+        &mut routers::RoundRobin::default(),
+    ] {
+        let report = run(&one_down, &requests, policy);
+        check_invariants(&report, &requests);
+    }
+}

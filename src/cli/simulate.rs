@@ -38,6 +38,19 @@ pub struct SimulateArgs {
     /// Prefix-cache resets, spread over the run.
     #[arg(long, default_value_t = 0)]
     pub resets: usize,
+    /// Pod restarts, spread over the run (the pod is down, loses its cache, publishes
+    /// AllBlocksCleared; its queued requests are retried).
+    #[arg(long, default_value_t = 0)]
+    pub restarts: usize,
+    /// How long a restarting pod is down, seconds.
+    #[arg(long, default_value_t = 60.0)]
+    pub restart_downtime_s: f64,
+    /// Prefix weight of the scoring policies (approx-prefix, precise), like an EPP scorer weight.
+    #[arg(long, default_value_t = 1.0)]
+    pub prefix_weight: f64,
+    /// Load weight of the scoring policies (approx-prefix, precise): in-flight / max in-flight.
+    #[arg(long, default_value_t = 0.5)]
+    pub load_weight: f64,
     /// Delay before the index sees a cache change, ms.
     #[arg(long, default_value_t = 50.0)]
     pub event_delay_ms: f64,
@@ -69,16 +82,32 @@ const ALL: [&str; 8] = [
     "precise",
 ];
 
-fn router(name: &str, capacities: &[usize], seed: u64) -> anyhow::Result<Box<dyn Router>> {
+fn router(
+    name: &str,
+    capacities: &[usize],
+    args: &SimulateArgs,
+) -> anyhow::Result<Box<dyn Router>> {
+    let seed = args.seed;
+    let precise = |ttl: f64| {
+        let mut r = routers::Precise::new(ttl);
+        r.prefix_weight = args.prefix_weight;
+        r.load_weight = args.load_weight;
+        Box::new(r)
+    };
     Ok(match name {
         "random" => Box::new(routers::Random(Rng::new(seed ^ 0xABCD))),
         "round-robin" => Box::new(routers::RoundRobin::default()),
         "least-loaded" => Box::new(routers::LeastLoaded),
-        "approx-prefix" => Box::new(routers::ApproxPrefix::new(capacities)),
+        "approx-prefix" => {
+            let mut r = routers::ApproxPrefix::new(capacities);
+            r.prefix_weight = args.prefix_weight;
+            r.load_weight = args.load_weight;
+            Box::new(r)
+        }
         "aibrix" => Box::new(routers::Aibrix::new(capacities)),
         "localai" => Box::new(routers::LocalAi::default()),
-        "precise" => Box::new(routers::Precise::new(60_000.0)),
-        "precise-nospec" => Box::new(routers::Precise::new(0.0)),
+        "precise" => precise(60_000.0),
+        "precise-nospec" => precise(0.0),
         other => bail!("unknown policy {other:?} (one of {})", ALL.join(", ")),
     })
 }
@@ -90,6 +119,7 @@ fn svg(reports: &[PolicyReport]) -> String {
     let max_ttft = reports.iter().map(|r| r.ttft_p90_ms).fold(1.0, f64::max);
     let mut s = format!(
         "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{w}\" height=\"{h}\" font-family=\"sans-serif\" font-size=\"12\">\n\
+         <rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n\
          <text x=\"10\" y=\"20\" font-size=\"14\">TTFT p50 / p90 (ms, left) and token prefix-hit rate (right) per routing policy</text>\n"
     );
     for (i, r) in reports.iter().enumerate() {
@@ -160,6 +190,15 @@ pub fn run_cli(args: SimulateArgs) -> anyhow::Result<()> {
             args.event_delay_ms
         );
     }
+    for (flag, v) in [
+        ("--restart-downtime-s", args.restart_downtime_s),
+        ("--prefix-weight", args.prefix_weight),
+        ("--load-weight", args.load_weight),
+    ] {
+        if !(v >= 0.0 && v.is_finite()) {
+            bail!("{flag} must be a finite number >= 0, got {v}");
+        }
+    }
     if args.rate.is_some_and(|r| !(r > 0.0 && r.is_finite())) {
         bail!("--rate must be a positive number of requests per second");
     }
@@ -185,6 +224,15 @@ pub fn run_cli(args: SimulateArgs) -> anyhow::Result<()> {
                 )
             })
             .collect(),
+        restarts: (0..args.restarts)
+            .map(|k| {
+                (
+                    end * (k as f64 + 0.5) / args.restarts as f64,
+                    (k * 3 + 1) % args.pods,
+                )
+            })
+            .collect(),
+        restart_downtime_ms: args.restart_downtime_s * 1000.0,
         seed: args.seed,
         ..Default::default()
     };
@@ -195,7 +243,7 @@ pub fn run_cli(args: SimulateArgs) -> anyhow::Result<()> {
     };
     let mut reports = Vec::new();
     for name in names {
-        let mut r = router(name, &capacities, args.seed)?;
+        let mut r = router(name, &capacities, &args)?;
         reports.push(run(&settings, &requests, r.as_mut()));
     }
     if let Some(path) = &args.svg {

@@ -8,13 +8,17 @@
 //! - **service time**: one prefill at a time per pod (`prefill_ms_per_token` per uncached token);
 //!   decoding runs alongside (`decode_ms_per_token` per output token, at most `max_running`
 //!   sequences per pod) and holds the blocks; TTFT = queueing + prefill;
-//! - pods **publish** `BlockStored` / `BlockRemoved` as vLLM encodes them
+//! - pods **publish** `BlockStored` / `BlockRemoved` / `AllBlocksCleared` as vLLM encodes them
 //!   (map-form msgpack), delivered after `event_delay_ms` through the daemon's decoder
 //!   ([`crate::events::decode_batch`]) into a real [`Indexer`];
 //! - a **router** picks the pod for each arrival ([`routers`]).
 //!
 //! Scenarios a router cannot foresee: pods of different capacity, traffic that bypasses the
-//! router (`bypass_fraction`), and cache resets (`resets`).
+//! router (`bypass_fraction`), cache resets (`resets`: free blocks dropped) and pod restarts
+//! (`restarts`: the pod is down for `restart_downtime_ms`, loses its whole cache and publishes
+//! `AllBlocksCleared`; requests queued or prefilling on it are retried through the router, and a
+//! request routed to a down pod goes to the least-loaded live one, as a gateway retries on
+//! connection refused).
 
 pub mod routers;
 pub mod workloads;
@@ -61,6 +65,10 @@ pub struct SimSettings {
     pub bypass_fraction: f64,
     /// (time ms, pod): the pod's prefix cache is reset (its free blocks dropped).
     pub resets: Vec<(f64, usize)>,
+    /// (time ms, pod): the pod restarts.
+    pub restarts: Vec<(f64, usize)>,
+    /// How long a restarting pod takes no requests, ms.
+    pub restart_downtime_ms: f64,
     /// RNG seed.
     pub seed: u64,
 }
@@ -77,6 +85,8 @@ impl Default for SimSettings {
             event_delay_ms: 50.0,
             bypass_fraction: 0.0,
             resets: Vec::new(),
+            restarts: Vec::new(),
+            restart_downtime_ms: 60_000.0,
             seed: 42,
         }
     }
@@ -251,15 +261,30 @@ mod wire {
             .collect();
         batch(&events)
     }
+
+    pub fn cleared() -> Vec<u8> {
+        let mut m = Vec::new();
+        write_map_len(&mut m, 1).ok();
+        write_str(&mut m, "type").ok();
+        write_str(&mut m, "AllBlocksCleared").ok();
+        batch(&[m])
+    }
 }
 
 #[derive(Debug)]
 enum EventKind {
     Arrival(usize),
-    PrefillDone(usize, usize),
-    Finish(usize, usize),
+    /// (pod, request, the pod's incarnation when the prefill started).
+    PrefillDone(usize, usize, u32),
+    /// (pod, request, incarnation).
+    Finish(usize, usize, u32),
     Deliver(usize, Vec<u8>),
     Reset(usize),
+    Restart(usize),
+    /// A request lost to a restart comes back to the router.
+    Retry(usize),
+    /// A restarted pod is back (nothing to do but let it start queued work).
+    Up,
 }
 
 struct Event {
@@ -289,8 +314,13 @@ impl Ord for Event {
 struct Pod {
     cache: Cache,
     queue: VecDeque<usize>,
-    prefilling: bool,
+    /// The request being prefilled, with its (hit, prompt) tokens (undone if a restart loses it).
+    prefilling: Option<(usize, u64, u64)>,
     running: usize,
+    /// Bumped by a restart: events of an earlier incarnation are void.
+    incarnation: u32,
+    /// The pod takes requests again from this time.
+    down_until: f64,
 }
 
 /// One policy's results.
@@ -341,8 +371,10 @@ pub fn run(
         .map(|&c| Pod {
             cache: Cache::new(c),
             queue: VecDeque::new(),
-            prefilling: false,
+            prefilling: None,
             running: 0,
+            incarnation: 0,
+            down_until: f64::NEG_INFINITY,
         })
         .collect();
     let mut rng = Rng::new(settings.seed);
@@ -360,22 +392,28 @@ pub fn run(
             push(&mut heap, at, EventKind::Reset(pod));
         }
     }
+    for &(at, pod) in &settings.restarts {
+        if pod < pods.len() {
+            push(&mut heap, at, EventKind::Restart(pod));
+        }
+    }
     let mut ttft = Vec::with_capacity(requests.len());
     let (mut hit_tokens, mut prompt_tokens, mut prefill_tokens) = (0u64, 0u64, 0u64);
     let mut spread_sum = 0.0;
     let mut spread_n = 0usize;
     while let Some(Event { at: now, kind, .. }) = heap.pop() {
         match kind {
-            EventKind::Arrival(i) => {
+            EventKind::Arrival(i) | EventKind::Retry(i) => {
+                let retry = matches!(kind, EventKind::Retry(_));
                 let loads: Vec<PodLoad> = pods
                     .iter()
                     .map(|p| PodLoad {
                         queued: p.queue.len(),
-                        running: p.running + usize::from(p.prefilling),
+                        running: p.running + usize::from(p.prefilling.is_some()),
                     })
                     .collect();
                 let total: usize = loads.iter().map(PodLoad::in_flight).sum();
-                if total > 0 {
+                if total > 0 && !retry {
                     let max = loads.iter().map(PodLoad::in_flight).max().unwrap_or(0) as f64;
                     spread_sum += max / (total as f64 / loads.len() as f64);
                     spread_n += 1;
@@ -392,19 +430,39 @@ pub fn run(
                         pod_names: &pod_names,
                     };
                     let p = router.route(&requests[i], &ctx).min(pods.len() - 1);
+                    // A down pod refuses the connection; the gateway retries the least-loaded
+                    // live one and knows where the request went.
+                    let p = if pods[p].down_until > now {
+                        (0..pods.len())
+                            .filter(|&q| pods[q].down_until <= now)
+                            .min_by_key(|&q| (loads[q].in_flight(), q))
+                            .unwrap_or(p)
+                    } else {
+                        p
+                    };
                     router.routed(&requests[i], p, now);
                     p
                 };
                 pods[pod].queue.push_back(i);
             }
-            EventKind::PrefillDone(pod, i) => {
-                pods[pod].prefilling = false;
+            EventKind::PrefillDone(pod, i, incarnation) => {
+                if pods[pod].incarnation != incarnation {
+                    continue;
+                }
+                pods[pod].prefilling = None;
                 pods[pod].running += 1;
                 ttft.push(now - requests[i].arrival_ms);
                 let decode = requests[i].output_tokens as f64 * settings.decode_ms_per_token;
-                push(&mut heap, now + decode, EventKind::Finish(pod, i));
+                push(
+                    &mut heap,
+                    now + decode,
+                    EventKind::Finish(pod, i, incarnation),
+                );
             }
-            EventKind::Finish(pod, i) => {
+            EventKind::Finish(pod, i, incarnation) => {
+                if pods[pod].incarnation != incarnation {
+                    continue;
+                }
                 pods[pod].running -= 1;
                 // Tail-first: the last block is freed first, so it is evicted first.
                 let cap = pods[pod].cache.capacity;
@@ -427,10 +485,40 @@ pub fn run(
                     );
                 }
             }
+            EventKind::Restart(pod) => {
+                let p = &mut pods[pod];
+                p.incarnation += 1;
+                p.down_until = now + settings.restart_downtime_ms;
+                let up_at = p.down_until;
+                p.cache = Cache::new(p.cache.capacity);
+                // Decoding requests already had their first token; their streams are cut.
+                p.running = 0;
+                let mut lost: Vec<usize> = p.queue.drain(..).collect();
+                if let Some((i, hit, prompt)) = p.prefilling.take() {
+                    hit_tokens -= hit;
+                    prompt_tokens -= prompt;
+                    prefill_tokens -= prompt - hit;
+                    lost.insert(0, i);
+                }
+                for i in lost {
+                    push(&mut heap, now, EventKind::Retry(i));
+                }
+                // The restarted engine's first batch clears what the index held for it.
+                push(
+                    &mut heap,
+                    now + settings.event_delay_ms,
+                    EventKind::Deliver(pod, wire::cleared()),
+                );
+                push(&mut heap, up_at, EventKind::Up);
+            }
+            EventKind::Up => {}
         }
         // Start prefills wherever a pod is idle and its next request fits.
         for (p, pod) in pods.iter_mut().enumerate() {
-            if pod.prefilling || pod.running >= settings.max_running {
+            if pod.prefilling.is_some()
+                || pod.running >= settings.max_running
+                || pod.down_until > now
+            {
                 continue;
             }
             let Some(&i) = pod.queue.front() else {
@@ -490,8 +578,12 @@ pub fn run(
             prefill_tokens += r.prompt_tokens - hit;
             let prefill = settings.prefill_overhead_ms
                 + (r.prompt_tokens - hit) as f64 * settings.prefill_ms_per_token;
-            pod.prefilling = true;
-            push(&mut heap, now + prefill, EventKind::PrefillDone(p, i));
+            pod.prefilling = Some((i, hit, r.prompt_tokens));
+            push(
+                &mut heap,
+                now + prefill,
+                EventKind::PrefillDone(p, i, pod.incarnation),
+            );
         }
     }
     ttft.sort_by(f64::total_cmp);
@@ -512,5 +604,37 @@ pub fn run(
         } else {
             spread_sum / spread_n as f64
         },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::wire;
+    use crate::events::{decode_batch, KvEvent};
+
+    /// The simulated pods' payloads take the daemon's decode path and mean what they say.
+    #[test]
+    fn simulated_payloads_decode_as_vllm_events() {
+        let stored = decode_batch(&wire::stored(&[11, 12], Some(10), 16)).expect("stored");
+        match stored.events.as_slice() {
+            [KvEvent::BlockStored(s)] => {
+                assert_eq!(s.block_hashes, vec![11, 12]);
+                assert_eq!(s.parent_block_hash, Some(10));
+                assert_eq!(s.block_size, 16);
+            }
+            other => panic!("unexpected {other:?}"),
+        }
+        let removed = decode_batch(&wire::removed(&[11, 12])).expect("removed");
+        assert_eq!(
+            removed.events.len(),
+            2,
+            "one BlockRemoved per hash, as vLLM sends"
+        );
+        assert!(matches!(&removed.events[1], KvEvent::BlockRemoved(r) if r.block_hashes == [12]));
+        let cleared = decode_batch(&wire::cleared()).expect("cleared");
+        assert!(matches!(
+            cleared.events.as_slice(),
+            [KvEvent::AllBlocksCleared]
+        ));
     }
 }
