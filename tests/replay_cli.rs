@@ -6,25 +6,9 @@
 
 mod support;
 
-use std::path::PathBuf;
 use std::process::Command;
 
 use serde_json::Value;
-
-fn shared_traces() -> Option<PathBuf> {
-    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../shared/traces/mooncake");
-    if dir.join("stats.json").is_file() {
-        return Some(dir);
-    }
-    if std::env::var("CI").as_deref() == Ok("true") {
-        panic!("CI must provide {}", dir.display());
-    }
-    eprintln!(
-        "SKIPPED: {} not found (the Mooncake traces live in ../shared; CI runs this test)",
-        dir.display()
-    );
-    None
-}
 
 fn replay(args: &[&str]) -> Value {
     let out = Command::new(env!("CARGO_BIN_EXE_kv-indexer"))
@@ -43,7 +27,9 @@ fn replay(args: &[&str]) -> Value {
 
 #[test]
 fn an_unbounded_cache_reproduces_the_traces_infinite_cache_hit_rate() {
-    let Some(dir) = shared_traces() else { return };
+    let Some(dir) = support::shared_traces() else {
+        return;
+    };
     let stats: Value =
         serde_json::from_str(&std::fs::read_to_string(dir.join("stats.json")).expect("stats"))
             .expect("json");
@@ -78,7 +64,9 @@ fn an_unbounded_cache_reproduces_the_traces_infinite_cache_hit_rate() {
 
 #[test]
 fn invariants_hold_for_every_policy_at_a_tight_capacity() {
-    let Some(dir) = shared_traces() else { return };
+    let Some(dir) = support::shared_traces() else {
+        return;
+    };
     let path = dir.join("synthetic_trace.jsonl");
     let mut rates = Vec::new();
     for policy in ["lru", "lfu", "fifo", "s3fifo"] {

@@ -3,6 +3,8 @@
 //! Small workloads (tens of requests per group) keep these fast in debug builds; the published
 //! figures come from `kv-indexer simulate` in release (docs/simulation.md).
 
+mod support;
+
 use kv_indexer::simulate::routers::{self, Router};
 use kv_indexer::simulate::workloads::{MultiTurn, SharedPrefix};
 use kv_indexer::simulate::{run, PolicyReport, SimRequest, SimSettings};
@@ -295,4 +297,43 @@ fn restarted_pods_lose_their_cache_and_requests_are_retried_once() {
         let report = run(&one_down, &requests, policy);
         check_invariants(&report, &requests);
     }
+}
+
+#[test]
+fn the_cli_routes_a_real_mooncake_trace() {
+    let Some(dir) = support::shared_traces() else {
+        return;
+    };
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_kv-indexer"))
+        .args(["simulate", "--workload", "mooncake", "--trace"])
+        .arg(dir.join("conversation_trace.jsonl"))
+        .args([
+            "--limit",
+            "300",
+            "--policies",
+            "round-robin,precise",
+            "--json",
+        ])
+        .output()
+        .expect("run kv-indexer simulate");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let json: serde_json::Value = serde_json::from_slice(&out.stdout).expect("JSON output");
+    assert_eq!(json["requests"], 300);
+    let results = json["results"].as_array().expect("results");
+    assert_eq!(results.len(), 2);
+    let hit = |i: usize| results[i]["token_hit_rate"].as_f64().expect("hit rate");
+    for r in results {
+        assert_eq!(r["requests"], 300, "every request served once");
+    }
+    // Conversations resend their history: routing by the index finds it, round-robin mostly not.
+    assert!(
+        hit(1) > hit(0),
+        "precise {} vs round-robin {}",
+        hit(1),
+        hit(0)
+    );
 }

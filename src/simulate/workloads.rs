@@ -174,7 +174,7 @@ impl MultiTurn {
 /// A Mooncake trace with each 512-token trace block expanded to engine blocks.
 pub fn mooncake(requests: &[MooncakeRequest], block: u64, time_scale: f64) -> Vec<SimRequest> {
     let sub = (512 / block).max(1);
-    requests
+    let mut out: Vec<SimRequest> = requests
         .iter()
         .map(|r| {
             let full = (r.input_length / block) as usize;
@@ -191,7 +191,10 @@ pub fn mooncake(requests: &[MooncakeRequest], block: u64, time_scale: f64) -> Ve
                 output_tokens: r.output_length,
             }
         })
-        .collect()
+        .collect();
+    // The simulation wants arrival order; a stable sort keeps the trace's order among ties.
+    out.sort_by(|a, b| a.arrival_ms.total_cmp(&b.arrival_ms));
+    out
 }
 
 #[cfg(test)]
@@ -223,6 +226,40 @@ mod tests {
             }
         }
         assert!(reqs.windows(2).all(|w| w[0].arrival_ms <= w[1].arrival_ms));
+    }
+
+    #[test]
+    fn mooncake_blocks_expand_to_engine_blocks_and_keep_sharing() {
+        let trace = [
+            MooncakeRequest {
+                timestamp: 30,
+                input_length: 1_000,
+                output_length: 5,
+                hash_ids: vec![1, 2],
+            },
+            MooncakeRequest {
+                timestamp: 10,
+                input_length: 700,
+                output_length: 5,
+                hash_ids: vec![1, 3],
+            },
+        ];
+        let reqs = mooncake(&trace, 16, 2.0);
+        assert_eq!(reqs[0].arrival_ms, 20.0, "sorted by arrival, scaled");
+        assert_eq!(reqs[0].blocks.len(), 700 / 16);
+        assert_eq!(reqs[1].blocks.len(), 1_000 / 16);
+        let common = reqs[0]
+            .blocks
+            .iter()
+            .zip(&reqs[1].blocks)
+            .take_while(|(a, b)| a == b)
+            .count();
+        assert_eq!(
+            common, 32,
+            "trace block 1 is 32 engine blocks, then they diverge"
+        );
+        let distinct: std::collections::HashSet<u64> = reqs[1].blocks.iter().copied().collect();
+        assert_eq!(distinct.len(), reqs[1].blocks.len());
     }
 
     #[test]

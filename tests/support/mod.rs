@@ -117,3 +117,21 @@ pub fn temp_dir(name: &str) -> std::path::PathBuf {
     std::fs::create_dir_all(&dir).expect("temp dir");
     dir
 }
+
+/// `../shared/traces/mooncake`, or `None` after printing why the caller is skipped (a panic
+/// under CI, which has it).
+pub fn shared_traces() -> Option<std::path::PathBuf> {
+    let dir =
+        std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../shared/traces/mooncake");
+    if dir.join("stats.json").is_file() {
+        return Some(dir);
+    }
+    if std::env::var("CI").as_deref() == Ok("true") {
+        panic!("CI must provide {}", dir.display());
+    }
+    eprintln!(
+        "SKIPPED: {} not found (the Mooncake traces live in ../shared; CI runs this test)",
+        dir.display()
+    );
+    None
+}
