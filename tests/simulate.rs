@@ -213,20 +213,12 @@ fn cache_resets_cost_hits_and_the_index_follows_them() {
     assert!(reset.token_hit_rate <= calm.token_hit_rate);
 }
 
-#[test]
-fn the_cli_runs_the_published_benchmark_and_draws_it() {
-    let dir = std::env::temp_dir().join(format!("kv-indexer-sim-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).expect("temp dir");
-    let svg = dir.join("chart.svg");
+/// Runs `kv-indexer simulate ARGS --json` and returns its output.
+fn simulate_json(args: &[&std::ffi::OsStr]) -> serde_json::Value {
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_kv-indexer"))
-        .args([
-            "simulate",
-            "--policies",
-            "round-robin,precise",
-            "--json",
-            "--svg",
-        ])
-        .arg(&svg)
+        .arg("simulate")
+        .args(args)
+        .arg("--json")
         .output()
         .expect("run kv-indexer simulate");
     assert!(
@@ -234,7 +226,20 @@ fn the_cli_runs_the_published_benchmark_and_draws_it() {
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    let json: serde_json::Value = serde_json::from_slice(&out.stdout).expect("JSON output");
+    serde_json::from_slice(&out.stdout).expect("JSON output")
+}
+
+#[test]
+fn the_cli_runs_the_published_benchmark_and_draws_it() {
+    let dir = std::env::temp_dir().join(format!("kv-indexer-sim-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    let svg = dir.join("chart.svg");
+    let json = simulate_json(&[
+        "--policies".as_ref(),
+        "round-robin,precise".as_ref(),
+        "--svg".as_ref(),
+        svg.as_os_str(),
+    ]);
     assert_eq!(json["requests"], 1150, "230 groups x 5 prompts");
     let results = json["results"].as_array().expect("results");
     let hit = |name: &str| {
@@ -304,24 +309,17 @@ fn the_cli_routes_a_real_mooncake_trace() {
     let Some(dir) = support::shared_traces() else {
         return;
     };
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_kv-indexer"))
-        .args(["simulate", "--workload", "mooncake", "--trace"])
-        .arg(dir.join("conversation_trace.jsonl"))
-        .args([
-            "--limit",
-            "300",
-            "--policies",
-            "round-robin,precise",
-            "--json",
-        ])
-        .output()
-        .expect("run kv-indexer simulate");
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let json: serde_json::Value = serde_json::from_slice(&out.stdout).expect("JSON output");
+    let trace = dir.join("conversation_trace.jsonl");
+    let json = simulate_json(&[
+        "--workload".as_ref(),
+        "mooncake".as_ref(),
+        "--trace".as_ref(),
+        trace.as_os_str(),
+        "--limit".as_ref(),
+        "300".as_ref(),
+        "--policies".as_ref(),
+        "round-robin,precise".as_ref(),
+    ]);
     assert_eq!(json["requests"], 300);
     let results = json["results"].as_array().expect("results");
     assert_eq!(results.len(), 2);
