@@ -42,8 +42,25 @@ fn main() {
         Command::Simulate(args) => cli::simulate::run_cli(args),
     };
     if let Err(error) = result {
-        // `{:#}` prints the cause chain on one line; no backtrace for operator-facing errors.
-        eprintln!("error: {error:#}");
+        // The cause chain on one line, no backtrace for operator-facing errors.
+        eprintln!("error: {}", one_line(&error));
         std::process::exit(1);
     }
+}
+
+/// The error and its causes, `: `-joined, leaving out a cause whose text the message already
+/// carries (our library errors name their source in their own message).
+fn one_line(error: &anyhow::Error) -> String {
+    let mut line = String::new();
+    for cause in error.chain() {
+        let text = cause.to_string();
+        if line.contains(&text) {
+            continue;
+        }
+        if !line.is_empty() {
+            line.push_str(": ");
+        }
+        line.push_str(&text);
+    }
+    line
 }

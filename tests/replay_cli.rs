@@ -163,7 +163,13 @@ fn bad_arguments_are_clear_errors() {
         .output()
         .expect("runs");
     assert!(!out.status.success());
-    assert!(String::from_utf8_lossy(&out.stderr).contains("/nonexistent.jsonl"));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("/nonexistent.jsonl"), "{stderr}");
+    assert_eq!(
+        stderr.matches("os error 2").count(),
+        1,
+        "the cause once: {stderr}"
+    );
     let dir = support::temp_dir("bad-policy");
     let path = dir.join("t.jsonl");
     std::fs::write(&path, "{\"token_ids\": [1,2,3]}\n").expect("write");

@@ -178,6 +178,9 @@ pub fn run_cli(args: SimulateArgs) -> anyhow::Result<()> {
     if args.pods == 0 || args.capacity_blocks == 0 {
         bail!("--pods and --capacity-blocks must be at least 1");
     }
+    if args.pods > 4096 {
+        bail!("--pods must be at most 4096, got {}", args.pods);
+    }
     if !(0.0..=1.0).contains(&args.bypass) {
         bail!(
             "--bypass must be a share between 0 and 1, got {}",
