@@ -261,18 +261,9 @@ async fn prompt_and_chat_with_the_projects_own_tokenizer() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn qwen3_chat_finds_the_blocks_vllm_stored() {
-    let dir =
-        std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../shared/tokenizers/qwen3");
-    if !dir.join("tokenizer.json").is_file() {
-        if std::env::var("CI").as_deref() == Ok("true") {
-            panic!("CI must provide {}", dir.display());
-        }
-        eprintln!(
-            "SKIPPED: {} not found (real tokenizers live in ../shared; CI runs this test)",
-            dir.display()
-        );
+    let Some(dir) = support::shared_tokenizer("qwen3") else {
         return;
-    }
+    };
     let samples: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(dir.join("samples.json")).expect("samples"))
             .expect("json");

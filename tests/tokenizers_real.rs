@@ -5,30 +5,11 @@
 //! Without `../shared/` these tests print SKIPPED and why; under CI (`CI=true`), which has it,
 //! a missing directory is a failure.
 
-use std::path::PathBuf;
+mod support;
 
 use kv_indexer::tokenize::chat::{ChatInput, ChatMessage};
 use kv_indexer::tokenize::model::LoadedTokenizer;
 use serde_json::Value;
-
-fn shared(name: &str) -> Option<PathBuf> {
-    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("..")
-        .join("shared")
-        .join("tokenizers")
-        .join(name);
-    if dir.join("tokenizer.json").is_file() {
-        return Some(dir);
-    }
-    if std::env::var("CI").as_deref() == Ok("true") {
-        panic!("CI must provide {}", dir.display());
-    }
-    eprintln!(
-        "SKIPPED: {} not found (the real tokenizers live in ../shared/tokenizers beside the project; CI runs this test)",
-        dir.display()
-    );
-    None
-}
 
 fn ids(v: &Value) -> Vec<u32> {
     v.as_array()
@@ -39,7 +20,9 @@ fn ids(v: &Value) -> Vec<u32> {
 }
 
 fn check(name: &str, model: &str) {
-    let Some(dir) = shared(name) else { return };
+    let Some(dir) = support::shared_tokenizer(name) else {
+        return;
+    };
     let samples: Value = serde_json::from_str(
         &std::fs::read_to_string(dir.join("samples.json")).expect("samples.json"),
     )
@@ -104,7 +87,9 @@ fn llama3_samples_bos_and_chat() {
 
 #[test]
 fn qwen3_template_renders_tools_and_thinking_switches() {
-    let Some(dir) = shared("qwen3") else { return };
+    let Some(dir) = support::shared_tokenizer("qwen3") else {
+        return;
+    };
     let tok =
         LoadedTokenizer::from_files("Qwen/Qwen3-8B", &dir.join("tokenizer.json")).expect("loads");
     let input = ChatInput::from_request(

@@ -118,20 +118,42 @@ pub fn temp_dir(name: &str) -> std::path::PathBuf {
     dir
 }
 
-/// `../shared/traces/mooncake`, or `None` after printing why the caller is skipped (a panic
-/// under CI, which has it).
-pub fn shared_traces() -> Option<std::path::PathBuf> {
-    let dir =
-        std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../shared/traces/mooncake");
-    if dir.join("stats.json").is_file() {
+/// `../shared/<rel>` when `marker` is in it. Otherwise `None`, after telling the person running
+/// the tests that the caller was skipped and why; under CI (`CI=true`), which has `../shared`,
+/// its absence is a failure instead.
+///
+/// The notice is written to the process's stderr directly: the test harness captures
+/// `eprintln!` of passing tests, and a skip must not be silent.
+pub fn shared(rel: &str, marker: &str, what: &str) -> Option<std::path::PathBuf> {
+    use std::io::Write;
+    let dir = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../shared")
+        .join(rel);
+    if dir.join(marker).is_file() {
         return Some(dir);
     }
     if std::env::var("CI").as_deref() == Ok("true") {
         panic!("CI must provide {}", dir.display());
     }
-    eprintln!(
-        "SKIPPED: {} not found (the Mooncake traces live in ../shared; CI runs this test)",
+    let _ = writeln!(
+        std::io::stderr().lock(),
+        "SKIPPED {}: {} not found ({what} live in ../shared beside the project; CI runs this test)",
+        std::thread::current().name().unwrap_or("a test"),
         dir.display()
     );
     None
+}
+
+/// `../shared/traces/mooncake`, or `None` after saying why the caller is skipped.
+pub fn shared_traces() -> Option<std::path::PathBuf> {
+    shared("traces/mooncake", "stats.json", "the Mooncake traces")
+}
+
+/// `../shared/tokenizers/<name>`, or `None` after saying why the caller is skipped.
+pub fn shared_tokenizer(name: &str) -> Option<std::path::PathBuf> {
+    shared(
+        &format!("tokenizers/{name}"),
+        "tokenizer.json",
+        "the real tokenizers",
+    )
 }
