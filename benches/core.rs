@@ -12,45 +12,19 @@
 //! The trace is read from `../shared/traces/mooncake/conversation_trace.jsonl` or
 //! `$KV_INDEXER_TRACE`; without it the index part says so and is skipped.
 
-use std::alloc::{GlobalAlloc, Layout, System};
 use std::hint::black_box;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Instant;
 
 use kv_indexer::events::decode_batch;
 use kv_indexer::hashing::{HashScratch, RequestExtras, TokenProcessor, TokenProcessorConfig};
 use kv_indexer::workload::{
-    load_mooncake, replay, FlatMapBackend, IndexBackend, IndexWorkload, KvIndexerBackend,
-    WorkloadShape,
+    live_heap_bytes, load_mooncake, replay, CountingAllocator, FlatMapBackend, IndexBackend,
+    IndexWorkload, KvIndexerBackend, WorkloadShape,
 };
 use sha2::{Digest, Sha256};
 
-/// Counts live heap bytes, so index memory is measured, not estimated.
-struct Counting;
-static LIVE: AtomicUsize = AtomicUsize::new(0);
-
-unsafe impl GlobalAlloc for Counting {
-    unsafe fn alloc(&self, l: Layout) -> *mut u8 {
-        LIVE.fetch_add(l.size(), Ordering::Relaxed);
-        unsafe { System.alloc(l) }
-    }
-    unsafe fn dealloc(&self, p: *mut u8, l: Layout) {
-        LIVE.fetch_sub(l.size(), Ordering::Relaxed);
-        unsafe { System.dealloc(p, l) }
-    }
-    unsafe fn alloc_zeroed(&self, l: Layout) -> *mut u8 {
-        LIVE.fetch_add(l.size(), Ordering::Relaxed);
-        unsafe { System.alloc_zeroed(l) }
-    }
-    unsafe fn realloc(&self, p: *mut u8, l: Layout, new: usize) -> *mut u8 {
-        LIVE.fetch_add(new, Ordering::Relaxed);
-        LIVE.fetch_sub(l.size(), Ordering::Relaxed);
-        unsafe { System.realloc(p, l, new) }
-    }
-}
-
 #[global_allocator]
-static GLOBAL: Counting = Counting;
+static GLOBAL: CountingAllocator = CountingAllocator;
 
 fn rng_tokens(n: usize, seed: u64) -> Vec<u32> {
     let mut x = seed;
@@ -311,7 +285,7 @@ fn bench_index() {
     // KV_BENCH_ONLY_OURS=1 skips the baseline (for profiling).
     let skip = usize::from(std::env::var_os("KV_BENCH_ONLY_OURS").is_some());
     for make in backends.iter().skip(skip) {
-        let before = LIVE.load(Ordering::Relaxed);
+        let before = live_heap_bytes();
         let mut backend = make();
         let report = replay(&workload, backend.as_mut());
         if std::env::var("KV_DEBUG").is_ok() {
@@ -328,7 +302,7 @@ fn bench_index() {
                 report.apply_seconds
             );
         }
-        let bytes = LIVE.load(Ordering::Relaxed).saturating_sub(before);
+        let bytes = live_heap_bytes().saturating_sub(before);
         drop(backend);
         reports.push((report, bytes));
     }

@@ -519,6 +519,42 @@ impl IndexBackend for FlatMapBackend {
     }
 }
 
+/// A global allocator that counts live heap bytes, so the benchmarks measure an index's memory
+/// instead of estimating it, and every backend in the peers benchmark is measured the same way.
+///
+/// Install it in a benchmark binary with
+/// `#[global_allocator] static GLOBAL: CountingAllocator = CountingAllocator;` and read
+/// [`live_heap_bytes`] before and after building a structure.
+pub struct CountingAllocator;
+
+static LIVE_HEAP_BYTES: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+/// Bytes currently allocated through [`CountingAllocator`] (0 where it is not installed).
+pub fn live_heap_bytes() -> usize {
+    LIVE_HEAP_BYTES.load(std::sync::atomic::Ordering::Relaxed)
+}
+
+// SAFETY: every call is forwarded unchanged to the system allocator; only a counter is added.
+unsafe impl std::alloc::GlobalAlloc for CountingAllocator {
+    unsafe fn alloc(&self, l: std::alloc::Layout) -> *mut u8 {
+        LIVE_HEAP_BYTES.fetch_add(l.size(), std::sync::atomic::Ordering::Relaxed);
+        unsafe { std::alloc::System.alloc(l) }
+    }
+    unsafe fn dealloc(&self, p: *mut u8, l: std::alloc::Layout) {
+        LIVE_HEAP_BYTES.fetch_sub(l.size(), std::sync::atomic::Ordering::Relaxed);
+        unsafe { std::alloc::System.dealloc(p, l) }
+    }
+    unsafe fn alloc_zeroed(&self, l: std::alloc::Layout) -> *mut u8 {
+        LIVE_HEAP_BYTES.fetch_add(l.size(), std::sync::atomic::Ordering::Relaxed);
+        unsafe { std::alloc::System.alloc_zeroed(l) }
+    }
+    unsafe fn realloc(&self, p: *mut u8, l: std::alloc::Layout, new: usize) -> *mut u8 {
+        LIVE_HEAP_BYTES.fetch_add(new, std::sync::atomic::Ordering::Relaxed);
+        LIVE_HEAP_BYTES.fetch_sub(l.size(), std::sync::atomic::Ordering::Relaxed);
+        unsafe { std::alloc::System.realloc(p, l, new) }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

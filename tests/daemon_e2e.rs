@@ -51,20 +51,13 @@ fn cut(payload: &[u8]) -> (Vec<u8>, Vec<Vec<u8>>, Vec<u8>) {
 }
 
 fn captured(version: &str, scenario: &str) -> Captured {
-    let doc = support::fixture(&format!("vllm/zmq_messages.vllm-{version}.json"));
-    let s = doc["scenarios"]
-        .as_array()
-        .expect("scenarios")
-        .iter()
-        .find(|s| s["name"] == scenario)
-        .expect("scenario");
-    let payload = support::unhex(s["messages"][0]["frames_hex"][2].as_str().expect("hex"));
+    let (payload, tokens) = support::captured_payload(version, scenario);
     let (ts, events, rank) = cut(&payload);
     Captured {
         ts,
         events,
         rank,
-        tokens: support::u32s(&doc["scenarios"][0]["request_token_ids"]),
+        tokens,
     }
 }
 
@@ -385,10 +378,7 @@ async fn a_gap_is_recovered_from_vllms_replay_buffer_in_both_layouts() {
         })
         .await;
         // seq 2 arrives after a gap: an empty batch.
-        let mut empty = vec![0x93];
-        empty.extend_from_slice(&c.ts);
-        empty.push(0x90);
-        empty.extend_from_slice(&c.rank);
+        let empty = batch(&c, &[]);
         publisher
             .send(message(&topic, 2, &empty))
             .await
@@ -482,10 +472,7 @@ async fn a_publisher_restart_clears_the_pod_and_garbage_is_counted() {
     for g in garbage {
         publisher.send(g).await.expect("send");
     }
-    let mut empty = vec![0x93];
-    empty.extend_from_slice(&c.ts);
-    empty.push(0x90);
-    empty.extend_from_slice(&c.rank);
+    let empty = batch(&c, &[]);
     publisher
         .send(message(&topic, 0, &empty))
         .await

@@ -25,19 +25,8 @@ fn settings(seed: Option<&str>, block_size: usize) -> IndexerSettings {
 
 /// The first captured message of the int-hash (or bytes-hash) scenario and the request tokens.
 fn captured(version: &str, scenario: &str) -> (EventBatch, Vec<u32>) {
-    let doc = support::fixture(&format!("vllm/zmq_messages.vllm-{version}.json"));
-    let s = doc["scenarios"]
-        .as_array()
-        .expect("scenarios")
-        .iter()
-        .find(|s| s["name"] == scenario)
-        .expect("scenario");
-    let payload = support::unhex(s["messages"][0]["frames_hex"][2].as_str().expect("hex"));
-    let tokens = doc["scenarios"][0]["request_token_ids"].clone();
-    (
-        decode_batch(&payload).expect("decodes"),
-        support::u32s(&tokens),
-    )
+    let (payload, tokens) = support::captured_payload(version, scenario);
+    (decode_batch(&payload).expect("decodes"), tokens)
 }
 
 fn prefix(batch: &EventBatch, n: usize) -> EventBatch {

@@ -6,9 +6,9 @@ use std::io::{BufRead, BufReader};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-#[test]
-fn serve_starts_without_config_and_exits_cleanly_on_sigterm() {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_kv-indexer"))
+/// `kv-indexer serve` with no config file, on ephemeral loopback ports, logging to a pipe.
+fn serve_on_ephemeral_ports() -> std::process::Child {
+    Command::new(env!("CARGO_BIN_EXE_kv-indexer"))
         .args([
             "serve",
             "--grpc-addr",
@@ -23,7 +23,12 @@ fn serve_starts_without_config_and_exits_cleanly_on_sigterm() {
         .stderr(Stdio::piped())
         .stdout(Stdio::null())
         .spawn()
-        .expect("the binary starts");
+        .expect("the binary starts")
+}
+
+#[test]
+fn serve_starts_without_config_and_exits_cleanly_on_sigterm() {
+    let mut child = serve_on_ephemeral_ports();
     let stderr = child.stderr.take().expect("piped");
     let (tx, rx) = std::sync::mpsc::channel();
     std::thread::spawn(move || {
@@ -70,22 +75,7 @@ fn serve_starts_without_config_and_exits_cleanly_on_sigterm() {
 /// Starts `kv-indexer serve` on ephemeral loopback ports; returns the child and its
 /// (gRPC, metrics, ZMQ) addresses read from the ready log line.
 fn spawn_daemon() -> (std::process::Child, String, String, String) {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_kv-indexer"))
-        .args([
-            "serve",
-            "--grpc-addr",
-            "127.0.0.1:0",
-            "--metrics-addr",
-            "127.0.0.1:0",
-            "--zmq-endpoint",
-            "tcp://127.0.0.1:0",
-        ])
-        .env("RUST_LOG", "info")
-        .env("NO_COLOR", "1")
-        .stderr(Stdio::piped())
-        .stdout(Stdio::null())
-        .spawn()
-        .expect("the binary starts");
+    let mut child = serve_on_ephemeral_ports();
     let stderr = child.stderr.take().expect("piped");
     let mut lines = BufReader::new(stderr).lines();
     let ready = loop {

@@ -11,18 +11,7 @@ use std::process::Command;
 use serde_json::Value;
 
 fn replay(args: &[&str]) -> Value {
-    let out = Command::new(env!("CARGO_BIN_EXE_kv-indexer"))
-        .arg("replay")
-        .args(args)
-        .arg("--json")
-        .output()
-        .expect("runs");
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    serde_json::from_slice(&out.stdout).expect("JSON output")
+    support::kv_indexer_json(&[&["replay"], args].concat())
 }
 
 #[test]

@@ -215,18 +215,7 @@ fn cache_resets_cost_hits_and_the_index_follows_them() {
 
 /// Runs `kv-indexer simulate ARGS --json` and returns its output.
 fn simulate_json(args: &[&std::ffi::OsStr]) -> serde_json::Value {
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_kv-indexer"))
-        .arg("simulate")
-        .args(args)
-        .arg("--json")
-        .output()
-        .expect("run kv-indexer simulate");
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    serde_json::from_slice(&out.stdout).expect("JSON output")
+    support::kv_indexer_json(&[&["simulate".as_ref()], args].concat())
 }
 
 #[test]

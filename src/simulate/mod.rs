@@ -92,6 +92,11 @@ impl Default for SimSettings {
     }
 }
 
+/// How many leading blocks two prompts share (their common prefix, in blocks).
+pub fn common_prefix(a: &[u64], b: &[u64]) -> usize {
+    a.iter().zip(b).take_while(|(x, y)| x == y).count()
+}
+
 /// SplitMix64, for deterministic runs.
 #[derive(Debug, Clone)]
 pub struct Rng(u64);

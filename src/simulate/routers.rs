@@ -260,13 +260,7 @@ impl Router for Precise {
                 });
                 let depth = pending
                     .iter()
-                    .map(|(_, blocks)| {
-                        blocks
-                            .iter()
-                            .zip(&req.blocks)
-                            .take_while(|(a, b)| a == b)
-                            .count()
-                    })
+                    .map(|(_, blocks)| super::common_prefix(blocks, &req.blocks))
                     .max()
                     .unwrap_or(0);
                 matched[p] = matched[p].max(depth as f64 / n);

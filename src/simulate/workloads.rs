@@ -216,12 +216,7 @@ mod tests {
         for a in &reqs {
             assert_eq!(a.blocks.len(), 6);
             for b in &reqs {
-                let common = a
-                    .blocks
-                    .iter()
-                    .zip(&b.blocks)
-                    .take_while(|(x, y)| x == y)
-                    .count();
+                let common = crate::simulate::common_prefix(&a.blocks, &b.blocks);
                 assert!(common == 6 || common == 4 || common == 0, "{common}");
             }
         }
@@ -248,12 +243,7 @@ mod tests {
         assert_eq!(reqs[0].arrival_ms, 20.0, "sorted by arrival, scaled");
         assert_eq!(reqs[0].blocks.len(), 700 / 16);
         assert_eq!(reqs[1].blocks.len(), 1_000 / 16);
-        let common = reqs[0]
-            .blocks
-            .iter()
-            .zip(&reqs[1].blocks)
-            .take_while(|(a, b)| a == b)
-            .count();
+        let common = crate::simulate::common_prefix(&reqs[0].blocks, &reqs[1].blocks);
         assert_eq!(
             common, 32,
             "trace block 1 is 32 engine blocks, then they diverge"

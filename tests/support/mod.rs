@@ -157,3 +157,32 @@ pub fn shared_tokenizer(name: &str) -> Option<std::path::PathBuf> {
         "the real tokenizers",
     )
 }
+
+/// Runs `kv-indexer ARGS --json`, requires success and returns the parsed output.
+pub fn kv_indexer_json<S: AsRef<std::ffi::OsStr>>(args: &[S]) -> Value {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_kv-indexer"))
+        .args(args)
+        .arg("--json")
+        .output()
+        .expect("run kv-indexer");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).expect("JSON output")
+}
+
+/// The first captured ZMQ payload of a scenario in `vllm/zmq_messages.vllm-<version>.json`, and
+/// the request tokens the capture was made with.
+pub fn captured_payload(version: &str, scenario: &str) -> (Vec<u8>, Vec<u32>) {
+    let doc = fixture(&format!("vllm/zmq_messages.vllm-{version}.json"));
+    let s = doc["scenarios"]
+        .as_array()
+        .expect("scenarios")
+        .iter()
+        .find(|s| s["name"] == scenario)
+        .expect("scenario");
+    let payload = unhex(s["messages"][0]["frames_hex"][2].as_str().expect("hex"));
+    (payload, u32s(&doc["scenarios"][0]["request_token_ids"]))
+}

@@ -5,8 +5,6 @@
 //!
 //! Usage: `cargo run --release --manifest-path benches/peers/Cargo.toml [-- TRACE.jsonl]`.
 
-use std::alloc::{GlobalAlloc, Layout, System};
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Instant;
 
 use dynamo_kv_router::protocols::{
@@ -16,36 +14,12 @@ use dynamo_kv_router::protocols::{
 use dynamo_kv_router::RadixTree;
 use kv_index::{ChainBlockMap, ChainIndex, ContentHash, SequenceHash, StoredBlock};
 use kv_indexer::workload::{
-    load_mooncake, replay, FlatMapBackend, IndexBackend, IndexWorkload, KvIndexerBackend,
+    live_heap_bytes, load_mooncake, replay, CountingAllocator, FlatMapBackend, IndexBackend, IndexWorkload, KvIndexerBackend,
     WorkloadShape,
 };
 
-/// Counts live heap bytes: every backend's memory is measured the same way.
-struct Counting;
-static LIVE: AtomicUsize = AtomicUsize::new(0);
-
-unsafe impl GlobalAlloc for Counting {
-    unsafe fn alloc(&self, l: Layout) -> *mut u8 {
-        LIVE.fetch_add(l.size(), Ordering::Relaxed);
-        unsafe { System.alloc(l) }
-    }
-    unsafe fn dealloc(&self, p: *mut u8, l: Layout) {
-        LIVE.fetch_sub(l.size(), Ordering::Relaxed);
-        unsafe { System.dealloc(p, l) }
-    }
-    unsafe fn alloc_zeroed(&self, l: Layout) -> *mut u8 {
-        LIVE.fetch_add(l.size(), Ordering::Relaxed);
-        unsafe { System.alloc_zeroed(l) }
-    }
-    unsafe fn realloc(&self, p: *mut u8, l: Layout, new: usize) -> *mut u8 {
-        LIVE.fetch_add(new, Ordering::Relaxed);
-        LIVE.fetch_sub(l.size(), Ordering::Relaxed);
-        unsafe { System.realloc(p, l, new) }
-    }
-}
-
 #[global_allocator]
-static GLOBAL: Counting = Counting;
+static GLOBAL: CountingAllocator = CountingAllocator;
 
 /// SMG's ChainIndex with one lane map per worker, driven through its allocation-free API.
 struct Smg {
@@ -212,10 +186,10 @@ fn main() {
     ];
     let mut rows = Vec::new();
     for (key, make) in &makers {
-        let before = LIVE.load(Ordering::Relaxed);
+        let before = live_heap_bytes();
         let mut backend = make();
         let report = replay(&workload, backend.as_mut());
-        let bytes = LIVE.load(Ordering::Relaxed).saturating_sub(before);
+        let bytes = live_heap_bytes().saturating_sub(before);
         drop(backend);
         rows.push((*key, report, bytes));
     }
