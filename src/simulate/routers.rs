@@ -241,7 +241,10 @@ impl Router for Precise {
         }
         if self.speculative_ttl_ms > 0.0 {
             for (p, pending) in self.pending.iter_mut().enumerate() {
-                let pod_name = ctx.pod_names.get(p).map(String::as_str).unwrap_or_default();
+                if pending.is_empty() {
+                    continue;
+                }
+                let only_this_pod = [ctx.pod_names.get(p).cloned().unwrap_or_default()];
                 pending.retain(|(t, blocks)| {
                     if ctx.now_ms - t > self.speculative_ttl_ms {
                         return false;
@@ -249,11 +252,7 @@ impl Router for Precise {
                     // Confirmed when the index shows this pod holding the request's last block.
                     let confirmed = blocks.last().is_some_and(|&last| {
                         ctx.indexer
-                            .score_hashes(
-                                ctx.model,
-                                std::slice::from_ref(&last),
-                                &[pod_name.to_owned()],
-                            )
+                            .score_hashes(ctx.model, std::slice::from_ref(&last), &only_this_pod)
                             .is_ok_and(|r| r.scores.first().is_some_and(|s| s.matched_blocks > 0))
                     });
                     !confirmed
