@@ -5,7 +5,7 @@
 //!   same size (the floor: CBOR encoding is all we add);
 //! - decoding: blocks per second from vLLM-shaped payloads (map form 0.24+, array form <= 0.23)
 //!   vs rmp-serde decoding the same bytes into a generic value;
-//! - index: the Mooncake conversation trace replayed on one thread (see `kv_indexer::workload`):
+//! - index: the Mooncake conversation trace driven on one thread (see `kv_lab::index_bench`):
 //!   block-ops/s, apply blocks/s, query p50/p99, bytes per (block, pod) membership, vs a flat
 //!   hash map probed block by block.
 //!
@@ -15,12 +15,16 @@
 use std::hint::black_box;
 use std::time::Instant;
 
-use kv_indexer::events::decode_batch;
-use kv_indexer::hashing::{HashScratch, RequestExtras, TokenProcessor, TokenProcessorConfig};
-use kv_indexer::workload::{
-    live_heap_bytes, load_mooncake, replay, CountingAllocator, FlatMapBackend, IndexBackend,
-    IndexWorkload, KvIndexerBackend, WorkloadShape,
+use kv_core::events::{
+    decode_batch, encode_batch_as, BlockRemoved, BlockStored, EventBatch, KvEvent, Medium, WireForm,
 };
+use kv_core::hashing::{HashScratch, RequestExtras, TokenProcessor, TokenProcessorConfig};
+use kv_core::BlockHash;
+use kv_lab::alloc::{live_heap_bytes, CountingAllocator};
+use kv_lab::index_bench::{
+    drive, FlatMapBackend, IndexBackend, IndexWorkload, KvIndexerBackend, WorkloadShape,
+};
+use kv_lab::trace::load_mooncake;
 use sha2::{Digest, Sha256};
 
 #[global_allocator]
@@ -99,113 +103,54 @@ fn bench_hashing() {
     println!();
 }
 
-/// msgpack writer for bench payloads shaped exactly as msgspec writes them.
+/// 200 vLLM-shaped batches in both wire forms (kv-core's encoder): 4 `BlockStored` runs of 32
+/// blocks with their tokens, as vLLM 0.33 fills every field of a plain request, and 5
+/// single-hash `BlockRemoved` events.
 fn payloads() -> (Vec<Vec<u8>>, Vec<Vec<u8>>, usize) {
-    use rmp::encode::*;
     let mut map_form = Vec::new();
     let mut array_form = Vec::new();
     let mut blocks = 0;
     let mut h = 0x1234_5678_9abc_def0u64;
+    let mut next_hash = || {
+        h = h.wrapping_mul(6364136223846793005).wrapping_add(1);
+        BlockHash::new(h)
+    };
     for batch in 0..200 {
-        let mut m = Vec::new();
-        let mut a = Vec::new();
-        for out in [&mut m, &mut a] {
-            write_array_len(out, 3).ok();
-            write_f64(out, 1_700_000_000.0 + batch as f64).ok();
-            write_array_len(out, 9).ok();
-        }
+        let mut events = Vec::new();
         for e in 0..9 {
             let stored = e < 4;
             let n = if stored { 32 } else { 1 };
-            let hashes: Vec<u64> = (0..n)
-                .map(|_| {
-                    h = h.wrapping_mul(6364136223846793005).wrapping_add(1);
-                    h
-                })
-                .collect();
+            let hashes: Vec<BlockHash> = (0..n).map(|_| next_hash()).collect();
             blocks += n;
-            let tokens = rng_tokens(n * 16, h);
-            // map form (0.33): {"type", block_hashes, parent, token_ids, block_size, lora_id,
-            // medium, lora_name, extra_keys, group_idx, kv_cache_spec_kind}
             if stored {
-                m.extend_from_slice(&[0xde, 0x00, 0x0b]);
-                write_str(&mut m, "type").ok();
-                write_str(&mut m, "BlockStored").ok();
-                write_str(&mut m, "block_hashes").ok();
+                let parent = next_hash();
+                events.push(KvEvent::BlockStored(BlockStored {
+                    block_hashes: hashes,
+                    parent_block_hash: Some(parent),
+                    token_ids: rng_tokens(n * 16, parent.get()),
+                    block_size: 16,
+                    medium: Some(Medium::Gpu),
+                    extra_keys: Some(vec![None; n]),
+                    group_idx: Some(0),
+                    kv_cache_spec_kind: Some("full_attention".into()),
+                    ..Default::default()
+                }));
             } else {
-                write_map_len(&mut m, 4).ok();
-                write_str(&mut m, "type").ok();
-                write_str(&mut m, "BlockRemoved").ok();
-                write_str(&mut m, "block_hashes").ok();
-            }
-            write_array_len(&mut a, if stored { 12 } else { 4 }).ok();
-            write_str(
-                &mut a,
-                if stored {
-                    "BlockStored"
-                } else {
-                    "BlockRemoved"
-                },
-            )
-            .ok();
-            for out in [&mut m, &mut a] {
-                write_array_len(out, n as u32).ok();
-                for &x in &hashes {
-                    write_uint(out, x).ok();
-                }
-            }
-            if stored {
-                write_str(&mut m, "parent_block_hash").ok();
-                for out in [&mut m, &mut a] {
-                    write_uint(out, h ^ 7).ok();
-                }
-                write_str(&mut m, "token_ids").ok();
-                for out in [&mut m, &mut a] {
-                    write_array_len(out, tokens.len() as u32).ok();
-                    for &t in &tokens {
-                        write_uint(out, t as u64).ok();
-                    }
-                }
-                write_str(&mut m, "block_size").ok();
-                write_uint(&mut m, 16).ok();
-                write_uint(&mut a, 16).ok();
-                write_str(&mut m, "lora_id").ok();
-                write_nil(&mut m).ok();
-                write_nil(&mut a).ok();
-                write_str(&mut m, "medium").ok();
-                write_str(&mut m, "GPU").ok();
-                write_str(&mut a, "GPU").ok();
-                write_str(&mut m, "lora_name").ok();
-                write_nil(&mut m).ok();
-                write_nil(&mut a).ok();
-                write_str(&mut m, "extra_keys").ok();
-                for out in [&mut m, &mut a] {
-                    write_array_len(out, n as u32).ok();
-                    for _ in 0..n {
-                        write_nil(out).ok();
-                    }
-                }
-                write_str(&mut m, "group_idx").ok();
-                write_uint(&mut m, 0).ok();
-                write_uint(&mut a, 0).ok();
-                write_str(&mut m, "kv_cache_spec_kind").ok();
-                write_str(&mut m, "full_attention").ok();
-                write_str(&mut a, "full_attention").ok();
-                write_nil(&mut a).ok(); // sliding window
-            } else {
-                write_str(&mut m, "medium").ok();
-                write_str(&mut m, "GPU").ok();
-                write_str(&mut a, "GPU").ok();
-                write_str(&mut m, "group_idx").ok();
-                write_uint(&mut m, 0).ok();
-                write_uint(&mut a, 0).ok();
+                events.push(KvEvent::BlockRemoved(BlockRemoved {
+                    block_hashes: hashes,
+                    medium: Some(Medium::Gpu),
+                    group_idx: Some(0),
+                    ..Default::default()
+                }));
             }
         }
-        for out in [&mut m, &mut a] {
-            write_uint(out, 0).ok();
-        }
-        map_form.push(m);
-        array_form.push(a);
+        let batch = EventBatch {
+            ts: 1_700_000_000.0 + batch as f64,
+            events,
+            data_parallel_rank: Some(0),
+        };
+        map_form.push(encode_batch_as(&batch, WireForm::Map));
+        array_form.push(encode_batch_as(&batch, WireForm::Array));
     }
     (map_form, array_form, blocks)
 }
@@ -287,10 +232,10 @@ fn bench_index() {
     for make in backends.iter().skip(skip) {
         let before = live_heap_bytes();
         let mut backend = make();
-        let report = replay(&workload, backend.as_mut());
+        let report = drive(&workload, backend.as_mut());
         if std::env::var("KV_DEBUG").is_ok() {
             let mut kv = KvIndexerBackend::new(shape.pods);
-            replay(&workload, &mut kv);
+            drive(&workload, &mut kv);
             eprintln!("{:?}", kv.index().stats());
             eprintln!("{}", kv.index().debug_memory());
             eprintln!(

@@ -12,11 +12,10 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kv_indexer::events::{BlockStored, EventBatch, KvEvent};
-use kv_indexer::indexer::{Indexer, IndexerSettings, ModelSettings};
-use kv_indexer::metrics::Metrics;
-use kv_indexer::tokenize::model::{LoadedTokenizer, SourceSettings};
-use kv_indexer::tokenize::{TokenizerService, TokenizerSettings};
+use kv_core::events::{BlockStored, EventBatch, KvEvent};
+use kv_core::indexer::{Indexer, IndexerSettings, ModelSettings};
+use kv_tokenize::model::{LoadedTokenizer, SourceSettings};
+use kv_tokenize::{TokenizerService, TokenizerSettings};
 
 const MODEL: &str = "Qwen/Qwen3-8B";
 
@@ -74,7 +73,7 @@ async fn run(dir: PathBuf) {
             prefix_block_chars: 256,
             min_prefix_overlap_ratio: 0.8,
         },
-        Metrics::new(),
+        Arc::new(kv_tokenize::NoObserver),
     );
     let indexer = Indexer::new(IndexerSettings {
         default_model: ModelSettings::default(),

@@ -14,9 +14,9 @@ use std::path::Path;
 use serde::{Deserialize, Serialize};
 use thiserror::Error;
 
-use crate::hashing::{ExtraKeysFormat, TokenProcessorConfig};
-use crate::index::{IndexConfig, TierWeights, MAX_MEMBERS};
-use crate::indexer::{IndexerSettings, ModelSettings};
+use kv_core::hashing::{ExtraKeysFormat, TokenProcessorConfig};
+use kv_core::index::{IndexConfig, TierWeights, MAX_MEMBERS};
+use kv_core::indexer::{IndexerSettings, ModelSettings};
 
 /// Why a configuration was rejected.
 #[derive(Debug, Error)]
@@ -554,7 +554,7 @@ impl Config {
     }
 
     /// The tokenizer pool and prefix store settings this config describes.
-    pub fn tokenizer_settings(&self) -> crate::tokenize::TokenizerSettings {
+    pub fn tokenizer_settings(&self) -> kv_tokenize::TokenizerSettings {
         let pool = &self.indexer_config.tokenizers_pool_config;
         let mut explicit: std::collections::HashMap<String, String> =
             pool.local.model_tokenizer_map.clone().into_iter().collect();
@@ -564,8 +564,8 @@ impl Config {
             }
         }
         let store = &self.indexer_config.prefix_store_config;
-        crate::tokenize::TokenizerSettings {
-            sources: crate::tokenize::model::SourceSettings {
+        kv_tokenize::TokenizerSettings {
+            sources: kv_tokenize::model::SourceSettings {
                 explicit,
                 cache_dir: pool.tokenizers_cache_dir.clone().into(),
                 hf_token: Some(pool.hugging_face_token.clone()).filter(|t| !t.is_empty()),

@@ -17,7 +17,6 @@ use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
 use crate::config::{Config, ConfigError};
-use crate::indexer::{Indexer, SettingsError};
 use crate::ingest::{self, IngestError, IngestHandle, Publishers};
 use crate::metrics::Metrics;
 use crate::server::grpc::{
@@ -26,6 +25,7 @@ use crate::server::grpc::{
     FILE_DESCRIPTOR_SET,
 };
 use crate::server::http;
+use kv_core::indexer::{Indexer, SettingsError};
 
 /// Why the daemon could not start.
 #[derive(Debug, Error)]
@@ -100,7 +100,7 @@ pub async fn start(config: Config) -> Result<RunningDaemon, DaemonError> {
     .await?;
 
     let tokenizers =
-        crate::tokenize::TokenizerService::new(config.tokenizer_settings(), metrics.clone());
+        kv_tokenize::TokenizerService::new(config.tokenizer_settings(), metrics.tokenizer.clone());
     let service = ScoreService::new(
         indexer.clone(),
         tokenizers,

@@ -21,12 +21,15 @@ enum Command {
     /// Print vLLM's sha256_cbor block hashes for a token list.
     Hash(cli::hash::HashArgs),
     /// Publish vLLM-shaped events at full speed and call ScorePods against a running daemon.
+    #[cfg(feature = "lab")]
     Loadgen(cli::loadgen::LoadgenArgs),
     /// Ask a running daemon for pod scores (a ScorePods client).
     Score(cli::score::ScoreArgs),
     /// Replay a request trace against one block-level prefix cache (LRU, LFU, FIFO, S3-FIFO).
+    #[cfg(feature = "lab")]
     Replay(cli::replay::ReplayArgs),
     /// Compare routing policies on simulated vLLM pods feeding the real index.
+    #[cfg(feature = "lab")]
     Simulate(cli::simulate::SimulateArgs),
 }
 
@@ -36,9 +39,12 @@ fn main() {
         Command::Serve(args) => cli::serve::serve(args),
         Command::CheckConfig(args) => cli::serve::check_config(args),
         Command::Hash(args) => cli::hash::run(args),
+        #[cfg(feature = "lab")]
         Command::Loadgen(args) => cli::loadgen::run(args),
         Command::Score(args) => cli::score::run(args),
+        #[cfg(feature = "lab")]
         Command::Replay(args) => cli::replay::run(args),
+        #[cfg(feature = "lab")]
         Command::Simulate(args) => cli::simulate::run_cli(args),
     };
     if let Err(error) = result {

@@ -11,10 +11,10 @@ mod support;
 use std::time::Duration;
 
 use bytes::Bytes;
+use kv_core::events::msgpack::Reader;
 use kv_indexer::config::{Config, ConnectEndpoint};
 use kv_indexer::daemon::{self, RunningDaemon};
-use kv_indexer::events::msgpack::Reader;
-use kv_indexer::server::grpc::kvindexer_v1::{
+use kv_proto::kvindexer_v1::{
     kv_indexer_client::KvIndexerClient, score_pods_request::Input, ListPodsRequest,
     ScorePodsRequest, TokenIds,
 };

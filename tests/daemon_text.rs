@@ -8,45 +8,33 @@ mod support;
 use std::time::Duration;
 
 use bytes::Bytes;
+use kv_core::events::{encode_batch, BlockStored, EventBatch, KvEvent, Medium};
+use kv_core::hashing::{RequestExtras, TokenProcessor, TokenProcessorConfig};
+use kv_core::BlockHash;
 use kv_indexer::config::{Config, ModelConfig};
 use kv_indexer::daemon::{self, RunningDaemon};
-use kv_indexer::hashing::{RequestExtras, TokenProcessor, TokenProcessorConfig};
-use kv_indexer::server::grpc::indexer_v1::{
-    indexer_service_client::IndexerServiceClient, GetPodScoresRequest,
-};
-use kv_indexer::server::grpc::kvindexer_v1::{
+use kv_proto::indexer_v1::{indexer_service_client::IndexerServiceClient, GetPodScoresRequest};
+use kv_proto::kvindexer_v1::{
     kv_indexer_client::KvIndexerClient, score_pods_request::Input, ChatMessage, ChatRequest,
     ScorePodsRequest,
 };
-use kv_indexer::tokenize::chat::{ChatInput, ChatMessage as Msg};
-use kv_indexer::tokenize::model::LoadedTokenizer;
+use kv_tokenize::chat::{ChatInput, ChatMessage as Msg};
+use kv_tokenize::model::LoadedTokenizer;
 use zeromq::{PubSocket, Socket, SocketSend, ZmqMessage};
 
-fn block_stored(hashes: &[u64], tokens: &[u32], block_size: usize) -> Vec<u8> {
-    use rmp::encode::*;
-    let mut m = Vec::new();
-    write_array_len(&mut m, 3).ok();
-    write_f64(&mut m, 1.7e9).ok();
-    write_array_len(&mut m, 1).ok();
-    write_map_len(&mut m, 5).ok();
-    for (k, v) in [("type", "BlockStored"), ("medium", "GPU")] {
-        write_str(&mut m, k).ok();
-        write_str(&mut m, v).ok();
-    }
-    write_str(&mut m, "block_hashes").ok();
-    write_array_len(&mut m, hashes.len() as u32).ok();
-    for &h in hashes {
-        write_uint(&mut m, h).ok();
-    }
-    write_str(&mut m, "token_ids").ok();
-    write_array_len(&mut m, tokens.len() as u32).ok();
-    for &t in tokens {
-        write_uint(&mut m, t as u64).ok();
-    }
-    write_str(&mut m, "block_size").ok();
-    write_uint(&mut m, block_size as u64).ok();
-    write_uint(&mut m, 0).ok();
-    m
+/// One map-form `BlockStored` batch, as vLLM >= 0.24 publishes it (kv-core's encoder).
+fn block_stored(hashes: &[BlockHash], tokens: &[u32], block_size: usize) -> Vec<u8> {
+    encode_batch(&EventBatch {
+        ts: 1.7e9,
+        events: vec![KvEvent::BlockStored(BlockStored {
+            block_hashes: hashes.to_vec(),
+            token_ids: tokens.to_vec(),
+            block_size: block_size as u32,
+            medium: Some(Medium::Gpu),
+            ..Default::default()
+        })],
+        data_parallel_rank: Some(0),
+    })
 }
 
 struct Fleet {

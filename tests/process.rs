@@ -50,9 +50,7 @@ fn serve_starts_without_config_and_exits_cleanly_on_sigterm() {
         }
     }
     assert!(ready, "the daemon never logged that it was ready");
-    // SAFETY: sending a signal to our own child process by its pid.
-    let rc = unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGTERM) };
-    assert_eq!(rc, 0, "SIGTERM delivered");
+    sigterm(&child);
     let started = Instant::now();
     let status = loop {
         if let Some(status) = child.try_wait().expect("wait") {
@@ -153,7 +151,15 @@ fn the_readme_quickstart_feeds_events_and_scores_a_prompt() {
         first.starts_with("10.200.0.0:8000") && first.trim_end().ends_with("500"),
         "{out}"
     );
-    // SAFETY: signalling our own child.
-    unsafe { libc::kill(daemon.id() as libc::pid_t, libc::SIGTERM) };
+    sigterm(&daemon);
     assert!(daemon.wait().expect("exits").success());
+}
+
+/// Sends SIGTERM to a child, as Kubernetes does, with the system's `kill` (no unsafe code).
+fn sigterm(child: &std::process::Child) {
+    let status = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .expect("run kill");
+    assert!(status.success(), "SIGTERM delivered");
 }

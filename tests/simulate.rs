@@ -5,9 +5,9 @@
 
 mod support;
 
-use kv_indexer::simulate::routers::{self, Router};
-use kv_indexer::simulate::workloads::{MultiTurn, SharedPrefix};
-use kv_indexer::simulate::{run, PolicyReport, SimRequest, SimSettings};
+use kv_lab::simulate::routers::{self, Router};
+use kv_lab::simulate::workloads::{MultiTurn, SharedPrefix};
+use kv_lab::simulate::{run, PolicyReport, SimRequest, SimSettings};
 
 /// 24 system prompts x 5 questions (2,000 + 200 tokens), 4 req/s.
 fn small_shared_prefix_seeded(seed: u64) -> Vec<SimRequest> {
@@ -95,7 +95,7 @@ fn every_policy_reports_consistent_figures() {
     let requests = small_shared_prefix();
     let caps = vec![20_000; 4];
     let mut policies: Vec<Box<dyn Router>> = vec![
-        Box::new(routers::Random(kv_indexer::simulate::Rng::new(3))),
+        Box::new(routers::Random(kv_lab::simulate::rng(3))),
         Box::new(routers::RoundRobin::default()),
         Box::new(routers::LeastLoaded),
         Box::new(routers::ApproxPrefix::new(&caps)),

@@ -13,9 +13,8 @@ use axum::extract::{Path, State};
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
-use kv_indexer::metrics::Metrics;
-use kv_indexer::tokenize::model::SourceSettings;
-use kv_indexer::tokenize::{TokenizeError, TokenizerService, TokenizerSettings};
+use kv_tokenize::model::SourceSettings;
+use kv_tokenize::{TokenizeError, TokenizerService, TokenizerSettings};
 
 const REPO: &str = "acme/tiny-model";
 const TOKEN: &str = "hf_right_token";
@@ -115,7 +114,7 @@ fn service(
             prefix_block_chars: 16,
             min_prefix_overlap_ratio: 0.8,
         },
-        Metrics::new(),
+        Arc::new(kv_tokenize::NoObserver),
     )
 }
 

@@ -7,8 +7,8 @@
 
 mod support;
 
-use kv_indexer::tokenize::chat::{ChatInput, ChatMessage};
-use kv_indexer::tokenize::model::LoadedTokenizer;
+use kv_tokenize::chat::{ChatInput, ChatMessage};
+use kv_tokenize::model::LoadedTokenizer;
 use serde_json::Value;
 
 fn ids(v: &Value) -> Vec<u32> {

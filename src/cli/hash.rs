@@ -6,7 +6,7 @@ use anyhow::{bail, Context};
 use clap::Args;
 use serde::Serialize;
 
-use kv_indexer::hashing::{
+use kv_core::hashing::{
     event_hash, ExtraKeysFormat, LoraAdapter, RequestExtras, TokenProcessor, TokenProcessorConfig,
 };
 
@@ -111,7 +111,7 @@ pub fn run(args: HashArgs) -> anyhow::Result<()> {
             .map(|(index, d)| BlockOut {
                 index,
                 hash: hex(d),
-                event_hash: event_hash(d),
+                event_hash: event_hash(d).get(),
             })
             .collect(),
     };

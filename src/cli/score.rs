@@ -3,7 +3,7 @@
 use anyhow::{bail, Context};
 use clap::Args;
 
-use kv_indexer::server::grpc::kvindexer_v1::{
+use kv_proto::kvindexer_v1::{
     kv_indexer_client::KvIndexerClient, score_pods_request::Input, ScorePodsRequest, TokenIds,
 };
 

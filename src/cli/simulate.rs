@@ -1,14 +1,14 @@
-//! `kv-indexer simulate`: routing policies on simulated vLLM pods (see `kv_indexer::simulate`).
+//! `kv-indexer simulate`: routing policies on simulated vLLM pods (see `kv_lab::simulate`).
 
 use std::path::PathBuf;
 
 use anyhow::{bail, Context};
 use clap::Args;
 
-use kv_indexer::simulate::routers::{self, Router};
-use kv_indexer::simulate::workloads::{mooncake, MultiTurn, SharedPrefix};
-use kv_indexer::simulate::{run, PolicyReport, Rng, SimRequest, SimSettings};
-use kv_indexer::workload::load_mooncake;
+use kv_lab::simulate::routers::{self, Router};
+use kv_lab::simulate::workloads::{mooncake, MultiTurn, SharedPrefix};
+use kv_lab::simulate::{rng, run, PolicyReport, SimRequest, SimSettings};
+use kv_lab::trace::load_mooncake;
 
 /// Flags of `kv-indexer simulate`.
 #[derive(Debug, Args)]
@@ -95,7 +95,7 @@ fn router(
         Box::new(r)
     };
     Ok(match name {
-        "random" => Box::new(routers::Random(Rng::new(seed ^ 0xABCD))),
+        "random" => Box::new(routers::Random(rng(seed ^ 0xABCD))),
         "round-robin" => Box::new(routers::RoundRobin::default()),
         "least-loaded" => Box::new(routers::LeastLoaded),
         "approx-prefix" => {

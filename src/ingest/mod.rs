@@ -1,10 +1,13 @@
 //! Event ingestion: ZMQ SUB sockets receive vLLM's `[topic, seq, payload]` messages, workers
 //! decode them and apply them to the [`Indexer`], keeping every publisher's stream in order and
-//! complete where vLLM's replay buffer allows.
+//! complete where vLLM's buffer allows.
 //!
-//! - **Bind mode**: one SUB socket binds `zmqEndpoint`; vLLM pods connect to it.
-//! - **Connect mode**: one SUB socket per listed pod endpoint (vLLM binds); each retries its
-//!   connection in the background, so a pod that is down never blocks the daemon.
+//! - [`sockets`]: bind mode (one SUB socket binds `zmqEndpoint`; vLLM pods connect to it) and
+//!   connect mode (one SUB socket per listed pod endpoint, each retrying in the background, so
+//!   a pod that is down never blocks the daemon); frames are checked and dispatched by pod;
+//! - [`sequence`]: the pure per-publisher state machine (first, next, duplicate, restart, gap);
+//! - [`workers`]: decode, sequence, gap fill, apply;
+//! - [`gap_fill`]: the client of vLLM's replay socket; [`topic`]: topic and endpoint grammar.
 //!
 //! Invariants:
 //! - a message with a bad frame count, a short sequence or an unparsable topic is dropped,
@@ -12,33 +15,32 @@
 //!   reason; nothing a publisher sends can stop a receiver or a worker;
 //! - all messages of one pod go to the same worker (pod hash), so its events apply in order;
 //!   different pods apply in parallel;
-//! - per publisher (pod, model, DP rank): a sequence jump is a gap, filled once by a replay
-//!   request to the publisher's ROUTER (never retried: no replay loops), and what replay cannot
-//!   supply is counted as lost; a sequence that goes backwards is a restarted vLLM, whose cache
-//!   is gone, so its blocks are cleared first; a repeated sequence is a duplicate and dropped.
-//!   The first message from a publisher that does not start at 0 (the daemon started late, or
-//!   ZeroMQ's slow joiner dropped the first messages) triggers a replay from 0 when possible.
+//! - per publisher (pod, model, DP rank): a gap is filled once from the publisher's replay
+//!   socket (never retried: no loops), and what it cannot supply is counted as lost; a sequence
+//!   that goes backwards is a restarted vLLM, whose cache is gone, so its blocks are cleared
+//!   first; a repeated sequence is a duplicate and dropped; a first message that does not start
+//!   at 0 fetches from 0 when possible.
 
-pub mod replay;
+pub mod gap_fill;
+pub mod sequence;
+mod sockets;
 pub mod topic;
+mod workers;
 
-use std::collections::hash_map::DefaultHasher;
 use std::collections::HashMap;
-use std::hash::{Hash, Hasher};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use bytes::Bytes;
+use kv_core::indexer::Indexer;
 use parking_lot::Mutex;
 use thiserror::Error;
 use tokio::sync::{mpsc, watch};
 use tokio::task::JoinHandle;
-use zeromq::{Socket, SocketRecv, SubSocket, ZmqMessage};
+use zeromq::{Socket, SubSocket};
 
-use crate::config::{ConnectEndpoint, KvEventsConfig};
-use crate::events::{decode_batch, EventBatch};
-use crate::indexer::Indexer;
+use crate::config::KvEventsConfig;
 use crate::metrics::Metrics;
 
 /// Why ingestion could not start.
@@ -94,7 +96,7 @@ pub struct Publishers {
 }
 
 impl Publishers {
-    fn new(n: usize) -> Self {
+    pub(crate) fn new(n: usize) -> Self {
         Self {
             shards: (0..n).map(|_| Mutex::new(HashMap::new())).collect(),
         }
@@ -153,44 +155,34 @@ impl LogLimiter {
     }
 }
 
-/// Where a pod's replay ROUTER is.
+/// Where a publisher's gap-fill (vLLM "replay") socket is.
 #[derive(Debug, Clone)]
-enum ReplayRoute {
+enum GapFillRoute {
     /// Bind mode: from the template and the pod's address (+ DP rank).
     Template(Arc<str>),
     /// Connect mode: configured for this endpoint.
     Fixed(Arc<str>),
-    /// No replay.
+    /// No gap fill.
     None,
 }
 
-impl ReplayRoute {
+impl GapFillRoute {
     fn endpoint(&self, pod: &str, rank: u32) -> Option<String> {
         match self {
-            ReplayRoute::Template(t) => topic::replay_endpoint(t, pod, rank),
-            ReplayRoute::Fixed(e) => Some(e.to_string()),
-            ReplayRoute::None => None,
+            GapFillRoute::Template(t) => topic::gap_fill_endpoint(t, pod, rank),
+            GapFillRoute::Fixed(e) => Some(e.to_string()),
+            GapFillRoute::None => None,
         }
     }
 }
 
-/// One received message, routed to a worker.
+/// One received message, dispatched to a worker.
 struct Job {
     pod: Arc<str>,
     model: Arc<str>,
     seq: u64,
     payload: Bytes,
-    replay: ReplayRoute,
-}
-
-/// How a receiver names the messages it gets.
-#[derive(Clone)]
-struct Source {
-    /// Pod and model from configuration (connect mode); empty = from the topic.
-    pod: Arc<str>,
-    model: Arc<str>,
-    replay: ReplayRoute,
-    label: Arc<str>,
+    gap_fill: GapFillRoute,
 }
 
 /// Shared by receivers and workers.
@@ -199,15 +191,15 @@ struct Shared {
     metrics: Arc<Metrics>,
     publishers: Arc<Publishers>,
     filter: String,
-    replay_timeout: Duration,
+    gap_fill_timeout: Duration,
     frame_log: LogLimiter,
     decode_log: LogLimiter,
-    replay_log: LogLimiter,
+    gap_fill_log: LogLimiter,
 }
 
 /// What receivers hold: the shared state and the workers' queues. Workers do not hold it, so
 /// when the receivers and the handle let go, the queues close and the workers drain and exit.
-struct Router {
+struct Dispatch {
     shared: Arc<Shared>,
     workers: Vec<mpsc::Sender<Job>>,
 }
@@ -220,7 +212,7 @@ pub struct IngestHandle {
     pub publishers: Arc<Publishers>,
     receivers: Vec<JoinHandle<()>>,
     workers: Vec<JoinHandle<()>>,
-    router: Option<Arc<Router>>,
+    dispatch: Option<Arc<Dispatch>>,
 }
 
 impl IngestHandle {
@@ -231,7 +223,7 @@ impl IngestHandle {
             let _ = r.await;
         }
         // The receivers are gone; dropping the last senders lets workers drain and exit.
-        self.router = None;
+        self.dispatch = None;
         for w in self.workers.drain(..) {
             let _ = w.await;
         }
@@ -259,19 +251,19 @@ pub async fn start(
         metrics,
         publishers: publishers.clone(),
         filter: config.topic_filter.clone(),
-        replay_timeout: Duration::from_millis(config.replay_timeout_ms),
+        gap_fill_timeout: Duration::from_millis(config.replay_timeout_ms),
         frame_log: LogLimiter::default(),
         decode_log: LogLimiter::default(),
-        replay_log: LogLimiter::default(),
+        gap_fill_log: LogLimiter::default(),
     });
-    let router = Arc::new(Router {
+    let dispatch = Arc::new(Dispatch {
         shared: shared.clone(),
         workers: senders,
     });
     let workers = receivers_of_workers
         .into_iter()
         .enumerate()
-        .map(|(i, rx)| tokio::spawn(worker(i, rx, shared.clone())))
+        .map(|(i, rx)| tokio::spawn(workers::run(i, rx, shared.clone())))
         .collect();
 
     let mut receivers = Vec::new();
@@ -295,29 +287,29 @@ pub async fn start(
             })?;
         tracing::info!(endpoint = %bound, filter = %config.topic_filter, "bind mode: SUB socket bound; vLLM pods connect here");
         bound_endpoint = Some(bound.to_string());
-        let replay = if config.replay_endpoint_template.is_empty() {
-            ReplayRoute::None
+        let gap_fill = if config.replay_endpoint_template.is_empty() {
+            GapFillRoute::None
         } else {
-            ReplayRoute::Template(config.replay_endpoint_template.as_str().into())
+            GapFillRoute::Template(config.replay_endpoint_template.as_str().into())
         };
-        let source = Source {
+        let source = sockets::Source {
             pod: "".into(),
             model: "".into(),
-            replay,
+            gap_fill,
             label: bound.to_string().into(),
         };
-        receivers.push(tokio::spawn(receive(
+        receivers.push(tokio::spawn(sockets::receive(
             socket,
             source,
-            router.clone(),
+            dispatch.clone(),
             shutdown.clone(),
         )));
     }
     for ep in &config.endpoints {
-        receivers.push(tokio::spawn(connect_and_receive(
+        receivers.push(tokio::spawn(sockets::connect_and_receive(
             ep.clone(),
             config.topic_filter.clone(),
-            router.clone(),
+            dispatch.clone(),
             shutdown.clone(),
         )));
     }
@@ -326,341 +318,6 @@ pub async fn start(
         publishers,
         receivers,
         workers,
-        router: Some(router),
+        dispatch: Some(dispatch),
     })
-}
-
-/// Connect mode: dials the pod until it answers (with backoff), then receives.
-async fn connect_and_receive(
-    ep: ConnectEndpoint,
-    filter: String,
-    router: Arc<Router>,
-    mut shutdown: watch::Receiver<bool>,
-) {
-    let mut backoff = Duration::from_millis(200);
-    let socket = loop {
-        let mut options = zeromq::SocketOptions::default();
-        options.connect_timeout(Duration::from_secs(5));
-        let mut socket = SubSocket::with_options(options);
-        let attempt = async {
-            socket.connect(&ep.endpoint).await?;
-            socket.subscribe(&filter).await?;
-            Ok::<_, zeromq::ZmqError>(())
-        };
-        tokio::select! {
-            _ = shutdown.changed() => return,
-            result = attempt => match result {
-                Ok(()) => break socket,
-                Err(e) => {
-                    tracing::warn!(endpoint = %ep.endpoint, error = %e, retry_in = ?backoff, "connect mode: cannot reach the pod's publisher yet");
-                    tokio::select! {
-                        _ = shutdown.changed() => return,
-                        _ = tokio::time::sleep(backoff) => {}
-                    }
-                    backoff = (backoff * 2).min(Duration::from_secs(10));
-                }
-            }
-        }
-    };
-    tracing::info!(endpoint = %ep.endpoint, pod = %ep.pod, "connect mode: subscribed");
-    let replay = if ep.replay_endpoint.is_empty() {
-        ReplayRoute::None
-    } else {
-        ReplayRoute::Fixed(ep.replay_endpoint.as_str().into())
-    };
-    let source = Source {
-        pod: ep.pod.as_str().into(),
-        model: ep.model.as_str().into(),
-        replay,
-        label: ep.endpoint.as_str().into(),
-    };
-    receive(socket, source, router, shutdown).await;
-}
-
-/// Receives until shutdown, routing every well-formed message to its pod's worker.
-async fn receive(
-    mut socket: SubSocket,
-    source: Source,
-    router: Arc<Router>,
-    mut shutdown: watch::Receiver<bool>,
-) {
-    loop {
-        tokio::select! {
-            _ = shutdown.changed() => break,
-            message = socket.recv() => match message {
-                Ok(message) => route(message, &source, &router).await,
-                Err(e) => {
-                    frame_error(&router.shared, "recv_error", &format!("receive on {}: {e}", source.label));
-                    tokio::time::sleep(Duration::from_millis(50)).await;
-                }
-            }
-        }
-    }
-    tracing::info!(source = %source.label, "receiver stopped");
-}
-
-fn frame_error(shared: &Shared, reason: &'static str, detail: &str) {
-    shared
-        .metrics
-        .frame_errors
-        .with_label_values(&[reason])
-        .inc();
-    if let Some(suppressed) = shared.frame_log.allow() {
-        tracing::warn!(reason, suppressed, "dropped a ZMQ message: {detail}");
-    }
-}
-
-async fn route(message: ZmqMessage, source: &Source, router: &Router) {
-    let shared = &router.shared;
-    let frames = message.into_vec();
-    let [topic, seq, payload] = frames.as_slice() else {
-        frame_error(
-            shared,
-            "bad_frame_count",
-            &format!("{} frames (expected [topic, seq, payload])", frames.len()),
-        );
-        return;
-    };
-    let Ok(seq) = <[u8; 8]>::try_from(&seq[..]) else {
-        frame_error(
-            shared,
-            "short_seq",
-            &format!("a {}-byte sequence frame (expected 8)", seq.len()),
-        );
-        return;
-    };
-    let seq = u64::from_be_bytes(seq);
-    let (pod, model): (Arc<str>, Arc<str>) = if !source.pod.is_empty() && !source.model.is_empty() {
-        (source.pod.clone(), source.model.clone())
-    } else {
-        match topic::parse_topic(topic, &shared.filter) {
-            Ok((pod, model)) => (
-                if source.pod.is_empty() {
-                    pod.into()
-                } else {
-                    source.pod.clone()
-                },
-                if source.model.is_empty() {
-                    model.into()
-                } else {
-                    source.model.clone()
-                },
-            ),
-            Err(e) => {
-                frame_error(shared, "bad_topic", &e.to_string());
-                return;
-            }
-        }
-    };
-    shared
-        .metrics
-        .messages_received
-        .with_label_values(&[&shared.metrics.pod_label(&pod)])
-        .inc();
-    let mut h = DefaultHasher::new();
-    pod.hash(&mut h);
-    let worker = (h.finish() as usize) % router.workers.len();
-    shared.metrics.event_queue_depth.inc();
-    let job = Job {
-        pod,
-        model,
-        seq,
-        payload: payload.clone(),
-        replay: source.replay.clone(),
-    };
-    if router.workers[worker].send(job).await.is_err() {
-        shared.metrics.event_queue_depth.dec();
-    }
-}
-
-async fn worker(index: usize, mut rx: mpsc::Receiver<Job>, shared: Arc<Shared>) {
-    while let Some(job) = rx.recv().await {
-        shared.metrics.event_queue_depth.dec();
-        handle(index, job, &shared).await;
-    }
-}
-
-async fn handle(worker: usize, job: Job, shared: &Shared) {
-    let metrics = &shared.metrics;
-    let pod_label = metrics.pod_label(&job.pod);
-    let batch = match decode_batch(&job.payload) {
-        Ok(b) => b,
-        Err(e) => {
-            metrics.decode_errors.with_label_values(&[e.reason()]).inc();
-            if let Some(suppressed) = shared.decode_log.allow() {
-                tracing::warn!(pod = %job.pod, model = %job.model, seq = job.seq, error = %e, suppressed, "undecodable KV event payload dropped");
-            }
-            return;
-        }
-    };
-    let rank = batch
-        .data_parallel_rank
-        .and_then(|r| u32::try_from(r).ok())
-        .unwrap_or(0);
-    let key = PublisherKey {
-        pod: job.pod.clone(),
-        model: job.model.clone(),
-        rank,
-    };
-    let last = shared.publishers.shards[worker]
-        .lock()
-        .get(&key)
-        .and_then(|s| s.last_seq);
-    let mut restarted = false;
-    let mut gap = false;
-    match last {
-        None => {
-            if job.seq > 0 {
-                // Joined late (daemon start, slow joiner): fetch what the buffer still has.
-                catch_up(shared, &job, rank, 0, job.seq, false).await;
-            }
-        }
-        Some(last) if job.seq == last.wrapping_add(1) => {}
-        Some(last) if job.seq == last => {
-            metrics
-                .events_skipped
-                .with_label_values(&["duplicate"])
-                .inc();
-            return;
-        }
-        Some(last) if job.seq < last => {
-            restarted = true;
-            metrics.pod_restarts.with_label_values(&[&pod_label]).inc();
-            let removed = shared.indexer.clear_engine(&job.model, &job.pod, rank);
-            tracing::warn!(pod = %job.pod, model = %job.model, rank, last_seq = last, seq = job.seq, removed, "publisher restarted (sequence went backwards): its blocks were cleared");
-            if job.seq > 0 {
-                catch_up(shared, &job, rank, 0, job.seq, false).await;
-            }
-        }
-        Some(last) => {
-            gap = true;
-            metrics.sequence_gaps.with_label_values(&[&pod_label]).inc();
-            catch_up(shared, &job, rank, last + 1, job.seq, true).await;
-        }
-    }
-    apply(shared, &job.model, &job.pod, &batch);
-    let mut shard = shared.publishers.shards[worker].lock();
-    let state = shard.entry(key).or_default();
-    state.last_seq = Some(job.seq);
-    state.messages += 1;
-    state.gaps += u64::from(gap);
-    state.restarts += u64::from(restarted);
-}
-
-/// Replays `[from, to)` from the publisher's ROUTER and applies it; what cannot be had is
-/// counted as lost when `count_lost` (a gap; not when joining late).
-async fn catch_up(shared: &Shared, job: &Job, rank: u32, from: u64, to: u64, count_lost: bool) {
-    let metrics = &shared.metrics;
-    let wanted = to - from;
-    let lost = |n: u64| {
-        if count_lost && n > 0 {
-            metrics
-                .messages_lost
-                .with_label_values(&[&metrics.pod_label(&job.pod)])
-                .inc_by(n);
-        }
-    };
-    let Some(endpoint) = job.replay.endpoint(&job.pod, rank) else {
-        metrics.replays.with_label_values(&["unavailable"]).inc();
-        lost(wanted);
-        return;
-    };
-    let started = Instant::now();
-    match replay::fetch(&endpoint, from, shared.replay_timeout).await {
-        Ok(batches) => {
-            metrics.replays.with_label_values(&["ok"]).inc();
-            let mut applied = 0u64;
-            for (seq, payload) in batches {
-                if seq < from || seq >= to {
-                    continue;
-                }
-                match decode_batch(&payload) {
-                    Ok(batch) => {
-                        apply(shared, &job.model, &job.pod, &batch);
-                        applied += 1;
-                    }
-                    Err(e) => {
-                        metrics.decode_errors.with_label_values(&[e.reason()]).inc();
-                    }
-                }
-            }
-            tracing::info!(pod = %job.pod, model = %job.model, rank, from, to, applied, elapsed = ?started.elapsed(), "replayed missed KV events");
-            lost(wanted.saturating_sub(applied));
-        }
-        Err(e) => {
-            metrics.replays.with_label_values(&[e.label()]).inc();
-            if let Some(suppressed) = shared.replay_log.allow() {
-                tracing::warn!(pod = %job.pod, endpoint = %endpoint, error = %e, suppressed, "replay failed; the missed events are lost");
-            }
-            lost(wanted);
-        }
-    }
-}
-
-fn apply(shared: &Shared, model: &str, pod: &str, batch: &EventBatch) {
-    let metrics = &shared.metrics;
-    let report = match shared.indexer.apply_batch(model, pod, batch) {
-        Ok(r) => r,
-        Err(e) => {
-            metrics
-                .events_skipped
-                .with_label_values(&["bad_model_settings"])
-                .inc();
-            tracing::error!(model, error = %e, "cannot index events for this model");
-            return;
-        }
-    };
-    let pod_label = metrics.pod_label(pod);
-    for (ty, n) in [
-        ("BlockStored", report.stored_events),
-        ("BlockRemoved", report.removed_events),
-        ("AllBlocksCleared", report.cleared_events),
-        ("unknown", report.unknown_events),
-    ] {
-        if n > 0 {
-            metrics
-                .events_received
-                .with_label_values(&[&pod_label, ty])
-                .inc_by(n as u64);
-        }
-    }
-    if report.skipped_group_events > 0 {
-        metrics
-            .events_skipped
-            .with_label_values(&["non_prefix_cacheable_group"])
-            .inc_by(report.skipped_group_events as u64);
-    }
-    if report.unknown_events > 0 {
-        metrics
-            .events_skipped
-            .with_label_values(&["unknown_type"])
-            .inc_by(report.unknown_events as u64);
-    }
-    if report.engine_rejected {
-        metrics
-            .events_skipped
-            .with_label_values(&["too_many_engines"])
-            .inc();
-    }
-    metrics
-        .blocks_applied
-        .with_label_values(&["stored"])
-        .inc_by(report.blocks_stored);
-    metrics
-        .blocks_applied
-        .with_label_values(&["removed"])
-        .inc_by(report.blocks_removed);
-    metrics.index_admissions.inc_by(report.blocks_stored);
-    metrics.index_evictions.inc_by(report.blocks_removed);
-    if report.hash_matches + report.hash_mismatches > 0 {
-        let model_label = metrics.model_label(model);
-        metrics
-            .hash_checks
-            .with_label_values(&[&pod_label, &model_label, "match"])
-            .inc_by(report.hash_matches as u64);
-        metrics
-            .hash_checks
-            .with_label_values(&[&pod_label, &model_label, "mismatch"])
-            .inc_by(report.hash_mismatches as u64);
-    }
 }

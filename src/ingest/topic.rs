@@ -1,5 +1,5 @@
 //! ZMQ topics and endpoints: `kv@<pod>@<model>` parsing, vLLM's data-parallel port offset, and
-//! the bind-mode replay endpoint template.
+//! the bind-mode gap-fill endpoint template (vLLM's `replay_endpoint`).
 
 use thiserror::Error;
 
@@ -58,8 +58,9 @@ pub fn offset_port(endpoint: &str, rank: u32) -> Option<String> {
     Some(format!("{head}:{shifted}"))
 }
 
-/// The replay endpoint of `pod`'s rank `rank` from a template like `tcp://{ip}:5558`.
-pub fn replay_endpoint(template: &str, pod: &str, rank: u32) -> Option<String> {
+/// The gap-fill endpoint (vLLM's `replay_endpoint`) of `pod`'s rank `rank`, from a template
+/// like `tcp://{ip}:5558`.
+pub fn gap_fill_endpoint(template: &str, pod: &str, rank: u32) -> Option<String> {
     if template.is_empty() {
         return None;
     }
@@ -105,20 +106,20 @@ mod tests {
     }
 
     #[test]
-    fn replay_endpoints_follow_vllm_port_offsets() {
+    fn gap_fill_endpoints_follow_vllm_port_offsets() {
         assert_eq!(
-            replay_endpoint("tcp://{ip}:5558", "10.0.0.1:8000", 0).as_deref(),
+            gap_fill_endpoint("tcp://{ip}:5558", "10.0.0.1:8000", 0).as_deref(),
             Some("tcp://10.0.0.1:5558")
         );
         assert_eq!(
-            replay_endpoint("tcp://{ip}:5558", "10.0.0.1:8000", 2).as_deref(),
+            gap_fill_endpoint("tcp://{ip}:5558", "10.0.0.1:8000", 2).as_deref(),
             Some("tcp://10.0.0.1:5560")
         );
         assert_eq!(
-            replay_endpoint("tcp://{ip}:5558", "[fd00::1]:8000", 1).as_deref(),
+            gap_fill_endpoint("tcp://{ip}:5558", "[fd00::1]:8000", 1).as_deref(),
             Some("tcp://[fd00::1]:5559")
         );
-        assert_eq!(replay_endpoint("", "10.0.0.1", 0), None);
+        assert_eq!(gap_fill_endpoint("", "10.0.0.1", 0), None);
         assert_eq!(
             offset_port("tcp://*:5557", 2).as_deref(),
             Some("tcp://*:5559")

@@ -13,28 +13,14 @@ use tokio::sync::Semaphore;
 use tonic::{Request, Response, Status};
 
 use crate::config::ServerConfig;
-use crate::indexer::{Indexer, ScoreError};
 use crate::ingest::Publishers;
 use crate::metrics::Metrics;
-use crate::tokenize::chat::{ChatInput, ChatMessage};
-use crate::tokenize::model::LoadError;
-use crate::tokenize::{TokenizeError, TokenizerService};
+use kv_core::indexer::{Indexer, ScoreError};
+use kv_tokenize::chat::{ChatInput, ChatMessage};
+use kv_tokenize::model::LoadError;
+use kv_tokenize::{TokenizeError, TokenizerService};
 
-/// Generated code for `proto/kvindexer/v1/kv_indexer.proto`.
-pub mod kvindexer_v1 {
-    #![allow(missing_docs, clippy::all, clippy::pedantic)]
-    tonic::include_proto!("kvindexer.v1");
-}
-
-/// Generated code for `proto/indexer/v1/indexer.proto`.
-pub mod indexer_v1 {
-    #![allow(missing_docs, clippy::all, clippy::pedantic)]
-    tonic::include_proto!("indexer.v1");
-}
-
-/// Encoded descriptors of both schemas, for server reflection.
-pub const FILE_DESCRIPTOR_SET: &[u8] = tonic::include_file_descriptor_set!("kv_indexer_descriptor");
-
+pub use kv_proto::{indexer_v1, kvindexer_v1, FILE_DESCRIPTOR_SET};
 use kvindexer_v1::score_pods_request::Input;
 
 /// State shared by both services.
@@ -91,10 +77,7 @@ impl ScoreService {
             Ok(()) => "OK".to_owned(),
             Err(s) => format!("{:?}", s.code()),
         };
-        self.metrics
-            .score_requests
-            .with_label_values(&[rpc, &code])
-            .inc();
+        self.metrics.scoring.request(rpc, &code);
     }
 
     fn check_prompt_text(&self, text: &str) -> Result<(), Status> {
@@ -205,17 +188,11 @@ impl ScoreService {
                 ScoreError::UnknownModel(_) => Status::not_found(e.to_string()),
                 ScoreError::UnknownLora(_) => Status::invalid_argument(e.to_string()),
             })?;
-        self.metrics.lookup_requests.inc();
-        if result.scores.iter().any(|s| s.matched_blocks > 0) {
-            self.metrics.lookup_hits.inc();
-        }
-        self.metrics
-            .lookup_latency
-            .observe(walk_started.elapsed().as_secs_f64());
-        self.metrics
-            .score_latency
-            .with_label_values(&[input_kind])
-            .observe(started.elapsed().as_secs_f64());
+        self.metrics.scoring.lookup(
+            result.scores.iter().any(|s| s.matched_blocks > 0),
+            walk_started.elapsed(),
+        );
+        self.metrics.scoring.served(input_kind, started.elapsed());
         Ok(kvindexer_v1::ScorePodsResponse {
             scores: result
                 .scores

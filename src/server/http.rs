@@ -11,8 +11,8 @@ use axum::response::IntoResponse;
 use axum::routing::get;
 use axum::Router;
 
-use crate::indexer::Indexer;
 use crate::metrics::Metrics;
+use kv_core::indexer::Indexer;
 
 /// What the HTTP handlers read.
 #[derive(Clone)]

@@ -1,7 +1,7 @@
 //! kv-indexer's index against its peers on the Mooncake conversation trace, one thread, one
 //! process, one run: SMG `kv-index` 2.0 `ChainIndex`, NVIDIA Dynamo `dynamo-kv-router` 1.6
-//! `RadixTree`, and a flat hash map probed block by block. Every backend replays the same
-//! prepared stream (`kv_indexer::workload`) and must report the same matched-block checksum.
+//! `RadixTree`, and a flat hash map probed block by block. Every backend is driven through the same
+//! prepared stream (`kv_lab::index_bench`) and must report the same matched-block checksum.
 //!
 //! Usage: `cargo run --release --manifest-path benches/peers/Cargo.toml [-- TRACE.jsonl]`.
 
@@ -13,10 +13,12 @@ use dynamo_kv_router::protocols::{
 };
 use dynamo_kv_router::RadixTree;
 use kv_index::{ChainBlockMap, ChainIndex, ContentHash, SequenceHash, StoredBlock};
-use kv_indexer::workload::{
-    live_heap_bytes, load_mooncake, replay, CountingAllocator, FlatMapBackend, IndexBackend, IndexWorkload, KvIndexerBackend,
-    WorkloadShape,
+use kv_core::BlockHash;
+use kv_lab::alloc::{live_heap_bytes, CountingAllocator};
+use kv_lab::index_bench::{
+    drive, FlatMapBackend, IndexBackend, IndexWorkload, KvIndexerBackend, WorkloadShape,
 };
+use kv_lab::trace::load_mooncake;
 
 #[global_allocator]
 static GLOBAL: CountingAllocator = CountingAllocator;
@@ -53,31 +55,31 @@ impl IndexBackend for Smg {
         "SMG kv-index 2.0 ChainIndex"
     }
 
-    fn query(&mut self, _hashes: &[u64], content: &[u64]) -> u32 {
+    fn query(&mut self, _hashes: &[BlockHash], content: &[u64]) -> u32 {
         let mut best = 0;
         self.index.score_into(content, |c| *c, false, |_, score| best = best.max(score));
         best
     }
 
-    fn store(&mut self, pod: u32, parent: Option<u64>, hashes: &[u64], content: &[u64]) {
+    fn store(&mut self, pod: u32, parent: Option<BlockHash>, hashes: &[BlockHash], content: &[u64]) {
         self.blocks.clear();
         self.blocks.extend(hashes.iter().zip(content).map(|(&h, &c)| StoredBlock {
-            seq_hash: SequenceHash(h),
+            seq_hash: SequenceHash(h.get()),
             content_hash: ContentHash(c),
         }));
         let map = &mut self.maps[pod as usize];
         if self
             .index
-            .apply_stored(self.workers[pod as usize], &self.blocks, parent.map(SequenceHash), map)
+            .apply_stored(self.workers[pod as usize], &self.blocks, parent.map(|p| SequenceHash(p.get())), map)
             .is_err()
         {
             self.errors += 1;
         }
     }
 
-    fn remove(&mut self, pod: u32, hashes: &[u64]) {
+    fn remove(&mut self, pod: u32, hashes: &[BlockHash]) {
         self.removed.clear();
-        self.removed.extend(hashes.iter().map(|&h| SequenceHash(h)));
+        self.removed.extend(hashes.iter().map(|&h| SequenceHash(h.get())));
         self.index
             .apply_removed(self.workers[pod as usize], &self.removed, &mut self.maps[pod as usize]);
     }
@@ -95,19 +97,19 @@ impl IndexBackend for Dynamo {
         "Dynamo dynamo-kv-router 1.6 RadixTree"
     }
 
-    fn query(&mut self, _hashes: &[u64], content: &[u64]) -> u32 {
+    fn query(&mut self, _hashes: &[BlockHash], content: &[u64]) -> u32 {
         let seq = content.iter().map(|&c| LocalBlockHash(c)).collect();
         let scores = self.tree.find_matches(seq, false);
         scores.scores.values().copied().max().unwrap_or(0)
     }
 
-    fn store(&mut self, pod: u32, parent: Option<u64>, hashes: &[u64], content: &[u64]) {
+    fn store(&mut self, pod: u32, parent: Option<BlockHash>, hashes: &[BlockHash], content: &[u64]) {
         self.event_id += 1;
         let blocks = hashes
             .iter()
             .zip(content)
             .map(|(&h, &c)| KvCacheStoredBlockData {
-                block_hash: ExternalSequenceBlockHash(h),
+                block_hash: ExternalSequenceBlockHash(h.get()),
                 tokens_hash: LocalBlockHash(c),
                 mm_extra_info: None,
             })
@@ -115,7 +117,7 @@ impl IndexBackend for Dynamo {
         let event = KvCacheEvent {
             event_id: self.event_id,
             data: KvCacheEventData::Stored(KvCacheStoreData {
-                parent_hash: parent.map(ExternalSequenceBlockHash),
+                parent_hash: parent.map(|p| ExternalSequenceBlockHash(p.get())),
                 start_position: None,
                 blocks,
             }),
@@ -126,12 +128,12 @@ impl IndexBackend for Dynamo {
         }
     }
 
-    fn remove(&mut self, pod: u32, hashes: &[u64]) {
+    fn remove(&mut self, pod: u32, hashes: &[BlockHash]) {
         self.event_id += 1;
         let event = KvCacheEvent {
             event_id: self.event_id,
             data: KvCacheEventData::Removed(KvCacheRemoveData {
-                block_hashes: hashes.iter().map(|&h| ExternalSequenceBlockHash(h)).collect(),
+                block_hashes: hashes.iter().map(|&h| ExternalSequenceBlockHash(h.get())).collect(),
             }),
             dp_rank: 0,
         };
@@ -188,7 +190,7 @@ fn main() {
     for (key, make) in &makers {
         let before = live_heap_bytes();
         let mut backend = make();
-        let report = replay(&workload, backend.as_mut());
+        let report = drive(&workload, backend.as_mut());
         let bytes = live_heap_bytes().saturating_sub(before);
         drop(backend);
         rows.push((*key, report, bytes));

@@ -1,0 +1,204 @@
+//! The index's public vocabulary: who holds a block (engines, tiers), capacity settings,
+//! scores and statistics. Plain data; no index state.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use thiserror::Error;
+
+use super::slab::MAX_MEMBERS;
+
+/// Dense per-model id of an engine (one vLLM process: a pod and its data-parallel rank).
+pub type EngineId = u32;
+
+/// The most engines per model (a member is `engine << 8 | tier` with bit 31 reserved).
+pub const MAX_ENGINES: usize = (1 << 23) - 1;
+
+/// Who published: the pod (topic's `<pod>` part, or a configured id) and its DP rank.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct EngineKey {
+    /// The pod identifier as the gateway names it (`ip` or `ip:port`).
+    pub pod: Arc<str>,
+    /// The vLLM data-parallel rank inside the pod (0 without DP).
+    pub dp_rank: u32,
+}
+
+impl EngineKey {
+    /// A key for `pod` at `dp_rank`.
+    pub fn new(pod: &str, dp_rank: u32) -> Self {
+        Self {
+            pod: pod.into(),
+            dp_rank,
+        }
+    }
+}
+
+/// Where a block copy lives; scoring weighs tiers differently.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[repr(u8)]
+pub enum Tier {
+    /// GPU memory: a hit is a free prefill.
+    Gpu = 0,
+    /// CPU offload: a hit costs a transfer.
+    Cpu = 1,
+    /// Disk / remote storage offload.
+    Storage = 2,
+    /// Any other medium a connector names.
+    Other = 3,
+}
+
+impl Tier {
+    pub(super) fn from_bits(bits: u32) -> Self {
+        match bits & 0xff {
+            0 => Tier::Gpu,
+            1 => Tier::Cpu,
+            2 => Tier::Storage,
+            _ => Tier::Other,
+        }
+    }
+
+    /// The lower-case name used in config and metrics.
+    pub fn name(self) -> &'static str {
+        match self {
+            Tier::Gpu => "gpu",
+            Tier::Cpu => "cpu",
+            Tier::Storage => "storage",
+            Tier::Other => "other",
+        }
+    }
+}
+
+/// Per-tier weights of a matched block in a pod's score.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct TierWeights(pub [f64; 4]);
+
+impl Default for TierWeights {
+    fn default() -> Self {
+        Self([1.0, 0.8, 0.6, 0.5])
+    }
+}
+
+impl TierWeights {
+    /// The weight of `tier`.
+    #[inline(always)]
+    pub fn of(&self, tier: Tier) -> f64 {
+        self.0[tier as usize]
+    }
+}
+
+/// Capacity settings (the `kvBlockIndexConfig.inMemoryConfig` of the config file).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct IndexConfig {
+    /// Most distinct block keys per model (`size`).
+    pub max_keys: usize,
+    /// Most engines per key (`podCacheSize`).
+    pub pod_cache_size: usize,
+}
+
+impl Default for IndexConfig {
+    fn default() -> Self {
+        Self {
+            max_keys: 100_000_000,
+            pod_cache_size: 10,
+        }
+    }
+}
+
+/// Invalid index settings.
+#[derive(Debug, Error, PartialEq, Eq)]
+pub enum IndexConfigError {
+    /// `size` out of range.
+    #[error("size must be between 1 and {max}, got {got}")]
+    Size {
+        /// The configured value.
+        got: usize,
+        /// The largest supported.
+        max: usize,
+    },
+    /// `podCacheSize` out of range.
+    #[error("podCacheSize must be between 1 and {max}, got {got}")]
+    PodCacheSize {
+        /// The configured value.
+        got: usize,
+        /// The largest supported.
+        max: usize,
+    },
+}
+
+impl IndexConfig {
+    /// Checks the ranges the data structure supports.
+    pub fn validate(&self) -> Result<(), IndexConfigError> {
+        let max_keys = (u32::MAX - 2) as usize;
+        if self.max_keys == 0 || self.max_keys > max_keys {
+            return Err(IndexConfigError::Size {
+                got: self.max_keys,
+                max: max_keys,
+            });
+        }
+        if self.pod_cache_size == 0 || self.pod_cache_size > MAX_MEMBERS {
+            return Err(IndexConfigError::PodCacheSize {
+                got: self.pod_cache_size,
+                max: MAX_MEMBERS,
+            });
+        }
+        Ok(())
+    }
+}
+
+/// A pod's result for one prompt.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct EngineScore {
+    /// Who.
+    pub engine: EngineId,
+    /// Consecutive prompt blocks from block 0 the engine holds.
+    pub matched_blocks: u32,
+    /// Those blocks' tier weights, summed.
+    pub score: f64,
+}
+
+/// A snapshot of a model index's size and activity.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct IndexStats {
+    /// Distinct block keys.
+    pub keys: u64,
+    /// (block, engine, tier) memberships.
+    pub memberships: u64,
+    /// Memberships added by stores.
+    pub admissions: u64,
+    /// Memberships removed by `BlockRemoved`, clears and engine removal.
+    pub removals: u64,
+    /// Memberships dropped because the index reached `size`.
+    pub capacity_evictions: u64,
+    /// Memberships dropped because a block reached `podCacheSize`.
+    pub pod_cache_evictions: u64,
+    /// Stored runs whose parent the engine did not hold.
+    pub orphan_runs: u64,
+    /// Blocks not stored because no node could be allocated (never with a sane `size`).
+    pub dropped_full: u64,
+    /// Bytes held by the index's structures.
+    pub memory_bytes: u64,
+}
+
+/// The readers' map of engines: pods by name, and each engine's key.
+#[derive(Debug, Default, Clone)]
+pub struct EngineDirectory {
+    pub(super) by_pod: HashMap<Arc<str>, Vec<EngineId>>,
+    pub(super) keys: Vec<Option<EngineKey>>,
+}
+
+impl EngineDirectory {
+    /// The engines (DP ranks) of a pod.
+    pub fn engines_of(&self, pod: &str) -> &[EngineId] {
+        self.by_pod.get(pod).map_or(&[], Vec::as_slice)
+    }
+
+    /// The key of an engine id.
+    pub fn key(&self, engine: EngineId) -> Option<&EngineKey> {
+        self.keys.get(engine as usize).and_then(Option::as_ref)
+    }
+
+    /// Every pod known to the index.
+    pub fn pods(&self) -> impl Iterator<Item = &Arc<str>> {
+        self.by_pod.keys()
+    }
+}

@@ -1,0 +1,714 @@
+//! The write path: one writer per model applies stores, removals and clears, keeps the
+//! reverse lists and the continuation bitmap, grows the table and evicts by CLOCK at `size`.
+//!
+//! Invariants kept here:
+//! - every node write goes through `write_node`, which clears the continuation bits of the node
+//!   and its successor before the change and recomputes them after (a set bit is never newer
+//!   than the nodes it describes);
+//! - the table is rebuilt into a new allocation and published with one swap (readers holding the
+//!   old one finish on it);
+//! - the running totals are plain integers here and published to the atomic counters when the
+//!   write ends.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use super::read::locate;
+use super::slab::{SetPool, MAX_MEMBERS};
+use super::table::Table;
+use super::types::{EngineDirectory, EngineId, EngineKey, IndexStats, Tier, MAX_ENGINES};
+use super::{key, member, ModelIndex, INITIAL_TABLE};
+use crate::BlockHash;
+
+/// The writer's running totals; published to [`Counters`] when each write ends.
+#[derive(Debug, Default, Clone, Copy)]
+struct Tally {
+    keys: u64,
+    memberships: u64,
+    admissions: u64,
+    removals: u64,
+    capacity_evictions: u64,
+    pod_cache_evictions: u64,
+    orphan_runs: u64,
+    dropped_full: u64,
+}
+
+/// Counters, readable at any time without the writer (as of the last finished write).
+#[derive(Debug, Default)]
+pub(super) struct Counters {
+    keys: AtomicU64,
+    memberships: AtomicU64,
+    admissions: AtomicU64,
+    removals: AtomicU64,
+    capacity_evictions: AtomicU64,
+    pod_cache_evictions: AtomicU64,
+    orphan_runs: AtomicU64,
+    dropped_full: AtomicU64,
+}
+
+struct EngineState {
+    key: EngineKey,
+    /// Node ids this engine was given memberships on; may hold stale or duplicate ids (checked
+    /// against the node when used, compacted when it grows past twice `live`).
+    blocks: Vec<u32>,
+    /// Memberships the engine holds now.
+    live: u64,
+}
+
+/// The writer's state: everything readers never look at.
+pub(super) struct Writer {
+    table: Arc<Table>,
+    /// Live entries plus tombstones in `table`.
+    table_used: usize,
+    table_live: usize,
+    /// Freed node ids as `(start, len)` ranges, reused from the last one, so a run of new blocks
+    /// gets consecutive ids.
+    free_ranges: Vec<(u32, u32)>,
+    next_node: u32,
+    /// Interned member sets of nodes with more than two members.
+    sets: SetPool,
+    engines: Vec<Option<EngineState>>,
+    free_engine_ids: Vec<EngineId>,
+    engine_ids: HashMap<EngineKey, EngineId>,
+    /// CLOCK reference bits, one per node id.
+    referenced: Vec<u64>,
+    /// Scratch bitset over node ids for reverse-list compaction.
+    seen: Vec<u64>,
+    /// Bit `id`: node `id`'s block is the chain child of node `id - 1`'s (known from a stored
+    /// run); the continuation bit also needs equal member words.
+    linked: Vec<u64>,
+    /// Running totals (plain integers: the hot path does no atomic read-modify-write).
+    tally: Tally,
+    clock_hand: u32,
+}
+
+impl Counters {
+    /// Publishes the writer's totals (relaxed: each counter is a statistic on its own).
+    fn publish(&self, t: &Tally) {
+        for (counter, value) in [
+            (&self.keys, t.keys),
+            (&self.memberships, t.memberships),
+            (&self.admissions, t.admissions),
+            (&self.removals, t.removals),
+            (&self.capacity_evictions, t.capacity_evictions),
+            (&self.pod_cache_evictions, t.pod_cache_evictions),
+            (&self.orphan_runs, t.orphan_runs),
+            (&self.dropped_full, t.dropped_full),
+        ] {
+            counter.store(value, Ordering::Relaxed);
+        }
+    }
+
+    /// The counters as of the last finished write (`memory_bytes` left 0).
+    pub(super) fn snapshot(&self) -> IndexStats {
+        IndexStats {
+            keys: self.keys.load(Ordering::Relaxed),
+            memberships: self.memberships.load(Ordering::Relaxed),
+            admissions: self.admissions.load(Ordering::Relaxed),
+            removals: self.removals.load(Ordering::Relaxed),
+            capacity_evictions: self.capacity_evictions.load(Ordering::Relaxed),
+            pod_cache_evictions: self.pod_cache_evictions.load(Ordering::Relaxed),
+            orphan_runs: self.orphan_runs.load(Ordering::Relaxed),
+            dropped_full: self.dropped_full.load(Ordering::Relaxed),
+            memory_bytes: 0,
+        }
+    }
+}
+
+impl Writer {
+    /// A writer for an empty index whose readers start on `table`.
+    pub(super) fn new(table: Arc<Table>) -> Self {
+        Self {
+            table,
+            table_used: 0,
+            table_live: 0,
+            free_ranges: Vec::new(),
+            next_node: 0,
+            sets: SetPool::default(),
+            engines: Vec::new(),
+            free_engine_ids: Vec::new(),
+            engine_ids: HashMap::new(),
+            referenced: Vec::new(),
+            seen: Vec::new(),
+            linked: Vec::new(),
+            tally: Tally::default(),
+            clock_hand: 0,
+        }
+    }
+}
+
+impl ModelIndex {
+    /// Runs `f` as the model's single writer (hold it for a whole event batch).
+    pub fn write<R>(&self, f: impl FnOnce(&mut IndexWriter<'_>) -> R) -> R {
+        let mut guard = self.writer.lock();
+        let result = f(&mut IndexWriter {
+            index: self,
+            state: &mut guard,
+        });
+        self.counters.publish(&guard.tally);
+        result
+    }
+
+    /// Bytes the index holds: slab chunks, the table, reverse lists and engine maps (takes the
+    /// writer briefly).
+    pub fn memory_bytes(&self) -> usize {
+        let w = self.writer.lock();
+        let reverse: usize = w
+            .engines
+            .iter()
+            .flatten()
+            .map(|e| e.blocks.capacity() * 4 + std::mem::size_of::<EngineState>())
+            .sum();
+        self.slab.allocated_bytes()
+            + w.table.allocated_bytes()
+            + reverse
+            + w.free_ranges.capacity() * 8
+            + w.sets.bookkeeping_bytes()
+            + w.referenced.capacity() * 8
+            + w.seen.capacity() * 8
+            + w.linked.capacity() * 8
+    }
+
+    /// Memory breakdown (debugging).
+    pub fn debug_memory(&self) -> String {
+        let w = self.writer.lock();
+        let reverse: usize = w
+            .engines
+            .iter()
+            .flatten()
+            .map(|e| e.blocks.capacity() * 4)
+            .sum();
+        let rev_len: usize = w.engines.iter().flatten().map(|e| e.blocks.len()).sum();
+        format!(
+            "nodes {} (next_node {}, free ranges {}), pages {} (sets {}), table {} (cap {}, live {}, used {}), reverse {} (len {}), referenced {}",
+            self.slab.nodes.allocated_bytes(), w.next_node, w.free_ranges.len(),
+            self.slab.pages.allocated_bytes(), w.sets.set_count(),
+            w.table.allocated_bytes(), w.table.capacity(), w.table_live, w.table_used,
+            reverse, rev_len, w.referenced.capacity() * 8
+        )
+    }
+
+    /// Every engine with the memberships it holds.
+    pub fn engine_blocks(&self) -> Vec<(EngineKey, u64)> {
+        let w = self.writer.lock();
+        w.engines
+            .iter()
+            .flatten()
+            .map(|e| (e.key.clone(), e.live))
+            .collect()
+    }
+}
+
+/// What a `store` did.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct StoreOutcome {
+    /// Memberships added (blocks the engine did not hold in that tier before).
+    pub added: usize,
+    /// The run's parent was given but the engine does not hold it.
+    pub orphan: bool,
+}
+
+/// The model's writer, held for a batch of operations.
+pub struct IndexWriter<'a> {
+    index: &'a ModelIndex,
+    state: &'a mut Writer,
+}
+
+impl IndexWriter<'_> {
+    /// The id of `key`, registering the engine on first sight. `None` when `MAX_ENGINES`
+    /// engines are registered.
+    pub fn engine(&mut self, key: &EngineKey) -> Option<EngineId> {
+        if let Some(&id) = self.state.engine_ids.get(key) {
+            return Some(id);
+        }
+        let id = match self.state.free_engine_ids.pop() {
+            Some(id) => id,
+            None => {
+                if self.state.engines.len() >= MAX_ENGINES {
+                    return None;
+                }
+                self.state.engines.push(None);
+                (self.state.engines.len() - 1) as EngineId
+            }
+        };
+        self.state.engines[id as usize] = Some(EngineState {
+            key: key.clone(),
+            blocks: Vec::new(),
+            live: 0,
+        });
+        self.state.engine_ids.insert(key.clone(), id);
+        self.publish_directory();
+        Some(id)
+    }
+
+    /// Removes an engine entirely (its blocks, then its id). Returns memberships removed.
+    pub fn remove_engine(&mut self, key: &EngineKey) -> usize {
+        let Some(&id) = self.state.engine_ids.get(key) else {
+            return 0;
+        };
+        let removed = self.clear_engine(id);
+        self.state.engine_ids.remove(key);
+        self.state.engines[id as usize] = None;
+        self.state.free_engine_ids.push(id);
+        self.publish_directory();
+        removed
+    }
+
+    fn publish_directory(&self) {
+        let mut dir = EngineDirectory {
+            by_pod: HashMap::new(),
+            keys: vec![None; self.state.engines.len()],
+        };
+        for (id, e) in self.state.engines.iter().enumerate() {
+            if let Some(e) = e {
+                dir.keys[id] = Some(e.key.clone());
+                dir.by_pod
+                    .entry(e.key.pod.clone())
+                    .or_default()
+                    .push(id as EngineId);
+            }
+        }
+        self.index.directory.store(Arc::new(dir));
+    }
+
+    fn find(&self, hash: u64) -> Option<u32> {
+        let slab = &self.index.slab;
+        self.state.table.find(hash, |id| slab.peek_hash(id))
+    }
+
+    fn has_engine(&self, id: u32, engine: EngineId) -> bool {
+        let mut buf = [0u32; MAX_MEMBERS];
+        let n = self.index.slab.members_of(id, &mut buf);
+        buf[..n].iter().any(|&m| m >> 8 == engine)
+    }
+
+    /// `BlockStored`: `engine` holds `hashes` (a chain continuing `parent`) in `tier`.
+    pub fn store(
+        &mut self,
+        engine: EngineId,
+        tier: Tier,
+        parent: Option<BlockHash>,
+        hashes: &[BlockHash],
+    ) -> StoreOutcome {
+        let mut outcome = StoreOutcome::default();
+        let mut prev = None;
+        if let Some(p) = parent {
+            prev = self.find(key(p));
+            outcome.orphan = !prev.is_some_and(|id| self.has_engine(id, engine));
+            if outcome.orphan {
+                self.state.tally.orphan_runs += 1;
+            }
+        }
+        let m = member(engine, tier);
+        for &raw in hashes.iter().take(PREFETCH_AHEAD) {
+            self.state.table.prefetch(key(raw));
+        }
+        for (i, &raw) in hashes.iter().enumerate() {
+            if let Some(&ahead) = hashes.get(i + PREFETCH_AHEAD) {
+                self.state.table.prefetch(key(ahead));
+            }
+            let hash = key(raw);
+            let id = match locate(&self.index.slab, &self.state.table, prev, hash) {
+                Some(id) => {
+                    if self.add_member(id, hash, m) {
+                        outcome.added += 1;
+                        self.note_membership(engine, id);
+                    }
+                    id
+                }
+                None => match self.alloc_node(hash, m) {
+                    Some(id) => {
+                        outcome.added += 1;
+                        self.note_membership(engine, id);
+                        id
+                    }
+                    None => {
+                        self.state.tally.dropped_full += 1;
+                        prev = None;
+                        continue;
+                    }
+                },
+            };
+            self.set_referenced(id);
+            if let Some(p) = prev {
+                // The walk tries `p + 1` before the hint: no need to write the hint then.
+                if p.wrapping_add(1) != id {
+                    self.index.slab.set_hint(p, id);
+                } else if !self.linked(id) {
+                    self.set_linked(id, true);
+                    self.refresh_cont(id);
+                }
+            }
+            prev = Some(id);
+        }
+        outcome
+    }
+
+    /// `BlockRemoved`: `engine` no longer holds `hashes` in `tier`. Returns memberships removed.
+    ///
+    /// Works in chunks: prefetch the chunk's table slots, find candidate nodes by tag and
+    /// prefetch them, then verify and remove, so the cache misses of a chunk overlap.
+    pub fn remove(&mut self, engine: EngineId, tier: Tier, hashes: &[BlockHash]) -> usize {
+        const CHUNK: usize = 32;
+        let m = member(engine, tier);
+        let mut removed = 0;
+        let mut candidates = [None; CHUNK];
+        for chunk in hashes.chunks(CHUNK) {
+            for &raw in chunk {
+                self.state.table.prefetch(key(raw));
+            }
+            for (c, &raw) in candidates.iter_mut().zip(chunk) {
+                *c = self.state.table.find_tagged(key(raw));
+                if let Some(id) = *c {
+                    self.index.slab.prefetch(id);
+                }
+            }
+            for (c, &raw) in candidates.iter().zip(chunk) {
+                let hash = key(raw);
+                let id = c
+                    .filter(|&id| self.index.slab.peek_hash(id) == hash)
+                    .or_else(|| self.find(hash));
+                if let Some(id) = id {
+                    removed += self.remove_members(id, hash, |x| x == m);
+                }
+            }
+        }
+        removed
+    }
+
+    /// `AllBlocksCleared` / a restart: drops every block `engine` holds, in every tier.
+    pub fn clear_engine(&mut self, engine: EngineId) -> usize {
+        let Some(Some(state)) = self.state.engines.get_mut(engine as usize) else {
+            return 0;
+        };
+        let blocks = std::mem::take(&mut state.blocks);
+        let mut removed = 0;
+        for (i, &id) in blocks.iter().enumerate() {
+            if let Some(&ahead) = blocks.get(i + PREFETCH_AHEAD) {
+                self.index.slab.prefetch(ahead);
+            }
+            let hash = self.index.slab.hash_of(id);
+            if hash != 0 {
+                removed += self.remove_members(id, hash, |m| m >> 8 == engine);
+            }
+        }
+        removed
+    }
+
+    /// Total memberships `engine` holds.
+    pub fn engine_blocks(&self, engine: EngineId) -> u64 {
+        self.state
+            .engines
+            .get(engine as usize)
+            .and_then(Option::as_ref)
+            .map_or(0, |e| e.live)
+    }
+
+    fn note_membership(&mut self, engine: EngineId, id: u32) {
+        let Some(Some(state)) = self.state.engines.get_mut(engine as usize) else {
+            return;
+        };
+        if state.blocks.len() == state.blocks.capacity() {
+            // Full: compact if at least a third is stale, else grow by a quarter. Capacity stays
+            // within ~1.5x the live memberships (a doubling Vec would reach 4x).
+            let live = state.live as usize;
+            if state.blocks.len() >= 1024 && state.blocks.len() > live + live / 2 {
+                self.compact_reverse_list(engine);
+            }
+            if let Some(Some(state)) = self.state.engines.get_mut(engine as usize) {
+                if state.blocks.len() == state.blocks.capacity() {
+                    state
+                        .blocks
+                        .reserve_exact((state.blocks.len() / 4).max(256));
+                }
+            }
+        }
+        if let Some(Some(state)) = self.state.engines.get_mut(engine as usize) {
+            state.blocks.push(id);
+            state.live += 1;
+        }
+    }
+
+    /// Drops stale and duplicate ids from an engine's reverse list: one pass, nodes prefetched,
+    /// duplicates found with a bitset over node ids (no sort).
+    fn compact_reverse_list(&mut self, engine: EngineId) {
+        let Some(Some(state)) = self.state.engines.get_mut(engine as usize) else {
+            return;
+        };
+        let mut blocks = std::mem::take(&mut state.blocks);
+        let mut seen = std::mem::take(&mut self.state.seen);
+        seen.clear();
+        seen.resize(self.state.next_node as usize / 64 + 1, 0);
+        let slab = &self.index.slab;
+        let mut kept = 0;
+        for i in 0..blocks.len() {
+            if let Some(&ahead) = blocks.get(i + PREFETCH_AHEAD) {
+                slab.prefetch(ahead);
+            }
+            let id = blocks[i];
+            let (word, bit) = (id as usize / 64, 1u64 << (id % 64));
+            if seen.get(word).is_none_or(|w| w & bit != 0) {
+                continue;
+            }
+            if self.has_engine(id, engine) {
+                seen[word] |= bit;
+                blocks[kept] = id;
+                kept += 1;
+            }
+        }
+        blocks.truncate(kept);
+        if blocks.capacity() > 2 * kept + 4096 {
+            blocks.shrink_to(kept + kept / 4 + 1024);
+        }
+        self.state.seen = seen;
+        if let Some(Some(state)) = self.state.engines.get_mut(engine as usize) {
+            state.blocks = blocks;
+        }
+    }
+
+    fn add_member(&mut self, id: u32, hash: u64, m: u32) -> bool {
+        let slab = &self.index.slab;
+        let mut list = [0u32; MAX_MEMBERS];
+        let mut n = slab.members_of(id, &mut list);
+        if list[..n].contains(&m) {
+            return false;
+        }
+        if n >= self.index.config.pod_cache_size {
+            let victim = list[0];
+            list.copy_within(1..n, 0);
+            n -= 1;
+            self.drop_membership(victim);
+            self.state.tally.pod_cache_evictions += 1;
+        }
+        list[n] = m;
+        n += 1;
+        self.state.tally.memberships += 1;
+        self.state.tally.admissions += 1;
+        self.write_members(id, hash, &list[..n]);
+        true
+    }
+
+    /// Writes a node's member list. Should the set pages ever run out, the node keeps its two
+    /// newest members (the others are dropped and counted as pod-cache evictions).
+    fn write_members(&mut self, id: u32, hash: u64, list: &[u32]) {
+        if self.write_node(id, hash, list) {
+            return;
+        }
+        let keep = list.len().saturating_sub(2);
+        for &victim in &list[..keep] {
+            self.drop_membership(victim);
+            self.state.tally.pod_cache_evictions += 1;
+        }
+        self.write_node(id, hash, &list[keep..]);
+    }
+
+    /// Every node write goes through here: the continuation bits of `id` and `id + 1` are
+    /// cleared before the node changes and recomputed after.
+    fn write_node(&mut self, id: u32, hash: u64, list: &[u32]) -> bool {
+        let slab = &self.index.slab;
+        slab.set_cont(id, false);
+        slab.set_cont(id.wrapping_add(1), false);
+        let ok = slab.write(id, hash, list, &mut self.state.sets);
+        self.refresh_cont(id);
+        self.refresh_cont(id.wrapping_add(1));
+        ok
+    }
+
+    /// Sets the continuation bit of `id` iff it is linked to `id - 1` and both hold blocks with
+    /// equal member words.
+    fn refresh_cont(&self, id: u32) {
+        let slab = &self.index.slab;
+        let on = id > 0
+            && self.linked(id)
+            && slab.hash_of(id) != 0
+            && slab.hash_of(id - 1) != 0
+            && slab.words_of(id) == slab.words_of(id - 1);
+        slab.set_cont(id, on);
+    }
+
+    fn linked(&self, id: u32) -> bool {
+        self.state
+            .linked
+            .get(id as usize / 64)
+            .is_some_and(|w| w & (1 << (id % 64)) != 0)
+    }
+
+    fn set_linked(&mut self, id: u32, on: bool) {
+        let word = id as usize / 64;
+        if word >= self.state.linked.len() {
+            if !on {
+                return;
+            }
+            self.state.linked.resize(word + 1, 0);
+        }
+        if on {
+            self.state.linked[word] |= 1 << (id % 64);
+        } else {
+            self.state.linked[word] &= !(1 << (id % 64));
+        }
+    }
+
+    /// Bookkeeping for a membership leaving a node (the reverse list stays lazy).
+    fn drop_membership(&mut self, m: u32) {
+        if let Some(Some(state)) = self.state.engines.get_mut((m >> 8) as usize) {
+            state.live = state.live.saturating_sub(1);
+        }
+        self.state.tally.memberships -= 1;
+    }
+
+    /// Removes the members matching `pred` from node `id`; frees the node when none remain.
+    fn remove_members(&mut self, id: u32, hash: u64, pred: impl Fn(u32) -> bool) -> usize {
+        let slab = &self.index.slab;
+        let mut list = [0u32; MAX_MEMBERS];
+        let n = slab.members_of(id, &mut list);
+        let mut kept = 0;
+        let mut removed = 0;
+        for i in 0..n {
+            let m = list[i];
+            if pred(m) {
+                removed += 1;
+                self.drop_membership(m);
+            } else {
+                list[kept] = m;
+                kept += 1;
+            }
+        }
+        if removed == 0 {
+            return 0;
+        }
+        self.state.tally.removals += removed as u64;
+        if kept == 0 {
+            self.free_node(id, hash);
+        } else {
+            self.write_members(id, hash, &list[..kept]);
+        }
+        removed
+    }
+
+    fn free_node(&mut self, id: u32, hash: u64) {
+        // The block leaves: it is nobody's chain child, and its successor id no longer follows it.
+        self.set_linked(id, false);
+        self.set_linked(id.wrapping_add(1), false);
+        self.write_node(id, 0, &[]);
+        if let Some(emptied) = self.state.table.remove(hash, id) {
+            self.state.table_live -= 1;
+            self.state.table_used -= emptied;
+        }
+        match self.state.free_ranges.last_mut() {
+            Some((start, len)) if *start + *len == id => *len += 1,
+            Some((start, len)) if id + 1 == *start => {
+                *start = id;
+                *len += 1;
+            }
+            _ => self.state.free_ranges.push((id, 1)),
+        }
+        self.state.tally.keys -= 1;
+    }
+
+    fn set_referenced(&mut self, id: u32) {
+        let word = id as usize / 64;
+        if word >= self.state.referenced.len() {
+            self.state.referenced.resize(word + 1, 0);
+        }
+        self.state.referenced[word] |= 1 << (id % 64);
+    }
+
+    /// A fresh node holding `hash` with the single member `m`, evicting by CLOCK when the index
+    /// is at `size`.
+    fn alloc_node(&mut self, hash: u64, m: u32) -> Option<u32> {
+        if self.state.tally.keys as usize >= self.index.config.max_keys {
+            self.evict_one();
+        }
+        let id = match self.state.free_ranges.last_mut() {
+            Some((start, len)) => {
+                let id = *start;
+                *start += 1;
+                *len -= 1;
+                if *len == 0 {
+                    self.state.free_ranges.pop();
+                }
+                id
+            }
+            None => {
+                let id = self.state.next_node;
+                if id as usize >= self.index.slab.nodes.capacity()
+                    || self.index.slab.nodes.get_or_alloc(id).is_none()
+                {
+                    return None;
+                }
+                self.state.next_node += 1;
+                id
+            }
+        };
+        self.write_node(id, hash, &[m]);
+        self.ensure_table_room();
+        if !self.state.table.insert(hash, id) {
+            self.state.table_used += 1;
+        }
+        self.state.table_live += 1;
+        let tally = &mut self.state.tally;
+        tally.keys += 1;
+        tally.memberships += 1;
+        tally.admissions += 1;
+        Some(id)
+    }
+
+    /// Rebuilds the table into a new allocation, sized to 1.5x the live entries, when live
+    /// entries plus tombstones would pass 85% of it.
+    fn ensure_table_room(&mut self) {
+        let cap = self.state.table.capacity();
+        if (self.state.table_used + 1) * 100 <= cap * 85 {
+            return;
+        }
+        let wanted = ((self.state.table_live + 1) * 3 / 2).max(INITIAL_TABLE);
+        let fresh = Table::with_capacity(wanted, self.index.seed);
+        let live = self.state.table.copy_into(&fresh);
+        let fresh = Arc::new(fresh);
+        self.state.table = fresh.clone();
+        self.state.table_used = live;
+        self.state.table_live = live;
+        self.index.table.store(fresh);
+    }
+
+    /// Second-chance eviction of one block with all its memberships.
+    fn evict_one(&mut self) {
+        let end = self.state.next_node;
+        if end == 0 {
+            return;
+        }
+        for _ in 0..=(2 * end as usize) {
+            if self.state.clock_hand >= end {
+                self.state.clock_hand = 0;
+            }
+            let id = self.state.clock_hand;
+            self.state.clock_hand += 1;
+            let hash = self.index.slab.hash_of(id);
+            if hash == 0 {
+                continue;
+            }
+            let word = id as usize / 64;
+            let bit = 1u64 << (id % 64);
+            if let Some(w) = self.state.referenced.get_mut(word) {
+                if *w & bit != 0 {
+                    *w &= !bit;
+                    continue;
+                }
+            }
+            let evicted = self.remove_members(id, hash, |_| true) as u64;
+            // Those were counted as removals; they are capacity evictions.
+            self.state.tally.removals -= evicted;
+            self.state.tally.capacity_evictions += evicted;
+            return;
+        }
+    }
+}
+
+/// How far ahead a batch prefetches table slots.
+const PREFETCH_AHEAD: usize = 16;
+
+pub(super) fn random_seed() -> u64 {
+    use std::collections::hash_map::RandomState;
+    use std::hash::BuildHasher;
+    RandomState::new().hash_one(0x6b76_2d69_6e64_6578u64)
+}

@@ -1,0 +1,539 @@
+//! The indexer: one [`ModelIndex`] and one [`TokenProcessor`] per model, fed by decoded event
+//! batches and asked for pod scores. This is the library's front door; the daemon's ZMQ and gRPC
+//! layers only translate to and from it.
+//!
+//! Invariants:
+//! - a batch from one engine is applied under that model's writer as one unit, in order;
+//! - only prefix-cacheable full-attention groups are indexed (`kv_cache_spec_kind` absent,
+//!   `full_attention` or `mla_attention`); other groups' events are counted and skipped, and a
+//!   `BlockRemoved` for a group an engine marked non-indexable is skipped too;
+//! - hash mismatches are detected on runs that start at the root (parent `None`) and carry
+//!   tokens: block 0 is recomputed with the model's settings (one SHA-256 per run, outside the
+//!   writer lock), counted per (pod, model), and diagnosed in one log line per (pod, model).
+
+use std::collections::{HashMap, HashSet};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+mod hash_check;
+
+use arc_swap::ArcSwap;
+use parking_lot::Mutex;
+use thiserror::Error;
+
+use crate::events::{EventBatch, KvEvent, Medium};
+use crate::hashing::{
+    ExtraKeysFormat, HashScratch, LoraAdapter, RequestExtras, TokenProcessor, TokenProcessorConfig,
+    TokenProcessorError,
+};
+use crate::index::{
+    EngineKey, EngineScore, IndexConfig, IndexConfigError, IndexStats, ModelIndex, Tier,
+    TierWeights,
+};
+use crate::BlockHash;
+
+/// How one model's hashes are computed (must equal its vLLM deployment's settings).
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct ModelSettings {
+    /// Seed, block sizes and extra-key format.
+    pub token_processor: TokenProcessorConfig,
+    /// LoRA adapter name -> path (vLLM >= 0.31 hashes the path, which events do not carry).
+    pub lora_paths: HashMap<String, String>,
+}
+
+/// Everything the indexer needs to run.
+#[derive(Debug, Clone, Default)]
+pub struct IndexerSettings {
+    /// Capacity per model.
+    pub index: IndexConfig,
+    /// Settings of models not listed in `models`.
+    pub default_model: ModelSettings,
+    /// Per-model overrides; these models are "known" before any event arrives.
+    pub models: HashMap<String, ModelSettings>,
+    /// Tier weights for scoring.
+    pub weights: TierWeights,
+}
+
+/// Invalid settings.
+#[derive(Debug, Error)]
+pub enum SettingsError {
+    /// A model's block sizes are invalid.
+    #[error("model {model}: {source}")]
+    TokenProcessor {
+        /// Which model (`<default>` for the defaults).
+        model: String,
+        /// Why.
+        source: TokenProcessorError,
+    },
+    /// Index capacity settings are invalid.
+    #[error(transparent)]
+    Index(#[from] IndexConfigError),
+}
+
+/// Why a score request failed.
+#[derive(Debug, Error, PartialEq, Eq)]
+pub enum ScoreError {
+    /// The model is neither configured nor seen in any event.
+    #[error("unknown model {0:?}: not configured and no KV events received for it")]
+    UnknownModel(String),
+    /// vLLM >= 0.31 hashes the adapter path, which must be configured.
+    #[error("LoRA adapter {0:?} has no path configured (vLLM >= 0.31 hashes the adapter path; add it to loraAdapters)")]
+    UnknownLora(String),
+}
+
+/// A pod's score for a prompt.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PodScore {
+    /// The pod, as named in the events' topic (or connect-mode config).
+    pub pod: Arc<str>,
+    /// Tier-weighted consecutive blocks from the prompt's start.
+    pub score: f64,
+    /// Consecutive blocks from the prompt's start the pod holds.
+    pub matched_blocks: u32,
+}
+
+/// The answer to a score request.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct ScoreResult {
+    /// One entry per candidate (every known pod when none are given), best first.
+    pub scores: Vec<PodScore>,
+    /// Full blocks in the prompt.
+    pub total_blocks: u32,
+    /// Prompt tokens.
+    pub prompt_tokens: u32,
+}
+
+/// What applying one batch did (for metrics and tests).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ApplyReport {
+    /// BlockStored events applied.
+    pub stored_events: u32,
+    /// BlockRemoved events applied.
+    pub removed_events: u32,
+    /// AllBlocksCleared events applied.
+    pub cleared_events: u32,
+    /// Events of unknown types, skipped.
+    pub unknown_events: u32,
+    /// Events for groups that are not indexed (sliding window, mamba, ...), skipped.
+    pub skipped_group_events: u32,
+    /// Blocks (memberships) added.
+    pub blocks_stored: u64,
+    /// Memberships removed (by BlockRemoved or a clear).
+    pub blocks_removed: u64,
+    /// Stored runs whose parent the engine did not hold.
+    pub orphan_runs: u32,
+    /// Root runs whose recomputed block-0 hash equalled vLLM's.
+    pub hash_matches: u32,
+    /// Root runs whose recomputed block-0 hash differed.
+    pub hash_mismatches: u32,
+    /// The engine could not be registered (too many engines): nothing applied.
+    pub engine_rejected: bool,
+}
+
+/// Hash-check tallies for one (pod, model).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct HashCheckStats {
+    /// Recomputed block-0 hashes that matched.
+    pub matches: u64,
+    /// Recomputed block-0 hashes that did not.
+    pub mismatches: u64,
+    /// The diagnosis logged on the first mismatch.
+    pub diagnosis: Option<String>,
+}
+
+/// One model's state.
+pub struct ModelState {
+    name: Arc<str>,
+    index: ModelIndex,
+    processor: TokenProcessor,
+    lora_paths: HashMap<String, String>,
+    /// Hash-check tallies per pod (write path only).
+    hash_checks: Mutex<HashMap<Arc<str>, HashCheckStats>>,
+    /// Per engine, the group ids its events marked as not indexable.
+    skipped_groups: Mutex<HashMap<EngineKey, HashSet<i64>>>,
+}
+
+impl ModelState {
+    /// The model's index.
+    pub fn index(&self) -> &ModelIndex {
+        &self.index
+    }
+
+    /// The model's token processor.
+    pub fn processor(&self) -> &TokenProcessor {
+        &self.processor
+    }
+
+    /// The model's name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// Hash-check tallies per pod.
+    pub fn hash_checks(&self) -> HashMap<Arc<str>, HashCheckStats> {
+        self.hash_checks.lock().clone()
+    }
+}
+
+/// Totals across models for metrics.
+#[derive(Debug, Default)]
+struct Totals {
+    unknown_events: AtomicU64,
+    skipped_group_events: AtomicU64,
+}
+
+/// The multi-model index with its hashing settings.
+pub struct Indexer {
+    settings: IndexerSettings,
+    models: ArcSwap<HashMap<Arc<str>, Arc<ModelState>>>,
+    create: Mutex<()>,
+    totals: Totals,
+}
+
+/// The index tier of an event's medium; no medium (vLLM < 0.10.2) means GPU.
+fn tier_of(medium: Option<&Medium>) -> Tier {
+    match medium {
+        None | Some(Medium::Gpu) => Tier::Gpu,
+        Some(Medium::Cpu) => Tier::Cpu,
+        Some(Medium::Storage) => Tier::Storage,
+        Some(Medium::Other(_)) => Tier::Other,
+    }
+}
+
+fn indexable_kind(kind: Option<&str>) -> bool {
+    matches!(kind, None | Some("full_attention") | Some("mla_attention"))
+}
+
+impl Indexer {
+    /// Validates the settings and creates the configured models' indexes.
+    pub fn new(settings: IndexerSettings) -> Result<Self, SettingsError> {
+        settings.index.validate()?;
+        TokenProcessor::new(&settings.default_model.token_processor).map_err(|source| {
+            SettingsError::TokenProcessor {
+                model: "<default>".into(),
+                source,
+            }
+        })?;
+        let indexer = Self {
+            settings,
+            models: ArcSwap::from_pointee(HashMap::new()),
+            create: Mutex::new(()),
+            totals: Totals::default(),
+        };
+        let names: Vec<String> = indexer.settings.models.keys().cloned().collect();
+        for name in names {
+            indexer.model_or_create(&name)?;
+        }
+        Ok(indexer)
+    }
+
+    /// The settings in force.
+    pub fn settings(&self) -> &IndexerSettings {
+        &self.settings
+    }
+
+    /// The model's state if it is known.
+    pub fn model(&self, name: &str) -> Option<Arc<ModelState>> {
+        self.models.load().get(name).cloned()
+    }
+
+    /// Every known model.
+    pub fn models(&self) -> Vec<Arc<ModelState>> {
+        self.models.load().values().cloned().collect()
+    }
+
+    /// The model's state, creating it (with default or configured settings) on first use.
+    pub fn model_or_create(&self, name: &str) -> Result<Arc<ModelState>, SettingsError> {
+        if let Some(m) = self.model(name) {
+            return Ok(m);
+        }
+        let _guard = self.create.lock();
+        if let Some(m) = self.model(name) {
+            return Ok(m);
+        }
+        let settings = self
+            .settings
+            .models
+            .get(name)
+            .unwrap_or(&self.settings.default_model);
+        let processor = TokenProcessor::new(&settings.token_processor).map_err(|source| {
+            SettingsError::TokenProcessor {
+                model: name.to_owned(),
+                source,
+            }
+        })?;
+        let state = Arc::new(ModelState {
+            name: name.into(),
+            index: ModelIndex::new(self.settings.index.clone())?,
+            processor,
+            lora_paths: settings.lora_paths.clone(),
+            hash_checks: Mutex::new(HashMap::new()),
+            skipped_groups: Mutex::new(HashMap::new()),
+        });
+        let mut next = HashMap::clone(&self.models.load());
+        next.insert(name.into(), state.clone());
+        self.models.store(Arc::new(next));
+        Ok(state)
+    }
+
+    /// Applies one decoded batch published by `pod` for `model`. The engine is
+    /// `(pod, batch.data_parallel_rank)`.
+    pub fn apply_batch(
+        &self,
+        model: &str,
+        pod: &str,
+        batch: &EventBatch,
+    ) -> Result<ApplyReport, SettingsError> {
+        let state = self.model_or_create(model)?;
+        let rank = batch
+            .data_parallel_rank
+            .and_then(|r| u32::try_from(r).ok())
+            .unwrap_or(0);
+        let key = EngineKey::new(pod, rank);
+        let mut report = ApplyReport::default();
+        self.check_hashes(&state, &key.pod, batch, &mut report);
+        let mut skipped = state.skipped_groups.lock();
+        let engine_skips = skipped.entry(key.clone()).or_default();
+        state.index.write(|w| {
+            let Some(engine) = w.engine(&key) else {
+                report.engine_rejected = true;
+                return;
+            };
+            for event in &batch.events {
+                match event {
+                    KvEvent::BlockStored(s) => {
+                        if !indexable_kind(s.kv_cache_spec_kind.as_deref()) {
+                            if let Some(g) = s.group_idx {
+                                engine_skips.insert(g);
+                            }
+                            report.skipped_group_events += 1;
+                            continue;
+                        }
+                        let tier = tier_of(s.medium.as_ref());
+                        let outcome = w.store(engine, tier, s.parent_block_hash, &s.block_hashes);
+                        report.stored_events += 1;
+                        report.blocks_stored += outcome.added as u64;
+                        report.orphan_runs += u32::from(outcome.orphan);
+                    }
+                    KvEvent::BlockRemoved(r) => {
+                        if r.group_idx.is_some_and(|g| engine_skips.contains(&g)) {
+                            report.skipped_group_events += 1;
+                            continue;
+                        }
+                        let tier = tier_of(r.medium.as_ref());
+                        report.blocks_removed += w.remove(engine, tier, &r.block_hashes) as u64;
+                        report.removed_events += 1;
+                    }
+                    KvEvent::AllBlocksCleared => {
+                        report.blocks_removed += w.clear_engine(engine) as u64;
+                        report.cleared_events += 1;
+                    }
+                    KvEvent::Unknown(_) => report.unknown_events += 1,
+                }
+            }
+        });
+        drop(skipped);
+        self.totals
+            .unknown_events
+            .fetch_add(report.unknown_events as u64, Ordering::Relaxed);
+        self.totals
+            .skipped_group_events
+            .fetch_add(report.skipped_group_events as u64, Ordering::Relaxed);
+        Ok(report)
+    }
+
+    /// Drops every block of `pod` (all DP ranks) in `model`: a publisher restart, an admin
+    /// request, or a pod that went away. Returns memberships removed.
+    pub fn clear_pod(&self, model: &str, pod: &str) -> usize {
+        let Some(state) = self.model(model) else {
+            return 0;
+        };
+        let engines: Vec<EngineKey> = state
+            .index
+            .directory()
+            .engines_of(pod)
+            .iter()
+            .filter_map(|&e| state.index.directory().key(e).cloned())
+            .collect();
+        state.index.write(|w| {
+            engines
+                .iter()
+                .map(|k| w.engine(k).map_or(0, |e| w.clear_engine(e)))
+                .sum()
+        })
+    }
+
+    /// Drops every block of one engine (`pod` at data-parallel rank `rank`): its vLLM process
+    /// restarted. Returns memberships removed.
+    pub fn clear_engine(&self, model: &str, pod: &str, rank: u32) -> usize {
+        let Some(state) = self.model(model) else {
+            return 0;
+        };
+        let key = EngineKey::new(pod, rank);
+        state
+            .index
+            .write(|w| w.engine(&key).map_or(0, |e| w.clear_engine(e)))
+    }
+
+    /// Scores `pods` (every known pod of the model when empty) for a prompt given as tokens.
+    pub fn score_tokens(
+        &self,
+        model: &str,
+        tokens: &[u32],
+        pods: &[String],
+        lora_name: Option<&str>,
+        cache_salt: Option<&str>,
+    ) -> Result<ScoreResult, ScoreError> {
+        let state = self
+            .model(model)
+            .ok_or_else(|| ScoreError::UnknownModel(model.to_owned()))?;
+        let extras = self.request_extras(&state, lora_name, cache_salt)?;
+        thread_local! {
+            static SCRATCH: std::cell::RefCell<(HashScratch, Vec<BlockHash>)> =
+                std::cell::RefCell::new((HashScratch::default(), Vec::new()));
+        }
+        SCRATCH.with(|cell| {
+            let mut cell = cell.borrow_mut();
+            let (scratch, hashes) = &mut *cell;
+            hashes.clear();
+            state
+                .processor
+                .block_hashes_into(tokens, &extras, scratch, hashes);
+            let mut result = self.score_hashes_in(&state, hashes, pods);
+            result.prompt_tokens = tokens.len() as u32;
+            Ok(result)
+        })
+    }
+
+    /// Scores pods for a prompt given as its block hashes (event form).
+    pub fn score_hashes(
+        &self,
+        model: &str,
+        hashes: &[BlockHash],
+        pods: &[String],
+    ) -> Result<ScoreResult, ScoreError> {
+        let state = self
+            .model(model)
+            .ok_or_else(|| ScoreError::UnknownModel(model.to_owned()))?;
+        Ok(self.score_hashes_in(&state, hashes, pods))
+    }
+
+    fn request_extras(
+        &self,
+        state: &ModelState,
+        lora_name: Option<&str>,
+        cache_salt: Option<&str>,
+    ) -> Result<RequestExtras, ScoreError> {
+        let lora = match lora_name.filter(|n| !n.is_empty()) {
+            None => None,
+            Some(name) => {
+                let path = state.lora_paths.get(name).cloned();
+                let path = match (path, state.processor.extra_keys_format()) {
+                    (Some(p), _) => p,
+                    (None, ExtraKeysFormat::Untagged) => String::new(),
+                    (None, ExtraKeysFormat::Tagged) => {
+                        return Err(ScoreError::UnknownLora(name.to_owned()))
+                    }
+                };
+                Some(LoraAdapter {
+                    name: name.to_owned(),
+                    path,
+                })
+            }
+        };
+        Ok(RequestExtras {
+            lora,
+            multimodal: Vec::new(),
+            cache_salt: cache_salt.filter(|s| !s.is_empty()).map(str::to_owned),
+        })
+    }
+
+    fn score_hashes_in(
+        &self,
+        state: &ModelState,
+        hashes: &[BlockHash],
+        pods: &[String],
+    ) -> ScoreResult {
+        let directory = state.index.directory();
+        let candidates: Option<Vec<u32>> = (!pods.is_empty()).then(|| {
+            let mut ids: Vec<u32> = pods
+                .iter()
+                .flat_map(|p| directory.engines_of(p).iter().copied())
+                .collect();
+            ids.sort_unstable();
+            ids
+        });
+        let mut engine_scores: Vec<EngineScore> = Vec::new();
+        state.index.score_engines(
+            hashes,
+            candidates.as_deref(),
+            &self.settings.weights,
+            &mut engine_scores,
+        );
+        let mut by_pod: HashMap<&str, (f64, u32)> = HashMap::new();
+        for s in &engine_scores {
+            if let Some(key) = directory.key(s.engine) {
+                let e = by_pod.entry(&key.pod).or_insert((0.0, 0));
+                if (s.score, s.matched_blocks) > *e {
+                    *e = (s.score, s.matched_blocks);
+                }
+            }
+        }
+        let mut scores: Vec<PodScore> = if pods.is_empty() {
+            directory
+                .pods()
+                .map(|p| {
+                    let (score, matched_blocks) = by_pod.get(&**p).copied().unwrap_or((0.0, 0));
+                    PodScore {
+                        pod: p.clone(),
+                        score,
+                        matched_blocks,
+                    }
+                })
+                .collect()
+        } else {
+            let mut seen = HashSet::new();
+            pods.iter()
+                .filter(|p| seen.insert(p.as_str()))
+                .map(|p| {
+                    let (score, matched_blocks) =
+                        by_pod.get(p.as_str()).copied().unwrap_or((0.0, 0));
+                    PodScore {
+                        pod: p.as_str().into(),
+                        score,
+                        matched_blocks,
+                    }
+                })
+                .collect()
+        };
+        scores.sort_by(|a, b| {
+            b.score
+                .total_cmp(&a.score)
+                .then(b.matched_blocks.cmp(&a.matched_blocks))
+                .then(a.pod.cmp(&b.pod))
+        });
+        ScoreResult {
+            scores,
+            total_blocks: hashes.len() as u32,
+            prompt_tokens: 0,
+        }
+    }
+
+    /// Per-model index statistics.
+    pub fn stats(&self) -> Vec<(Arc<str>, IndexStats)> {
+        self.models()
+            .iter()
+            .map(|m| (m.name.clone(), m.index.stats()))
+            .collect()
+    }
+
+    /// Events of unknown types seen so far.
+    pub fn unknown_events(&self) -> u64 {
+        self.totals.unknown_events.load(Ordering::Relaxed)
+    }
+
+    /// Events skipped because their group is not indexed.
+    pub fn skipped_group_events(&self) -> u64 {
+        self.totals.skipped_group_events.load(Ordering::Relaxed)
+    }
+}

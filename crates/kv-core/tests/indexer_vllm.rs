@@ -1,0 +1,281 @@
+//! The indexer fed with payloads captured from vLLM's publisher: scores for the request that
+//! produced them, removals, clears, and hash-mismatch detection with its diagnosis.
+
+mod support;
+
+use kv_core::events::{decode_batch, EventBatch, KvEvent};
+use kv_core::hashing::{ExtraKeysFormat, RequestExtras, TokenProcessor, TokenProcessorConfig};
+use kv_core::indexer::{Indexer, IndexerSettings, ModelSettings, ScoreError};
+
+const MODEL: &str = "Qwen/Qwen3-8B";
+
+fn settings(seed: Option<&str>, block_size: usize) -> IndexerSettings {
+    IndexerSettings {
+        default_model: ModelSettings {
+            token_processor: TokenProcessorConfig {
+                hash_seed: seed.map(str::to_owned),
+                block_size,
+                ..Default::default()
+            },
+            lora_paths: Default::default(),
+        },
+        ..Default::default()
+    }
+}
+
+/// The first captured message of the int-hash (or bytes-hash) scenario and the request tokens.
+fn captured(version: &str, scenario: &str) -> (EventBatch, Vec<u32>) {
+    let (payload, tokens) = support::captured_payload(version, scenario);
+    (decode_batch(&payload).expect("decodes"), tokens)
+}
+
+fn prefix(batch: &EventBatch, n: usize) -> EventBatch {
+    EventBatch {
+        events: batch.events[..n].to_vec(),
+        ..batch.clone()
+    }
+}
+
+#[test]
+fn captured_events_score_the_request_that_produced_them() {
+    for version in ["0.11.0", "0.23.0", "0.24.0", "0.28.0", "0.33.0"] {
+        for scenario in [
+            "int_hashes_topic_kv-events_dp0",
+            "bytes_hashes_topic_kv-events_dp0",
+        ] {
+            let ctx = format!("{version} {scenario}");
+            let (batch, tokens) = captured(version, scenario);
+            let ix = Indexer::new(settings(Some("12345"), 16)).expect("valid");
+            // The two BlockStored events: blocks 0-1 (root), then block 2 (parent = block 1).
+            let report = ix
+                .apply_batch(MODEL, "10.0.0.1:8000", &prefix(&batch, 2))
+                .expect("applies");
+            assert_eq!(report.blocks_stored, 3, "{ctx}");
+            assert_eq!(
+                (report.hash_matches, report.hash_mismatches),
+                (1, 0),
+                "{ctx}"
+            );
+            assert_eq!(report.orphan_runs, 0, "{ctx}");
+            let pods = vec!["10.0.0.1:8000".to_owned(), "10.0.0.2:8000".to_owned()];
+            let r = ix
+                .score_tokens(MODEL, &tokens, &pods, None, None)
+                .expect("known model");
+            assert_eq!(r.total_blocks, 3, "{ctx}: 56 tokens = 3 full blocks");
+            assert_eq!(r.prompt_tokens, 56);
+            assert_eq!(&*r.scores[0].pod, "10.0.0.1:8000", "{ctx}");
+            assert_eq!(r.scores[0].matched_blocks, 3, "{ctx}");
+            assert!(
+                (r.scores[0].score - 3.0).abs() < 1e-9,
+                "{ctx}: GPU weight 1.0"
+            );
+            assert_eq!(
+                r.scores[1].matched_blocks, 0,
+                "{ctx}: candidate with nothing scores 0"
+            );
+            // The rest: three BlockRemoved (eviction) and AllBlocksCleared.
+            let rest = EventBatch {
+                events: batch.events[2..].to_vec(),
+                ..batch.clone()
+            };
+            let report = ix
+                .apply_batch(MODEL, "10.0.0.1:8000", &rest)
+                .expect("applies");
+            assert_eq!(report.removed_events, 3, "{ctx}");
+            assert_eq!(report.blocks_removed, 3, "{ctx}");
+            let r = ix
+                .score_tokens(MODEL, &tokens, &pods, None, None)
+                .expect("known");
+            assert!(
+                r.scores.iter().all(|s| s.matched_blocks == 0),
+                "{ctx}: {r:?}"
+            );
+            let stats = ix.stats();
+            assert_eq!(stats[0].1.keys, 0, "{ctx}: every node freed");
+        }
+    }
+}
+
+#[test]
+fn lora_salted_multimodal_events_are_indexed_and_not_misjudged() {
+    let doc = support::fixture("vllm/zmq_messages.vllm-0.33.0.json");
+    let msg = &doc["scenarios"][0]["messages"][1];
+    let batch = decode_batch(&support::unhex(msg["frames_hex"][2].as_str().expect("hex")))
+        .expect("decodes");
+    let ix = Indexer::new(settings(Some("12345"), 16)).expect("valid");
+    let report = ix.apply_batch(MODEL, "pod-a", &batch).expect("applies");
+    assert_eq!(report.blocks_stored, 2);
+    assert_eq!(
+        (report.hash_matches, report.hash_mismatches),
+        (0, 0),
+        "multimodal keys cannot be rebuilt from the event: not checked, not a mismatch"
+    );
+}
+
+#[test]
+fn salted_root_runs_are_verified_from_the_published_extra_keys() {
+    // A run built by our processor (validated against vLLM's vectors) with a cache_salt, in the
+    // published form: extra_keys[0] = ["tenant-42"].
+    let processor = TokenProcessor::new(&TokenProcessorConfig {
+        hash_seed: Some("7".into()),
+        extra_keys_format: ExtraKeysFormat::Tagged,
+        ..Default::default()
+    })
+    .expect("valid");
+    let tokens: Vec<u32> = (100..132).collect();
+    let extras = RequestExtras {
+        cache_salt: Some("tenant-42".into()),
+        ..Default::default()
+    };
+    let hashes = processor.block_hashes(&tokens, &extras);
+    let stored = kv_core::events::BlockStored {
+        block_hashes: hashes.clone(),
+        token_ids: tokens.clone(),
+        block_size: 16,
+        extra_keys: Some(vec![
+            Some(kv_core::events::Value::Array(vec![
+                kv_core::events::Value::Str("tenant-42".into()),
+            ])),
+            None,
+        ]),
+        ..Default::default()
+    };
+    let batch = EventBatch {
+        ts: 0.0,
+        events: vec![KvEvent::BlockStored(stored)],
+        data_parallel_rank: Some(0),
+    };
+    let ix = Indexer::new(settings(Some("7"), 16)).expect("valid");
+    let report = ix.apply_batch(MODEL, "p", &batch).expect("applies");
+    assert_eq!((report.hash_matches, report.hash_mismatches), (1, 0));
+    let r = ix
+        .score_tokens(MODEL, &tokens, &[], None, Some("tenant-42"))
+        .expect("known");
+    assert_eq!(r.scores[0].matched_blocks, 2);
+    let unsalted = ix
+        .score_tokens(MODEL, &tokens, &[], None, None)
+        .expect("known");
+    assert_eq!(
+        unsalted.scores[0].matched_blocks, 0,
+        "the salt changes block 0"
+    );
+}
+
+#[test]
+fn mismatches_are_counted_per_pod_and_diagnosed() {
+    let (batch, _) = captured("0.33.0", "int_hashes_topic_kv-events_dp0");
+    let stored = prefix(&batch, 2);
+
+    // Wrong block size: the event says 16.
+    let ix = Indexer::new(settings(Some("12345"), 32)).expect("valid");
+    let r = ix.apply_batch(MODEL, "p1", &stored).expect("applies");
+    assert_eq!(r.hash_mismatches, 1);
+    let checks = ix.model(MODEL).expect("created").hash_checks();
+    let d = checks["p1"].diagnosis.clone().expect("diagnosed");
+    assert!(d.contains("block size differs") && d.contains("16"), "{d}");
+
+    // Wrong seed, and one vLLM's own default would not fix: the generic diagnosis.
+    let ix = Indexer::new(settings(Some("999"), 16)).expect("valid");
+    ix.apply_batch(MODEL, "p1", &stored).expect("applies");
+    ix.apply_batch(MODEL, "p1", &stored).expect("applies");
+    let checks = ix.model(MODEL).expect("created").hash_checks();
+    assert_eq!((checks["p1"].matches, checks["p1"].mismatches), (0, 2));
+    let d = checks["p1"].diagnosis.clone().expect("diagnosed");
+    assert!(
+        d.contains("PYTHONHASHSEED") && d.contains("sha256_cbor"),
+        "{d}"
+    );
+
+    // vLLM ran with the default seed while we were told "12345": the diagnosis names it.
+    let processor = TokenProcessor::new(&TokenProcessorConfig::default()).expect("valid");
+    let tokens: Vec<u32> = (0..16).collect();
+    let default_seed_run = EventBatch {
+        ts: 0.0,
+        events: vec![KvEvent::BlockStored(kv_core::events::BlockStored {
+            block_hashes: processor.block_hashes(&tokens, &RequestExtras::default()),
+            token_ids: tokens,
+            block_size: 16,
+            ..Default::default()
+        })],
+        data_parallel_rank: None,
+    };
+    let ix = Indexer::new(settings(Some("12345"), 16)).expect("valid");
+    ix.apply_batch(MODEL, "p2", &default_seed_run)
+        .expect("applies");
+    let d = ix.model(MODEL).expect("created").hash_checks()["p2"]
+        .diagnosis
+        .clone()
+        .expect("diagnosed");
+    assert!(d.contains("unset"), "{d}");
+}
+
+#[test]
+fn vllm_0_10_sha256_cbor_64bit_hashes_are_flagged() {
+    // vLLM 0.10.0/0.10.1's sha256_cbor_64bit chains an int parent: not what >= 0.10.2 hashes.
+    let doc = support::fixture("vllm/zmq_messages.vllm-0.10.1.json");
+    let payload = support::unhex(
+        doc["scenarios"][0]["messages"][0]["frames_hex"][2]
+            .as_str()
+            .expect("hex"),
+    );
+    let batch = decode_batch(&payload).expect("decodes");
+    let ix = Indexer::new(settings(Some("12345"), 16)).expect("valid");
+    let r = ix
+        .apply_batch(MODEL, "old", &prefix(&batch, 2))
+        .expect("applies");
+    assert_eq!((r.hash_matches, r.hash_mismatches), (0, 1));
+}
+
+#[test]
+fn unknown_models_and_unconfigured_lora_paths_are_errors() {
+    let ix = Indexer::new(settings(None, 16)).expect("valid");
+    assert_eq!(
+        ix.score_tokens("nope", &[1, 2, 3], &[], None, None),
+        Err(ScoreError::UnknownModel("nope".into()))
+    );
+    ix.apply_batch(
+        MODEL,
+        "p",
+        &EventBatch {
+            ts: 0.0,
+            events: vec![KvEvent::AllBlocksCleared],
+            data_parallel_rank: None,
+        },
+    )
+    .expect("applies");
+    assert!(matches!(
+        ix.score_tokens(MODEL, &[1; 32], &[], Some("sql"), None),
+        Err(ScoreError::UnknownLora(_))
+    ));
+    let r = ix
+        .score_tokens(MODEL, &[1; 32], &[], None, None)
+        .expect("known now");
+    assert_eq!(
+        r.scores.len(),
+        1,
+        "every known pod is listed when no candidates are given"
+    );
+}
+
+#[test]
+fn data_parallel_ranks_are_separate_engines_of_one_pod() {
+    let (batch, tokens) = captured("0.33.0", "int_hashes_topic_kv-events_dp0");
+    let ix = Indexer::new(settings(Some("12345"), 16)).expect("valid");
+    let mut rank1 = prefix(&batch, 1); // blocks 0-1 on rank 1
+    rank1.data_parallel_rank = Some(1);
+    ix.apply_batch(MODEL, "pod", &rank1).expect("applies");
+    let r = ix
+        .score_tokens(MODEL, &tokens, &["pod".into()], None, None)
+        .expect("known");
+    assert_eq!(r.scores[0].matched_blocks, 2);
+    // Clearing rank 0 leaves rank 1's blocks.
+    let mut clear0 = prefix(&batch, 0);
+    clear0.events.push(KvEvent::AllBlocksCleared);
+    clear0.data_parallel_rank = Some(0);
+    ix.apply_batch(MODEL, "pod", &clear0).expect("applies");
+    let r = ix
+        .score_tokens(MODEL, &tokens, &["pod".into()], None, None)
+        .expect("known");
+    assert_eq!(r.scores[0].matched_blocks, 2);
+    assert_eq!(ix.clear_pod(MODEL, "pod"), 2);
+}

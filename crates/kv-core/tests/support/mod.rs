@@ -1,0 +1,60 @@
+//! Helpers shared by kv-core's integration tests (and included by the daemon's): the vLLM
+//! fixtures in kv-core's `tests/fixtures/vllm` (copied from vLLM's own output; see its
+//! `README.md`) and small converters.
+#![allow(dead_code)]
+
+use kv_core::BlockHash;
+use serde_json::Value;
+
+/// SplitMix64, seeded per test so a failure reproduces from the seed it prints.
+#[allow(unused_imports)]
+pub use kv_core::mix::SplitMix64 as Rng;
+
+/// Decodes lowercase hex.
+pub fn unhex(s: &str) -> Vec<u8> {
+    (0..s.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(&s[i..i + 2], 16).expect("hex"))
+        .collect()
+}
+
+/// Loads kv-core's `tests/fixtures/<rel>` as JSON (from kv-core's tests or the workspace root's).
+pub fn fixture(rel: &str) -> Value {
+    let manifest = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+    let core = ["crates/kv-core", "."]
+        .iter()
+        .map(|dir| manifest.join(dir))
+        .find(|dir| dir.join("tests/fixtures/vllm").is_dir())
+        .unwrap_or_else(|| manifest.to_path_buf());
+    let path = core.join("tests/fixtures").join(rel).display().to_string();
+    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{path}: {e}"));
+    serde_json::from_str(&text).unwrap_or_else(|e| panic!("{path}: {e}"))
+}
+
+/// A JSON array of integers as u32s.
+pub fn u32s(v: &Value) -> Vec<u32> {
+    v.as_array()
+        .expect("array")
+        .iter()
+        .map(|t| t.as_u64().expect("uint") as u32)
+        .collect()
+}
+
+/// Block hashes from their event values.
+pub fn hashes(v: &[u64]) -> Vec<BlockHash> {
+    v.iter().copied().map(BlockHash::new).collect()
+}
+
+/// The first captured ZMQ payload of a scenario in `vllm/zmq_messages.vllm-<version>.json`, and
+/// the request tokens the capture was made with.
+pub fn captured_payload(version: &str, scenario: &str) -> (Vec<u8>, Vec<u32>) {
+    let doc = fixture(&format!("vllm/zmq_messages.vllm-{version}.json"));
+    let s = doc["scenarios"]
+        .as_array()
+        .expect("scenarios")
+        .iter()
+        .find(|s| s["name"] == scenario)
+        .expect("scenario");
+    let payload = unhex(s["messages"][0]["frames_hex"][2].as_str().expect("hex"));
+    (payload, u32s(&doc["scenarios"][0]["request_token_ids"]))
+}

@@ -1,0 +1,49 @@
+//! A global allocator that counts live heap bytes, so the benchmarks measure an index's memory
+//! instead of estimating it, and every backend in the peers benchmark is measured the same way.
+//!
+//! Install it in a benchmark binary with
+//! `#[global_allocator] static GLOBAL: CountingAllocator = CountingAllocator;` and read
+//! [`live_heap_bytes`] before and after building a structure.
+//!
+//! The one place in kv-lab allowed `unsafe`: a `GlobalAlloc` is an unsafe trait, and each
+//! method forwards to the system allocator unchanged.
+#![allow(unsafe_code)]
+
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+/// Counts live heap bytes around the system allocator.
+pub struct CountingAllocator;
+
+static LIVE_HEAP_BYTES: AtomicUsize = AtomicUsize::new(0);
+
+/// Bytes currently allocated through [`CountingAllocator`] (0 where it is not installed).
+pub fn live_heap_bytes() -> usize {
+    LIVE_HEAP_BYTES.load(Ordering::Relaxed)
+}
+
+// SAFETY: every call is forwarded unchanged to the system allocator, which upholds
+// `GlobalAlloc`'s contract; only a counter is added, and counting never allocates.
+unsafe impl GlobalAlloc for CountingAllocator {
+    unsafe fn alloc(&self, l: Layout) -> *mut u8 {
+        LIVE_HEAP_BYTES.fetch_add(l.size(), Ordering::Relaxed);
+        // SAFETY: the caller's `l` meets `alloc`'s contract (non-zero size), passed on as is.
+        unsafe { System.alloc(l) }
+    }
+    unsafe fn dealloc(&self, p: *mut u8, l: Layout) {
+        LIVE_HEAP_BYTES.fetch_sub(l.size(), Ordering::Relaxed);
+        // SAFETY: `p` was allocated by this allocator (so by `System`) with layout `l`.
+        unsafe { System.dealloc(p, l) }
+    }
+    unsafe fn alloc_zeroed(&self, l: Layout) -> *mut u8 {
+        LIVE_HEAP_BYTES.fetch_add(l.size(), Ordering::Relaxed);
+        // SAFETY: as for `alloc`.
+        unsafe { System.alloc_zeroed(l) }
+    }
+    unsafe fn realloc(&self, p: *mut u8, l: Layout, new: usize) -> *mut u8 {
+        LIVE_HEAP_BYTES.fetch_add(new, Ordering::Relaxed);
+        LIVE_HEAP_BYTES.fetch_sub(l.size(), Ordering::Relaxed);
+        // SAFETY: `p` came from `System` with layout `l`; `new` is the caller's valid new size.
+        unsafe { System.realloc(p, l, new) }
+    }
+}

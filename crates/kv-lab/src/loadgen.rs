@@ -1,0 +1,647 @@
+//! `kv-indexer loadgen`: drives a running daemon the way a busy fleet would and reports what it
+//! sustained.
+//!
+//! Before the clock starts it prepares `documents` prompts of `prompt_blocks` blocks, hashes
+//! them with the daemon's settings (so the daemon's hash checks pass) and encodes vLLM-shaped
+//! payloads (map form, as vLLM >= 0.24 sends): `BlockStored` runs of 32 blocks with their token
+//! ids, and `BlockRemoved` events of one hash each, as vLLM evicts. Then, for `duration`:
+//! - one task publishes over ZMQ at full speed: round `r`, pod `p` stores document
+//!   `(p + r) % documents` and evicts the one it stored two rounds before, so the index stays
+//!   bounded while every pod keeps churning;
+//! - `score_concurrency` tasks call ScorePods with a document's tokens and every pod as a
+//!   candidate.
+//!
+//! It reports messages and blocks sent, blocks and events the daemon applied (from its
+//! `/metrics`, before and after), sequence gaps, and ScorePods latency under load beside the
+//! same call measured on an idle daemon first (the baseline, same run).
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use clap::Args;
+use serde::Serialize;
+use thiserror::Error;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use zeromq::{PubSocket, Socket, SocketSend, ZmqMessage};
+
+use kv_core::events::{encode_batch, BlockRemoved, BlockStored, EventBatch, KvEvent, Medium};
+use kv_core::hashing::{RequestExtras, TokenProcessor, TokenProcessorConfig, TokenProcessorError};
+use kv_core::BlockHash;
+use kv_proto::kvindexer_v1::{
+    kv_indexer_client::KvIndexerClient, score_pods_request::Input, ScorePodsRequest, TokenIds,
+};
+
+/// Why a load run failed.
+#[derive(Debug, Error)]
+pub enum LoadgenError {
+    /// Flags out of range.
+    #[error("{0}")]
+    InvalidArgs(&'static str),
+    /// The block size or seed cannot hash prompts.
+    #[error("hashing settings: {0}")]
+    Hashing(#[from] TokenProcessorError),
+    /// The async runtime could not start.
+    #[error("starting the runtime: {0}")]
+    Runtime(std::io::Error),
+    /// The daemon's ZMQ endpoint could not be reached, or a send failed.
+    #[error("ZMQ {endpoint}: {source}")]
+    Zmq {
+        /// The daemon's ZMQ endpoint.
+        endpoint: String,
+        /// Why.
+        source: zeromq::ZmqError,
+    },
+    /// The daemon's gRPC endpoint could not be reached.
+    #[error("connecting to gRPC {endpoint}: {source}")]
+    Grpc {
+        /// The address.
+        endpoint: String,
+        /// Why.
+        source: tonic::transport::Error,
+    },
+    /// A ScorePods call failed (other than NOT_FOUND before the first events).
+    #[error("ScorePods failed: {0}")]
+    Score(tonic::Status),
+    /// The metrics port could not be read.
+    #[error("reading the metrics port {addr}: {source}")]
+    Metrics {
+        /// The address.
+        addr: String,
+        /// Why.
+        source: std::io::Error,
+    },
+    /// The request dump could not be written.
+    #[error("writing {path}: {source}")]
+    Dump {
+        /// The file.
+        path: String,
+        /// Why.
+        source: std::io::Error,
+    },
+    /// A load task ended abnormally.
+    #[error("a load task failed: {0}")]
+    Task(String),
+}
+
+/// Flags of `kv-indexer loadgen` (its settings).
+#[derive(Debug, Clone, Args)]
+pub struct LoadgenArgs {
+    /// The daemon's ZMQ bind endpoint (the load generator's PUB connects to it).
+    #[arg(long, default_value = "tcp://127.0.0.1:5557")]
+    pub zmq_endpoint: String,
+    /// The daemon's gRPC address.
+    #[arg(long, default_value = "http://127.0.0.1:50051")]
+    pub grpc: String,
+    /// The daemon's metrics address (host:port).
+    #[arg(long, default_value = "127.0.0.1:9090")]
+    pub metrics: String,
+    /// Model name in topics and requests.
+    #[arg(long, default_value = "loadgen/model")]
+    pub model: String,
+    /// Simulated pods.
+    #[arg(long, default_value_t = 64)]
+    pub pods: u32,
+    /// Distinct prompts.
+    #[arg(long, default_value_t = 64)]
+    pub documents: usize,
+    /// Blocks per prompt (ScorePods depth).
+    #[arg(long, default_value_t = 500)]
+    pub prompt_blocks: usize,
+    /// Must equal the daemon's blockSize.
+    #[arg(long, default_value_t = 16)]
+    pub block_size: usize,
+    /// Must equal the daemon's hashSeed (default: unset, vLLM's "vllm-none-hash").
+    #[arg(long)]
+    pub seed: Option<String>,
+    /// Seconds of load.
+    #[arg(long, default_value_t = 10)]
+    pub duration: u64,
+    /// Concurrent ScorePods callers.
+    #[arg(long, default_value_t = 4)]
+    pub score_concurrency: usize,
+    /// Target event rate, blocks per second (stores and removals together). The PUB drops what
+    /// the daemon cannot take (as vLLM's would past its high-water mark), so the sustained rate
+    /// is the highest one without sequence gaps.
+    #[arg(long, default_value_t = 1_200_000)]
+    pub rate: u64,
+    /// Seconds of idle ScorePods calls first (the latency baseline).
+    #[arg(long, default_value_t = 2)]
+    pub baseline: u64,
+    /// Print JSON instead of text.
+    #[arg(long)]
+    pub json: bool,
+    /// Write a ScorePods request (grpcurl's JSON) for the prompt the first pod stored.
+    #[arg(long)]
+    pub dump_request: Option<std::path::PathBuf>,
+}
+
+/// A prepared prompt: tokens, block hashes, and its payloads.
+struct Document {
+    tokens: Vec<u32>,
+    store: Vec<(Bytes, u64)>,
+    remove: Vec<(Bytes, u64)>,
+}
+
+/// `BlockStored` of a run, as vLLM 0.33 sends it for a plain full-attention request.
+fn block_stored(
+    hashes: &[BlockHash],
+    parent: Option<BlockHash>,
+    tokens: &[u32],
+    block_size: usize,
+) -> KvEvent {
+    KvEvent::BlockStored(BlockStored {
+        block_hashes: hashes.to_vec(),
+        parent_block_hash: parent,
+        token_ids: tokens.to_vec(),
+        block_size: block_size as u32,
+        medium: Some(Medium::Gpu),
+        extra_keys: Some(vec![None; hashes.len()]),
+        group_idx: Some(0),
+        kv_cache_spec_kind: Some("full_attention".into()),
+        ..Default::default()
+    })
+}
+
+/// `BlockRemoved` of one hash (vLLM sends one event per evicted block).
+fn block_removed(hash: BlockHash) -> KvEvent {
+    KvEvent::BlockRemoved(BlockRemoved {
+        block_hashes: vec![hash],
+        medium: Some(Medium::Gpu),
+        group_idx: Some(0),
+        ..Default::default()
+    })
+}
+
+/// `[ts, events, 0]`, map form.
+fn batch(events: Vec<KvEvent>) -> Vec<u8> {
+    encode_batch(&EventBatch {
+        ts: 1.7e9,
+        events,
+        data_parallel_rank: Some(0),
+    })
+}
+
+/// Runs per 32-block `BlockStored`, 4 runs per message; evictions 128 per message.
+const RUN_BLOCKS: usize = 32;
+const RUNS_PER_MESSAGE: usize = 4;
+
+fn prepare(args: &LoadgenArgs) -> Result<Vec<Document>, LoadgenError> {
+    let processor = TokenProcessor::new(&TokenProcessorConfig {
+        hash_seed: args.seed.clone(),
+        block_size: args.block_size,
+        ..Default::default()
+    })?;
+    let mut x = 0x2545_F491_4F6C_DD1Du64;
+    let mut docs = Vec::with_capacity(args.documents);
+    for _ in 0..args.documents {
+        let tokens: Vec<u32> = (0..args.prompt_blocks * args.block_size)
+            .map(|_| {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                (x % 150_000) as u32
+            })
+            .collect();
+        let hashes = processor.block_hashes(&tokens, &RequestExtras::default());
+        let mut runs = Vec::new();
+        for (r, chunk) in hashes.chunks(RUN_BLOCKS).enumerate() {
+            let start = r * RUN_BLOCKS;
+            let parent = start.checked_sub(1).map(|p| hashes[p]);
+            let toks = &tokens[start * args.block_size..(start + chunk.len()) * args.block_size];
+            runs.push((
+                block_stored(chunk, parent, toks, args.block_size),
+                chunk.len() as u64,
+            ));
+        }
+        let store = runs
+            .chunks(RUNS_PER_MESSAGE)
+            .map(|group| {
+                let events: Vec<KvEvent> = group.iter().map(|(e, _)| e.clone()).collect();
+                let blocks = group.iter().map(|(_, n)| n).sum();
+                (Bytes::from(batch(events)), blocks)
+            })
+            .collect();
+        // vLLM evicts the leaf end first: remove in reverse.
+        let removals: Vec<KvEvent> = hashes.iter().rev().map(|&h| block_removed(h)).collect();
+        let remove = removals
+            .chunks(RUN_BLOCKS * RUNS_PER_MESSAGE)
+            .map(|group| (Bytes::from(batch(group.to_vec())), group.len() as u64))
+            .collect();
+        docs.push(Document {
+            tokens,
+            store,
+            remove,
+        });
+    }
+    Ok(docs)
+}
+
+async fn http_get(addr: &str, path: &str) -> Result<String, LoadgenError> {
+    let failed = |source| LoadgenError::Metrics {
+        addr: addr.to_owned(),
+        source,
+    };
+    let mut s = tokio::net::TcpStream::connect(addr).await.map_err(failed)?;
+    s.write_all(
+        format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n").as_bytes(),
+    )
+    .await
+    .map_err(failed)?;
+    let mut body = String::new();
+    s.read_to_string(&mut body).await.map_err(failed)?;
+    Ok(body)
+}
+
+/// Sum of every sample of `name` (all label sets).
+fn metric_sum(page: &str, name: &str) -> f64 {
+    page.lines()
+        .filter(|l| {
+            l.strip_prefix(name)
+                .is_some_and(|rest| rest.starts_with('{') || rest.starts_with(' '))
+        })
+        .filter_map(|l| l.rsplit(' ').next().and_then(|v| v.parse::<f64>().ok()))
+        .sum()
+}
+
+#[derive(Default)]
+struct Counters {
+    messages: AtomicU64,
+    blocks: AtomicU64,
+}
+
+fn percentile(sorted: &[u64], p: f64) -> f64 {
+    if sorted.is_empty() {
+        return 0.0;
+    }
+    let rank = ((p / 100.0) * sorted.len() as f64).ceil() as usize;
+    sorted[rank.clamp(1, sorted.len()) - 1] as f64 / 1e3
+}
+
+async fn score_loop(
+    mut client: KvIndexerClient<tonic::transport::Channel>,
+    docs: Arc<Vec<Document>>,
+    model: String,
+    pods: Vec<String>,
+    stop: Arc<AtomicBool>,
+    offset: usize,
+) -> Result<(Vec<u64>, u64), LoadgenError> {
+    let mut latencies = Vec::new();
+    let mut matched = 0u64;
+    let mut i = offset;
+    while !stop.load(Ordering::Relaxed) {
+        let doc = &docs[i % docs.len()];
+        i += 1;
+        let req = ScorePodsRequest {
+            model: model.clone(),
+            input: Some(Input::Tokens(TokenIds {
+                ids: doc.tokens.clone(),
+            })),
+            pods: pods.clone(),
+            ..Default::default()
+        };
+        let t = Instant::now();
+        let resp = client.score_pods(req).await;
+        latencies.push(t.elapsed().as_nanos() as u64);
+        match resp {
+            Ok(r) => {
+                matched += r
+                    .into_inner()
+                    .scores
+                    .first()
+                    .map_or(0, |s| s.matched_blocks as u64)
+            }
+            Err(s) if s.code() == tonic::Code::NotFound => {}
+            Err(s) => return Err(LoadgenError::Score(s)),
+        }
+    }
+    Ok((latencies, matched))
+}
+
+async fn score_phase(
+    args: &LoadgenArgs,
+    docs: &Arc<Vec<Document>>,
+    pods: &[String],
+    seconds: u64,
+) -> Result<(Vec<u64>, u64), LoadgenError> {
+    let stop = Arc::new(AtomicBool::new(false));
+    let mut tasks = Vec::new();
+    for c in 0..args.score_concurrency {
+        let grpc_error = |source| LoadgenError::Grpc {
+            endpoint: args.grpc.clone(),
+            source,
+        };
+        let channel = tonic::transport::Endpoint::from_shared(args.grpc.clone())
+            .map_err(grpc_error)?
+            .tcp_nodelay(true)
+            .initial_stream_window_size(Some(1 << 20))
+            .initial_connection_window_size(Some(4 << 20))
+            .connect()
+            .await
+            .map_err(grpc_error)?;
+        let client = KvIndexerClient::new(channel);
+        tasks.push(tokio::spawn(score_loop(
+            client,
+            docs.clone(),
+            args.model.clone(),
+            pods.to_vec(),
+            stop.clone(),
+            c * 7,
+        )));
+    }
+    tokio::time::sleep(Duration::from_secs(seconds)).await;
+    stop.store(true, Ordering::Relaxed);
+    let mut all = Vec::new();
+    let mut matched = 0;
+    for t in tasks {
+        let (l, m) = t.await.map_err(|e| LoadgenError::Task(e.to_string()))??;
+        all.extend(l);
+        matched += m;
+    }
+    all.sort_unstable();
+    Ok((all, matched))
+}
+
+/// ScorePods latency over one phase.
+#[derive(Debug, Clone, Serialize)]
+pub struct ScorePhase {
+    /// Calls made.
+    pub calls: usize,
+    /// Calls per second.
+    pub calls_per_s: f64,
+    /// Median latency, microseconds.
+    pub p50_us: f64,
+    /// 99th percentile, microseconds.
+    pub p99_us: f64,
+    /// Slowest call, microseconds.
+    pub max_us: f64,
+    /// Mean matched blocks of the best pod (0 means the prompts were not found).
+    pub avg_matched_blocks: f64,
+}
+
+impl ScorePhase {
+    fn of(sorted_ns: &[u64], matched: u64, seconds: f64) -> Self {
+        Self {
+            calls: sorted_ns.len(),
+            calls_per_s: sorted_ns.len() as f64 / seconds.max(1e-9),
+            p50_us: percentile(sorted_ns, 50.0),
+            p99_us: percentile(sorted_ns, 99.0),
+            max_us: percentile(sorted_ns, 100.0),
+            avg_matched_blocks: matched as f64 / sorted_ns.len().max(1) as f64,
+        }
+    }
+}
+
+/// What a load run measured: sent and applied rates (from the daemon's own counters, before
+/// and after) and ScorePods latency idle (the baseline, same run) and under load.
+#[derive(Debug, Clone, Serialize)]
+pub struct LoadgenReport {
+    /// Seconds of load (0 for a warm-up-only run).
+    pub duration_s: f64,
+    /// Simulated pods.
+    pub pods: u32,
+    /// Blocks per prompt.
+    pub prompt_blocks: usize,
+    /// ZMQ messages sent per second.
+    pub sent_messages_per_s: f64,
+    /// Blocks sent per second (stores and removals).
+    pub sent_blocks_per_s: f64,
+    /// Blocks the daemon applied per second.
+    pub applied_blocks_per_s: f64,
+    /// Events the daemon applied per second.
+    pub applied_events_per_s: f64,
+    /// Sequence gaps the daemon counted.
+    pub sequence_gaps: f64,
+    /// Messages the daemon counted as lost.
+    pub messages_lost: f64,
+    /// ScorePods on the idle daemon.
+    pub score_idle: ScorePhase,
+    /// ScorePods under event load (`None` for a warm-up-only run).
+    pub score_under_load: Option<ScorePhase>,
+}
+
+impl LoadgenReport {
+    /// The report as an operator reads it.
+    pub fn to_text(&self) -> String {
+        let idle = &self.score_idle;
+        let Some(loaded) = &self.score_under_load else {
+            return format!(
+                "warm-up only: {} pods stored one prompt each; ScorePods idle {} calls, p50 {:.1} us, p99 {:.1} us",
+                self.pods, idle.calls, idle.p50_us, idle.p99_us
+            );
+        };
+        format!(
+            "load: {} pods, prompts of {} blocks, {:.1}s\n\
+             sent:    {:>10.0} msgs/s  {:>12.0} blocks/s\n\
+             applied: {:>10.0} events/s {:>12.0} blocks/s  (gaps {}, lost messages {})\n\
+             ScorePods idle:       {:>7} calls  p50 {:>8.1} us  p99 {:>8.1} us\n\
+             ScorePods under load: {:>7} calls  p50 {:>8.1} us  p99 {:>8.1} us  (p99 ratio to idle {:.2})",
+            self.pods,
+            self.prompt_blocks,
+            self.duration_s,
+            self.sent_messages_per_s,
+            self.sent_blocks_per_s,
+            self.applied_events_per_s,
+            self.applied_blocks_per_s,
+            self.sequence_gaps,
+            self.messages_lost,
+            idle.calls,
+            idle.p50_us,
+            idle.p99_us,
+            loaded.calls,
+            loaded.p50_us,
+            loaded.p99_us,
+            loaded.p99_us / idle.p99_us.max(1e-9)
+        )
+    }
+}
+
+/// Runs the load on its own runtime and returns what it measured (progress goes to stderr).
+pub fn run(args: LoadgenArgs) -> Result<LoadgenReport, LoadgenError> {
+    if args.pods == 0 || args.documents < 3 || args.prompt_blocks == 0 {
+        return Err(LoadgenError::InvalidArgs(
+            "--pods must be >= 1, --documents >= 3, --prompt-blocks >= 1",
+        ));
+    }
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .map_err(LoadgenError::Runtime)?;
+    runtime.block_on(run_async(args))
+}
+
+async fn run_async(args: LoadgenArgs) -> Result<LoadgenReport, LoadgenError> {
+    let t = Instant::now();
+    let docs = Arc::new(prepare(&args)?);
+    eprintln!(
+        "prepared {} prompts of {} blocks in {:.1}s",
+        docs.len(),
+        args.prompt_blocks,
+        t.elapsed().as_secs_f64()
+    );
+    let pods: Vec<String> = (0..args.pods)
+        .map(|p| format!("10.200.{}.{}:8000", p / 250, p % 250))
+        .collect();
+    let topics: Vec<Bytes> = pods
+        .iter()
+        .map(|p| Bytes::from(format!("kv@{p}@{}", args.model)))
+        .collect();
+    let mut publisher = Publisher {
+        socket: PubSocket::new(),
+        endpoint: args.zmq_endpoint.clone(),
+    };
+    publisher
+        .socket
+        .connect(&args.zmq_endpoint)
+        .await
+        .map_err(|source| publisher.error(source))?;
+    // Let the subscription reach the PUB (ZeroMQ's slow joiner).
+    tokio::time::sleep(Duration::from_millis(500)).await;
+
+    // Warm-up: every pod stores its first document; then the idle baseline.
+    let mut seqs = vec![0u64; pods.len()];
+    for (p, topic) in topics.iter().enumerate() {
+        for (payload, _) in &docs[p % docs.len()].store {
+            publisher.send(topic, &mut seqs[p], payload).await?;
+        }
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    if let Some(path) = &args.dump_request {
+        let request = serde_json::json!({
+            "model": args.model,
+            "tokens": {"ids": docs[0].tokens},
+            "pods": pods,
+        });
+        std::fs::write(path, request.to_string()).map_err(|source| LoadgenError::Dump {
+            path: path.display().to_string(),
+            source,
+        })?;
+        eprintln!(
+            "wrote a ScorePods request for the prompt {} stored to {}",
+            pods[0],
+            path.display()
+        );
+    }
+    let baseline_started = Instant::now();
+    let (idle, idle_matched) = score_phase(&args, &docs, &pods, args.baseline).await?;
+    let score_idle = ScorePhase::of(
+        &idle,
+        idle_matched,
+        baseline_started.elapsed().as_secs_f64(),
+    );
+    let mut report = LoadgenReport {
+        duration_s: 0.0,
+        pods: args.pods,
+        prompt_blocks: args.prompt_blocks,
+        sent_messages_per_s: 0.0,
+        sent_blocks_per_s: 0.0,
+        applied_blocks_per_s: 0.0,
+        applied_events_per_s: 0.0,
+        sequence_gaps: 0.0,
+        messages_lost: 0.0,
+        score_idle,
+        score_under_load: None,
+    };
+    if args.duration == 0 {
+        // Warm-up only: every pod holds its first prompt (what --dump-request describes).
+        return Ok(report);
+    }
+    let before = http_get(&args.metrics, "/metrics").await?;
+    let counters = Arc::new(Counters::default());
+    let stop = Arc::new(AtomicBool::new(false));
+    let publish = {
+        let docs = docs.clone();
+        let counters = counters.clone();
+        let stop = stop.clone();
+        let topics = topics.clone();
+        let rate = args.rate.max(1) as f64;
+        tokio::spawn(async move {
+            let n = docs.len();
+            let mut round = 1usize;
+            let start = Instant::now();
+            let mut sent = 0u64;
+            'rounds: while !stop.load(Ordering::Relaxed) {
+                for (p, topic) in topics.iter().enumerate() {
+                    let doc = &docs[(p + round) % n];
+                    let old = &docs[(p + round + n - 2) % n];
+                    for (payload, blocks) in doc.store.iter().chain(&old.remove) {
+                        // Pace to the target rate; yield so the PUB's writer task runs.
+                        let due = Duration::from_secs_f64(sent as f64 / rate);
+                        if let Some(wait) = due.checked_sub(start.elapsed()) {
+                            tokio::time::sleep(wait).await;
+                        } else {
+                            tokio::task::yield_now().await;
+                        }
+                        if stop.load(Ordering::Relaxed) {
+                            break 'rounds;
+                        }
+                        publisher.send(topic, &mut seqs[p], payload).await?;
+                        sent += blocks;
+                        counters.messages.fetch_add(1, Ordering::Relaxed);
+                        counters.blocks.fetch_add(*blocks, Ordering::Relaxed);
+                    }
+                }
+                round += 1;
+            }
+            Ok::<_, LoadgenError>(())
+        })
+    };
+    let started = Instant::now();
+    let (loaded, loaded_matched) = score_phase(&args, &docs, &pods, args.duration).await?;
+    stop.store(true, Ordering::Relaxed);
+    let elapsed = started.elapsed().as_secs_f64();
+    let after = http_get(&args.metrics, "/metrics").await?;
+    publish
+        .await
+        .map_err(|e| LoadgenError::Task(e.to_string()))??;
+
+    let delta = |name: &str| metric_sum(&after, name) - metric_sum(&before, name);
+    report.duration_s = elapsed;
+    report.sent_messages_per_s = counters.messages.load(Ordering::Relaxed) as f64 / elapsed;
+    report.sent_blocks_per_s = counters.blocks.load(Ordering::Relaxed) as f64 / elapsed;
+    report.applied_blocks_per_s = delta("kvindexer_blocks_applied_total") / elapsed;
+    report.applied_events_per_s = delta("kvindexer_events_received_total") / elapsed;
+    report.sequence_gaps = delta("kvindexer_sequence_gaps_total");
+    report.messages_lost = delta("kvindexer_messages_lost_total");
+    report.score_under_load = Some(ScorePhase::of(&loaded, loaded_matched, elapsed));
+    Ok(report)
+}
+
+/// The PUB socket the simulated pods publish through.
+struct Publisher {
+    socket: PubSocket,
+    endpoint: String,
+}
+
+impl Publisher {
+    fn error(&self, source: zeromq::ZmqError) -> LoadgenError {
+        LoadgenError::Zmq {
+            endpoint: self.endpoint.clone(),
+            source,
+        }
+    }
+
+    /// Sends `[topic, seq, payload]` and advances the publisher's sequence.
+    async fn send(
+        &mut self,
+        topic: &Bytes,
+        seq: &mut u64,
+        payload: &Bytes,
+    ) -> Result<(), LoadgenError> {
+        let frames = vec![
+            topic.clone(),
+            Bytes::copy_from_slice(&seq.to_be_bytes()),
+            payload.clone(),
+        ];
+        // Three frames are never empty, the only case `try_from` refuses.
+        let Ok(msg) = ZmqMessage::try_from(frames) else {
+            return Err(LoadgenError::Task("empty ZMQ message".into()));
+        };
+        *seq += 1;
+        self.socket
+            .send(msg)
+            .await
+            .map_err(|source| self.error(source))
+    }
+}

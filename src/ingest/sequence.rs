@@ -1,0 +1,110 @@
+//! The per-publisher sequence state machine, pure: given the last sequence applied from a
+//! publisher and the sequence of the message that just arrived, what happened and what to fetch.
+//!
+//! vLLM numbers each engine's batches 0, 1, 2, ... (`seq` frame, big-endian u64). Outcomes:
+//! - **first** message from a publisher: apply it; if it is not 0, the daemon joined late (it
+//!   started after the engine, or ZeroMQ's slow joiner dropped the first messages), so fetch
+//!   `0..seq` first, without counting those as lost (they may never have been meant for us);
+//! - **next** (`last + 1`): apply;
+//! - **duplicate** (`== last`): drop;
+//! - **restart** (`< last`): the engine restarted and its cache is gone: clear its blocks, then
+//!   fetch `0..seq` if it is not 0, and apply;
+//! - **gap** (`> last + 1`): fetch `last + 1 .. seq`; what cannot be fetched is lost and counted.
+
+use std::ops::Range;
+
+/// What a message's sequence number means for its publisher's stream.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum SeqOutcome {
+    /// The publisher's first message; `missed` is what came before it (`0..seq`), if anything.
+    First {
+        /// Sequences to fetch first (not counted as lost when unavailable).
+        missed: Option<Range<u64>>,
+    },
+    /// The expected next message.
+    Next,
+    /// The same sequence again: drop it.
+    Duplicate,
+    /// The sequence went backwards: a restarted engine.
+    Restart {
+        /// Sequences of the new incarnation to fetch first (not counted as lost).
+        missed: Option<Range<u64>>,
+    },
+    /// Messages were skipped.
+    Gap {
+        /// The skipped sequences (counted as lost when they cannot be fetched).
+        missing: Range<u64>,
+    },
+}
+
+impl SeqOutcome {
+    /// Classifies `seq` after `last` (the last sequence applied, `None` for a new publisher).
+    pub fn classify(last: Option<u64>, seq: u64) -> Self {
+        let from_zero = (seq > 0).then_some(0..seq);
+        match last {
+            None => SeqOutcome::First { missed: from_zero },
+            Some(last) if seq == last.wrapping_add(1) => SeqOutcome::Next,
+            Some(last) if seq == last => SeqOutcome::Duplicate,
+            Some(last) if seq < last => SeqOutcome::Restart { missed: from_zero },
+            Some(last) => SeqOutcome::Gap {
+                missing: last + 1..seq,
+            },
+        }
+    }
+
+    /// Whether the message itself is applied (everything but a duplicate).
+    pub fn applies(&self) -> bool {
+        !matches!(self, SeqOutcome::Duplicate)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::SeqOutcome::{self, *};
+
+    #[test]
+    fn first_message_at_zero_needs_nothing() {
+        assert_eq!(SeqOutcome::classify(None, 0), First { missed: None });
+    }
+
+    #[test]
+    fn first_message_late_fetches_from_zero() {
+        assert_eq!(SeqOutcome::classify(None, 7), First { missed: Some(0..7) });
+    }
+
+    #[test]
+    fn next_in_order() {
+        assert_eq!(SeqOutcome::classify(Some(4), 5), Next);
+        assert!(Next.applies());
+    }
+
+    #[test]
+    fn next_across_the_u64_wrap() {
+        assert_eq!(SeqOutcome::classify(Some(u64::MAX), 0), Next);
+    }
+
+    #[test]
+    fn duplicate_is_dropped() {
+        assert_eq!(SeqOutcome::classify(Some(9), 9), Duplicate);
+        assert!(!Duplicate.applies());
+    }
+
+    #[test]
+    fn backwards_to_zero_is_a_restart_with_nothing_missed() {
+        assert_eq!(SeqOutcome::classify(Some(100), 0), Restart { missed: None });
+    }
+
+    #[test]
+    fn backwards_past_zero_is_a_restart_that_fetches_its_start() {
+        assert_eq!(
+            SeqOutcome::classify(Some(100), 3),
+            Restart { missed: Some(0..3) }
+        );
+    }
+
+    #[test]
+    fn a_jump_is_a_gap_of_exactly_the_skipped_sequences() {
+        assert_eq!(SeqOutcome::classify(Some(4), 9), Gap { missing: 5..9 });
+        assert_eq!(SeqOutcome::classify(Some(4), 6), Gap { missing: 5..6 });
+    }
+}

@@ -1,0 +1,162 @@
+//! The ZMQ side: bind-mode and connect-mode SUB sockets, and the dispatch of each well-formed
+//! message to its pod's worker queue.
+
+use std::collections::hash_map::DefaultHasher;
+use std::hash::{Hash, Hasher};
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::sync::watch;
+use zeromq::{Socket, SocketRecv, SubSocket, ZmqMessage};
+
+use super::{topic, Dispatch, GapFillRoute, Job, Shared};
+use crate::config::ConnectEndpoint;
+
+/// How a receiver names the messages it gets.
+#[derive(Clone)]
+pub(super) struct Source {
+    /// Pod from configuration (connect mode); empty = from the topic.
+    pub(super) pod: Arc<str>,
+    /// Model from configuration (connect mode); empty = from the topic.
+    pub(super) model: Arc<str>,
+    /// Where the publisher's gap-fill socket is.
+    pub(super) gap_fill: GapFillRoute,
+    /// The socket's endpoint, for logs.
+    pub(super) label: Arc<str>,
+}
+
+/// Connect mode: dials the pod until it answers (with backoff), then receives.
+pub(super) async fn connect_and_receive(
+    ep: ConnectEndpoint,
+    filter: String,
+    dispatch: Arc<Dispatch>,
+    mut shutdown: watch::Receiver<bool>,
+) {
+    let mut backoff = Duration::from_millis(200);
+    let socket = loop {
+        let mut options = zeromq::SocketOptions::default();
+        options.connect_timeout(Duration::from_secs(5));
+        let mut socket = SubSocket::with_options(options);
+        let attempt = async {
+            socket.connect(&ep.endpoint).await?;
+            socket.subscribe(&filter).await?;
+            Ok::<_, zeromq::ZmqError>(())
+        };
+        tokio::select! {
+            _ = shutdown.changed() => return,
+            result = attempt => match result {
+                Ok(()) => break socket,
+                Err(e) => {
+                    tracing::warn!(endpoint = %ep.endpoint, error = %e, retry_in = ?backoff, "connect mode: cannot reach the pod's publisher yet");
+                    tokio::select! {
+                        _ = shutdown.changed() => return,
+                        _ = tokio::time::sleep(backoff) => {}
+                    }
+                    backoff = (backoff * 2).min(Duration::from_secs(10));
+                }
+            }
+        }
+    };
+    tracing::info!(endpoint = %ep.endpoint, pod = %ep.pod, "connect mode: subscribed");
+    let gap_fill = if ep.replay_endpoint.is_empty() {
+        GapFillRoute::None
+    } else {
+        GapFillRoute::Fixed(ep.replay_endpoint.as_str().into())
+    };
+    let source = Source {
+        pod: ep.pod.as_str().into(),
+        model: ep.model.as_str().into(),
+        gap_fill,
+        label: ep.endpoint.as_str().into(),
+    };
+    receive(socket, source, dispatch, shutdown).await;
+}
+
+/// Receives until shutdown, routing every well-formed message to its pod's worker.
+pub(super) async fn receive(
+    mut socket: SubSocket,
+    source: Source,
+    dispatch: Arc<Dispatch>,
+    mut shutdown: watch::Receiver<bool>,
+) {
+    loop {
+        tokio::select! {
+            _ = shutdown.changed() => break,
+            message = socket.recv() => match message {
+                Ok(message) => dispatch_message(message, &source, &dispatch).await,
+                Err(e) => {
+                    frame_error(&dispatch.shared, "recv_error", &format!("receive on {}: {e}", source.label));
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+            }
+        }
+    }
+    tracing::info!(source = %source.label, "receiver stopped");
+}
+
+fn frame_error(shared: &Shared, reason: &'static str, detail: &str) {
+    shared.metrics.ingest.frame_error(reason);
+    if let Some(suppressed) = shared.frame_log.allow() {
+        tracing::warn!(reason, suppressed, "dropped a ZMQ message: {detail}");
+    }
+}
+
+/// Checks a message's frames, names its publisher and queues it on its pod's worker.
+async fn dispatch_message(message: ZmqMessage, source: &Source, dispatch: &Dispatch) {
+    let shared = &dispatch.shared;
+    let frames = message.into_vec();
+    let [topic, seq, payload] = frames.as_slice() else {
+        frame_error(
+            shared,
+            "bad_frame_count",
+            &format!("{} frames (expected [topic, seq, payload])", frames.len()),
+        );
+        return;
+    };
+    let Ok(seq) = <[u8; 8]>::try_from(&seq[..]) else {
+        frame_error(
+            shared,
+            "short_seq",
+            &format!("a {}-byte sequence frame (expected 8)", seq.len()),
+        );
+        return;
+    };
+    let seq = u64::from_be_bytes(seq);
+    let (pod, model): (Arc<str>, Arc<str>) = if !source.pod.is_empty() && !source.model.is_empty() {
+        (source.pod.clone(), source.model.clone())
+    } else {
+        match topic::parse_topic(topic, &shared.filter) {
+            Ok((pod, model)) => (
+                if source.pod.is_empty() {
+                    pod.into()
+                } else {
+                    source.pod.clone()
+                },
+                if source.model.is_empty() {
+                    model.into()
+                } else {
+                    source.model.clone()
+                },
+            ),
+            Err(e) => {
+                frame_error(shared, "bad_topic", &e.to_string());
+                return;
+            }
+        }
+    };
+    shared.metrics.ingest.received(&pod);
+    let mut h = DefaultHasher::new();
+    pod.hash(&mut h);
+    let worker = (h.finish() as usize) % dispatch.workers.len();
+    shared.metrics.ingest.queued();
+    let job = Job {
+        pod,
+        model,
+        seq,
+        payload: payload.clone(),
+        gap_fill: source.gap_fill.clone(),
+    };
+    if dispatch.workers[worker].send(job).await.is_err() {
+        shared.metrics.ingest.dequeued();
+    }
+}

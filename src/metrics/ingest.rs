@@ -1,0 +1,207 @@
+//! Ingest metrics: ZMQ intake, sequencing, gap fill and what applying batches did.
+
+use std::sync::Arc;
+
+use kv_core::indexer::ApplyReport;
+use prometheus::{IntCounterVec, IntGauge, Registry};
+
+use super::registry::{counter_vec, gauge, Labels};
+
+/// Event intake and application.
+pub struct IngestMetrics {
+    labels: Arc<Labels>,
+    messages_received: IntCounterVec,
+    events_received: IntCounterVec,
+    decode_errors: IntCounterVec,
+    frame_errors: IntCounterVec,
+    sequence_gaps: IntCounterVec,
+    messages_lost: IntCounterVec,
+    gap_fills: IntCounterVec,
+    pod_restarts: IntCounterVec,
+    hash_checks: IntCounterVec,
+    blocks_applied: IntCounterVec,
+    events_skipped: IntCounterVec,
+    queue_depth: IntGauge,
+}
+
+impl IngestMetrics {
+    pub(super) fn new(r: &Registry, labels: Arc<Labels>) -> Self {
+        Self {
+            labels,
+            messages_received: counter_vec(
+                r,
+                "kvindexer_zmq_messages_received_total",
+                "ZMQ messages received",
+                &["pod"],
+            ),
+            events_received: counter_vec(
+                r,
+                "kvindexer_events_received_total",
+                "KV events received",
+                &["pod", "type"],
+            ),
+            decode_errors: counter_vec(
+                r,
+                "kvindexer_decode_errors_total",
+                "Event payloads that failed to decode",
+                &["reason"],
+            ),
+            frame_errors: counter_vec(
+                r,
+                "kvindexer_frame_errors_total",
+                "ZMQ messages dropped before decoding",
+                &["reason"],
+            ),
+            sequence_gaps: counter_vec(
+                r,
+                "kvindexer_sequence_gaps_total",
+                "Gaps in a publisher's sequence numbers",
+                &["pod"],
+            ),
+            messages_lost: counter_vec(
+                r,
+                "kvindexer_messages_lost_total",
+                "Messages missing after replay (or without replay)",
+                &["pod"],
+            ),
+            // vLLM calls its gap-fill socket the replay endpoint; the metric keeps that name.
+            gap_fills: counter_vec(
+                r,
+                "kvindexer_replays_total",
+                "Replay requests to vLLM's ROUTER",
+                &["result"],
+            ),
+            pod_restarts: counter_vec(
+                r,
+                "kvindexer_pod_restarts_total",
+                "Publisher restarts detected (sequence went backwards)",
+                &["pod"],
+            ),
+            hash_checks: counter_vec(
+                r,
+                "kvindexer_hash_checks_total",
+                "Root-block hashes recomputed from event tokens",
+                &["pod", "model", "result"],
+            ),
+            blocks_applied: counter_vec(
+                r,
+                "kvindexer_blocks_applied_total",
+                "Blocks applied to the index",
+                &["op"],
+            ),
+            events_skipped: counter_vec(
+                r,
+                "kvindexer_events_skipped_total",
+                "Events not applied",
+                &["reason"],
+            ),
+            queue_depth: gauge(
+                r,
+                "kvindexer_event_queue_depth",
+                "Event messages waiting in worker queues",
+            ),
+        }
+    }
+
+    /// A well-formed message arrived from `pod`.
+    pub fn received(&self, pod: &str) {
+        self.messages_received
+            .with_label_values(&[&self.labels.pod(pod)])
+            .inc();
+    }
+
+    /// A message was dropped before decoding (`reason` is a fixed label).
+    pub fn frame_error(&self, reason: &'static str) {
+        self.frame_errors.with_label_values(&[reason]).inc();
+    }
+
+    /// A payload did not decode (`reason` is the decoder's bounded label).
+    pub fn decode_error(&self, reason: &'static str) {
+        self.decode_errors.with_label_values(&[reason]).inc();
+    }
+
+    /// Events or messages not applied, by a fixed reason.
+    pub fn skipped(&self, reason: &'static str, n: u64) {
+        if n > 0 {
+            self.events_skipped.with_label_values(&[reason]).inc_by(n);
+        }
+    }
+
+    /// A publisher's sequence went backwards.
+    pub fn restart(&self, pod: &str) {
+        self.pod_restarts
+            .with_label_values(&[&self.labels.pod(pod)])
+            .inc();
+    }
+
+    /// A publisher's sequence jumped.
+    pub fn gap(&self, pod: &str) {
+        self.sequence_gaps
+            .with_label_values(&[&self.labels.pod(pod)])
+            .inc();
+    }
+
+    /// `n` messages of `pod` are lost for good.
+    pub fn lost(&self, pod: &str, n: u64) {
+        if n > 0 {
+            self.messages_lost
+                .with_label_values(&[&self.labels.pod(pod)])
+                .inc_by(n);
+        }
+    }
+
+    /// A gap-fill request ended with `result` (`ok`, `unavailable`, `timeout`, ...).
+    pub fn gap_fill(&self, result: &'static str) {
+        self.gap_fills.with_label_values(&[result]).inc();
+    }
+
+    /// A message entered a worker queue.
+    pub fn queued(&self) {
+        self.queue_depth.inc();
+    }
+
+    /// A message left a worker queue (taken, or never delivered).
+    pub fn dequeued(&self) {
+        self.queue_depth.dec();
+    }
+
+    /// What applying one batch of `pod` for `model` did.
+    pub fn applied(&self, pod: &str, model: &str, report: &ApplyReport) {
+        let pod_label = self.labels.pod(pod);
+        for (ty, n) in [
+            ("BlockStored", report.stored_events),
+            ("BlockRemoved", report.removed_events),
+            ("AllBlocksCleared", report.cleared_events),
+            ("unknown", report.unknown_events),
+        ] {
+            if n > 0 {
+                self.events_received
+                    .with_label_values(&[&pod_label, ty])
+                    .inc_by(u64::from(n));
+            }
+        }
+        self.skipped(
+            "non_prefix_cacheable_group",
+            u64::from(report.skipped_group_events),
+        );
+        self.skipped("unknown_type", u64::from(report.unknown_events));
+        self.skipped("too_many_engines", u64::from(report.engine_rejected));
+        self.blocks_applied
+            .with_label_values(&["stored"])
+            .inc_by(report.blocks_stored);
+        self.blocks_applied
+            .with_label_values(&["removed"])
+            .inc_by(report.blocks_removed);
+        if report.hash_matches + report.hash_mismatches > 0 {
+            let model_label = self.labels.model(model);
+            for (result, n) in [
+                ("match", report.hash_matches),
+                ("mismatch", report.hash_mismatches),
+            ] {
+                self.hash_checks
+                    .with_label_values(&[&pod_label, &model_label, result])
+                    .inc_by(u64::from(n));
+            }
+        }
+    }
+}

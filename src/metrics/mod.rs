@@ -1,0 +1,69 @@
+//! Prometheus metrics: the names llm-d users already chart (`kvcache_index_*`,
+//! `kvcache_tokenization_*`) and kv-indexer's own (`kvindexer_*`), grouped by the part of the
+//! daemon that records them. They are attached from the outside: ingest and the servers call
+//! the small recording methods here, the tokenizer reports through `kv_tokenize`'s
+//! [`TokenizeObserver`](kv_tokenize::TokenizeObserver), and the index's gauges are read from
+//! its statistics at scrape time. kv-core and kv-tokenize never see a Prometheus type.
+//!
+//! Invariant: every label set is bounded. Reasons and event types are fixed enums; the `pod`
+//! label takes at most [`MAX_POD_LABELS`] distinct values (later pods are reported as
+//! `"_other"`), so a fleet whose pods restart under new addresses cannot grow the series count
+//! without bound; model labels are bounded the same way.
+
+mod index;
+mod ingest;
+mod registry;
+mod scoring;
+mod tokenizer;
+
+use std::sync::Arc;
+
+use kv_core::indexer::Indexer;
+use prometheus::{Encoder, Registry, TextEncoder};
+
+pub use index::IndexMetrics;
+pub use ingest::IngestMetrics;
+pub use registry::{Labels, MAX_MODEL_LABELS, MAX_POD_LABELS};
+pub use scoring::ScoringMetrics;
+pub use tokenizer::TokenizerMetrics;
+
+/// Every metric the daemon exports, by area.
+pub struct Metrics {
+    registry: Registry,
+    /// Bounded pod and model label values, shared by every area.
+    pub labels: Arc<Labels>,
+    /// ZMQ intake, sequencing, gap fill and batch application.
+    pub ingest: IngestMetrics,
+    /// The index's size gauges and admission counters.
+    pub index: IndexMetrics,
+    /// Score requests.
+    pub scoring: ScoringMetrics,
+    /// Tokenization (the tokenizer service's observer).
+    pub tokenizer: Arc<TokenizerMetrics>,
+}
+
+impl Metrics {
+    /// Registers every metric in a fresh registry.
+    pub fn new() -> Arc<Self> {
+        let registry = Registry::new();
+        let labels = Arc::new(Labels::default());
+        Arc::new(Self {
+            ingest: IngestMetrics::new(&registry, labels.clone()),
+            index: IndexMetrics::new(&registry, labels.clone()),
+            scoring: ScoringMetrics::new(&registry),
+            tokenizer: Arc::new(TokenizerMetrics::new(&registry)),
+            labels,
+            registry,
+        })
+    }
+
+    /// Refreshes the index gauges from the indexer, then renders the text exposition.
+    pub fn render(&self, indexer: &Indexer) -> String {
+        self.index.refresh(indexer);
+        let mut out = Vec::new();
+        if let Err(e) = TextEncoder::new().encode(&self.registry.gather(), &mut out) {
+            return format!("# metrics encoding failed: {e}\n");
+        }
+        String::from_utf8(out).unwrap_or_default()
+    }
+}
