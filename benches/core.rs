@@ -15,11 +15,11 @@
 use std::hint::black_box;
 use std::time::Instant;
 
-use kv_core::events::{
+use kv_core::BlockHash;
+use kv_core::{
     decode_batch, encode_batch_as, BlockRemoved, BlockStored, EventBatch, KvEvent, Medium, WireForm,
 };
-use kv_core::hashing::{HashScratch, RequestExtras, TokenProcessor, TokenProcessorConfig};
-use kv_core::BlockHash;
+use kv_core::{HashScratch, RequestExtras, TokenProcessor, TokenProcessorConfig};
 use kv_lab::alloc::{live_heap_bytes, CountingAllocator};
 use kv_lab::index_bench::{
     drive, FlatMapBackend, IndexBackend, IndexWorkload, KvIndexerBackend, WorkloadShape,

@@ -12,9 +12,9 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kv_core::events::{BlockStored, EventBatch, KvEvent};
-use kv_core::indexer::{Indexer, IndexerSettings, ModelSettings};
-use kv_tokenize::model::{LoadedTokenizer, SourceSettings};
+use kv_core::{BlockStored, EventBatch, KvEvent};
+use kv_core::{Indexer, IndexerSettings, ModelSettings};
+use kv_tokenize::{LoadedTokenizer, SourceSettings};
 use kv_tokenize::{TokenizerService, TokenizerSettings};
 
 const MODEL: &str = "Qwen/Qwen3-8B";

@@ -25,7 +25,7 @@ use crate::server::grpc::{
     FILE_DESCRIPTOR_SET,
 };
 use crate::server::http;
-use kv_core::indexer::{Indexer, SettingsError};
+use kv_core::{Indexer, SettingsError};
 
 /// Why the daemon could not start.
 #[derive(Debug, Error)]

@@ -17,6 +17,6 @@
 
 pub mod config;
 pub mod daemon;
-pub mod ingest;
-pub mod metrics;
-pub mod server;
+mod ingest;
+mod metrics;
+mod server;

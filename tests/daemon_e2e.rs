@@ -11,7 +11,6 @@ mod support;
 use std::time::Duration;
 
 use bytes::Bytes;
-use kv_core::events::msgpack::Reader;
 use kv_indexer::config::{Config, ConnectEndpoint};
 use kv_indexer::daemon::{self, RunningDaemon};
 use kv_proto::kvindexer_v1::{
@@ -31,22 +30,24 @@ struct Captured {
     tokens: Vec<u32>,
 }
 
-/// Splits `[ts, [events...], rank]` into raw byte ranges with the project's own reader.
+/// Splits `[ts, [events...], rank]` into raw byte ranges (rmp reads the headers, rmpv skips
+/// whole values).
 fn cut(payload: &[u8]) -> (Vec<u8>, Vec<Vec<u8>>, Vec<u8>) {
-    let mut r = Reader::new(payload);
-    let n = r.array_len().expect("batch array");
+    let mut r = std::io::Cursor::new(payload);
+    let at = |r: &std::io::Cursor<&[u8]>| r.position() as usize;
+    let n = rmp::decode::read_array_len(&mut r).expect("batch array");
     assert_eq!(n, 3, "0.10+ batches have 3 elements");
-    let ts_start = r.position();
-    r.f64().expect("ts");
-    let ts = payload[ts_start..r.position()].to_vec();
-    let count = r.array_len().expect("events");
+    let ts_start = at(&r);
+    rmpv::decode::read_value(&mut r).expect("ts");
+    let ts = payload[ts_start..at(&r)].to_vec();
+    let count = rmp::decode::read_array_len(&mut r).expect("events");
     let mut events = Vec::new();
     for _ in 0..count {
-        let start = r.position();
-        r.skip().expect("event");
-        events.push(payload[start..r.position()].to_vec());
+        let start = at(&r);
+        rmpv::decode::read_value(&mut r).expect("event");
+        events.push(payload[start..at(&r)].to_vec());
     }
-    let rank = payload[r.position()..].to_vec();
+    let rank = payload[at(&r)..].to_vec();
     (ts, events, rank)
 }
 

@@ -8,9 +8,9 @@ mod support;
 use std::time::Duration;
 
 use bytes::Bytes;
-use kv_core::events::{encode_batch, BlockStored, EventBatch, KvEvent, Medium};
-use kv_core::hashing::{RequestExtras, TokenProcessor, TokenProcessorConfig};
 use kv_core::BlockHash;
+use kv_core::{encode_batch, BlockStored, EventBatch, KvEvent, Medium};
+use kv_core::{RequestExtras, TokenProcessor, TokenProcessorConfig};
 use kv_indexer::config::{Config, ModelConfig};
 use kv_indexer::daemon::{self, RunningDaemon};
 use kv_proto::indexer_v1::{indexer_service_client::IndexerServiceClient, GetPodScoresRequest};
@@ -18,8 +18,8 @@ use kv_proto::kvindexer_v1::{
     kv_indexer_client::KvIndexerClient, score_pods_request::Input, ChatMessage, ChatRequest,
     ScorePodsRequest,
 };
-use kv_tokenize::chat::{ChatInput, ChatMessage as Msg};
-use kv_tokenize::model::LoadedTokenizer;
+use kv_tokenize::LoadedTokenizer;
+use kv_tokenize::{ChatInput, ChatMessage as Msg};
 use zeromq::{PubSocket, Socket, SocketSend, ZmqMessage};
 
 /// One map-form `BlockStored` batch, as vLLM >= 0.24 publishes it (kv-core's encoder).

@@ -13,7 +13,7 @@ use axum::extract::{Path, State};
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
-use kv_tokenize::model::SourceSettings;
+use kv_tokenize::SourceSettings;
 use kv_tokenize::{TokenizeError, TokenizerService, TokenizerSettings};
 
 const REPO: &str = "acme/tiny-model";

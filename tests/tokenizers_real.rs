@@ -7,8 +7,8 @@
 
 mod support;
 
-use kv_tokenize::chat::{ChatInput, ChatMessage};
-use kv_tokenize::model::LoadedTokenizer;
+use kv_tokenize::LoadedTokenizer;
+use kv_tokenize::{ChatInput, ChatMessage};
 use serde_json::Value;
 
 fn ids(v: &Value) -> Vec<u32> {

@@ -6,7 +6,7 @@ use anyhow::{bail, Context};
 use clap::Args;
 use serde::Serialize;
 
-use kv_core::hashing::{
+use kv_core::{
     event_hash, ExtraKeysFormat, LoraAdapter, RequestExtras, TokenProcessor, TokenProcessorConfig,
 };
 

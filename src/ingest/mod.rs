@@ -33,7 +33,7 @@ use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use bytes::Bytes;
-use kv_core::indexer::Indexer;
+use kv_core::Indexer;
 use parking_lot::Mutex;
 use thiserror::Error;
 use tokio::sync::{mpsc, watch};

@@ -51,11 +51,6 @@ impl SeqOutcome {
             },
         }
     }
-
-    /// Whether the message itself is applied (everything but a duplicate).
-    pub fn applies(&self) -> bool {
-        !matches!(self, SeqOutcome::Duplicate)
-    }
 }
 
 #[cfg(test)]
@@ -75,7 +70,6 @@ mod tests {
     #[test]
     fn next_in_order() {
         assert_eq!(SeqOutcome::classify(Some(4), 5), Next);
-        assert!(Next.applies());
     }
 
     #[test]
@@ -86,7 +80,6 @@ mod tests {
     #[test]
     fn duplicate_is_dropped() {
         assert_eq!(SeqOutcome::classify(Some(9), 9), Duplicate);
-        assert!(!Duplicate.applies());
     }
 
     #[test]

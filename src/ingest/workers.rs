@@ -4,7 +4,7 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use kv_core::events::{decode_batch, EventBatch};
+use kv_core::{decode_batch, EventBatch};
 use tokio::sync::mpsc;
 
 use super::sequence::SeqOutcome;

@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 
-use kv_core::indexer::{ApplyReport, Indexer};
+use kv_core::{ApplyReport, Indexer};
 use prometheus::{IntCounter, IntGaugeVec, Registry};
 
 use super::registry::{counter, gauge_vec, Labels};

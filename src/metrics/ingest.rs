@@ -2,7 +2,7 @@
 
 use std::sync::Arc;
 
-use kv_core::indexer::ApplyReport;
+use kv_core::ApplyReport;
 use prometheus::{IntCounterVec, IntGauge, Registry};
 
 use super::registry::{counter_vec, gauge, Labels};

@@ -6,7 +6,7 @@
 //! its statistics at scrape time. kv-core and kv-tokenize never see a Prometheus type.
 //!
 //! Invariant: every label set is bounded. Reasons and event types are fixed enums; the `pod`
-//! label takes at most [`MAX_POD_LABELS`] distinct values (later pods are reported as
+//! label takes at most `MAX_POD_LABELS` (512) distinct values (later pods are reported as
 //! `"_other"`), so a fleet whose pods restart under new addresses cannot grow the series count
 //! without bound; model labels are bounded the same way.
 
@@ -18,12 +18,12 @@ mod tokenizer;
 
 use std::sync::Arc;
 
-use kv_core::indexer::Indexer;
+use kv_core::Indexer;
 use prometheus::{Encoder, Registry, TextEncoder};
 
 pub use index::IndexMetrics;
 pub use ingest::IngestMetrics;
-pub use registry::{Labels, MAX_MODEL_LABELS, MAX_POD_LABELS};
+pub use registry::Labels;
 pub use scoring::ScoringMetrics;
 pub use tokenizer::TokenizerMetrics;
 

@@ -15,9 +15,9 @@ use tonic::{Request, Response, Status};
 use crate::config::ServerConfig;
 use crate::ingest::Publishers;
 use crate::metrics::Metrics;
-use kv_core::indexer::{Indexer, ScoreError};
-use kv_tokenize::chat::{ChatInput, ChatMessage};
-use kv_tokenize::model::LoadError;
+use kv_core::{Indexer, ScoreError};
+use kv_tokenize::LoadError;
+use kv_tokenize::{ChatInput, ChatMessage};
 use kv_tokenize::{TokenizeError, TokenizerService};
 
 pub use kv_proto::{indexer_v1, kvindexer_v1, FILE_DESCRIPTOR_SET};

@@ -12,7 +12,7 @@ use axum::routing::get;
 use axum::Router;
 
 use crate::metrics::Metrics;
-use kv_core::indexer::Indexer;
+use kv_core::Indexer;
 
 /// What the HTTP handlers read.
 #[derive(Clone)]

@@ -1,20 +1,55 @@
 //! kv-core: the I/O-free heart of kv-indexer.
 //!
-//! - [`hashing`]: vLLM's `sha256_cbor` block hashes, byte for byte;
-//! - [`events`]: the msgpack `KVEventBatch` a vLLM publisher sends, decoded (and the one encoder
-//!   of vLLM-shaped payloads that loadgen, the lab and the tests share);
-//! - [`index`]: the block -> (engine, tier) index and the prefix-scoring walk;
-//! - [`indexer`]: per-model indexes and token processors, batch application, hash-mismatch
-//!   detection and pod scores: what a transport (the daemon, a gateway, a benchmark) calls.
+//! - `hashing`: vLLM's `sha256_cbor` block hashes, byte for byte ([`TokenProcessor`]);
+//! - `events`: the msgpack `KVEventBatch` a vLLM publisher sends, decoded ([`decode_batch`]),
+//!   and the one encoder of vLLM-shaped payloads that loadgen, the lab and the tests share
+//!   ([`encode_batch`]);
+//! - `index`: the block -> (engine, tier) index and the prefix-scoring walk ([`ModelIndex`]);
+//! - `indexer`: per-model indexes and token processors, batch application, hash-mismatch
+//!   detection and pod scores ([`Indexer`]): what a transport (the daemon, a gateway, a
+//!   benchmark) calls.
+//!
+//! Every block is named by a [`BlockHash`]. The facts about vLLM this crate relies on (wire
+//! format, hashing, per-version differences) are in `docs/vllm-compatibility.md`.
 //!
 //! No async runtime, no sockets, no metrics registry: counters are returned or read, and the
 //! embedding program exports them.
 
 mod block_hash;
-pub mod events;
-pub mod hashing;
-pub mod index;
-pub mod indexer;
-pub mod mix;
+mod events;
+mod hashing;
+mod index;
+mod indexer;
+mod mix;
+
+// The public surface: everything a transport, a gateway, the lab or a benchmark uses. Modules
+// stay private; what is not listed here is an implementation detail.
 
 pub use block_hash::BlockHash;
+
+/// vLLM's block hashes (`hashing`).
+pub use hashing::{
+    event_hash, none_hash, BlockDigest, ExtraKeysFormat, HashScratch, LoraAdapter, MultiModalItem,
+    RequestExtras, TokenProcessor, TokenProcessorConfig, TokenProcessorError, DEFAULT_HASH_SEED,
+};
+
+/// KV events on the wire (`events`).
+pub use events::{
+    decode_batch, encode_batch, encode_batch_as, BlockRemoved, BlockStored, DecodeError,
+    EventBatch, KvEvent, Medium, MsgpackKind, MsgpackValue, WireForm,
+};
+
+/// The block index (`index`).
+pub use index::{
+    EngineDirectory, EngineId, EngineKey, EngineScore, IndexConfig, IndexConfigError, IndexStats,
+    IndexWriter, ModelIndex, StoreOutcome, Tier, TierWeights, MAX_ENGINES, MAX_MEMBERS,
+};
+
+/// The facade transports call (`indexer`).
+pub use indexer::{
+    ApplyReport, HashCheckStats, Indexer, IndexerSettings, ModelSettings, ModelState, PodScore,
+    ScoreError, ScoreResult, SettingsError,
+};
+
+/// 64-bit mixing and the project's one PRNG (`mix`).
+pub use mix::{mix64, SplitMix64};

@@ -3,7 +3,7 @@
 
 mod support;
 
-use kv_core::events::{decode_batch, DecodeError};
+use kv_core::{decode_batch, DecodeError};
 use support::Rng;
 
 fn real_payloads() -> Vec<Vec<u8>> {

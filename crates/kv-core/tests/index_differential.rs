@@ -11,10 +11,8 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
-use kv_core::index::{
-    EngineId, EngineKey, EngineScore, IndexConfig, ModelIndex, Tier, TierWeights,
-};
 use kv_core::BlockHash;
+use kv_core::{EngineId, EngineKey, EngineScore, IndexConfig, ModelIndex, Tier, TierWeights};
 use support::Rng;
 
 const ENGINES: u32 = 6;

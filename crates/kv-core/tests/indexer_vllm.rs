@@ -3,9 +3,9 @@
 
 mod support;
 
-use kv_core::events::{decode_batch, EventBatch, KvEvent};
-use kv_core::hashing::{ExtraKeysFormat, RequestExtras, TokenProcessor, TokenProcessorConfig};
-use kv_core::indexer::{Indexer, IndexerSettings, ModelSettings, ScoreError};
+use kv_core::{decode_batch, EventBatch, KvEvent};
+use kv_core::{ExtraKeysFormat, RequestExtras, TokenProcessor, TokenProcessorConfig};
+use kv_core::{Indexer, IndexerSettings, ModelSettings, ScoreError};
 
 const MODEL: &str = "Qwen/Qwen3-8B";
 
@@ -128,13 +128,13 @@ fn salted_root_runs_are_verified_from_the_published_extra_keys() {
         ..Default::default()
     };
     let hashes = processor.block_hashes(&tokens, &extras);
-    let stored = kv_core::events::BlockStored {
+    let stored = kv_core::BlockStored {
         block_hashes: hashes.clone(),
         token_ids: tokens.clone(),
         block_size: 16,
         extra_keys: Some(vec![
-            Some(kv_core::events::Value::Array(vec![
-                kv_core::events::Value::Str("tenant-42".into()),
+            Some(kv_core::MsgpackValue::Array(vec![
+                kv_core::MsgpackValue::Str("tenant-42".into()),
             ])),
             None,
         ]),
@@ -191,7 +191,7 @@ fn mismatches_are_counted_per_pod_and_diagnosed() {
     let tokens: Vec<u32> = (0..16).collect();
     let default_seed_run = EventBatch {
         ts: 0.0,
-        events: vec![KvEvent::BlockStored(kv_core::events::BlockStored {
+        events: vec![KvEvent::BlockStored(kv_core::BlockStored {
             block_hashes: processor.block_hashes(&tokens, &RequestExtras::default()),
             token_ids: tokens,
             block_size: 16,

@@ -2,7 +2,7 @@
 //! (`tests/fixtures/vllm/zmq_messages.vllm-*.json`): every message of every version decodes, and
 //! every field equals the JSON `decoded` form vLLM's own msgspec produced.
 
-use kv_core::events::{decode_batch, BlockRemoved, BlockStored, KvEvent, Value as Ev};
+use kv_core::{decode_batch, BlockRemoved, BlockStored, KvEvent, MsgpackValue as Ev};
 use serde_json::{json, Value};
 
 const VERSIONS: [&str; 6] = ["0.10.1", "0.11.0", "0.23.0", "0.24.0", "0.28.0", "0.33.0"];

@@ -2,7 +2,7 @@
 //! the CBOR input, the 32-byte digest and the u64 event hash of every block of every applicable
 //! case, byte for byte.
 
-use kv_core::hashing::{
+use kv_core::{
     event_hash, ExtraKeysFormat, HashScratch, LoraAdapter, MultiModalItem, RequestExtras,
     TokenProcessor, TokenProcessorConfig,
 };

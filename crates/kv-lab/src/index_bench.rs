@@ -16,7 +16,7 @@ use std::collections::HashMap;
 use std::ops::Range;
 use std::time::Instant;
 
-use kv_core::mix::mix64;
+use kv_core::mix64;
 use kv_core::BlockHash;
 
 use crate::lru::LruSet;
@@ -250,35 +250,35 @@ pub fn drive(workload: &IndexWorkload, backend: &mut dyn IndexBackend) -> BenchR
 
 /// kv-indexer's own index as a benchmark backend.
 pub struct KvIndexerBackend {
-    index: kv_core::index::ModelIndex,
-    engines: Vec<kv_core::index::EngineId>,
-    out: Vec<kv_core::index::EngineScore>,
-    weights: kv_core::index::TierWeights,
+    index: kv_core::ModelIndex,
+    engines: Vec<kv_core::EngineId>,
+    out: Vec<kv_core::EngineScore>,
+    weights: kv_core::TierWeights,
 }
 
 impl KvIndexerBackend {
     /// An index for `pods` engines with the default capacity settings.
     pub fn new(pods: u32) -> Self {
-        let index = kv_core::index::ModelIndex::new(kv_core::index::IndexConfig {
+        let index = kv_core::ModelIndex::new(kv_core::IndexConfig {
             max_keys: 1 << 26,
             pod_cache_size: 16,
         })
         .expect("benchmark config is valid");
         let engines = index.write(|w| {
             (0..pods)
-                .filter_map(|p| w.engine(&kv_core::index::EngineKey::new(&format!("pod-{p}"), 0)))
+                .filter_map(|p| w.engine(&kv_core::EngineKey::new(&format!("pod-{p}"), 0)))
                 .collect()
         });
         Self {
             index,
             engines,
             out: Vec::new(),
-            weights: kv_core::index::TierWeights::default(),
+            weights: kv_core::TierWeights::default(),
         }
     }
 
     /// The index (for stats after a run).
-    pub fn index(&self) -> &kv_core::index::ModelIndex {
+    pub fn index(&self) -> &kv_core::ModelIndex {
         &self.index
     }
 }
@@ -303,14 +303,14 @@ impl IndexBackend for KvIndexerBackend {
     ) {
         let engine = self.engines[pod as usize];
         self.index.write(|w| {
-            w.store(engine, kv_core::index::Tier::Gpu, parent, hashes);
+            w.store(engine, kv_core::Tier::Gpu, parent, hashes);
         });
     }
 
     fn remove(&mut self, pod: u32, hashes: &[BlockHash]) {
         let engine = self.engines[pod as usize];
         self.index.write(|w| {
-            w.remove(engine, kv_core::index::Tier::Gpu, hashes);
+            w.remove(engine, kv_core::Tier::Gpu, hashes);
         });
     }
 }

@@ -26,9 +26,9 @@ use thiserror::Error;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use zeromq::{PubSocket, Socket, SocketSend, ZmqMessage};
 
-use kv_core::events::{encode_batch, BlockRemoved, BlockStored, EventBatch, KvEvent, Medium};
-use kv_core::hashing::{RequestExtras, TokenProcessor, TokenProcessorConfig, TokenProcessorError};
 use kv_core::BlockHash;
+use kv_core::{encode_batch, BlockRemoved, BlockStored, EventBatch, KvEvent, Medium};
+use kv_core::{RequestExtras, TokenProcessor, TokenProcessorConfig, TokenProcessorError};
 use kv_proto::kvindexer_v1::{
     kv_indexer_client::KvIndexerClient, score_pods_request::Input, ScorePodsRequest, TokenIds,
 };

@@ -21,7 +21,7 @@ use std::collections::{BTreeSet, HashMap, VecDeque};
 
 use std::path::Path;
 
-use kv_core::hashing::{RequestExtras, TokenProcessor, TokenProcessorConfig, TokenProcessorError};
+use kv_core::{RequestExtras, TokenProcessor, TokenProcessorConfig, TokenProcessorError};
 use serde::Serialize;
 use thiserror::Error;
 

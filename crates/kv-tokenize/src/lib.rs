@@ -1,9 +1,13 @@
 //! Prompts in: tokenizers per model, a pool of tokenizer threads, and the prefix store.
 //!
-//! - [`model`]: find and load a model's tokenizer (explicit path, local cache, HuggingFace Hub)
-//!   and encode exactly as vLLM does;
-//! - [`chat`]: render chat templates as HuggingFace does;
-//! - [`prefix`]: the prefix store, which reuses earlier tokenizations of shared prefixes.
+//! - `model`: find and load a model's tokenizer (explicit path, local cache, HuggingFace Hub)
+//!   and encode exactly as vLLM does ([`LoadedTokenizer`]);
+//! - `chat`: render chat templates as HuggingFace does ([`ChatInput`]);
+//! - `prefix`: the [`PrefixStore`], which reuses earlier tokenizations of shared prefixes;
+//! - here: the [`TokenizerService`] (loading, the worker pool, the store), reporting through a
+//!   [`TokenizeObserver`].
+//!
+//! The public surface is what this file re-exports.
 //!
 //! Invariants: a tokenizer loads once however many requests ask for it at once (single-flight),
 //! and at most [`MAX_LOADED`] stay loaded; a failed load is reported to every caller for
@@ -11,9 +15,13 @@
 //! on the async runtime) behind a bounded queue: a full queue is refused at once (overload), a
 //! request whose deadline passed while queued is dropped unstarted.
 
-pub mod chat;
-pub mod model;
-pub mod prefix;
+mod chat;
+mod model;
+mod prefix;
+
+pub use chat::{ChatError, ChatInput, ChatMessage};
+pub use model::{Encoded, LoadError, LoadedTokenizer, SourceSettings};
+pub use prefix::PrefixStore;
 
 use std::sync::mpsc::{sync_channel, Receiver, SyncSender, TrySendError};
 use std::sync::Arc;
@@ -21,10 +29,6 @@ use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 use thiserror::Error;
-
-use chat::{ChatError, ChatInput};
-use model::{LoadError, LoadedTokenizer, SourceSettings};
-use prefix::PrefixStore;
 
 /// Tokenizers kept loaded at most (least recently used beyond).
 pub const MAX_LOADED: u64 = 32;

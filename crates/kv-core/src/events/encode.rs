@@ -10,7 +10,7 @@
 
 use rmp::encode as mp;
 
-use super::{BlockRemoved, BlockStored, EventBatch, KvEvent, Value};
+use super::{BlockRemoved, BlockStored, EventBatch, KvEvent, MsgpackValue};
 
 // Writing into a Vec<u8> cannot fail: rmp's errors come from the writer only.
 fn str(out: &mut Vec<u8>, s: &str) {
@@ -44,26 +44,26 @@ fn u32s(out: &mut Vec<u8>, values: &[u32]) {
     }
 }
 
-fn value(out: &mut Vec<u8>, v: &Value) {
+fn value(out: &mut Vec<u8>, v: &MsgpackValue) {
     match v {
-        Value::Nil => nil(out),
-        Value::Bool(b) => {
+        MsgpackValue::Nil => nil(out),
+        MsgpackValue::Bool(b) => {
             let _ = mp::write_bool(out, *b);
         }
-        Value::UInt(u) => uint(out, *u),
-        Value::Int(i) => int(out, *i),
-        Value::Float(f) => {
+        MsgpackValue::UInt(u) => uint(out, *u),
+        MsgpackValue::Int(i) => int(out, *i),
+        MsgpackValue::Float(f) => {
             let _ = mp::write_f64(out, *f);
         }
-        Value::Str(s) => str(out, s),
-        Value::Bytes(b) => {
+        MsgpackValue::Str(s) => str(out, s),
+        MsgpackValue::Bytes(b) => {
             let _ = mp::write_bin(out, b);
         }
-        Value::Array(items) => {
+        MsgpackValue::Array(items) => {
             array_len(out, items.len());
             items.iter().for_each(|i| value(out, i));
         }
-        Value::Map(pairs) => {
+        MsgpackValue::Map(pairs) => {
             map_len(out, pairs.len());
             for (k, v) in pairs {
                 value(out, k);
@@ -289,14 +289,14 @@ mod tests {
             medium: Some(Medium::Cpu),
             lora_name: Some("adapter".into()),
             extra_keys: Some(vec![
-                Some(Value::Array(vec![
-                    Value::Str("salt".into()),
-                    Value::UInt(9),
+                Some(MsgpackValue::Array(vec![
+                    MsgpackValue::Str("salt".into()),
+                    MsgpackValue::UInt(9),
                 ])),
                 None,
-                Some(Value::Map(vec![(
-                    Value::Str("k".into()),
-                    Value::Float(0.5),
+                Some(MsgpackValue::Map(vec![(
+                    MsgpackValue::Str("k".into()),
+                    MsgpackValue::Float(0.5),
                 )])),
             ]),
             group_idx: Some(1),

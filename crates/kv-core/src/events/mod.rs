@@ -1,6 +1,6 @@
 //! vLLM KV-cache events: the `KVEventBatch` msgpack payload of a ZMQ message, decoded.
 //!
-//! Wire format (`vllm-contract.md` §1): a batch is the array `[ts, events, data_parallel_rank?]`;
+//! Wire format (`docs/vllm-compatibility.md` §1, §2): a batch is the array `[ts, events, data_parallel_rank?]`;
 //! an event is an array `[tag, field...]` (vLLM <= 0.23) or a map `{"type": tag, field: value}`
 //! (vLLM >= 0.24). Hashes are u64 (default), signed ints (0.9 `builtin`) or byte strings (32 raw
 //! digest bytes, or 64+ for concatenated hybrid-group hashes): the index key is always the last 8
@@ -12,11 +12,12 @@
 //! [`KvEvent::Unknown`] so callers can count them.
 
 mod encode;
-pub mod msgpack;
+pub(crate) mod msgpack;
 
 pub use encode::{encode_batch, encode_batch_as, WireForm};
 
-use msgpack::{Int, Kind, Reader};
+pub use msgpack::MsgpackKind;
+use msgpack::{Int, Reader};
 
 use crate::BlockHash;
 use thiserror::Error;
@@ -36,7 +37,7 @@ pub enum DecodeError {
         /// What the decoder needed.
         expected: &'static str,
         /// What was there (`None` if unreadable).
-        found: Option<Kind>,
+        found: Option<MsgpackKind>,
         /// Where.
         at: usize,
     },
@@ -152,7 +153,7 @@ impl Medium {
 
 /// A generic msgpack value, for the rarely used, loosely typed fields (`extra_keys`).
 #[derive(Debug, Clone, PartialEq)]
-pub enum Value {
+pub enum MsgpackValue {
     /// `nil`
     Nil,
     /// A boolean.
@@ -168,9 +169,9 @@ pub enum Value {
     /// A byte string.
     Bytes(Vec<u8>),
     /// An array (or tuple).
-    Array(Vec<Value>),
+    Array(Vec<MsgpackValue>),
     /// A map, as key/value pairs in wire order.
-    Map(Vec<(Value, Value)>),
+    Map(Vec<(MsgpackValue, MsgpackValue)>),
 }
 
 /// `BlockStored`: a run of full blocks one engine cached, with the hash of the block before it.
@@ -191,7 +192,7 @@ pub struct BlockStored {
     /// The LoRA adapter's name (0.14+).
     pub lora_name: Option<String>,
     /// Per-block extra keys as published (0.17+): one entry per hash, `None` for plain blocks.
-    pub extra_keys: Option<Vec<Option<Value>>>,
+    pub extra_keys: Option<Vec<Option<MsgpackValue>>>,
     /// The KV-cache group (0.20+).
     pub group_idx: Option<i64>,
     /// The group's kind, e.g. `"full_attention"`, `"sliding_window"`, `"mamba"` (0.22+).
@@ -295,7 +296,7 @@ pub fn decode_batch(payload: &[u8]) -> Result<EventBatch, DecodeError> {
 fn decode_event(r: &mut Reader<'_>) -> Result<KvEvent, DecodeError> {
     let at = r.position();
     match r.peek_kind()? {
-        Kind::Array => {
+        MsgpackKind::Array => {
             let len = r.array_len()?;
             if len == 0 {
                 return Err(DecodeError::MissingTag { at });
@@ -303,7 +304,7 @@ fn decode_event(r: &mut Reader<'_>) -> Result<KvEvent, DecodeError> {
             let tag = r.str().map_err(|e| tag_error(e, at))?;
             decode_array_event(r, tag, len - 1)
         }
-        Kind::Map => {
+        MsgpackKind::Map => {
             let len = r.map_len()?;
             decode_map_event(r, len, at)
         }
@@ -590,12 +591,12 @@ fn read_hashes(r: &mut Reader<'_>, out: &mut Vec<BlockHash>) -> Result<(), Decod
 fn read_hash(r: &mut Reader<'_>) -> Result<BlockHash, DecodeError> {
     let at = r.position();
     match r.peek_kind()? {
-        Kind::Int => Ok(BlockHash::new(match r.int()? {
+        MsgpackKind::Int => Ok(BlockHash::new(match r.int()? {
             Int::Unsigned(v) => v,
             // 0.9 `builtin` hashes are signed 64-bit; keep their two's-complement bits.
             Int::Negative(v) => v as u64,
         })),
-        Kind::Bin => {
+        MsgpackKind::Bin => {
             let bytes = r.bin()?;
             if bytes.len() < 8 {
                 return Err(DecodeError::ShortHash {
@@ -631,32 +632,32 @@ fn opt_str<'a>(r: &mut Reader<'a>) -> Result<Option<&'a str>, DecodeError> {
     }
 }
 
-fn read_value(r: &mut Reader<'_>, depth: usize) -> Result<Value, DecodeError> {
+fn read_value(r: &mut Reader<'_>, depth: usize) -> Result<MsgpackValue, DecodeError> {
     if depth > msgpack::MAX_DEPTH {
         return Err(DecodeError::TooDeep { at: r.position() });
     }
     Ok(match r.peek_kind()? {
-        Kind::Nil => {
+        MsgpackKind::Nil => {
             r.try_nil();
-            Value::Nil
+            MsgpackValue::Nil
         }
-        Kind::Bool => Value::Bool(r.bool()?),
-        Kind::Int => match r.int()? {
-            Int::Unsigned(v) => Value::UInt(v),
-            Int::Negative(v) => Value::Int(v),
+        MsgpackKind::Bool => MsgpackValue::Bool(r.bool()?),
+        MsgpackKind::Int => match r.int()? {
+            Int::Unsigned(v) => MsgpackValue::UInt(v),
+            Int::Negative(v) => MsgpackValue::Int(v),
         },
-        Kind::Float => Value::Float(r.f64()?),
-        Kind::Str => Value::Str(r.str()?.to_owned()),
-        Kind::Bin => Value::Bytes(r.bin()?.to_vec()),
-        Kind::Array => {
+        MsgpackKind::Float => MsgpackValue::Float(r.f64()?),
+        MsgpackKind::Str => MsgpackValue::Str(r.str()?.to_owned()),
+        MsgpackKind::Bin => MsgpackValue::Bytes(r.bin()?.to_vec()),
+        MsgpackKind::Array => {
             let n = r.array_len()?;
             let mut items = Vec::with_capacity(n.min(256));
             for _ in 0..n {
                 items.push(read_value(r, depth + 1)?);
             }
-            Value::Array(items)
+            MsgpackValue::Array(items)
         }
-        Kind::Map => {
+        MsgpackKind::Map => {
             let n = r.map_len()?;
             let mut items = Vec::with_capacity(n.min(256));
             for _ in 0..n {
@@ -664,14 +665,14 @@ fn read_value(r: &mut Reader<'_>, depth: usize) -> Result<Value, DecodeError> {
                 let v = read_value(r, depth + 1)?;
                 items.push((k, v));
             }
-            Value::Map(items)
+            MsgpackValue::Map(items)
         }
-        Kind::Ext | Kind::Reserved => {
+        MsgpackKind::Ext | MsgpackKind::Reserved => {
             let at = r.position();
             r.skip()?;
             return Err(DecodeError::UnexpectedType {
                 expected: "plain value in extra_keys",
-                found: Some(Kind::Ext),
+                found: Some(MsgpackKind::Ext),
                 at,
             });
         }

@@ -19,7 +19,7 @@ pub struct Reader<'a> {
 
 /// A scalar or container header, as seen by `peek_kind`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Kind {
+pub enum MsgpackKind {
     /// `nil`
     Nil,
     /// `true` / `false`
@@ -98,22 +98,22 @@ impl<'a> Reader<'a> {
     }
 
     /// The kind of the next value, without consuming it.
-    pub fn peek_kind(&self) -> Result<Kind, DecodeError> {
+    pub fn peek_kind(&self) -> Result<MsgpackKind, DecodeError> {
         let b = *self
             .buf
             .get(self.pos)
             .ok_or(DecodeError::Truncated { at: self.pos })?;
         Ok(match b {
-            0x00..=0x7f | 0xe0..=0xff | 0xcc..=0xd3 => Kind::Int,
-            0x80..=0x8f | 0xde | 0xdf => Kind::Map,
-            0x90..=0x9f | 0xdc | 0xdd => Kind::Array,
-            0xa0..=0xbf | 0xd9..=0xdb => Kind::Str,
-            0xc0 => Kind::Nil,
-            0xc2 | 0xc3 => Kind::Bool,
-            0xc4..=0xc6 => Kind::Bin,
-            0xca | 0xcb => Kind::Float,
-            0xc7..=0xc9 | 0xd4..=0xd8 => Kind::Ext,
-            0xc1 => Kind::Reserved,
+            0x00..=0x7f | 0xe0..=0xff | 0xcc..=0xd3 => MsgpackKind::Int,
+            0x80..=0x8f | 0xde | 0xdf => MsgpackKind::Map,
+            0x90..=0x9f | 0xdc | 0xdd => MsgpackKind::Array,
+            0xa0..=0xbf | 0xd9..=0xdb => MsgpackKind::Str,
+            0xc0 => MsgpackKind::Nil,
+            0xc2 | 0xc3 => MsgpackKind::Bool,
+            0xc4..=0xc6 => MsgpackKind::Bin,
+            0xca | 0xcb => MsgpackKind::Float,
+            0xc7..=0xc9 | 0xd4..=0xd8 => MsgpackKind::Ext,
+            0xc1 => MsgpackKind::Reserved,
         })
     }
 
@@ -290,35 +290,35 @@ impl<'a> Reader<'a> {
             return Err(DecodeError::TooDeep { at: self.pos });
         }
         match self.peek_kind()? {
-            Kind::Nil | Kind::Bool => {
+            MsgpackKind::Nil | MsgpackKind::Bool => {
                 self.pos += 1;
             }
-            Kind::Int => {
+            MsgpackKind::Int => {
                 self.int()?;
             }
-            Kind::Float => {
+            MsgpackKind::Float => {
                 self.f64()?;
             }
-            Kind::Str => {
+            MsgpackKind::Str => {
                 self.str()?;
             }
-            Kind::Bin => {
+            MsgpackKind::Bin => {
                 self.bin()?;
             }
-            Kind::Array => {
+            MsgpackKind::Array => {
                 let n = self.array_len()?;
                 for _ in 0..n {
                     self.skip_at_depth(depth + 1)?;
                 }
             }
-            Kind::Map => {
+            MsgpackKind::Map => {
                 let n = self.map_len()?;
                 for _ in 0..n {
                     self.skip_at_depth(depth + 1)?;
                     self.skip_at_depth(depth + 1)?;
                 }
             }
-            Kind::Ext => {
+            MsgpackKind::Ext => {
                 let len = match self.byte()? {
                     0xd4 => 1,
                     0xd5 => 2,
@@ -331,7 +331,7 @@ impl<'a> Reader<'a> {
                 };
                 self.take(len + 1)?;
             }
-            Kind::Reserved => return Err(self.unexpected("any value")),
+            MsgpackKind::Reserved => return Err(self.unexpected("any value")),
         }
         Ok(())
     }

@@ -15,7 +15,7 @@
 //!   the unit and the group's block `i` is the chained hash at unit `(i+1)*k - 1` (vLLM >= 0.24;
 //!   in int mode the same value 0.12-0.23 published).
 
-pub mod cbor;
+mod cbor;
 
 use sha2::{Digest, Sha256};
 use thiserror::Error;
@@ -36,7 +36,7 @@ pub fn event_hash(digest: &BlockDigest) -> BlockHash {
     BlockHash::new(u64::from_be_bytes(tail))
 }
 
-/// Which vLLM release line's extra-key encoding to reproduce (`vllm-contract.md` §4.4).
+/// Which vLLM release line's extra-key encoding to reproduce (`docs/vllm-compatibility.md` §4.4).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum ExtraKeysFormat {
@@ -407,7 +407,7 @@ mod tests {
     }
 
     #[test]
-    fn none_hash_matches_the_contract() {
+    fn none_hash_matches_vllm() {
         assert_eq!(
             hex(&none_hash(Some("12345"))),
             "7292412b7aee6c72390673c639cb26bbadd61da0cb7af52fea097bf4c7b340b2"

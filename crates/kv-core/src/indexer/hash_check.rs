@@ -8,7 +8,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use super::{indexable_kind, ApplyReport, Indexer, ModelState};
-use crate::events::{BlockStored, EventBatch, KvEvent, Value};
+use crate::events::{BlockStored, EventBatch, KvEvent, MsgpackValue};
 use crate::hashing::{
     ExtraKeysFormat, LoraAdapter, RequestExtras, TokenProcessor, TokenProcessorConfig,
     DEFAULT_HASH_SEED,
@@ -96,21 +96,21 @@ fn event_extras(
         .as_ref()
         .and_then(|k| k.first())
         .and_then(Option::as_ref);
-    let items: &[Value] = match entry {
+    let items: &[MsgpackValue] = match entry {
         None => &[],
-        Some(Value::Array(items)) => items,
+        Some(MsgpackValue::Array(items)) => items,
         Some(_) => return None,
     };
     let mut rest = items;
     if extras.lora.is_some() {
         match rest.first() {
-            Some(Value::Str(n)) if Some(n) == s.lora_name.as_ref() => rest = &rest[1..],
+            Some(MsgpackValue::Str(n)) if Some(n) == s.lora_name.as_ref() => rest = &rest[1..],
             _ => return None,
         }
     }
     match rest {
         [] => {}
-        [Value::Str(salt)] => extras.cache_salt = Some(salt.clone()),
+        [MsgpackValue::Str(salt)] => extras.cache_salt = Some(salt.clone()),
         _ => return None, // multimodal or prompt-embeds keys: not rebuilt here
     }
     Some(extras)

@@ -8,7 +8,7 @@ use serde_json::Value;
 
 /// SplitMix64, seeded per test so a failure reproduces from the seed it prints.
 #[allow(unused_imports)]
-pub use kv_core::mix::SplitMix64 as Rng;
+pub use kv_core::SplitMix64 as Rng;
 
 /// Decodes lowercase hex.
 pub fn unhex(s: &str) -> Vec<u8> {

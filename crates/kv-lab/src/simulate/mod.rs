@@ -10,7 +10,7 @@
 //!   sequences per pod) and holds the blocks; TTFT = queueing + prefill;
 //! - pods **publish** `BlockStored` / `BlockRemoved` / `AllBlocksCleared` as vLLM encodes them
 //!   (map-form msgpack), delivered after `event_delay_ms` through the daemon's decoder
-//!   ([`kv_core::events::decode_batch`]) into a real [`Indexer`];
+//!   ([`kv_core::decode_batch`]) into a real [`Indexer`];
 //! - a **router** picks the pod for each arrival ([`routers`]).
 //!
 //! Scenarios a router cannot foresee: pods of different capacity, traffic that bypasses the
@@ -28,12 +28,10 @@ use std::collections::{BinaryHeap, HashMap, VecDeque};
 
 use serde::Serialize;
 
-use kv_core::events::{
-    decode_batch, encode_batch, BlockRemoved, BlockStored, EventBatch, KvEvent, Medium,
-};
-use kv_core::indexer::{Indexer, IndexerSettings};
-use kv_core::mix::SplitMix64;
 use kv_core::BlockHash;
+use kv_core::SplitMix64;
+use kv_core::{decode_batch, encode_batch, BlockRemoved, BlockStored, EventBatch, KvEvent, Medium};
+use kv_core::{Indexer, IndexerSettings};
 
 use crate::lru::LruSet;
 
@@ -562,8 +560,8 @@ pub fn run(
 #[cfg(test)]
 mod tests {
     use super::wire;
-    use kv_core::events::{decode_batch, KvEvent};
     use kv_core::BlockHash;
+    use kv_core::{decode_batch, KvEvent};
 
     fn h(v: u64) -> BlockHash {
         BlockHash::new(v)

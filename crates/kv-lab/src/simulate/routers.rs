@@ -18,12 +18,12 @@
 
 use std::collections::HashMap;
 
-use kv_core::mix::SplitMix64;
 use kv_core::BlockHash;
+use kv_core::SplitMix64;
 
 use super::{PodLoad, SimRequest};
 use crate::lru::LruSet;
-use kv_core::indexer::Indexer;
+use kv_core::Indexer;
 
 /// What a router may look at.
 pub struct RouterContext<'a> {

@@ -3,7 +3,7 @@
 //! Block hashes are chained like vLLM's: a block's hash depends on everything before it, so two
 //! prompts share exactly their common leading blocks.
 
-use kv_core::mix::mix64 as mix;
+use kv_core::mix64 as mix;
 use kv_core::BlockHash;
 
 use super::{rng, SimRequest};

@@ -14,6 +14,9 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
+mod evict;
+mod reverse;
+
 use super::read::locate;
 use super::slab::{SetPool, MAX_MEMBERS};
 use super::table::Table;
@@ -405,68 +408,6 @@ impl IndexWriter<'_> {
             .map_or(0, |e| e.live)
     }
 
-    fn note_membership(&mut self, engine: EngineId, id: u32) {
-        let Some(Some(state)) = self.state.engines.get_mut(engine as usize) else {
-            return;
-        };
-        if state.blocks.len() == state.blocks.capacity() {
-            // Full: compact if at least a third is stale, else grow by a quarter. Capacity stays
-            // within ~1.5x the live memberships (a doubling Vec would reach 4x).
-            let live = state.live as usize;
-            if state.blocks.len() >= 1024 && state.blocks.len() > live + live / 2 {
-                self.compact_reverse_list(engine);
-            }
-            if let Some(Some(state)) = self.state.engines.get_mut(engine as usize) {
-                if state.blocks.len() == state.blocks.capacity() {
-                    state
-                        .blocks
-                        .reserve_exact((state.blocks.len() / 4).max(256));
-                }
-            }
-        }
-        if let Some(Some(state)) = self.state.engines.get_mut(engine as usize) {
-            state.blocks.push(id);
-            state.live += 1;
-        }
-    }
-
-    /// Drops stale and duplicate ids from an engine's reverse list: one pass, nodes prefetched,
-    /// duplicates found with a bitset over node ids (no sort).
-    fn compact_reverse_list(&mut self, engine: EngineId) {
-        let Some(Some(state)) = self.state.engines.get_mut(engine as usize) else {
-            return;
-        };
-        let mut blocks = std::mem::take(&mut state.blocks);
-        let mut seen = std::mem::take(&mut self.state.seen);
-        seen.clear();
-        seen.resize(self.state.next_node as usize / 64 + 1, 0);
-        let slab = &self.index.slab;
-        let mut kept = 0;
-        for i in 0..blocks.len() {
-            if let Some(&ahead) = blocks.get(i + PREFETCH_AHEAD) {
-                slab.prefetch(ahead);
-            }
-            let id = blocks[i];
-            let (word, bit) = (id as usize / 64, 1u64 << (id % 64));
-            if seen.get(word).is_none_or(|w| w & bit != 0) {
-                continue;
-            }
-            if self.has_engine(id, engine) {
-                seen[word] |= bit;
-                blocks[kept] = id;
-                kept += 1;
-            }
-        }
-        blocks.truncate(kept);
-        if blocks.capacity() > 2 * kept + 4096 {
-            blocks.shrink_to(kept + kept / 4 + 1024);
-        }
-        self.state.seen = seen;
-        if let Some(Some(state)) = self.state.engines.get_mut(engine as usize) {
-            state.blocks = blocks;
-        }
-    }
-
     fn add_member(&mut self, id: u32, hash: u64, m: u32) -> bool {
         let slab = &self.index.slab;
         let mut list = [0u32; MAX_MEMBERS];
@@ -606,14 +547,6 @@ impl IndexWriter<'_> {
         self.state.tally.keys -= 1;
     }
 
-    fn set_referenced(&mut self, id: u32) {
-        let word = id as usize / 64;
-        if word >= self.state.referenced.len() {
-            self.state.referenced.resize(word + 1, 0);
-        }
-        self.state.referenced[word] |= 1 << (id % 64);
-    }
-
     /// A fresh node holding `hash` with the single member `m`, evicting by CLOCK when the index
     /// is at `size`.
     fn alloc_node(&mut self, hash: u64, m: u32) -> Option<u32> {
@@ -669,38 +602,6 @@ impl IndexWriter<'_> {
         self.state.table_used = live;
         self.state.table_live = live;
         self.index.table.store(fresh);
-    }
-
-    /// Second-chance eviction of one block with all its memberships.
-    fn evict_one(&mut self) {
-        let end = self.state.next_node;
-        if end == 0 {
-            return;
-        }
-        for _ in 0..=(2 * end as usize) {
-            if self.state.clock_hand >= end {
-                self.state.clock_hand = 0;
-            }
-            let id = self.state.clock_hand;
-            self.state.clock_hand += 1;
-            let hash = self.index.slab.hash_of(id);
-            if hash == 0 {
-                continue;
-            }
-            let word = id as usize / 64;
-            let bit = 1u64 << (id % 64);
-            if let Some(w) = self.state.referenced.get_mut(word) {
-                if *w & bit != 0 {
-                    *w &= !bit;
-                    continue;
-                }
-            }
-            let evicted = self.remove_members(id, hash, |_| true) as u64;
-            // Those were counted as removals; they are capacity evictions.
-            self.state.tally.removals -= evicted;
-            self.state.tally.capacity_evictions += evicted;
-            return;
-        }
     }
 }
 

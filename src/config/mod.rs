@@ -7,16 +7,17 @@
 //! (`HF_TOKEN`, `PYTHONHASHSEED`) are applied by [`Config::apply_env`] and win over the file;
 //! [`Config::redacted`] hides secrets for printing.
 
+mod settings;
+mod validate;
+
 use std::collections::BTreeMap;
-use std::net::SocketAddr;
 use std::path::Path;
 
 use serde::{Deserialize, Serialize};
 use thiserror::Error;
 
-use kv_core::hashing::{ExtraKeysFormat, TokenProcessorConfig};
-use kv_core::index::{IndexConfig, TierWeights, MAX_MEMBERS};
-use kv_core::indexer::{IndexerSettings, ModelSettings};
+use kv_core::ExtraKeysFormat;
+use kv_core::TierWeights;
 
 /// Why a configuration was rejected.
 #[derive(Debug, Error)]
@@ -389,197 +390,6 @@ impl Config {
         }
     }
 
-    /// Checks every range; the error names the field.
-    pub fn validate(&self) -> Result<(), ConfigError> {
-        let tp = &self.indexer_config.token_processor_config;
-        check_block_sizes(
-            "indexerConfig.tokenProcessorConfig",
-            tp.block_size,
-            tp.hash_block_size,
-        )?;
-        let mem = &self.indexer_config.kv_block_index_config.in_memory_config;
-        if mem.size == 0 || mem.size > (u32::MAX - 2) as usize {
-            return Err(invalid(
-                "indexerConfig.kvBlockIndexConfig.inMemoryConfig.size",
-                format!("must be between 1 and {}", u32::MAX - 2),
-            ));
-        }
-        if mem.pod_cache_size == 0 || mem.pod_cache_size > MAX_MEMBERS {
-            return Err(invalid(
-                "indexerConfig.kvBlockIndexConfig.inMemoryConfig.podCacheSize",
-                format!("must be between 1 and {MAX_MEMBERS}"),
-            ));
-        }
-        let ps = &self.indexer_config.prefix_store_config;
-        if ps.block_size == 0 {
-            return Err(invalid(
-                "indexerConfig.prefixStoreConfig.blockSize",
-                "must be at least 1",
-            ));
-        }
-        let pool = &self.indexer_config.tokenizers_pool_config;
-        if pool.workers_count == 0 || pool.workers_count > 256 {
-            return Err(invalid(
-                "indexerConfig.tokenizersPoolConfig.workersCount",
-                "must be between 1 and 256",
-            ));
-        }
-        if !(0.0..=1.0).contains(&pool.min_prefix_overlap_ratio) {
-            return Err(invalid(
-                "indexerConfig.tokenizersPoolConfig.minPrefixOverlapRatio",
-                "must be between 0 and 1",
-            ));
-        }
-        let ev = &self.kv_events_config;
-        if ev.concurrency == 0 || ev.concurrency > 1024 {
-            return Err(invalid(
-                "kvEventsConfig.concurrency",
-                "must be between 1 and 1024",
-            ));
-        }
-        if ev.queue_depth == 0 {
-            return Err(invalid("kvEventsConfig.queueDepth", "must be at least 1"));
-        }
-        if !ev.zmq_endpoint.is_empty() {
-            check_tcp_endpoint("kvEventsConfig.zmqEndpoint", &ev.zmq_endpoint)?;
-        }
-        if !ev.replay_endpoint_template.is_empty() && !ev.replay_endpoint_template.contains("{ip}")
-        {
-            return Err(invalid(
-                "kvEventsConfig.replayEndpointTemplate",
-                "must contain {ip} (e.g. tcp://{ip}:5558)",
-            ));
-        }
-        for (i, ep) in ev.endpoints.iter().enumerate() {
-            check_tcp_endpoint(
-                &format!("kvEventsConfig.endpoints[{i}].endpoint"),
-                &ep.endpoint,
-            )?;
-            if !ep.replay_endpoint.is_empty() {
-                check_tcp_endpoint(
-                    &format!("kvEventsConfig.endpoints[{i}].replayEndpoint"),
-                    &ep.replay_endpoint,
-                )?;
-            }
-        }
-        if ev.zmq_endpoint.is_empty() && ev.endpoints.is_empty() {
-            tracing::warn!(
-                "no event source: kvEventsConfig.zmqEndpoint is empty and no endpoints are listed"
-            );
-        }
-        for (field, addr) in [
-            ("server.grpcAddr", &self.server.grpc_addr),
-            ("server.metricsAddr", &self.server.metrics_addr),
-        ] {
-            addr.parse::<SocketAddr>()
-                .map_err(|e| invalid(field, format!("{addr:?} is not host:port ({e})")))?;
-        }
-        for (field, value) in [
-            (
-                "server.maxConcurrentRequests",
-                self.server.max_concurrent_requests,
-            ),
-            ("server.maxPromptTokens", self.server.max_prompt_tokens),
-            ("server.maxPromptBytes", self.server.max_prompt_bytes),
-            ("server.maxCandidatePods", self.server.max_candidate_pods),
-        ] {
-            if value == 0 {
-                return Err(invalid(field, "must be at least 1"));
-            }
-        }
-        let w = &self.scoring.tier_weights;
-        for (name, v) in [
-            ("gpu", w.gpu),
-            ("cpu", w.cpu),
-            ("storage", w.storage),
-            ("other", w.other),
-        ] {
-            if !v.is_finite() || v < 0.0 {
-                return Err(invalid(
-                    format!("scoring.tierWeights.{name}"),
-                    "must be a finite number >= 0",
-                ));
-            }
-        }
-        for (model, m) in &self.models {
-            if model.is_empty() {
-                return Err(invalid("models", "a model name is empty"));
-            }
-            let block = m.block_size.unwrap_or(tp.block_size);
-            let unit = m.hash_block_size.or(tp.hash_block_size);
-            check_block_sizes(&format!("models.{model}"), block, unit)?;
-        }
-        Ok(())
-    }
-
-    /// The library settings this config describes.
-    pub fn indexer_settings(&self) -> IndexerSettings {
-        let tp = &self.indexer_config.token_processor_config;
-        let default_processor = TokenProcessorConfig {
-            hash_seed: tp.hash_seed.clone(),
-            block_size: tp.block_size,
-            hash_block_size: tp.hash_block_size,
-            extra_keys_format: tp.extra_keys_format,
-        };
-        let models = self
-            .models
-            .iter()
-            .map(|(name, m)| {
-                let settings = ModelSettings {
-                    token_processor: TokenProcessorConfig {
-                        hash_seed: m.hash_seed.clone().or_else(|| tp.hash_seed.clone()),
-                        block_size: m.block_size.unwrap_or(tp.block_size),
-                        hash_block_size: m.hash_block_size.or(tp.hash_block_size),
-                        extra_keys_format: m.extra_keys_format.unwrap_or(tp.extra_keys_format),
-                    },
-                    lora_paths: m.lora_adapters.clone().into_iter().collect(),
-                };
-                (name.clone(), settings)
-            })
-            .collect();
-        let mem = &self.indexer_config.kv_block_index_config.in_memory_config;
-        let w = &self.scoring.tier_weights;
-        IndexerSettings {
-            index: IndexConfig {
-                max_keys: mem.size,
-                pod_cache_size: mem.pod_cache_size,
-            },
-            default_model: ModelSettings {
-                token_processor: default_processor,
-                lora_paths: Default::default(),
-            },
-            models,
-            weights: TierWeights([w.gpu, w.cpu, w.storage, w.other]),
-        }
-    }
-
-    /// The tokenizer pool and prefix store settings this config describes.
-    pub fn tokenizer_settings(&self) -> kv_tokenize::TokenizerSettings {
-        let pool = &self.indexer_config.tokenizers_pool_config;
-        let mut explicit: std::collections::HashMap<String, String> =
-            pool.local.model_tokenizer_map.clone().into_iter().collect();
-        for (model, m) in &self.models {
-            if let Some(t) = &m.tokenizer {
-                explicit.insert(model.clone(), t.clone());
-            }
-        }
-        let store = &self.indexer_config.prefix_store_config;
-        kv_tokenize::TokenizerSettings {
-            sources: kv_tokenize::model::SourceSettings {
-                explicit,
-                cache_dir: pool.tokenizers_cache_dir.clone().into(),
-                hf_token: Some(pool.hugging_face_token.clone()).filter(|t| !t.is_empty()),
-                hf_endpoint: Some(pool.hf_endpoint.clone()).filter(|e| !e.is_empty()),
-                offline: pool.offline,
-            },
-            workers: pool.workers_count,
-            queue_size: pool.queue_size,
-            prefix_cache_size: store.cache_size as u64,
-            prefix_block_chars: store.block_size,
-            min_prefix_overlap_ratio: pool.min_prefix_overlap_ratio,
-        }
-    }
-
     /// A copy safe to print: the HuggingFace token is masked.
     pub fn redacted(&self) -> Self {
         let mut c = self.clone();
@@ -593,38 +403,6 @@ impl Config {
     /// The config as YAML.
     pub fn to_yaml(&self) -> String {
         serde_yaml::to_string(self).unwrap_or_else(|e| format!("# cannot render config: {e}\n"))
-    }
-}
-
-fn check_block_sizes(prefix: &str, block: usize, unit: Option<usize>) -> Result<(), ConfigError> {
-    if block == 0 {
-        return Err(invalid(format!("{prefix}.blockSize"), "must be at least 1"));
-    }
-    if let Some(u) = unit {
-        if u == 0 || !block.is_multiple_of(u) {
-            return Err(invalid(
-                format!("{prefix}.hashBlockSize"),
-                format!("must be at least 1 and divide blockSize ({block})"),
-            ));
-        }
-    }
-    Ok(())
-}
-
-fn check_tcp_endpoint(field: &str, endpoint: &str) -> Result<(), ConfigError> {
-    let Some(rest) = endpoint.strip_prefix("tcp://") else {
-        return Err(invalid(
-            field,
-            format!("{endpoint:?}: only tcp:// endpoints are supported"),
-        ));
-    };
-    let port = rest.rsplit_once(':').map(|(_, p)| p);
-    match port.and_then(|p| p.parse::<u16>().ok()) {
-        Some(_) => Ok(()),
-        None => Err(invalid(
-            field,
-            format!("{endpoint:?} needs a port (tcp://host:port)"),
-        )),
     }
 }
 

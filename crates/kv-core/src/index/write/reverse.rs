@@ -1,0 +1,70 @@
+//! Per-engine reverse lists: the node ids an engine was given memberships on, so clearing an
+//! engine costs O(its blocks). Lazy: a list may hold stale or duplicate ids (checked against
+//! the node when used) and is compacted when it grows past 1.5x the engine's live memberships.
+
+use super::{IndexWriter, PREFETCH_AHEAD};
+use crate::index::types::EngineId;
+
+impl IndexWriter<'_> {
+    pub(super) fn note_membership(&mut self, engine: EngineId, id: u32) {
+        let Some(Some(state)) = self.state.engines.get_mut(engine as usize) else {
+            return;
+        };
+        if state.blocks.len() == state.blocks.capacity() {
+            // Full: compact if at least a third is stale, else grow by a quarter. Capacity stays
+            // within ~1.5x the live memberships (a doubling Vec would reach 4x).
+            let live = state.live as usize;
+            if state.blocks.len() >= 1024 && state.blocks.len() > live + live / 2 {
+                self.compact_reverse_list(engine);
+            }
+            if let Some(Some(state)) = self.state.engines.get_mut(engine as usize) {
+                if state.blocks.len() == state.blocks.capacity() {
+                    state
+                        .blocks
+                        .reserve_exact((state.blocks.len() / 4).max(256));
+                }
+            }
+        }
+        if let Some(Some(state)) = self.state.engines.get_mut(engine as usize) {
+            state.blocks.push(id);
+            state.live += 1;
+        }
+    }
+
+    /// Drops stale and duplicate ids from an engine's reverse list: one pass, nodes prefetched,
+    /// duplicates found with a bitset over node ids (no sort).
+    fn compact_reverse_list(&mut self, engine: EngineId) {
+        let Some(Some(state)) = self.state.engines.get_mut(engine as usize) else {
+            return;
+        };
+        let mut blocks = std::mem::take(&mut state.blocks);
+        let mut seen = std::mem::take(&mut self.state.seen);
+        seen.clear();
+        seen.resize(self.state.next_node as usize / 64 + 1, 0);
+        let slab = &self.index.slab;
+        let mut kept = 0;
+        for i in 0..blocks.len() {
+            if let Some(&ahead) = blocks.get(i + PREFETCH_AHEAD) {
+                slab.prefetch(ahead);
+            }
+            let id = blocks[i];
+            let (word, bit) = (id as usize / 64, 1u64 << (id % 64));
+            if seen.get(word).is_none_or(|w| w & bit != 0) {
+                continue;
+            }
+            if self.has_engine(id, engine) {
+                seen[word] |= bit;
+                blocks[kept] = id;
+                kept += 1;
+            }
+        }
+        blocks.truncate(kept);
+        if blocks.capacity() > 2 * kept + 4096 {
+            blocks.shrink_to(kept + kept / 4 + 1024);
+        }
+        self.state.seen = seen;
+        if let Some(Some(state)) = self.state.engines.get_mut(engine as usize) {
+            state.blocks = blocks;
+        }
+    }
+}

@@ -1,0 +1,165 @@
+//! Validation: every value checked against what the daemon supports, each error naming the
+//! field's path.
+
+use std::net::SocketAddr;
+
+use kv_core::MAX_MEMBERS;
+
+use super::{invalid, Config, ConfigError};
+
+impl Config {
+    /// Checks every range; the error names the field.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let tp = &self.indexer_config.token_processor_config;
+        check_block_sizes(
+            "indexerConfig.tokenProcessorConfig",
+            tp.block_size,
+            tp.hash_block_size,
+        )?;
+        let mem = &self.indexer_config.kv_block_index_config.in_memory_config;
+        if mem.size == 0 || mem.size > (u32::MAX - 2) as usize {
+            return Err(invalid(
+                "indexerConfig.kvBlockIndexConfig.inMemoryConfig.size",
+                format!("must be between 1 and {}", u32::MAX - 2),
+            ));
+        }
+        if mem.pod_cache_size == 0 || mem.pod_cache_size > MAX_MEMBERS {
+            return Err(invalid(
+                "indexerConfig.kvBlockIndexConfig.inMemoryConfig.podCacheSize",
+                format!("must be between 1 and {MAX_MEMBERS}"),
+            ));
+        }
+        let ps = &self.indexer_config.prefix_store_config;
+        if ps.block_size == 0 {
+            return Err(invalid(
+                "indexerConfig.prefixStoreConfig.blockSize",
+                "must be at least 1",
+            ));
+        }
+        let pool = &self.indexer_config.tokenizers_pool_config;
+        if pool.workers_count == 0 || pool.workers_count > 256 {
+            return Err(invalid(
+                "indexerConfig.tokenizersPoolConfig.workersCount",
+                "must be between 1 and 256",
+            ));
+        }
+        if !(0.0..=1.0).contains(&pool.min_prefix_overlap_ratio) {
+            return Err(invalid(
+                "indexerConfig.tokenizersPoolConfig.minPrefixOverlapRatio",
+                "must be between 0 and 1",
+            ));
+        }
+        let ev = &self.kv_events_config;
+        if ev.concurrency == 0 || ev.concurrency > 1024 {
+            return Err(invalid(
+                "kvEventsConfig.concurrency",
+                "must be between 1 and 1024",
+            ));
+        }
+        if ev.queue_depth == 0 {
+            return Err(invalid("kvEventsConfig.queueDepth", "must be at least 1"));
+        }
+        if !ev.zmq_endpoint.is_empty() {
+            check_tcp_endpoint("kvEventsConfig.zmqEndpoint", &ev.zmq_endpoint)?;
+        }
+        if !ev.replay_endpoint_template.is_empty() && !ev.replay_endpoint_template.contains("{ip}")
+        {
+            return Err(invalid(
+                "kvEventsConfig.replayEndpointTemplate",
+                "must contain {ip} (e.g. tcp://{ip}:5558)",
+            ));
+        }
+        for (i, ep) in ev.endpoints.iter().enumerate() {
+            check_tcp_endpoint(
+                &format!("kvEventsConfig.endpoints[{i}].endpoint"),
+                &ep.endpoint,
+            )?;
+            if !ep.replay_endpoint.is_empty() {
+                check_tcp_endpoint(
+                    &format!("kvEventsConfig.endpoints[{i}].replayEndpoint"),
+                    &ep.replay_endpoint,
+                )?;
+            }
+        }
+        if ev.zmq_endpoint.is_empty() && ev.endpoints.is_empty() {
+            tracing::warn!(
+                "no event source: kvEventsConfig.zmqEndpoint is empty and no endpoints are listed"
+            );
+        }
+        for (field, addr) in [
+            ("server.grpcAddr", &self.server.grpc_addr),
+            ("server.metricsAddr", &self.server.metrics_addr),
+        ] {
+            addr.parse::<SocketAddr>()
+                .map_err(|e| invalid(field, format!("{addr:?} is not host:port ({e})")))?;
+        }
+        for (field, value) in [
+            (
+                "server.maxConcurrentRequests",
+                self.server.max_concurrent_requests,
+            ),
+            ("server.maxPromptTokens", self.server.max_prompt_tokens),
+            ("server.maxPromptBytes", self.server.max_prompt_bytes),
+            ("server.maxCandidatePods", self.server.max_candidate_pods),
+        ] {
+            if value == 0 {
+                return Err(invalid(field, "must be at least 1"));
+            }
+        }
+        let w = &self.scoring.tier_weights;
+        for (name, v) in [
+            ("gpu", w.gpu),
+            ("cpu", w.cpu),
+            ("storage", w.storage),
+            ("other", w.other),
+        ] {
+            if !v.is_finite() || v < 0.0 {
+                return Err(invalid(
+                    format!("scoring.tierWeights.{name}"),
+                    "must be a finite number >= 0",
+                ));
+            }
+        }
+        for (model, m) in &self.models {
+            if model.is_empty() {
+                return Err(invalid("models", "a model name is empty"));
+            }
+            let block = m.block_size.unwrap_or(tp.block_size);
+            let unit = m.hash_block_size.or(tp.hash_block_size);
+            check_block_sizes(&format!("models.{model}"), block, unit)?;
+        }
+        Ok(())
+    }
+}
+
+fn check_block_sizes(prefix: &str, block: usize, unit: Option<usize>) -> Result<(), ConfigError> {
+    if block == 0 {
+        return Err(invalid(format!("{prefix}.blockSize"), "must be at least 1"));
+    }
+    if let Some(u) = unit {
+        if u == 0 || !block.is_multiple_of(u) {
+            return Err(invalid(
+                format!("{prefix}.hashBlockSize"),
+                format!("must be at least 1 and divide blockSize ({block})"),
+            ));
+        }
+    }
+    Ok(())
+}
+
+fn check_tcp_endpoint(field: &str, endpoint: &str) -> Result<(), ConfigError> {
+    let Some(rest) = endpoint.strip_prefix("tcp://") else {
+        return Err(invalid(
+            field,
+            format!("{endpoint:?}: only tcp:// endpoints are supported"),
+        ));
+    };
+    let port = rest.rsplit_once(':').map(|(_, p)| p);
+    match port.and_then(|p| p.parse::<u16>().ok()) {
+        Some(_) => Ok(()),
+        None => Err(invalid(
+            field,
+            format!("{endpoint:?} needs a port (tcp://host:port)"),
+        )),
+    }
+}
