@@ -158,7 +158,7 @@ pub async fn start(config: Config) -> Result<RunningDaemon, DaemonError> {
             addr: config.server.metrics_addr.clone(),
             source,
         })?;
-    let app = http::router(http::HttpState {
+    let app = http::app(http::HttpState {
         indexer: indexer.clone(),
         metrics: metrics.clone(),
         ready: ready.clone(),

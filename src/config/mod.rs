@@ -213,7 +213,7 @@ pub struct LocalTokenizers {
     pub model_tokenizer_map: BTreeMap<String, String>,
 }
 
-/// llm-d's `kvEventsConfig`, plus connect mode and replay settings.
+/// llm-d's `kvEventsConfig`, plus connect mode and gap-fill settings (vLLM's replay socket).
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 #[serde(rename_all = "camelCase", deny_unknown_fields, default)]
 pub struct KvEventsConfig {
@@ -223,11 +223,11 @@ pub struct KvEventsConfig {
     pub topic_filter: String,
     /// Event-applying workers (one pod's events always go to the same worker, in order).
     pub concurrency: usize,
-    /// Bind mode: the replay endpoint of a pod, from its address: `{ip}` and `{port}` are the
-    /// topic's pod address; vLLM adds the DP rank to the port, and so does kv-indexer. Empty:
-    /// no replay in bind mode.
+    /// Bind mode: a pod's replay endpoint (vLLM's name for the socket gaps are filled from),
+    /// from its address: `{ip}` and `{port}` are the topic's pod address; vLLM adds the DP rank
+    /// to the port, and so does kv-indexer. Empty: no gap fill in bind mode.
     pub replay_endpoint_template: String,
-    /// How long a replay request may take.
+    /// How long a gap-fill request may take.
     pub replay_timeout_ms: u64,
     /// Messages queued per worker before the receiver waits.
     pub queue_depth: usize,

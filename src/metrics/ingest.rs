@@ -61,14 +61,14 @@ impl IngestMetrics {
             messages_lost: counter_vec(
                 r,
                 "kvindexer_messages_lost_total",
-                "Messages missing after replay (or without replay)",
+                "Messages missing after gap fill from vLLM's replay buffer (or without it)",
                 &["pod"],
             ),
             // vLLM calls its gap-fill socket the replay endpoint; the metric keeps that name.
             gap_fills: counter_vec(
                 r,
                 "kvindexer_replays_total",
-                "Replay requests to vLLM's ROUTER",
+                "Gap-fill requests to vLLM's replay socket",
                 &["result"],
             ),
             pod_restarts: counter_vec(

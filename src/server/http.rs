@@ -25,8 +25,8 @@ pub struct HttpState {
     pub ready: Arc<AtomicBool>,
 }
 
-/// The router for the metrics port.
-pub fn router(state: HttpState) -> Router {
+/// The HTTP application of the metrics port (axum calls its route table a `Router`).
+pub fn app(state: HttpState) -> Router {
     Router::new()
         .route("/metrics", get(metrics))
         .route("/healthz", get(|| async { "ok\n" }))
