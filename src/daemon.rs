@@ -195,6 +195,11 @@ impl RunningDaemon {
         self.ingest.publishers.clone()
     }
 
+    /// The metrics page as `/metrics` serves it (for tests and tools).
+    pub fn metrics_text(&self) -> String {
+        self.metrics.render(&self.indexer)
+    }
+
     /// Graceful shutdown: stop intake, drain the event queues, finish in-flight RPCs.
     pub async fn shutdown(self) {
         self.ready.store(false, Ordering::Relaxed);

@@ -229,7 +229,11 @@ pub struct KvEventsConfig {
     pub replay_endpoint_template: String,
     /// How long a gap-fill request may take.
     pub replay_timeout_ms: u64,
-    /// Messages queued per worker before the receiver waits.
+    /// Gap-fill requests in flight at most, across all publishers; a gap beyond is counted as
+    /// lost at once (`kvindexer_replays_total{result="throttled"}`).
+    pub max_gap_fills_in_flight: usize,
+    /// Messages queued per worker; beyond, a message is shed (counted) rather than making the
+    /// receiver wait, so one slow publisher never holds back the others.
     pub queue_depth: usize,
     /// Connect mode: pods that bind their PUB socket, dialled by every kv-indexer replica.
     pub endpoints: Vec<ConnectEndpoint>,
@@ -243,6 +247,7 @@ impl Default for KvEventsConfig {
             concurrency: 16,
             replay_endpoint_template: String::new(),
             replay_timeout_ms: 2_000,
+            max_gap_fills_in_flight: 16,
             queue_depth: 1024,
             endpoints: Vec::new(),
         }

@@ -56,6 +56,12 @@ impl Config {
                 "must be between 1 and 1024",
             ));
         }
+        if ev.max_gap_fills_in_flight == 0 || ev.max_gap_fills_in_flight > 4096 {
+            return Err(invalid(
+                "kvEventsConfig.maxGapFillsInFlight",
+                "must be between 1 and 4096",
+            ));
+        }
         if ev.queue_depth == 0 {
             return Err(invalid("kvEventsConfig.queueDepth", "must be at least 1"));
         }

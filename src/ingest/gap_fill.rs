@@ -22,6 +22,10 @@ pub enum GapFillError {
     /// Connecting, sending or receiving failed.
     #[error("gap-fill socket error: {0}")]
     Socket(#[from] zeromq::ZmqError),
+    /// Nothing accepts connections at the endpoint (refused, unroutable, or no answer to the
+    /// TCP handshake within the probe time).
+    #[error("gap-fill endpoint unreachable: {0}")]
+    Unreachable(String),
     /// No end marker within the timeout.
     #[error("gap fill timed out after {0:?}")]
     Timeout(Duration),
@@ -41,6 +45,7 @@ impl GapFillError {
     pub fn label(&self) -> &'static str {
         match self {
             GapFillError::Socket(_) => "socket_error",
+            GapFillError::Unreachable(_) => "unreachable",
             GapFillError::Timeout(_) => "timeout",
             GapFillError::BadReply { .. } | GapFillError::BadSequence(_) => "bad_reply",
         }
@@ -59,7 +64,26 @@ pub async fn fetch(
     }
 }
 
+/// How long the TCP probe waits for a handshake.
+const PROBE_TIMEOUT: Duration = Duration::from_millis(500);
+
+/// Fails fast when nothing listens at a `tcp://host:port` endpoint: the ZMQ client would keep
+/// retrying a refused connection until the whole gap-fill timeout passed.
+async fn probe(endpoint: &str) -> Result<(), GapFillError> {
+    let Some(addr) = endpoint.strip_prefix("tcp://") else {
+        return Ok(());
+    };
+    match tokio::time::timeout(PROBE_TIMEOUT, tokio::net::TcpStream::connect(addr)).await {
+        Ok(Ok(_stream)) => Ok(()),
+        Ok(Err(e)) => Err(GapFillError::Unreachable(e.to_string())),
+        Err(_) => Err(GapFillError::Unreachable(format!(
+            "no TCP handshake within {PROBE_TIMEOUT:?}"
+        ))),
+    }
+}
+
 async fn fetch_inner(endpoint: &str, start: u64) -> Result<Vec<(u64, Bytes)>, GapFillError> {
+    probe(endpoint).await?;
     let mut socket = DealerSocket::new();
     socket.connect(endpoint).await?;
     let request = ZmqMessage::try_from(vec![

@@ -15,11 +15,17 @@
 //!   reason; nothing a publisher sends can stop a receiver or a worker;
 //! - all messages of one pod go to the same worker (pod hash), so its events apply in order;
 //!   different pods apply in parallel;
+//! - a receiver never waits on a worker: a message for a full worker queue is shed and counted
+//!   (`kvindexer_messages_shed_total`); it becomes a gap of its publisher;
 //! - per publisher (pod, model, DP rank): a gap is filled once from the publisher's replay
 //!   socket (never retried: no loops), and what it cannot supply is counted as lost; a sequence
 //!   that goes backwards is a restarted vLLM, whose cache is gone, so its blocks are cleared
 //!   first; a repeated sequence is a duplicate and dropped; a first message that does not start
-//!   at 0 fetches from 0 when possible.
+//!   at 0 fetches from 0 when possible;
+//! - gap fill runs off the event path: it is a task of its own (at most `maxGapFillsInFlight`
+//!   at once); meanwhile that publisher's messages wait in a bounded buffer and every other
+//!   publisher's apply as usual; a publisher whose gap fill fails is backed off (1 s doubling to
+//!   60 s) and its gaps are counted as lost without asking it again.
 
 pub mod gap_fill;
 pub mod sequence;
@@ -86,6 +92,13 @@ pub struct PublisherState {
     pub gaps: u64,
     /// Restarts seen.
     pub restarts: u64,
+    /// Messages lost for good (gaps gap fill could not supply).
+    pub messages_lost: u64,
+    /// Gap fills that failed in a row (0 once one succeeds). While it is not 0 the publisher is
+    /// in backoff: its gaps are counted as lost without asking it again until `backoff_until`.
+    pub gap_fill_failures: u32,
+    /// No gap fill is asked of this publisher before this instant.
+    pub backoff_until: Option<std::time::Instant>,
 }
 
 /// Publisher states, one map per worker (a pod always maps to the same worker, so each map has
@@ -192,9 +205,12 @@ struct Shared {
     publishers: Arc<Publishers>,
     filter: String,
     gap_fill_timeout: Duration,
+    /// Permits for gap fills in flight (`maxGapFillsInFlight`), across all workers.
+    gap_fill_slots: Arc<tokio::sync::Semaphore>,
     frame_log: LogLimiter,
     decode_log: LogLimiter,
     gap_fill_log: LogLimiter,
+    shed_log: LogLimiter,
 }
 
 /// What receivers hold: the shared state and the workers' queues. Workers do not hold it, so
@@ -252,9 +268,13 @@ pub async fn start(
         publishers: publishers.clone(),
         filter: config.topic_filter.clone(),
         gap_fill_timeout: Duration::from_millis(config.replay_timeout_ms),
+        gap_fill_slots: Arc::new(tokio::sync::Semaphore::new(
+            config.max_gap_fills_in_flight.max(1),
+        )),
         frame_log: LogLimiter::default(),
         decode_log: LogLimiter::default(),
         gap_fill_log: LogLimiter::default(),
+        shed_log: LogLimiter::default(),
     });
     let dispatch = Arc::new(Dispatch {
         shared: shared.clone(),

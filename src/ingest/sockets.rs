@@ -6,7 +6,7 @@ use std::hash::{Hash, Hasher};
 use std::sync::Arc;
 use std::time::Duration;
 
-use tokio::sync::watch;
+use tokio::sync::{mpsc, watch};
 use zeromq::{Socket, SocketRecv, SubSocket, ZmqMessage};
 
 use super::{topic, Dispatch, GapFillRoute, Job, Shared};
@@ -83,7 +83,7 @@ pub(super) async fn receive(
         tokio::select! {
             _ = shutdown.changed() => break,
             message = socket.recv() => match message {
-                Ok(message) => dispatch_message(message, &source, &dispatch).await,
+                Ok(message) => dispatch_message(message, &source, &dispatch),
                 Err(e) => {
                     frame_error(&dispatch.shared, "recv_error", &format!("receive on {}: {e}", source.label));
                     tokio::time::sleep(Duration::from_millis(50)).await;
@@ -102,7 +102,7 @@ fn frame_error(shared: &Shared, reason: &'static str, detail: &str) {
 }
 
 /// Checks a message's frames, names its publisher and queues it on its pod's worker.
-async fn dispatch_message(message: ZmqMessage, source: &Source, dispatch: &Dispatch) {
+fn dispatch_message(message: ZmqMessage, source: &Source, dispatch: &Dispatch) {
     let shared = &dispatch.shared;
     let frames = message.into_vec();
     let [topic, seq, payload] = frames.as_slice() else {
@@ -156,7 +156,17 @@ async fn dispatch_message(message: ZmqMessage, source: &Source, dispatch: &Dispa
         payload: payload.clone(),
         gap_fill: source.gap_fill.clone(),
     };
-    if dispatch.workers[worker].send(job).await.is_err() {
-        shared.metrics.ingest.dequeued();
+    // Never wait on one worker: a full queue sheds this message (its publisher sees a gap,
+    // filled from vLLM's buffer when possible) instead of holding back every other pod.
+    match dispatch.workers[worker].try_send(job) {
+        Ok(()) => {}
+        Err(mpsc::error::TrySendError::Full(job)) => {
+            shared.metrics.ingest.dequeued();
+            shared.metrics.ingest.shed("queue_full");
+            if let Some(suppressed) = shared.shed_log.allow() {
+                tracing::warn!(pod = %job.pod, worker, suppressed, "a worker queue is full: message shed (kvEventsConfig.queueDepth)");
+            }
+        }
+        Err(mpsc::error::TrySendError::Closed(_)) => shared.metrics.ingest.dequeued(),
     }
 }

@@ -1,144 +1,354 @@
 //! The workers: each owns the publishers of the pods hashed to it, so one publisher's messages
-//! are decoded, sequenced ([`SeqOutcome`]), gap-filled and applied in order.
+//! are decoded, sequenced ([`SeqOutcome`]) and applied in order.
+//!
+//! Gap fill never runs inline. When a publisher's stream has a hole, the worker starts a gap-fill
+//! task (if a slot is free and the publisher is not in backoff) and parks that publisher: its
+//! next messages wait, decoded, in a bounded buffer ([`MAX_PARKED`]) while the worker goes on
+//! with every other publisher. When the task reports back (it always does, within
+//! `replayTimeoutMs`), the fetched batches are applied, then the parked ones, in sequence order.
+//! A buffer that overflows gives up waiting: the hole is counted as lost and the parked messages
+//! are applied.
 
+use std::collections::{HashMap, VecDeque};
+use std::ops::Range;
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
+use bytes::Bytes;
 use kv_core::{decode_batch, EventBatch};
 use tokio::sync::mpsc;
 
+use super::gap_fill::{self, GapFillError};
 use super::sequence::SeqOutcome;
-use super::{gap_fill, Job, PublisherKey, Shared};
+use super::{Job, PublisherKey, PublisherState, Shared};
 
-/// Runs worker `index` until its queue closes.
+/// Messages a publisher may park while its gap is being filled; beyond, the fill is given up.
+pub(super) const MAX_PARKED: usize = 4096;
+
+/// The first backoff after a failed gap fill; it doubles with each failure in a row.
+const BACKOFF_START: Duration = Duration::from_secs(1);
+/// The longest backoff.
+const BACKOFF_MAX: Duration = Duration::from_secs(60);
+
+/// A publisher waiting for its gap fill.
+struct Parked {
+    /// Matches the task's report (a given-up fill may still report).
+    fill: u64,
+    /// The hole being filled.
+    wanted: Range<u64>,
+    /// Whether the hole counts as lost when it cannot be filled (a gap; not a late join).
+    count_lost: bool,
+    /// Messages that arrived meanwhile, in arrival order.
+    messages: VecDeque<(u64, EventBatch)>,
+}
+
+/// A gap-fill task's report.
+struct FillReport {
+    key: PublisherKey,
+    fill: u64,
+    result: Result<Vec<(u64, Bytes)>, GapFillError>,
+    elapsed: Duration,
+}
+
+/// One worker's state: the publishers it has parked.
+struct Worker<'a> {
+    index: usize,
+    shared: &'a Shared,
+    parked: HashMap<PublisherKey, Parked>,
+    next_fill: u64,
+    reports: mpsc::UnboundedSender<FillReport>,
+}
+
+/// Runs worker `index` until its queue closes, then settles what is still parked.
 pub(super) async fn run(index: usize, mut rx: mpsc::Receiver<Job>, shared: Arc<Shared>) {
-    while let Some(job) = rx.recv().await {
-        shared.metrics.ingest.dequeued();
-        handle(index, job, &shared).await;
+    let (reports, mut report_rx) = mpsc::unbounded_channel();
+    let mut worker = Worker {
+        index,
+        shared: &shared,
+        parked: HashMap::new(),
+        next_fill: 0,
+        reports,
+    };
+    loop {
+        tokio::select! {
+            biased;
+            Some(report) = report_rx.recv() => worker.settle(report),
+            job = rx.recv() => match job {
+                Some(job) => {
+                    shared.metrics.ingest.dequeued();
+                    worker.handle(job);
+                }
+                None => break,
+            },
+        }
+    }
+    // Shutdown: wait for the fills in flight (each ends within its timeout), then stop.
+    while !worker.parked.is_empty() {
+        match report_rx.recv().await {
+            Some(report) => worker.settle(report),
+            None => break,
+        }
     }
 }
 
-async fn handle(worker: usize, job: Job, shared: &Shared) {
-    let metrics = &shared.metrics.ingest;
-    let batch = match decode_batch(&job.payload) {
-        Ok(b) => b,
-        Err(e) => {
-            metrics.decode_error(e.reason());
-            if let Some(suppressed) = shared.decode_log.allow() {
-                tracing::warn!(pod = %job.pod, model = %job.model, seq = job.seq, error = %e, suppressed, "undecodable KV event payload dropped");
+impl Worker<'_> {
+    fn state<R>(&self, key: &PublisherKey, f: impl FnOnce(&mut PublisherState) -> R) -> R {
+        let mut shard = self.shared.publishers.shards[self.index].lock();
+        f(shard.entry(key.clone()).or_default())
+    }
+
+    fn handle(&mut self, job: Job) {
+        let metrics = &self.shared.metrics.ingest;
+        let batch = match decode_batch(&job.payload) {
+            Ok(b) => b,
+            Err(e) => {
+                metrics.decode_error(e.reason());
+                if let Some(suppressed) = self.shared.decode_log.allow() {
+                    tracing::warn!(pod = %job.pod, model = %job.model, seq = job.seq, error = %e, suppressed, "undecodable KV event payload dropped");
+                }
+                return;
             }
+        };
+        let key = PublisherKey {
+            pod: job.pod.clone(),
+            model: job.model.clone(),
+            rank: rank_of(&batch),
+        };
+        if let Some(parked) = self.parked.get_mut(&key) {
+            if parked.messages.len() < MAX_PARKED {
+                parked.messages.push_back((job.seq, batch));
+                return;
+            }
+            // The fill takes too long for this publisher's traffic: stop waiting for it, and
+            // back the publisher off as if the fill had failed.
+            if let Some(parked) = self.parked.remove(&key) {
+                metrics.gap_fill("abandoned");
+                self.back_off(&key);
+                self.lose(&key, &parked);
+                self.release(&key, parked.messages);
+            }
+        }
+        self.sequence(&job, key, job.seq, batch, true);
+    }
+
+    /// Sequences one message of `key` and applies it; with `may_fill`, a hole before it starts a
+    /// gap fill (and parks the message) instead of being counted as lost.
+    fn sequence(
+        &mut self,
+        job: &Job,
+        key: PublisherKey,
+        seq: u64,
+        batch: EventBatch,
+        may_fill: bool,
+    ) {
+        let metrics = &self.shared.metrics.ingest;
+        let last = self.state(&key, |s| s.last_seq);
+        let outcome = SeqOutcome::classify(last, seq);
+        let hole = match &outcome {
+            SeqOutcome::Next => None,
+            SeqOutcome::Duplicate => {
+                metrics.skipped("duplicate", 1);
+                return;
+            }
+            // Joined late (daemon start, slow joiner): fetch what the buffer still has.
+            SeqOutcome::First { missed } => missed.clone().map(|m| (m, false)),
+            SeqOutcome::Restart { missed } => {
+                metrics.restart(&key.pod);
+                let removed = self
+                    .shared
+                    .indexer
+                    .clear_engine(&key.model, &key.pod, key.rank);
+                tracing::warn!(pod = %key.pod, model = %key.model, rank = key.rank, last_seq = ?last, seq, removed, "publisher restarted (sequence went backwards): its blocks were cleared");
+                self.state(&key, |s| s.restarts += 1);
+                missed.clone().map(|m| (m, false))
+            }
+            SeqOutcome::Gap { missing } => {
+                metrics.gap(&key.pod);
+                self.state(&key, |s| s.gaps += 1);
+                Some((missing.clone(), true))
+            }
+        };
+        if let Some((wanted, count_lost)) = hole {
+            if may_fill {
+                if let Some(fill) = self.start_fill(job, &key, wanted.clone()) {
+                    let mut messages = VecDeque::new();
+                    messages.push_back((seq, batch));
+                    self.parked.insert(
+                        key,
+                        Parked {
+                            fill,
+                            wanted,
+                            count_lost,
+                            messages,
+                        },
+                    );
+                    return;
+                }
+            }
+            if count_lost {
+                self.lost(&key, wanted.end - wanted.start);
+            }
+        }
+        self.apply(&key, &batch);
+        self.state(&key, |s| {
+            s.last_seq = Some(seq);
+            s.messages += 1;
+        });
+    }
+
+    /// Starts a gap-fill task for `wanted`, or says why not (and counts it): no gap-fill
+    /// endpoint, the publisher in backoff, or every slot taken.
+    fn start_fill(&mut self, job: &Job, key: &PublisherKey, wanted: Range<u64>) -> Option<u64> {
+        let metrics = &self.shared.metrics.ingest;
+        let Some(endpoint) = job.gap_fill.endpoint(&key.pod, key.rank) else {
+            metrics.gap_fill("unavailable");
+            return None;
+        };
+        let now = Instant::now();
+        if self.state(key, |s| s.backoff_until.is_some_and(|t| now < t)) {
+            metrics.gap_fill("backoff");
+            return None;
+        }
+        let Ok(permit) = self.shared.gap_fill_slots.clone().try_acquire_owned() else {
+            metrics.gap_fill("throttled");
+            return None;
+        };
+        self.next_fill += 1;
+        let fill = self.next_fill;
+        let reports = self.reports.clone();
+        let timeout = self.shared.gap_fill_timeout;
+        let key = key.clone();
+        tokio::spawn(async move {
+            let started = Instant::now();
+            let result = gap_fill::fetch(&endpoint, wanted.start, timeout).await;
+            drop(permit);
+            let _ = reports.send(FillReport {
+                key,
+                fill,
+                result,
+                elapsed: started.elapsed(),
+            });
+        });
+        Some(fill)
+    }
+
+    /// A gap-fill task reported: apply what it fetched, then what was parked.
+    fn settle(&mut self, report: FillReport) {
+        let metrics = &self.shared.metrics.ingest;
+        let Some(parked) = self.parked.get(&report.key) else {
+            return; // given up earlier
+        };
+        if parked.fill != report.fill {
             return;
         }
-    };
-    let rank = batch
+        let Some(parked) = self.parked.remove(&report.key) else {
+            return;
+        };
+        let key = report.key;
+        match report.result {
+            Ok(batches) => {
+                metrics.gap_fill("ok");
+                self.state(&key, |s| {
+                    s.gap_fill_failures = 0;
+                    s.backoff_until = None;
+                });
+                let mut applied = 0u64;
+                for (seq, payload) in batches {
+                    if !parked.wanted.contains(&seq) {
+                        continue;
+                    }
+                    match decode_batch(&payload) {
+                        Ok(batch) => {
+                            self.apply(&key, &batch);
+                            self.state(&key, |s| {
+                                s.last_seq = Some(seq);
+                                s.messages += 1;
+                            });
+                            applied += 1;
+                        }
+                        Err(e) => metrics.decode_error(e.reason()),
+                    }
+                }
+                tracing::info!(pod = %key.pod, model = %key.model, rank = key.rank, from = parked.wanted.start, to = parked.wanted.end, applied, elapsed = ?report.elapsed, "filled a gap from the publisher's replay buffer");
+                if parked.count_lost {
+                    let wanted = parked.wanted.end - parked.wanted.start;
+                    self.lost(&key, wanted.saturating_sub(applied));
+                }
+            }
+            Err(e) => {
+                metrics.gap_fill(e.label());
+                let failures = self.back_off(&key);
+                if let Some(suppressed) = self.shared.gap_fill_log.allow() {
+                    tracing::warn!(pod = %key.pod, model = %key.model, error = %e, failures, suppressed, "gap fill failed; the missed events are lost and this publisher is backed off");
+                }
+                self.lose(&key, &parked);
+            }
+        }
+        self.release(&key, parked.messages);
+    }
+
+    /// Records a failed (or abandoned) gap fill: no fill is asked of `key` for 1 s, doubling
+    /// with each failure in a row up to 60 s. Returns the failures in a row.
+    fn back_off(&self, key: &PublisherKey) -> u32 {
+        self.state(key, |s| {
+            s.gap_fill_failures = s.gap_fill_failures.saturating_add(1);
+            let backoff = BACKOFF_START
+                .saturating_mul(1 << (s.gap_fill_failures - 1).min(6))
+                .min(BACKOFF_MAX);
+            s.backoff_until = Some(Instant::now() + backoff);
+            s.gap_fill_failures
+        })
+    }
+
+    /// Counts a parked hole as lost (when it is a gap).
+    fn lose(&self, key: &PublisherKey, parked: &Parked) {
+        if parked.count_lost {
+            self.lost(key, parked.wanted.end - parked.wanted.start);
+        }
+    }
+
+    /// Applies parked messages in order; a new hole among them is counted, not filled.
+    fn release(&mut self, key: &PublisherKey, messages: VecDeque<(u64, EventBatch)>) {
+        // Parked messages may skip what the fill already applied: start after the last applied.
+        let job = Job {
+            pod: key.pod.clone(),
+            model: key.model.clone(),
+            seq: 0,
+            payload: Bytes::new(),
+            gap_fill: super::GapFillRoute::None,
+        };
+        for (seq, batch) in messages {
+            self.sequence(&job, key.clone(), seq, batch, false);
+        }
+    }
+
+    fn lost(&self, key: &PublisherKey, n: u64) {
+        if n > 0 {
+            self.shared.metrics.ingest.lost(&key.pod, n);
+            self.state(key, |s| s.messages_lost += n);
+        }
+    }
+
+    /// Applies one batch and records what it did.
+    fn apply(&self, key: &PublisherKey, batch: &EventBatch) {
+        let shared = self.shared;
+        let report = match shared.indexer.apply_batch(&key.model, &key.pod, batch) {
+            Ok(r) => r,
+            Err(e) => {
+                shared.metrics.ingest.skipped("bad_model_settings", 1);
+                tracing::error!(model = %key.model, error = %e, "cannot index events for this model");
+                return;
+            }
+        };
+        shared.metrics.ingest.applied(&key.pod, &key.model, &report);
+        shared.metrics.index.applied(&report);
+    }
+}
+
+/// The batch's data-parallel rank (0 when absent or out of range).
+fn rank_of(batch: &EventBatch) -> u32 {
+    batch
         .data_parallel_rank
         .and_then(|r| u32::try_from(r).ok())
-        .unwrap_or(0);
-    let key = PublisherKey {
-        pod: job.pod.clone(),
-        model: job.model.clone(),
-        rank,
-    };
-    let last = shared.publishers.shards[worker]
-        .lock()
-        .get(&key)
-        .and_then(|s| s.last_seq);
-    let outcome = SeqOutcome::classify(last, job.seq);
-    match &outcome {
-        SeqOutcome::Next => {}
-        SeqOutcome::Duplicate => {
-            metrics.skipped("duplicate", 1);
-            return;
-        }
-        SeqOutcome::First { missed } => {
-            // Joined late (daemon start, slow joiner): fetch what the buffer still has.
-            if let Some(missed) = missed {
-                fill_gap(shared, &job, rank, missed.clone(), false).await;
-            }
-        }
-        SeqOutcome::Restart { missed } => {
-            metrics.restart(&job.pod);
-            let removed = shared.indexer.clear_engine(&job.model, &job.pod, rank);
-            tracing::warn!(pod = %job.pod, model = %job.model, rank, last_seq = ?last, seq = job.seq, removed, "publisher restarted (sequence went backwards): its blocks were cleared");
-            if let Some(missed) = missed {
-                fill_gap(shared, &job, rank, missed.clone(), false).await;
-            }
-        }
-        SeqOutcome::Gap { missing } => {
-            metrics.gap(&job.pod);
-            fill_gap(shared, &job, rank, missing.clone(), true).await;
-        }
-    }
-    apply(shared, &job.model, &job.pod, &batch);
-    let mut shard = shared.publishers.shards[worker].lock();
-    let state = shard.entry(key).or_default();
-    state.last_seq = Some(job.seq);
-    state.messages += 1;
-    state.gaps += u64::from(matches!(outcome, SeqOutcome::Gap { .. }));
-    state.restarts += u64::from(matches!(outcome, SeqOutcome::Restart { .. }));
-}
-
-/// Fetches `wanted` from the publisher's gap-fill socket and applies it; what cannot be had is
-/// counted as lost when `count_lost` (a gap; not when joining late or after a restart).
-async fn fill_gap(
-    shared: &Shared,
-    job: &Job,
-    rank: u32,
-    wanted: std::ops::Range<u64>,
-    count_lost: bool,
-) {
-    let metrics = &shared.metrics.ingest;
-    let lost = |n: u64| {
-        if count_lost {
-            metrics.lost(&job.pod, n);
-        }
-    };
-    let total = wanted.end - wanted.start;
-    let Some(endpoint) = job.gap_fill.endpoint(&job.pod, rank) else {
-        metrics.gap_fill("unavailable");
-        lost(total);
-        return;
-    };
-    let started = Instant::now();
-    match gap_fill::fetch(&endpoint, wanted.start, shared.gap_fill_timeout).await {
-        Ok(batches) => {
-            metrics.gap_fill("ok");
-            let mut applied = 0u64;
-            for (seq, payload) in batches {
-                if !wanted.contains(&seq) {
-                    continue;
-                }
-                match decode_batch(&payload) {
-                    Ok(batch) => {
-                        apply(shared, &job.model, &job.pod, &batch);
-                        applied += 1;
-                    }
-                    Err(e) => metrics.decode_error(e.reason()),
-                }
-            }
-            tracing::info!(pod = %job.pod, model = %job.model, rank, from = wanted.start, to = wanted.end, applied, elapsed = ?started.elapsed(), "filled a gap from the publisher's replay buffer");
-            lost(total.saturating_sub(applied));
-        }
-        Err(e) => {
-            metrics.gap_fill(e.label());
-            if let Some(suppressed) = shared.gap_fill_log.allow() {
-                tracing::warn!(pod = %job.pod, endpoint = %endpoint, error = %e, suppressed, "gap fill failed; the missed events are lost");
-            }
-            lost(total);
-        }
-    }
-}
-
-/// Applies one batch and records what it did.
-fn apply(shared: &Shared, model: &str, pod: &str, batch: &EventBatch) {
-    let report = match shared.indexer.apply_batch(model, pod, batch) {
-        Ok(r) => r,
-        Err(e) => {
-            shared.metrics.ingest.skipped("bad_model_settings", 1);
-            tracing::error!(model, error = %e, "cannot index events for this model");
-            return;
-        }
-    };
-    shared.metrics.ingest.applied(pod, model, &report);
-    shared.metrics.index.applied(&report);
+        .unwrap_or(0)
 }

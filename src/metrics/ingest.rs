@@ -21,6 +21,7 @@ pub struct IngestMetrics {
     hash_checks: IntCounterVec,
     blocks_applied: IntCounterVec,
     events_skipped: IntCounterVec,
+    messages_shed: IntCounterVec,
     queue_depth: IntGauge,
 }
 
@@ -95,6 +96,12 @@ impl IngestMetrics {
                 "Events not applied",
                 &["reason"],
             ),
+            messages_shed: counter_vec(
+                r,
+                "kvindexer_messages_shed_total",
+                "Messages dropped before a worker took them (the queue was full)",
+                &["reason"],
+            ),
             queue_depth: gauge(
                 r,
                 "kvindexer_event_queue_depth",
@@ -125,6 +132,11 @@ impl IngestMetrics {
         if n > 0 {
             self.events_skipped.with_label_values(&[reason]).inc_by(n);
         }
+    }
+
+    /// A message was shed before a worker took it.
+    pub fn shed(&self, reason: &'static str) {
+        self.messages_shed.with_label_values(&[reason]).inc();
     }
 
     /// A publisher's sequence went backwards.

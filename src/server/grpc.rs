@@ -243,13 +243,14 @@ impl kvindexer_v1::kv_indexer_server::KvIndexer for KvIndexerApi {
             }
             let checks = model.hash_checks();
             for (key, blocks) in model.index().engine_blocks() {
-                let last_sequence = publishers
+                let publisher = publishers
                     .iter()
                     .find(|(p, _)| {
                         *p.pod == *key.pod && &*p.model == model.name() && p.rank == key.dp_rank
                     })
-                    .and_then(|(_, s)| s.last_seq)
-                    .map_or(-1, |s| s as i64);
+                    .map(|(_, s)| s.clone())
+                    .unwrap_or_default();
+                let last_sequence = publisher.last_seq.map_or(-1, |s| s as i64);
                 let check = checks.get(&key.pod).cloned().unwrap_or_default();
                 pods.push(kvindexer_v1::PodInfo {
                     model: model.name().to_owned(),
@@ -259,6 +260,8 @@ impl kvindexer_v1::kv_indexer_server::KvIndexer for KvIndexerApi {
                     last_sequence,
                     hash_matches: check.matches,
                     hash_mismatches: check.mismatches,
+                    messages_lost: publisher.messages_lost,
+                    gap_fill_failures: publisher.gap_fill_failures,
                 });
             }
         }
