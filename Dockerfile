@@ -14,4 +14,7 @@ USER 65532:65532
 # gRPC, metrics/probes, ZMQ (bind mode)
 EXPOSE 50051 9090 5557
 ENTRYPOINT ["/usr/local/bin/kv-indexer"]
+# The shipped config keeps the ZMQ intake on loopback; open it on purpose, e.g.
+#   docker run ... serve --config /etc/kv-indexer/kv-indexer.yaml --zmq-endpoint 'tcp://*:5557'
+# (the Helm chart mounts its own config, which does, with a NetworkPolicy).
 CMD ["serve", "--config", "/etc/kv-indexer/kv-indexer.yaml", "--log-format", "json"]

@@ -11,6 +11,7 @@ use std::path::PathBuf;
 use gtmpl_value::{FuncError, Number, Value};
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::{ConfigMap, Secret, Service};
+use k8s_openapi::api::networking::v1::NetworkPolicy;
 use k8s_openapi::api::policy::v1::PodDisruptionBudget;
 use kv_indexer::config::Config;
 use serde::Deserialize;
@@ -150,6 +151,17 @@ fn int(args: &[Value]) -> Result<Value, FuncError> {
     }
 }
 
+/// Helm's `required MSG VALUE`: the value, or a render error with the message when it is empty.
+fn required(args: &[Value]) -> Result<Value, FuncError> {
+    match args {
+        [Value::String(message), value] if !truthy(value) => {
+            Err(FuncError::Generic(message.clone()))
+        }
+        [_, value] => Ok(value.clone()),
+        _ => Err(FuncError::ExactlyXArgs("required".into(), 2)),
+    }
+}
+
 fn template(source: &str) -> gtmpl::Template {
     let mut t = gtmpl::Template::default();
     t.add_funcs(&[
@@ -160,6 +172,7 @@ fn template(source: &str) -> gtmpl::Template {
         ("default", default as gtmpl::Func),
         ("until", until as gtmpl::Func),
         ("int", int as gtmpl::Func),
+        ("required", required as gtmpl::Func),
     ]);
     t.parse(source)
         .unwrap_or_else(|e| panic!("template parse: {e}"));
@@ -251,6 +264,7 @@ fn check_types(docs: &[(String, serde_json::Value)]) -> HashMap<String, serde_js
             "Service" => serde_json::from_value::<Service>(doc.clone()).map(|_| ()),
             "ConfigMap" => serde_json::from_value::<ConfigMap>(doc.clone()).map(|_| ()),
             "Secret" => serde_json::from_value::<Secret>(doc.clone()).map(|_| ()),
+            "NetworkPolicy" => serde_json::from_value::<NetworkPolicy>(doc.clone()).map(|_| ()),
             "PodDisruptionBudget" => {
                 serde_json::from_value::<PodDisruptionBudget>(doc.clone()).map(|_| ())
             }
@@ -271,7 +285,12 @@ fn embedded_config(by_kind: &HashMap<String, serde_json::Value>) -> Config {
     let text = by_kind["ConfigMap"]["data"]["kv-indexer.yaml"]
         .as_str()
         .expect("config text");
-    let c = Config::from_yaml(text, "ConfigMap").unwrap_or_else(|e| panic!("{e}\n{text}"));
+    let mut c = Config::from_yaml(text, "ConfigMap").unwrap_or_else(|e| panic!("{e}\n{text}"));
+    // The environment the Deployment gives the container (a Secret's value stands in).
+    let from_secret = by_kind
+        .get("Deployment")
+        .is_some_and(|d| d.to_string().contains("KVINDEXER_ADMIN_TOKEN"));
+    c.apply_env(|k| (from_secret && k == "KVINDEXER_ADMIN_TOKEN").then(|| "x".repeat(32)));
     c.validate().unwrap_or_else(|e| panic!("{e}\n{text}"));
     c
 }
@@ -281,7 +300,36 @@ fn default_values_render_a_secure_standalone_deployment() {
     let by_kind = check_types(&render(json!({})));
     let mut kinds: Vec<_> = by_kind.keys().cloned().collect();
     kinds.sort();
-    assert_eq!(kinds, ["ConfigMap", "Deployment", "Service"]);
+    assert_eq!(
+        kinds,
+        ["ConfigMap", "Deployment", "NetworkPolicy", "Service"]
+    );
+    // Closed by default: only the vLLM pods reach ZMQ, only the EPP reaches gRPC.
+    let np: NetworkPolicy =
+        serde_json::from_value(by_kind["NetworkPolicy"].clone()).expect("typed");
+    let rules = np.spec.expect("spec").ingress.expect("ingress rules");
+    let rule_for = |port: i32| {
+        rules
+            .iter()
+            .find(|r| {
+                r.ports.iter().flatten().any(|p| {
+                    p.port
+                        == Some(
+                            k8s_openapi::apimachinery::pkg::util::intstr::IntOrString::Int(port),
+                        )
+                })
+            })
+            .unwrap_or_else(|| panic!("a rule for port {port}"))
+    };
+    let peer_label = |port: i32| {
+        rule_for(port).from.as_ref().expect("from")[0]
+            .pod_selector
+            .as_ref()
+            .and_then(|s| s.match_labels.as_ref())
+            .and_then(|l| l.get("app.kubernetes.io/name").cloned())
+    };
+    assert_eq!(peer_label(5557).as_deref(), Some("vllm"));
+    assert_eq!(peer_label(50051).as_deref(), Some("epp"));
     let d: Deployment = serde_json::from_value(by_kind["Deployment"].clone()).expect("typed");
     let pod = d.spec.expect("spec").template.spec.expect("pod spec");
     let c = &pod.containers[0];
@@ -332,6 +380,40 @@ fn default_values_render_a_secure_standalone_deployment() {
         Some("12345")
     );
     assert_eq!(config.server.grpc_addr, "0.0.0.0:50051");
+    assert!(
+        !config.server.enable_admin_rpcs,
+        "admin RPCs are off by default"
+    );
+}
+
+#[test]
+fn admin_rpcs_take_their_token_from_a_secret_and_refuse_to_render_without_one() {
+    let by_kind = check_types(&render(json!({
+        "adminRpcs": {"enabled": true, "existingSecret": "kvi-admin"},
+    })));
+    let config = embedded_config(&by_kind);
+    assert!(config.server.enable_admin_rpcs);
+    let d: Deployment = serde_json::from_value(by_kind["Deployment"].clone()).expect("typed");
+    let env = d.spec.expect("spec").template.spec.expect("pod").containers[0]
+        .env
+        .clone()
+        .unwrap_or_default();
+    let token = env
+        .iter()
+        .find(|e| e.name == "KVINDEXER_ADMIN_TOKEN")
+        .expect("the token comes from the environment");
+    let secret = token
+        .value_from
+        .as_ref()
+        .and_then(|v| v.secret_key_ref.as_ref())
+        .expect("from a Secret");
+    assert_eq!(
+        (secret.name.as_str(), secret.key.as_str()),
+        ("kvi-admin", "ADMIN_TOKEN")
+    );
+    assert!(token.value.is_none(), "never inline");
+    let refused = std::panic::catch_unwind(|| render(json!({"adminRpcs": {"enabled": true}})));
+    assert!(refused.is_err(), "enabled without a Secret must not render");
 }
 
 #[test]

@@ -218,6 +218,8 @@ pub struct LocalTokenizers {
 #[serde(rename_all = "camelCase", deny_unknown_fields, default)]
 pub struct KvEventsConfig {
     /// Bind mode: the SUB socket binds here and vLLM pods connect. Empty disables bind mode.
+    /// Loopback by default: opening it to the pod network (`tcp://*:5557`) is a deliberate
+    /// setting, paired with a network policy, since whoever reaches it can write the index.
     pub zmq_endpoint: String,
     /// Subscription prefix; topics are `kv@<pod>@<model>`.
     pub topic_filter: String,
@@ -237,12 +239,17 @@ pub struct KvEventsConfig {
     pub queue_depth: usize,
     /// Connect mode: pods that bind their PUB socket, dialled by every kv-indexer replica.
     pub endpoints: Vec<ConnectEndpoint>,
+    /// Models whose events are accepted (exact names); empty accepts any model a topic names.
+    pub allowed_models: Vec<String>,
+    /// Pod address patterns whose events are accepted (`*` matches any run of characters,
+    /// e.g. `10.42.*:8000`); empty accepts any pod a topic names.
+    pub allowed_pods: Vec<String>,
 }
 
 impl Default for KvEventsConfig {
     fn default() -> Self {
         Self {
-            zmq_endpoint: "tcp://*:5557".into(),
+            zmq_endpoint: "tcp://127.0.0.1:5557".into(),
             topic_filter: "kv@".into(),
             concurrency: 16,
             replay_endpoint_template: String::new(),
@@ -250,6 +257,8 @@ impl Default for KvEventsConfig {
             max_gap_fills_in_flight: 16,
             queue_depth: 1024,
             endpoints: Vec::new(),
+            allowed_models: Vec::new(),
+            allowed_pods: Vec::new(),
         }
     }
 }
@@ -286,6 +295,12 @@ pub struct ServerConfig {
     pub max_candidate_pods: usize,
     /// On SIGTERM, how long in-flight work may take before exit.
     pub shutdown_grace_ms: u64,
+    /// Whether RPCs that change the index (`ClearPod`) are served. Off: they answer
+    /// PERMISSION_DENIED naming this setting.
+    pub enable_admin_rpcs: bool,
+    /// The bearer token admin RPCs must carry (`authorization: Bearer <token>`), required when
+    /// they are enabled; also `KVINDEXER_ADMIN_TOKEN`. Never printed.
+    pub admin_token: String,
 }
 
 impl Default for ServerConfig {
@@ -298,6 +313,8 @@ impl Default for ServerConfig {
             max_prompt_bytes: 8 << 20,
             max_candidate_pods: 10_000,
             shutdown_grace_ms: 5_000,
+            enable_admin_rpcs: false,
+            admin_token: String::new(),
         }
     }
 }
@@ -393,14 +410,21 @@ impl Config {
         if let Some(seed) = get("PYTHONHASHSEED") {
             self.indexer_config.token_processor_config.hash_seed = Some(seed);
         }
+        if let Some(token) = get("KVINDEXER_ADMIN_TOKEN").filter(|t| !t.is_empty()) {
+            self.server.admin_token = token;
+        }
     }
 
-    /// A copy safe to print: the HuggingFace token is masked.
+    /// A copy safe to print: the HuggingFace token and the admin token are masked.
     pub fn redacted(&self) -> Self {
         let mut c = self.clone();
-        let token = &mut c.indexer_config.tokenizers_pool_config.hugging_face_token;
-        if !token.is_empty() {
-            *token = "<redacted>".into();
+        for secret in [
+            &mut c.indexer_config.tokenizers_pool_config.hugging_face_token,
+            &mut c.server.admin_token,
+        ] {
+            if !secret.is_empty() {
+                *secret = "<redacted>".into();
+            }
         }
         c
     }
@@ -420,7 +444,7 @@ mod tests {
         let c = Config::from_yaml("", "empty").expect("empty is fine");
         assert_eq!(c, Config::default());
         c.validate().expect("defaults are valid");
-        assert_eq!(c.kv_events_config.zmq_endpoint, "tcp://*:5557");
+        assert_eq!(c.kv_events_config.zmq_endpoint, "tcp://127.0.0.1:5557");
         assert_eq!(c.server.grpc_addr, "0.0.0.0:50051");
     }
 

@@ -112,6 +112,21 @@ impl Config {
                 return Err(invalid(field, "must be at least 1"));
             }
         }
+        if self.server.enable_admin_rpcs && self.server.admin_token.len() < 16 {
+            return Err(invalid(
+                "server.adminToken",
+                "enableAdminRpcs needs an admin token of at least 16 characters \
+                 (set server.adminToken or KVINDEXER_ADMIN_TOKEN, from a Secret)",
+            ));
+        }
+        for (i, pattern) in ev.allowed_pods.iter().enumerate() {
+            if pattern.is_empty() || pattern.len() > crate::ingest::topic::MAX_POD_LEN {
+                return Err(invalid(
+                    format!("kvEventsConfig.allowedPods[{i}]"),
+                    "must be a non-empty pod pattern",
+                ));
+            }
+        }
         let w = &self.scoring.tier_weights;
         for (name, v) in [
             ("gpu", w.gpu),

@@ -204,6 +204,10 @@ struct Shared {
     metrics: Arc<Metrics>,
     publishers: Arc<Publishers>,
     filter: String,
+    /// `allowedModels` (empty: any).
+    allowed_models: Vec<String>,
+    /// `allowedPods` patterns (empty: any).
+    allowed_pods: Vec<String>,
     gap_fill_timeout: Duration,
     /// Permits for gap fills in flight (`maxGapFillsInFlight`), across all workers.
     gap_fill_slots: Arc<tokio::sync::Semaphore>,
@@ -267,6 +271,8 @@ pub async fn start(
         metrics,
         publishers: publishers.clone(),
         filter: config.topic_filter.clone(),
+        allowed_models: config.allowed_models.clone(),
+        allowed_pods: config.allowed_pods.clone(),
         gap_fill_timeout: Duration::from_millis(config.replay_timeout_ms),
         gap_fill_slots: Arc::new(tokio::sync::Semaphore::new(
             config.max_gap_fills_in_flight.max(1),

@@ -139,11 +139,32 @@ fn dispatch_message(message: ZmqMessage, source: &Source, dispatch: &Dispatch) {
                 },
             ),
             Err(e) => {
-                frame_error(shared, "bad_topic", &e.to_string());
+                frame_error(shared, e.reason(), &e.to_string());
                 return;
             }
         }
     };
+    if !shared.allowed_models.is_empty() && !shared.allowed_models.iter().any(|m| **m == *model) {
+        frame_error(
+            shared,
+            "model_not_allowed",
+            "the topic's model is not in allowedModels",
+        );
+        return;
+    }
+    if !shared.allowed_pods.is_empty()
+        && !shared
+            .allowed_pods
+            .iter()
+            .any(|p| topic::glob_match(p, &pod))
+    {
+        frame_error(
+            shared,
+            "pod_not_allowed",
+            "the topic's pod matches no allowedPods pattern",
+        );
+        return;
+    }
     shared.metrics.ingest.received(&pod);
     let mut h = DefaultHasher::new();
     pod.hash(&mut h);

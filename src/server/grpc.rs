@@ -61,6 +61,32 @@ impl ScoreService {
         })
     }
 
+    /// Admits an RPC that changes the index: refused unless `server.enableAdminRpcs`, then only
+    /// with `authorization: Bearer <server.adminToken>`.
+    fn authorize_admin<T>(&self, rpc: &str, request: &Request<T>) -> Result<(), Status> {
+        if !self.limits.enable_admin_rpcs {
+            self.metrics.scoring.request(rpc, "PermissionDenied");
+            return Err(Status::permission_denied(format!(
+                "{rpc} changes the index and is disabled; enable it with server.enableAdminRpcs \
+                 (and server.adminToken)"
+            )));
+        }
+        let presented = request
+            .metadata()
+            .get("authorization")
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.strip_prefix("Bearer "))
+            .unwrap_or("");
+        if !constant_time_eq(presented.as_bytes(), self.limits.admin_token.as_bytes()) {
+            self.metrics.scoring.request(rpc, "Unauthenticated");
+            tracing::warn!(rpc, "admin RPC refused: missing or wrong bearer token");
+            return Err(Status::unauthenticated(format!(
+                "{rpc} needs `authorization: Bearer <server.adminToken>`"
+            )));
+        }
+        Ok(())
+    }
+
     fn check_pods(&self, pods: &[String]) -> Result<(), Status> {
         if pods.len() > self.limits.max_candidate_pods {
             return Err(Status::invalid_argument(format!(
@@ -275,6 +301,7 @@ impl kvindexer_v1::kv_indexer_server::KvIndexer for KvIndexerApi {
         &self,
         request: Request<kvindexer_v1::ClearPodRequest>,
     ) -> Result<Response<kvindexer_v1::ClearPodResponse>, Status> {
+        self.0.authorize_admin("ClearPod", &request)?;
         let req = request.into_inner();
         if req.model.is_empty() || req.pod.is_empty() {
             return Err(Status::invalid_argument("model and pod are required"));
@@ -334,6 +361,14 @@ impl indexer_v1::indexer_service_server::IndexerService for LlmdIndexerApi {
 }
 
 /// The request's deadline: its `grpc-timeout`, else 10 s.
+/// Compares secrets without an early exit on the first differing byte.
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    if a.len() != b.len() {
+        return false;
+    }
+    a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
 fn deadline_of<T>(request: &Request<T>) -> Instant {
     let timeout = request
         .metadata()
