@@ -212,3 +212,93 @@ async fn a_bad_token_is_a_clear_error_without_the_token() {
         .expect_err("still failing");
     assert_eq!(again.to_string(), msg);
 }
+
+/// A hub that redirects every file to a CDN on another origin (another port), as the real Hub
+/// sends LFS files to its CDN; the CDN records whether it saw the token.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_token_is_not_forwarded_to_a_redirect_on_another_host() {
+    let dir = support::temp_dir("hub-cdn-files");
+    support::tiny_tokenizer(&dir);
+    let leaked = Arc::new(AtomicUsize::new(0));
+    let served = Arc::new(AtomicUsize::new(0));
+    let cdn = {
+        let (leaked, served, dir) = (leaked.clone(), served.clone(), dir.clone());
+        axum::Router::new().route(
+            "/files/{file}",
+            get(
+                move |Path(file): Path<String>, headers: HeaderMap| async move {
+                    if headers.contains_key("authorization") {
+                        leaked.fetch_add(1, Ordering::Relaxed);
+                    }
+                    served.fetch_add(1, Ordering::Relaxed);
+                    match std::fs::read(dir.join(&file)) {
+                        Ok(body) => (StatusCode::OK, body).into_response(),
+                        Err(_) => (StatusCode::NOT_FOUND, "no such file").into_response(),
+                    }
+                },
+            ),
+        )
+    };
+    let cdn_listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    // The same host name on another port is another origin.
+    let cdn_origin = format!(
+        "http://localhost:{}",
+        cdn_listener.local_addr().expect("addr").port()
+    );
+    tokio::spawn(async move {
+        let _ = axum::serve(cdn_listener, cdn).await;
+    });
+    let hub = axum::Router::new().route(
+        "/{org}/{name}/resolve/{rev}/{file}",
+        get(
+            move |Path((_, _, _, file)): Path<(String, String, String, String)>,
+                  headers: HeaderMap| {
+                let cdn_origin = cdn_origin.clone();
+                async move {
+                    if headers.get("authorization").and_then(|v| v.to_str().ok())
+                        != Some(&format!("Bearer {TOKEN}"))
+                    {
+                        return (StatusCode::UNAUTHORIZED, "Invalid credentials").into_response();
+                    }
+                    let mut r = StatusCode::FOUND.into_response();
+                    r.headers_mut().insert(
+                        "location",
+                        format!("{cdn_origin}/files/{file}")
+                            .parse()
+                            .expect("header"),
+                    );
+                    r.headers_mut()
+                        .insert("x-repo-commit", COMMIT.parse().expect("header"));
+                    r
+                }
+            },
+        ),
+    );
+    let hub_listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let endpoint = format!(
+        "http://127.0.0.1:{}",
+        hub_listener.local_addr().expect("addr").port()
+    );
+    tokio::spawn(async move {
+        let _ = axum::serve(hub_listener, hub).await;
+    });
+    let cache = support::temp_dir("hub-cdn-cache");
+    let t = service(&endpoint, &cache, TOKEN, false)
+        .encode_prompt(REPO, "the quick brown fox".into(), deadline())
+        .await
+        .expect("downloads through the redirect");
+    assert_eq!(t.ids.len(), 5);
+    assert!(
+        served.load(Ordering::Relaxed) >= 1,
+        "the CDN served the files"
+    );
+    assert_eq!(
+        leaked.load(Ordering::Relaxed),
+        0,
+        "the HF token reached another host"
+    );
+}

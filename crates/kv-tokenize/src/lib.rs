@@ -16,6 +16,7 @@
 //! request whose deadline passed while queued is dropped unstarted.
 
 mod chat;
+mod hub;
 mod model;
 mod prefix;
 

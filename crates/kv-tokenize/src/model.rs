@@ -14,6 +14,7 @@ use thiserror::Error;
 use tokenizers::Tokenizer;
 
 use super::chat::{ChatError, ChatInput, ChatTemplate};
+use crate::hub::{self, Hub, HubError};
 
 /// Why a tokenizer could not be loaded.
 #[derive(Debug, Error, Clone)]
@@ -215,28 +216,37 @@ pub fn cached_file(cache_dir: &Path, model: &str) -> Option<PathBuf> {
 }
 
 /// Downloads `tokenizer.json`, `tokenizer_config.json` and (if present) `chat_template.jinja`
-/// into the cache and returns the tokenizer's path.
+/// into the cache (HuggingFace layout) and returns the tokenizer's path. The token is sent to
+/// the Hub's own host only ([`crate::hub`]).
 pub async fn download(settings: &SourceSettings, model: &str) -> Result<PathBuf, LoadError> {
-    let mut builder = hf_hub::api::tokio::ApiBuilder::new()
-        .with_progress(false)
-        .with_cache_dir(settings.cache_dir.clone())
-        .with_token(settings.hf_token.clone())
-        .with_user_agent("kv-indexer", env!("CARGO_PKG_VERSION"));
-    if let Some(e) = &settings.hf_endpoint {
-        builder = builder.with_endpoint(e.trim_end_matches('/').to_owned());
-    }
-    let fail = |e: hf_hub::api::tokio::ApiError| LoadError::Download {
+    let fail = |e: HubError| LoadError::Download {
         model: model.to_owned(),
         detail: redact(&e.to_string(), settings.hf_token.as_deref()),
     };
-    let api = builder.build().map_err(fail)?;
-    let repo = api.model(model.to_owned());
-    let tokenizer = repo.get("tokenizer.json").await.map_err(fail)?;
+    let hub = Hub::new(
+        settings.hf_endpoint.as_deref(),
+        settings.hf_token.as_deref(),
+    )
+    .map_err(fail)?;
+    let (commit, bytes) = hub.fetch(model, "tokenizer.json").await.map_err(fail)?;
+    let tokenizer = hub::store(
+        &settings.cache_dir,
+        model,
+        &commit,
+        "tokenizer.json",
+        &bytes,
+    )
+    .map_err(fail)?;
     // The config and template are optional: a model without them still tokenizes.
-    if let Err(e) = repo.get("tokenizer_config.json").await {
-        tracing::debug!(model, error = %redact(&e.to_string(), settings.hf_token.as_deref()), "no tokenizer_config.json");
+    for file in ["tokenizer_config.json", "chat_template.jinja"] {
+        match hub.fetch(model, file).await {
+            Ok((_, bytes)) => {
+                hub::store(&settings.cache_dir, model, &commit, file, &bytes).map_err(fail)?;
+            }
+            Err(HubError::NotFound(_)) => {}
+            Err(e) => return Err(fail(e)),
+        }
     }
-    let _ = repo.get("chat_template.jinja").await;
     Ok(tokenizer)
 }
 
