@@ -136,6 +136,9 @@ pub async fn start(config: Config) -> Result<RunningDaemon, DaemonError> {
             // request never waits for a WINDOW_UPDATE round trip.
             .initial_stream_window_size(Some(1 << 20))
             .initial_connection_window_size(Some(4 << 20))
+            .layer(tower::util::MapResponseLayer::new(
+                crate::server::grpc::undecodable_is_invalid_argument,
+            ))
             .add_service(health_service)
             .add_service(reflection)
             .add_service(KvIndexerServer::new(KvIndexerApi(service.clone())))

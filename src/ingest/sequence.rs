@@ -9,9 +9,17 @@
 //! - **duplicate** (`== last`): drop;
 //! - **restart** (`< last`): the engine restarted and its cache is gone: clear its blocks, then
 //!   fetch `0..seq` if it is not 0, and apply;
-//! - **gap** (`> last + 1`): fetch `last + 1 .. seq`; what cannot be fetched is lost and counted.
+//! - **gap** (`> last + 1`, by at most [`MAX_GAP`]): fetch `last + 1 .. seq`; what cannot be
+//!   fetched is lost and counted;
+//! - **resync** (a jump forward by more than [`MAX_GAP`]): no engine publishes that many messages
+//!   between two of ours (vLLM buffers 10,000), so the stream is not the one we knew: clear the
+//!   engine's blocks, as for a restart, and count nothing as lost (a forged or corrupt sequence
+//!   cannot inflate the loss counters).
 
 use std::ops::Range;
+
+/// The largest forward jump taken as a gap (16.7M messages: hours of a busy engine's traffic).
+pub const MAX_GAP: u64 = 1 << 24;
 
 /// What a message's sequence number means for its publisher's stream.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -30,6 +38,8 @@ pub enum SeqOutcome {
         /// Sequences of the new incarnation to fetch first (not counted as lost).
         missed: Option<Range<u64>>,
     },
+    /// The sequence jumped further than any real gap: start the stream afresh.
+    Resync,
     /// Messages were skipped.
     Gap {
         /// The skipped sequences (counted as lost when they cannot be fetched).
@@ -46,6 +56,7 @@ impl SeqOutcome {
             Some(last) if seq == last.wrapping_add(1) => SeqOutcome::Next,
             Some(last) if seq == last => SeqOutcome::Duplicate,
             Some(last) if seq < last => SeqOutcome::Restart { missed: from_zero },
+            Some(last) if seq - last > MAX_GAP => SeqOutcome::Resync,
             Some(last) => SeqOutcome::Gap {
                 missing: last + 1..seq,
             },
@@ -93,6 +104,19 @@ mod tests {
             SeqOutcome::classify(Some(100), 3),
             Restart { missed: Some(0..3) }
         );
+    }
+
+    #[test]
+    fn an_implausible_jump_is_a_resync_not_a_loss() {
+        assert_eq!(SeqOutcome::classify(Some(0), 1 << 63), Resync);
+        assert_eq!(SeqOutcome::classify(Some(1 << 63), u64::MAX), Resync);
+        assert_eq!(
+            SeqOutcome::classify(Some(10), 10 + super::MAX_GAP),
+            Gap {
+                missing: 11..10 + super::MAX_GAP
+            }
+        );
+        assert_eq!(SeqOutcome::classify(Some(10), 11 + super::MAX_GAP), Resync);
     }
 
     #[test]

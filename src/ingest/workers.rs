@@ -162,6 +162,16 @@ impl Worker<'_> {
                 self.state(&key, |s| s.restarts += 1);
                 missed.clone().map(|m| (m, false))
             }
+            SeqOutcome::Resync => {
+                metrics.restart(&key.pod);
+                let removed = self
+                    .shared
+                    .indexer
+                    .clear_engine(&key.model, &key.pod, key.rank);
+                tracing::warn!(pod = %key.pod, model = %key.model, rank = key.rank, last_seq = ?last, seq, removed, "publisher sequence jumped beyond any real gap: its blocks were cleared and the stream restarted");
+                self.state(&key, |s| s.restarts += 1);
+                None
+            }
             SeqOutcome::Gap { missing } => {
                 metrics.gap(&key.pod);
                 self.state(&key, |s| s.gaps += 1);

@@ -361,6 +361,24 @@ impl indexer_v1::indexer_service_server::IndexerService for LlmdIndexerApi {
 }
 
 /// The request's deadline: its `grpc-timeout`, else 10 s.
+/// tonic answers a request that does not decode (not protobuf, or a string field that is not
+/// UTF-8) with INTERNAL, as if the server were at fault; this layer turns that answer into
+/// INVALID_ARGUMENT, the client's error. Decode errors happen before any handler, so the
+/// status is in the headers of a trailers-only response.
+pub fn undecodable_is_invalid_argument<B>(mut response: http::Response<B>) -> http::Response<B> {
+    let headers = response.headers_mut();
+    let internal = headers.get("grpc-status").is_some_and(|s| s == "13");
+    let decode = headers.get("grpc-message").is_some_and(|m| {
+        let m = m.as_bytes();
+        m.starts_with(b"failed%20to%20decode%20Protobuf")
+            || m.starts_with(b"failed to decode Protobuf")
+    });
+    if internal && decode {
+        headers.insert("grpc-status", http::HeaderValue::from_static("3"));
+    }
+    response
+}
+
 /// Compares secrets without an early exit on the first differing byte.
 fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
     if a.len() != b.len() {

@@ -1,6 +1,7 @@
 //! The HTTP side port: `/metrics` (Prometheus text), `/healthz` (the process is up) and
-//! `/readyz` (events are being received and gRPC is serving; 503 before that and while
-//! shutting down).
+//! `/readyz`: 200 once the event sockets are bound and gRPC is serving, 503 before that and
+//! while shutting down. An empty index is ready: scores are 0 until events arrive, and a fleet
+//! without traffic must not hold its gateway unready.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;

@@ -1,0 +1,157 @@
+//! Smaller hardening items, over real sockets: a forged sequence cannot wrap the loss counter;
+//! a request that does not decode is INVALID_ARGUMENT, not INTERNAL; `/readyz` means what the
+//! docs say.
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use kv_core::{encode_batch, BlockHash, BlockStored, EventBatch, KvEvent, Medium};
+use kv_indexer::config::Config;
+use kv_indexer::daemon::{self, RunningDaemon};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use zeromq::{PubSocket, Socket, SocketSend, ZmqMessage};
+
+const MODEL: &str = "hard/model";
+const POD: &str = "10.1.0.1:8000";
+
+fn config() -> Config {
+    let mut c = Config::default();
+    c.server.grpc_addr = "127.0.0.1:0".into();
+    c.server.metrics_addr = "127.0.0.1:0".into();
+    c.kv_events_config.zmq_endpoint = "tcp://127.0.0.1:0".into();
+    c
+}
+
+fn message(seq: u64, block: u64) -> ZmqMessage {
+    let payload = encode_batch(&EventBatch {
+        ts: 1.7e9,
+        events: vec![KvEvent::BlockStored(BlockStored {
+            block_hashes: vec![BlockHash::new(block)],
+            block_size: 16,
+            medium: Some(Medium::Gpu),
+            ..Default::default()
+        })],
+        data_parallel_rank: Some(0),
+    });
+    ZmqMessage::try_from(vec![
+        Bytes::from(format!("kv@{POD}@{MODEL}")),
+        Bytes::copy_from_slice(&seq.to_be_bytes()),
+        Bytes::from(payload),
+    ])
+    .expect("non-empty")
+}
+
+fn metric(page: &str, name_and_labels: &str) -> f64 {
+    page.lines()
+        .find(|l| l.starts_with(name_and_labels))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0.0)
+}
+
+fn holds(d: &RunningDaemon, block: u64) -> bool {
+    d.indexer
+        .model(MODEL)
+        .is_some_and(|m| !m.index().lookup(BlockHash::new(block)).is_empty())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_forged_sequence_cannot_wrap_the_loss_counter() {
+    let d = daemon::start(config()).await.expect("daemon starts");
+    let mut p = PubSocket::new();
+    p.connect(d.zmq_endpoint.as_deref().expect("bind"))
+        .await
+        .expect("PUB connects");
+    // Slow joiner: resend seq 0 until it lands.
+    for _ in 0..200 {
+        let _ = p.send(message(0, 1)).await;
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        if holds(&d, 1) {
+            break;
+        }
+    }
+    assert!(holds(&d, 1));
+    let forged = [(1u64 << 63, 2u64), (u64::MAX, 3), (0, 4), (5, 5)];
+    for (seq, block) in forged {
+        p.send(message(seq, block)).await.expect("send");
+    }
+    for _ in 0..200 {
+        if holds(&d, 5) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(holds(&d, 5), "the stream goes on after the forged jumps");
+    let lost = metric(&d.metrics_text(), "kvindexer_messages_lost_total{");
+    // 0 -> 2^63 and 2^63 -> 2^64-1 are resyncs (no real gap is that long); 2^64-1 -> 0 is the
+    // next message; 0 -> 5 skips four.
+    assert_eq!(lost, 4.0, "messages lost");
+    let state = d
+        .publishers()
+        .snapshot()
+        .into_iter()
+        .find(|(k, _)| &*k.pod == POD)
+        .map(|(_, s)| s)
+        .expect("publisher");
+    assert_eq!(state.messages_lost, 4);
+    assert_eq!(state.last_seq, Some(5));
+    d.shutdown().await;
+}
+
+/// `ScorePodsRequest` with its `model` (a `string`, field 1) declared as `bytes`, so the test
+/// can send a value that is not UTF-8.
+#[derive(Clone, PartialEq, prost::Message)]
+struct RawScoreRequest {
+    #[prost(bytes = "vec", tag = "1")]
+    model: Vec<u8>,
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_that_does_not_decode_is_invalid_argument() {
+    let d = daemon::start(config()).await.expect("daemon starts");
+    let channel = tonic::transport::Endpoint::from_shared(format!("http://{}", d.grpc_addr))
+        .expect("uri")
+        .connect()
+        .await
+        .expect("connects");
+    let mut grpc = tonic::client::Grpc::new(channel);
+    grpc.ready().await.expect("ready");
+    let codec = tonic_prost::ProstCodec::<RawScoreRequest, RawScoreRequest>::default();
+    let status = grpc
+        .unary(
+            tonic::Request::new(RawScoreRequest {
+                model: vec![0xff, 0xfe, b'x'],
+            }),
+            "/kvindexer.v1.KvIndexer/ScorePods".parse().expect("path"),
+            codec,
+        )
+        .await
+        .expect_err("not UTF-8");
+    assert_eq!(status.code(), tonic::Code::InvalidArgument, "{status}");
+    assert!(status.message().contains("UTF-8"), "{status}");
+    d.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn readyz_is_ready_with_an_empty_index_as_documented() {
+    let d = daemon::start(config()).await.expect("daemon starts");
+    let mut s = tokio::net::TcpStream::connect(d.metrics_addr)
+        .await
+        .expect("HTTP connects");
+    s.write_all(b"GET /readyz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        .await
+        .expect("request");
+    let mut body = String::new();
+    s.read_to_string(&mut body).await.expect("response");
+    assert!(body.starts_with("HTTP/1.1 200"), "{body}");
+    assert_eq!(d.indexer.models().len(), 0, "nothing indexed yet");
+    let doc = std::fs::read_to_string(
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("docs/operations.md"),
+    )
+    .expect("operations doc");
+    assert!(
+        doc.contains("`/readyz` is 200 once the event sockets are bound and gRPC serves, even with an empty index"),
+        "docs/operations.md states what /readyz means"
+    );
+    d.shutdown().await;
+}
