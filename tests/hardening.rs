@@ -155,3 +155,103 @@ async fn readyz_is_ready_with_an_empty_index_as_documented() {
     );
     d.shutdown().await;
 }
+
+/// Peak resident memory of this process (VmHWM), after resetting it (Linux `clear_refs` 5).
+fn reset_peak_rss() {
+    let _ = std::fs::write("/proc/self/clear_refs", "5");
+}
+
+fn peak_rss_bytes() -> u64 {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+        .map_or(0, |kb| kb * 1024)
+}
+
+fn current_rss_bytes() -> u64 {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+        .map_or(0, |kb| kb * 1024)
+}
+
+/// 4 x 16 MB of nil `extra_keys` (the tester's payload: 2.17 GB peak before): each is refused
+/// by the decode budget, and peak memory grows by less than 4x what was sent.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn payloads_crafted_to_multiply_memory_stay_within_4x() {
+    let d = daemon::start(config()).await.expect("daemon starts");
+    let mut p = PubSocket::new();
+    p.connect(d.zmq_endpoint.as_deref().expect("bind"))
+        .await
+        .expect("PUB connects");
+    for _ in 0..200 {
+        let _ = p.send(message(0, 1)).await;
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        if holds(&d, 1) {
+            break;
+        }
+    }
+    let elements = 16 << 20;
+    let mut payload = vec![0x93, 0xcb, 0, 0, 0, 0, 0, 0, 0, 0, 0x91, 0x84];
+    payload.push(0xa4);
+    payload.extend_from_slice(b"type");
+    payload.push(0xab);
+    payload.extend_from_slice(b"BlockStored");
+    payload.push(0xac);
+    payload.extend_from_slice(b"block_hashes");
+    payload.extend_from_slice(&[0x91, 0x07]);
+    payload.push(0xaa);
+    payload.extend_from_slice(b"extra_keys");
+    payload.push(0xdd);
+    payload.extend_from_slice(&(elements as u32).to_be_bytes());
+    payload.extend(std::iter::repeat_n(0xc0u8, elements));
+    payload.push(0xaa);
+    payload.extend_from_slice(b"block_size");
+    payload.push(16);
+    payload.push(0);
+    let payload = Bytes::from(payload);
+    let sent = 4 * payload.len() as u64;
+    let before = current_rss_bytes();
+    reset_peak_rss();
+    for seq in 1..=4u64 {
+        let msg = ZmqMessage::try_from(vec![
+            Bytes::from(format!("kv@{POD}@{MODEL}")),
+            Bytes::copy_from_slice(&seq.to_be_bytes()),
+            payload.clone(),
+        ])
+        .expect("non-empty");
+        p.send(msg).await.expect("send");
+    }
+    let mut refused = 0.0;
+    for _ in 0..500 {
+        refused = metric(
+            &d.metrics_text(),
+            "kvindexer_decode_errors_total{reason=\"too_large\"}",
+        );
+        if refused >= 4.0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(refused, 4.0, "every crafted payload is refused");
+    let grew = peak_rss_bytes().saturating_sub(before);
+    eprintln!("sent {} MB, peak RSS grew {} MB", sent >> 20, grew >> 20);
+    assert!(
+        grew < 4 * sent,
+        "peak RSS grew {grew} bytes for {sent} bytes of input"
+    );
+    // The pod's stream goes on.
+    p.send(message(5, 9)).await.expect("send");
+    for _ in 0..200 {
+        if holds(&d, 9) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(holds(&d, 9));
+    d.shutdown().await;
+}

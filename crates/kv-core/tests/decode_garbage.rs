@@ -19,7 +19,7 @@ fn real_payloads() -> Vec<Vec<u8>> {
     out
 }
 
-const REASONS: [&str; 10] = [
+const REASONS: [&str; 11] = [
     "truncated",
     "unexpected_type",
     "invalid_utf8",
@@ -30,6 +30,7 @@ const REASONS: [&str; 10] = [
     "batch_too_short",
     "missing_tag",
     "trailing_bytes",
+    "too_large",
 ];
 
 fn check(bytes: &[u8], seen: &mut std::collections::BTreeSet<&'static str>) {
@@ -113,4 +114,45 @@ fn unknown_event_types_and_fields_are_tolerated() {
     let labels: Vec<_> = batch.events.iter().map(|e| e.type_label()).collect();
     assert_eq!(labels, ["unknown", "unknown", "AllBlocksCleared"]);
     assert_eq!(batch.data_parallel_rank, Some(0));
+}
+
+/// Payloads crafted to multiply memory: 16 MB of nil `extra_keys` (each nil would decode into
+/// a 32-byte value), 16 MB of one-byte hashes (8 bytes each), and an event count that promises
+/// more than the payload holds. Each is refused before it allocates more than 3x its size.
+#[test]
+fn payloads_that_would_multiply_memory_are_refused() {
+    fn map_event(key: &str, elements: usize, element: u8) -> Vec<u8> {
+        let mut p = vec![0x93, 0xcb, 0, 0, 0, 0, 0, 0, 0, 0, 0x91];
+        p.push(0x83);
+        p.push(0xa4);
+        p.extend_from_slice(b"type");
+        p.push(0xab);
+        p.extend_from_slice(b"BlockStored");
+        p.push(0xa0 | key.len() as u8);
+        p.extend_from_slice(key.as_bytes());
+        p.push(0xdd);
+        p.extend_from_slice(&(elements as u32).to_be_bytes());
+        p.extend(std::iter::repeat_n(element, elements));
+        p.extend_from_slice(&[0xaa]);
+        p.extend_from_slice(b"block_size");
+        p.push(16);
+        p.push(0);
+        p
+    }
+    for (what, payload) in [
+        ("nil extra_keys", map_event("extra_keys", 16 << 20, 0xc0)),
+        (
+            "fixint block_hashes",
+            map_event("block_hashes", 16 << 20, 0x01),
+        ),
+    ] {
+        let e = decode_batch(&payload).expect_err(what);
+        assert_eq!(e.reason(), "too_large", "{what}: {e}");
+    }
+    // Fixint token ids cost 4x: refused too, a block's worth at a time is fine.
+    let tokens = map_event("token_ids", 1 << 20, 0x05);
+    assert_eq!(
+        decode_batch(&tokens).expect_err("tokens").reason(),
+        "too_large"
+    );
 }

@@ -87,6 +87,13 @@ pub enum DecodeError {
         /// Where the event starts.
         at: usize,
     },
+    /// The decoded batch would be larger than the payload's decode budget (3x its size plus
+    /// 4 KiB): a payload crafted to multiply memory.
+    #[error("payload decodes to more than its memory budget (at byte {at})")]
+    TooLarge {
+        /// Where the budget ran out.
+        at: usize,
+    },
     /// Bytes left after the batch.
     #[error("{extra} trailing bytes after the batch")]
     TrailingBytes {
@@ -109,6 +116,7 @@ impl DecodeError {
             DecodeError::BatchTooShort { .. } => "batch_too_short",
             DecodeError::MissingTag { .. } => "missing_tag",
             DecodeError::TrailingBytes { .. } => "trailing_bytes",
+            DecodeError::TooLarge { .. } => "too_large",
         }
     }
 }
@@ -269,6 +277,7 @@ pub fn decode_batch(payload: &[u8]) -> Result<EventBatch, DecodeError> {
     }
     let ts = r.f64()?;
     let n = r.array_len()?;
+    r.charge(n.saturating_mul(std::mem::size_of::<KvEvent>()))?;
     // Cap the pre-allocation: a hostile length must not reserve gigabytes.
     let mut events = Vec::with_capacity(n.min(1024));
     for _ in 0..n {
@@ -396,6 +405,7 @@ fn decode_array_event(
             Ok(KvEvent::AllBlocksCleared)
         }
         other => {
+            r.charge(other.len())?;
             let other = other.to_owned();
             for _ in 0..fields {
                 r.skip()?;
@@ -481,6 +491,7 @@ fn decode_map_event(r: &mut Reader<'_>, len: usize, at: usize) -> Result<KvEvent
             let kind = if other == "AllBlocksCleared" {
                 KvEvent::AllBlocksCleared
             } else {
+                r.charge(other.len())?;
                 KvEvent::Unknown(other.to_owned())
             };
             for _ in 0..len {
@@ -506,6 +517,7 @@ fn stored_field(r: &mut Reader<'_>, ev: &mut BlockStored, name: &str) -> Result<
         "token_ids" => {
             if !r.try_nil() {
                 let n = r.array_len()?;
+                r.charge(n.saturating_mul(4))?;
                 ev.token_ids.reserve(n.min(1 << 20));
                 for _ in 0..n {
                     ev.token_ids.push(r.u32()?);
@@ -516,13 +528,14 @@ fn stored_field(r: &mut Reader<'_>, ev: &mut BlockStored, name: &str) -> Result<
             ev.block_size = if r.try_nil() { 0 } else { r.u32()? };
         }
         "lora_id" => ev.lora_id = opt_i64(r)?,
-        "medium" => ev.medium = opt_str(r)?.map(Medium::parse),
-        "lora_name" => ev.lora_name = opt_str(r)?.map(str::to_owned),
+        "medium" => ev.medium = opt_medium(r)?,
+        "lora_name" => ev.lora_name = opt_string(r)?,
         "extra_keys" => {
             ev.extra_keys = if r.try_nil() {
                 None
             } else {
                 let n = r.array_len()?;
+                r.charge(n.saturating_mul(std::mem::size_of::<Option<MsgpackValue>>()))?;
                 let mut keys = Vec::with_capacity(n.min(1024));
                 for _ in 0..n {
                     keys.push(if r.try_nil() {
@@ -535,19 +548,21 @@ fn stored_field(r: &mut Reader<'_>, ev: &mut BlockStored, name: &str) -> Result<
             }
         }
         "group_idx" => ev.group_idx = opt_i64(r)?,
-        "kv_cache_spec_kind" => ev.kv_cache_spec_kind = opt_str(r)?.map(str::to_owned),
+        "kv_cache_spec_kind" => ev.kv_cache_spec_kind = opt_string(r)?,
         "kv_cache_spec_sliding_window" => ev.kv_cache_spec_sliding_window = opt_i64(r)?,
-        "locality" => ev.locality = opt_str(r)?.map(str::to_owned),
-        "ownership" => ev.ownership = opt_str(r)?.map(str::to_owned),
-        "session_id" => ev.session_id = opt_str(r)?.map(str::to_owned),
+        "locality" => ev.locality = opt_string(r)?,
+        "ownership" => ev.ownership = opt_string(r)?,
+        "session_id" => ev.session_id = opt_string(r)?,
         "lookahead_token_ids" => {
             ev.lookahead_token_ids = if r.try_nil() {
                 None
             } else {
                 let n = r.array_len()?;
+                r.charge(n.saturating_mul(std::mem::size_of::<Vec<u32>>()))?;
                 let mut rows = Vec::with_capacity(n.min(1024));
                 for _ in 0..n {
                     let m = r.array_len()?;
+                    r.charge(m.saturating_mul(4))?;
                     let mut row = Vec::with_capacity(m.min(1024));
                     for _ in 0..m {
                         row.push(r.u32()?);
@@ -565,10 +580,10 @@ fn stored_field(r: &mut Reader<'_>, ev: &mut BlockStored, name: &str) -> Result<
 fn removed_field(r: &mut Reader<'_>, ev: &mut BlockRemoved, name: &str) -> Result<(), DecodeError> {
     match name {
         "block_hashes" => read_hashes(r, &mut ev.block_hashes)?,
-        "medium" => ev.medium = opt_str(r)?.map(Medium::parse),
+        "medium" => ev.medium = opt_medium(r)?,
         "group_idx" => ev.group_idx = opt_i64(r)?,
-        "locality" => ev.locality = opt_str(r)?.map(str::to_owned),
-        "ownership" => ev.ownership = opt_str(r)?.map(str::to_owned),
+        "locality" => ev.locality = opt_string(r)?,
+        "ownership" => ev.ownership = opt_string(r)?,
         _ => r.skip()?,
     }
     Ok(())
@@ -579,6 +594,7 @@ fn read_hashes(r: &mut Reader<'_>, out: &mut Vec<BlockHash>) -> Result<(), Decod
         return Ok(());
     }
     let n = r.array_len()?;
+    r.charge(n.saturating_mul(std::mem::size_of::<BlockHash>()))?;
     out.reserve(n.min(1 << 20));
     for _ in 0..n {
         out.push(read_hash(r)?);
@@ -632,6 +648,27 @@ fn opt_str<'a>(r: &mut Reader<'a>) -> Result<Option<&'a str>, DecodeError> {
     }
 }
 
+/// An optional string field, owned (charged to the decode budget).
+fn opt_string(r: &mut Reader<'_>) -> Result<Option<String>, DecodeError> {
+    let Some(s) = opt_str(r)? else {
+        return Ok(None);
+    };
+    r.charge(s.len())?;
+    Ok(Some(s.to_owned()))
+}
+
+/// The `medium` field (a name other than the known tiers is kept, and charged).
+fn opt_medium(r: &mut Reader<'_>) -> Result<Option<Medium>, DecodeError> {
+    let Some(s) = opt_str(r)? else {
+        return Ok(None);
+    };
+    let medium = Medium::parse(s);
+    if let Medium::Other(name) = &medium {
+        r.charge(name.len())?;
+    }
+    Ok(Some(medium))
+}
+
 fn read_value(r: &mut Reader<'_>, depth: usize) -> Result<MsgpackValue, DecodeError> {
     if depth > msgpack::MAX_DEPTH {
         return Err(DecodeError::TooDeep { at: r.position() });
@@ -647,10 +684,19 @@ fn read_value(r: &mut Reader<'_>, depth: usize) -> Result<MsgpackValue, DecodeEr
             Int::Negative(v) => MsgpackValue::Int(v),
         },
         MsgpackKind::Float => MsgpackValue::Float(r.f64()?),
-        MsgpackKind::Str => MsgpackValue::Str(r.str()?.to_owned()),
-        MsgpackKind::Bin => MsgpackValue::Bytes(r.bin()?.to_vec()),
+        MsgpackKind::Str => {
+            let text = r.str()?;
+            r.charge(text.len())?;
+            MsgpackValue::Str(text.to_owned())
+        }
+        MsgpackKind::Bin => {
+            let bytes = r.bin()?;
+            r.charge(bytes.len())?;
+            MsgpackValue::Bytes(bytes.to_vec())
+        }
         MsgpackKind::Array => {
             let n = r.array_len()?;
+            r.charge(n.saturating_mul(std::mem::size_of::<MsgpackValue>()))?;
             let mut items = Vec::with_capacity(n.min(256));
             for _ in 0..n {
                 items.push(read_value(r, depth + 1)?);
@@ -659,6 +705,7 @@ fn read_value(r: &mut Reader<'_>, depth: usize) -> Result<MsgpackValue, DecodeEr
         }
         MsgpackKind::Map => {
             let n = r.map_len()?;
+            r.charge(n.saturating_mul(2 * std::mem::size_of::<MsgpackValue>()))?;
             let mut items = Vec::with_capacity(n.min(256));
             for _ in 0..n {
                 let k = read_value(r, depth + 1)?;

@@ -10,11 +10,18 @@ use super::DecodeError;
 /// Deepest nesting `skip` follows; real payloads nest at most 5 levels.
 pub const MAX_DEPTH: usize = 32;
 
-/// A cursor over one msgpack payload.
+/// Decoded bytes a payload may cost, per payload byte: with the payload itself, a message never
+/// holds more than 4x its size in memory, however it is crafted.
+pub const DECODE_BUDGET_PER_BYTE: usize = 3;
+/// Decoded bytes every payload may cost on top (small batches).
+pub const DECODE_BUDGET_BASE: usize = 4096;
+
+/// A cursor over one msgpack payload, with the budget of decoded bytes it may still spend.
 #[derive(Debug, Clone)]
 pub struct Reader<'a> {
     buf: &'a [u8],
     pos: usize,
+    budget: usize,
 }
 
 /// A scalar or container header, as seen by `peek_kind`.
@@ -54,7 +61,27 @@ pub enum Int {
 impl<'a> Reader<'a> {
     /// Starts reading `buf` from its first byte.
     pub fn new(buf: &'a [u8]) -> Self {
-        Self { buf, pos: 0 }
+        Self {
+            buf,
+            pos: 0,
+            budget: buf
+                .len()
+                .saturating_mul(DECODE_BUDGET_PER_BYTE)
+                .saturating_add(DECODE_BUDGET_BASE),
+        }
+    }
+
+    /// Spends `bytes` of the decode budget before the caller allocates them; a payload whose
+    /// decoded form would be larger than its budget is refused (`DecodeError::TooLarge`).
+    #[inline(always)]
+    pub fn charge(&mut self, bytes: usize) -> Result<(), DecodeError> {
+        match self.budget.checked_sub(bytes) {
+            Some(left) => {
+                self.budget = left;
+                Ok(())
+            }
+            None => Err(DecodeError::TooLarge { at: self.pos }),
+        }
     }
 
     /// Bytes consumed so far (for error messages).
