@@ -70,6 +70,8 @@ async fn run(dir: PathBuf) {
             workers: 2,
             queue_size: 64,
             prefix_cache_size: 500_000,
+            prefix_store_bytes: u64::MAX,
+            large_prompt_bytes: 32 << 10,
             prefix_block_chars: 256,
             min_prefix_overlap_ratio: 0.8,
         },

@@ -141,8 +141,14 @@ pub async fn start(config: Config) -> Result<RunningDaemon, DaemonError> {
             ))
             .add_service(health_service)
             .add_service(reflection)
-            .add_service(KvIndexerServer::new(KvIndexerApi(service.clone())))
-            .add_service(IndexerServiceServer::new(LlmdIndexerApi(service)))
+            .add_service(
+                KvIndexerServer::new(KvIndexerApi(service.clone()))
+                    .max_decoding_message_size(config.server.max_request_bytes()),
+            )
+            .add_service(
+                IndexerServiceServer::new(LlmdIndexerApi(service))
+                    .max_decoding_message_size(config.server.max_request_bytes()),
+            )
             // TCP_NODELAY: a small response must not wait for a delayed ACK (40 ms on Linux).
             .serve_with_incoming_shutdown(
                 tonic::transport::server::TcpIncoming::from(grpc_listener).with_nodelay(Some(true)),

@@ -255,3 +255,51 @@ async fn payloads_crafted_to_multiply_memory_stay_within_4x() {
     assert!(holds(&d, 9));
     d.shutdown().await;
 }
+
+/// Limits apply before work: a 3.9 MB prompt (over `maxPromptBytes`, 1 MiB) is refused by the
+/// transport before it is read whole, and 300,000 empty chat messages by the message count,
+/// both at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn oversize_prompts_and_chats_are_refused_before_any_work() {
+    use kv_proto::kvindexer_v1::{
+        kv_indexer_client::KvIndexerClient, score_pods_request::Input, ChatMessage, ChatRequest,
+        ScorePodsRequest,
+    };
+    let d = daemon::start(config()).await.expect("daemon starts");
+    let mut grpc = KvIndexerClient::connect(format!("http://{}", d.grpc_addr))
+        .await
+        .expect("gRPC");
+    let t = std::time::Instant::now();
+    let e = grpc
+        .score_pods(ScorePodsRequest {
+            model: MODEL.into(),
+            input: Some(Input::Prompt("word ".repeat(800_000))),
+            ..Default::default()
+        })
+        .await
+        .expect_err("too large");
+    assert!(
+        matches!(
+            e.code(),
+            tonic::Code::OutOfRange | tonic::Code::ResourceExhausted
+        ),
+        "{e}"
+    );
+    assert!(t.elapsed() < Duration::from_secs(1), "{:?}", t.elapsed());
+    let t = std::time::Instant::now();
+    let e = grpc
+        .score_pods(ScorePodsRequest {
+            model: MODEL.into(),
+            input: Some(Input::Chat(ChatRequest {
+                messages: vec![ChatMessage::default(); 300_000],
+                ..Default::default()
+            })),
+            ..Default::default()
+        })
+        .await
+        .expect_err("too many messages");
+    assert_eq!(e.code(), tonic::Code::InvalidArgument, "{e}");
+    assert!(e.message().contains("server.maxChatMessages"), "{e}");
+    assert!(t.elapsed() < Duration::from_secs(1), "{:?}", t.elapsed());
+    d.shutdown().await;
+}

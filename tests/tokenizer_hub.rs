@@ -111,6 +111,8 @@ fn service(
             workers: 2,
             queue_size: 16,
             prefix_cache_size: 1000,
+            prefix_store_bytes: u64::MAX,
+            large_prompt_bytes: 32 << 10,
             prefix_block_chars: 16,
             min_prefix_overlap_ratio: 0.8,
         },

@@ -89,10 +89,13 @@ pub struct IndexerSection {
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 #[serde(rename_all = "camelCase", deny_unknown_fields, default)]
 pub struct PrefixStoreConfig {
-    /// Cached text blocks, per model.
+    /// Cached text blocks (llm-d's bound), counted as if each held `blockSize` tokens.
     pub cache_size: usize,
     /// Characters per cached text block.
     pub block_size: usize,
+    /// Bytes the store may hold (a block weighs its token ids plus 64 bytes); the tighter of
+    /// this and `cacheSize` applies.
+    pub max_bytes: u64,
 }
 
 impl Default for PrefixStoreConfig {
@@ -100,6 +103,7 @@ impl Default for PrefixStoreConfig {
         Self {
             cache_size: 500_000,
             block_size: 256,
+            max_bytes: 256 << 20,
         }
     }
 }
@@ -188,6 +192,10 @@ pub struct TokenizersPoolConfig {
     pub hf_endpoint: String,
     /// Tokenization requests waiting at most (beyond: RESOURCE_EXHAUSTED).
     pub queue_size: usize,
+    /// Prompts (or chats) longer than this many bytes are tokenized in a lane of their own (an
+    /// eighth of the workers, at least one, and a quarter of the queue), so a few huge prompts
+    /// cannot hold up the short ones.
+    pub large_prompt_bytes: usize,
 }
 
 impl Default for TokenizersPoolConfig {
@@ -201,6 +209,7 @@ impl Default for TokenizersPoolConfig {
             offline: false,
             hf_endpoint: String::new(),
             queue_size: 1024,
+            large_prompt_bytes: 32 << 10,
         }
     }
 }
@@ -289,8 +298,12 @@ pub struct ServerConfig {
     pub max_concurrent_requests: usize,
     /// Prompt tokens accepted at most.
     pub max_prompt_tokens: usize,
-    /// Prompt text accepted at most, in bytes.
+    /// Prompt text accepted at most, in bytes (a chat: its roles, contents, tools and template
+    /// arguments together). The gRPC message limit follows from this and `maxPromptTokens`, so
+    /// an oversize request is refused before it is read whole.
     pub max_prompt_bytes: usize,
+    /// Chat messages accepted at most.
+    pub max_chat_messages: usize,
     /// Candidate pods per request at most.
     pub max_candidate_pods: usize,
     /// On SIGTERM, how long in-flight work may take before exit.
@@ -303,14 +316,25 @@ pub struct ServerConfig {
     pub admin_token: String,
 }
 
+impl ServerConfig {
+    /// The largest gRPC message accepted: a maximal prompt as text or as token ids (at most 5
+    /// bytes each on the wire), plus room for the other fields.
+    pub fn max_request_bytes(&self) -> usize {
+        self.max_prompt_bytes
+            .max(self.max_prompt_tokens.saturating_mul(5))
+            .saturating_add(64 << 10)
+    }
+}
+
 impl Default for ServerConfig {
     fn default() -> Self {
         Self {
             grpc_addr: "0.0.0.0:50051".into(),
             metrics_addr: "0.0.0.0:9090".into(),
             max_concurrent_requests: 1024,
-            max_prompt_tokens: 1 << 20,
-            max_prompt_bytes: 8 << 20,
+            max_prompt_tokens: 1 << 18,
+            max_prompt_bytes: 1 << 20,
+            max_chat_messages: 4096,
             max_candidate_pods: 10_000,
             shutdown_grace_ms: 5_000,
             enable_admin_rpcs: false,

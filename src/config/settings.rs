@@ -70,7 +70,9 @@ impl Config {
             },
             workers: pool.workers_count,
             queue_size: pool.queue_size,
+            large_prompt_bytes: pool.large_prompt_bytes,
             prefix_cache_size: store.cache_size as u64,
+            prefix_store_bytes: store.max_bytes,
             prefix_block_chars: store.block_size,
             min_prefix_overlap_ratio: pool.min_prefix_overlap_ratio,
         }

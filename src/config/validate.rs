@@ -107,6 +107,7 @@ impl Config {
             ("server.maxPromptTokens", self.server.max_prompt_tokens),
             ("server.maxPromptBytes", self.server.max_prompt_bytes),
             ("server.maxCandidatePods", self.server.max_candidate_pods),
+            ("server.maxChatMessages", self.server.max_chat_messages),
         ] {
             if value == 0 {
                 return Err(invalid(field, "must be at least 1"));

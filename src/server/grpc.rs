@@ -158,10 +158,23 @@ impl ScoreService {
                 (t.ids, "prompt")
             }
             Some(Input::Chat(chat)) => {
-                let bytes: usize = chat.messages.iter().map(|m| m.content.len()).sum();
                 if chat.messages.is_empty() {
                     return Err(Status::invalid_argument("the chat has no messages"));
                 }
+                if chat.messages.len() > self.limits.max_chat_messages {
+                    return Err(Status::invalid_argument(format!(
+                        "the chat has {} messages; at most {} (server.maxChatMessages)",
+                        chat.messages.len(),
+                        self.limits.max_chat_messages
+                    )));
+                }
+                let bytes: usize = chat
+                    .messages
+                    .iter()
+                    .map(|m| m.role.len() + m.content.len())
+                    .sum::<usize>()
+                    + chat.tools_json.len()
+                    + chat.chat_template_kwargs_json.len();
                 if bytes > self.limits.max_prompt_bytes {
                     return Err(Status::invalid_argument(format!(
                         "the chat has {bytes} bytes; at most {} (server.maxPromptBytes)",

@@ -58,6 +58,15 @@ pub struct ChatInput {
 }
 
 impl ChatInput {
+    /// The bytes of text the chat carries (roles and contents): what rendering and tokenizing
+    /// it will cost, roughly.
+    pub fn text_bytes(&self) -> usize {
+        self.messages
+            .iter()
+            .map(|m| m.role.len() + m.content.len())
+            .sum()
+    }
+
     /// Parses the gRPC request's JSON fields (empty = absent).
     pub fn from_request(
         messages: Vec<ChatMessage>,

@@ -70,8 +70,14 @@ pub struct TokenizerSettings {
     pub workers: usize,
     /// Requests that may wait.
     pub queue_size: usize,
+    /// Prompts longer than this (bytes) run in the large-prompt lane: an eighth of the threads
+    /// (at least one) and a quarter of the queue, so a few huge prompts cannot hold up the
+    /// short ones, nor take every core.
+    pub large_prompt_bytes: usize,
     /// Prefix-store capacity, in text blocks.
     pub prefix_cache_size: u64,
+    /// Prefix-store capacity, in bytes (a block weighs its token ids plus 64 bytes).
+    pub prefix_store_bytes: u64,
     /// Characters per prefix-store block.
     pub prefix_block_chars: usize,
     /// Share of a prompt the prefix store must cover for its tokens to be used as they are.
@@ -97,14 +103,14 @@ struct Pool {
 }
 
 impl Pool {
-    fn new(workers: usize, capacity: usize) -> Self {
+    fn new(name: &str, workers: usize, capacity: usize) -> Self {
         let (tx, rx) = sync_channel::<Job>(capacity);
         let rx = Arc::new(Mutex::new(rx));
         let threads = (0..workers.max(1))
             .map(|i| {
                 let rx: Arc<Mutex<Receiver<Job>>> = rx.clone();
                 std::thread::Builder::new()
-                    .name(format!("tokenizer-{i}"))
+                    .name(format!("{name}-{i}"))
                     .spawn(move || loop {
                         let job = rx.lock().recv();
                         match job {
@@ -173,7 +179,10 @@ pub struct TokenizerService {
     settings: TokenizerSettings,
     loaded: moka::future::Cache<String, Arc<LoadedTokenizer>>,
     failures: moka::sync::Cache<String, LoadError>,
+    /// Prompts up to `large_prompt_bytes`.
     pool: Pool,
+    /// Longer prompts, isolated from the short ones.
+    large_pool: Pool,
     store: Arc<PrefixStore>,
     observer: Arc<dyn TokenizeObserver>,
 }
@@ -189,15 +198,30 @@ impl TokenizerService {
                 .max_capacity(1024)
                 .time_to_live(FAILURE_TTL)
                 .build(),
-            pool: Pool::new(settings.workers, settings.queue_size),
+            pool: Pool::new("tokenizer", settings.workers, settings.queue_size),
+            large_pool: Pool::new(
+                "tokenizer-large",
+                (settings.workers / 8).max(1),
+                (settings.queue_size / 4).max(1),
+            ),
             store: Arc::new(PrefixStore::new(
                 settings.prefix_cache_size,
+                settings.prefix_store_bytes,
                 settings.prefix_block_chars,
                 settings.min_prefix_overlap_ratio,
             )),
             observer,
             settings,
         })
+    }
+
+    /// The pool for a prompt of `bytes`.
+    fn lane(&self, bytes: usize) -> &Pool {
+        if bytes > self.settings.large_prompt_bytes {
+            &self.large_pool
+        } else {
+            &self.pool
+        }
     }
 
     /// The prefix store (for stats).
@@ -246,7 +270,7 @@ impl TokenizerService {
         let store = self.store.clone();
         let observer = self.observer.clone();
         let scope = prefix::scope(model, "prompt");
-        self.pool
+        self.lane(text.len())
             .run(deadline, move || {
                 tokenize_with_store(&store, &*observer, scope, &text, |t| {
                     tokenizer.encode_prompt(t)
@@ -270,7 +294,7 @@ impl TokenizerService {
         let store = self.store.clone();
         let observer = self.observer.clone();
         let scope = prefix::scope(model, "chat");
-        self.pool
+        self.lane(chat.text_bytes())
             .run(deadline, move || {
                 let text = tokenizer.render_chat(&chat)?;
                 tokenize_with_store(&store, &*observer, scope, &text, |t| {
@@ -351,7 +375,7 @@ mod tests {
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_full_queue_is_refused_and_late_work_is_not_started() {
-        let pool = Arc::new(Pool::new(1, 1));
+        let pool = Arc::new(Pool::new("test", 1, 1));
         let far = Instant::now() + Duration::from_secs(10);
         let (release, wait) = std::sync::mpsc::channel::<()>();
         let p = pool.clone();

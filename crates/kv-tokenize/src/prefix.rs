@@ -25,6 +25,9 @@ pub fn scope(model: &str, kind: &str) -> u64 {
     h.finish()
 }
 
+/// What a stored block costs besides its token ids (key, entry and bookkeeping).
+pub const BLOCK_OVERHEAD_BYTES: u64 = 64;
+
 /// The cache of tokenized text blocks.
 pub struct PrefixStore {
     blocks: moka::sync::Cache<u64, Arc<[u32]>>,
@@ -60,13 +63,30 @@ fn chain(prev: u64, bytes: &[u8]) -> u64 {
 }
 
 impl PrefixStore {
-    /// A store of `capacity` blocks of `block_chars` characters.
-    pub fn new(capacity: u64, block_chars: usize, min_ratio: f64) -> Self {
+    /// A store of `block_chars`-character blocks, bounded by `max_bytes` (a block weighs its
+    /// token ids plus [`BLOCK_OVERHEAD_BYTES`]) and, for llm-d's `cacheSize`, by `capacity`
+    /// blocks of that many tokens each.
+    pub fn new(capacity: u64, max_bytes: u64, block_chars: usize, min_ratio: f64) -> Self {
+        let block_chars = block_chars.max(1);
+        let per_block = BLOCK_OVERHEAD_BYTES + 4 * block_chars as u64;
+        let bytes = max_bytes.min(capacity.saturating_mul(per_block)).max(1);
         Self {
-            blocks: moka::sync::Cache::builder().max_capacity(capacity).build(),
-            block_chars: block_chars.max(1),
+            blocks: moka::sync::Cache::builder()
+                .weigher(|_, tokens: &Arc<[u32]>| {
+                    u32::try_from(BLOCK_OVERHEAD_BYTES as usize + 4 * tokens.len())
+                        .unwrap_or(u32::MAX)
+                })
+                .max_capacity(bytes)
+                .build(),
+            block_chars,
             min_ratio,
         }
+    }
+
+    /// Bytes held now, as weighed (approximate: moka applies evictions lazily).
+    pub fn weighted_bytes(&self) -> u64 {
+        self.blocks.run_pending_tasks();
+        self.blocks.weighted_size()
     }
 
     /// Blocks held now (approximate: moka applies evictions lazily).
@@ -153,7 +173,7 @@ mod tests {
 
     #[test]
     fn overlap_threshold_decides() {
-        let store = PrefixStore::new(1000, 4, 0.8);
+        let store = PrefixStore::new(1000, u64::MAX, 4, 0.8);
         let s = scope("m", "prompt");
         let first = "0123456789abcdefghij"; // 5 blocks
         let (ids, offs) = chars(first);
@@ -177,7 +197,7 @@ mod tests {
 
     #[test]
     fn unicode_and_tokens_spanning_blocks() {
-        let store = PrefixStore::new(1000, 3, 1.0);
+        let store = PrefixStore::new(1000, u64::MAX, 3, 1.0);
         let s = scope("m", "chat");
         let text = "日本語のテキスト"; // 8 chars, 24 bytes: blocks of 3 chars = 9 bytes
                                        // Two-character tokens: one spans the first block boundary.
@@ -192,7 +212,7 @@ mod tests {
 
     #[test]
     fn capacity_evicts() {
-        let store = PrefixStore::new(10, 2, 0.5);
+        let store = PrefixStore::new(10, u64::MAX, 2, 0.5);
         let s = scope("m", "prompt");
         for i in 0..100u32 {
             let text = format!("{i:04}abcdefgh");
