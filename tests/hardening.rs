@@ -303,3 +303,60 @@ async fn oversize_prompts_and_chats_are_refused_before_any_work() {
     assert!(t.elapsed() < Duration::from_secs(1), "{:?}", t.elapsed());
     d.shutdown().await;
 }
+
+/// Topics name models, so they must not multiply state (the tester held 500k keys with `size`
+/// 100k by naming 5,000 models): 200 models of 100 blocks each, with `size` 1,000 and
+/// `maxModels` 16, leave at most 1,000 keys and 16 models, the rest counted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn models_named_by_topics_cannot_multiply_the_index() {
+    let mut c = config();
+    c.indexer_config.kv_block_index_config.in_memory_config.size = 1_000;
+    c.indexer_config
+        .kv_block_index_config
+        .in_memory_config
+        .max_models = 16;
+    let d = daemon::start(c).await.expect("daemon starts");
+    let mut p = PubSocket::new();
+    p.connect(d.zmq_endpoint.as_deref().expect("bind"))
+        .await
+        .expect("PUB connects");
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    for m in 0..200u64 {
+        let payload = encode_batch(&EventBatch {
+            ts: 1.7e9,
+            events: vec![KvEvent::BlockStored(BlockStored {
+                block_hashes: (1..=100).map(|i| BlockHash::new(m << 32 | i)).collect(),
+                block_size: 16,
+                medium: Some(Medium::Gpu),
+                ..Default::default()
+            })],
+            data_parallel_rank: Some(0),
+        });
+        let msg = ZmqMessage::try_from(vec![
+            Bytes::from(format!("kv@{POD}@model-{m}")),
+            Bytes::copy_from_slice(&0u64.to_be_bytes()),
+            Bytes::from(payload),
+        ])
+        .expect("non-empty");
+        p.send(msg).await.expect("send");
+    }
+    let mut skipped = 0.0;
+    for _ in 0..300 {
+        skipped = metric(
+            &d.metrics_text(),
+            "kvindexer_events_skipped_total{reason=\"too_many_models\"}",
+        );
+        if skipped >= 184.0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(
+        skipped >= 184.0,
+        "events of models past the limit counted: {skipped}"
+    );
+    assert_eq!(d.indexer.models().len(), 16);
+    let keys: u64 = d.indexer.stats().iter().map(|(_, s)| s.keys).sum();
+    assert!(keys <= 1_000, "{keys} keys with size 1000");
+    d.shutdown().await;
+}

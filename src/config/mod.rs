@@ -157,10 +157,12 @@ impl Default for KvBlockIndexConfig {
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 #[serde(rename_all = "camelCase", deny_unknown_fields, default)]
 pub struct InMemoryConfig {
-    /// Most block keys per model.
+    /// Most block keys, all models together (as llm-d's single index counts them).
     pub size: usize,
     /// Most pods per block key.
     pub pod_cache_size: usize,
+    /// Most models indexed; events of further models are dropped and counted.
+    pub max_models: usize,
 }
 
 impl Default for InMemoryConfig {
@@ -168,6 +170,7 @@ impl Default for InMemoryConfig {
         Self {
             size: 100_000_000,
             pod_cache_size: 10,
+            max_models: kv_core::DEFAULT_MAX_MODELS,
         }
     }
 }

@@ -40,6 +40,7 @@ impl Config {
                 max_keys: mem.size,
                 pod_cache_size: mem.pod_cache_size,
             },
+            max_models: mem.max_models,
             default_model: ModelSettings {
                 token_processor: default_processor,
                 lora_paths: Default::default(),

@@ -128,6 +128,23 @@ impl Config {
                 ));
             }
         }
+        let mem = &self.indexer_config.kv_block_index_config.in_memory_config;
+        if mem.max_models == 0 || mem.max_models > 4096 {
+            return Err(invalid(
+                "indexerConfig.kvBlockIndexConfig.inMemoryConfig.maxModels",
+                "must be between 1 and 4096",
+            ));
+        }
+        if self.models.len() > mem.max_models {
+            return Err(invalid(
+                "models",
+                format!(
+                    "{} models are configured but maxModels is {}",
+                    self.models.len(),
+                    mem.max_models
+                ),
+            ));
+        }
         let w = &self.scoring.tier_weights;
         for (name, v) in [
             ("gpu", w.gpu),

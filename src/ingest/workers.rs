@@ -344,6 +344,13 @@ impl Worker<'_> {
         let shared = self.shared;
         let report = match shared.indexer.apply_batch(&key.model, &key.pod, batch) {
             Ok(r) => r,
+            Err(e @ kv_core::SettingsError::TooManyModels { .. }) => {
+                shared.metrics.ingest.skipped("too_many_models", 1);
+                if let Some(suppressed) = shared.decode_log.allow() {
+                    tracing::warn!(model = %key.model, error = %e, suppressed, "events of a model past maxModels dropped");
+                }
+                return;
+            }
             Err(e) => {
                 shared.metrics.ingest.skipped("bad_model_settings", 1);
                 tracing::error!(model = %key.model, error = %e, "cannot index events for this model");

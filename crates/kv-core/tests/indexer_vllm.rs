@@ -279,3 +279,52 @@ fn data_parallel_ranks_are_separate_engines_of_one_pod() {
     assert_eq!(r.scores[0].matched_blocks, 2);
     assert_eq!(ix.clear_pod(MODEL, "pod"), 2);
 }
+
+/// `size` bounds the indexer, not each model: many models share one key budget, a newcomer
+/// makes room by evicting from the model holding the most, and `max_models` bounds how many
+/// models events can create.
+#[test]
+fn size_bounds_all_models_together_and_models_are_bounded() {
+    use kv_core::{BlockHash, BlockStored, EventBatch, IndexConfig, KvEvent, SettingsError};
+    let indexer = Indexer::new(IndexerSettings {
+        index: IndexConfig {
+            max_keys: 100,
+            pod_cache_size: 10,
+        },
+        max_models: 8,
+        ..settings(Some("12345"), 16)
+    })
+    .expect("valid");
+    let batch = |model: u64, n: u64| EventBatch {
+        ts: 0.0,
+        events: vec![KvEvent::BlockStored(BlockStored {
+            block_hashes: (0..n)
+                .map(|i| BlockHash::new(model << 32 | (i + 1)))
+                .collect(),
+            block_size: 16,
+            ..Default::default()
+        })],
+        data_parallel_rank: None,
+    };
+    for m in 0..8u64 {
+        indexer
+            .apply_batch(&format!("m{m}"), "10.0.0.1:8000", &batch(m, 40))
+            .expect("applies");
+        let total: u64 = indexer.stats().iter().map(|(_, s)| s.keys).sum();
+        assert!(total <= 100, "after model {m}: {total} keys");
+        let newest = indexer.model(&format!("m{m}")).expect("model");
+        assert_eq!(
+            newest.index().stats().keys,
+            40,
+            "model {m} got room for all its blocks"
+        );
+    }
+    let e = indexer
+        .apply_batch("m8", "10.0.0.1:8000", &batch(8, 1))
+        .expect_err("past maxModels");
+    assert!(
+        matches!(e, SettingsError::TooManyModels { max: 8, .. }),
+        "{e}"
+    );
+    assert_eq!(indexer.models().len(), 8);
+}

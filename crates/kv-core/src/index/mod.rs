@@ -56,7 +56,7 @@ pub use slab::MAX_MEMBERS;
 use table::Table;
 pub use types::{
     EngineDirectory, EngineId, EngineKey, EngineScore, IndexConfig, IndexConfigError, IndexStats,
-    Tier, TierWeights, MAX_ENGINES,
+    KeyBudget, Tier, TierWeights, MAX_ENGINES,
 };
 use write::{random_seed, Counters, Writer};
 pub use write::{IndexWriter, StoreOutcome};
@@ -71,6 +71,8 @@ pub struct ModelIndex {
     directory: ArcSwap<EngineDirectory>,
     writer: Mutex<Writer>,
     counters: Counters,
+    /// Keys this index may create, shared with the other models' indexes.
+    budget: Arc<KeyBudget>,
 }
 
 /// Maps the one hash value the slab reserves (0 = free node) to another value; a real block
@@ -91,8 +93,19 @@ fn member(engine: EngineId, tier: Tier) -> u32 {
 const INITIAL_TABLE: usize = 1024;
 
 impl ModelIndex {
-    /// An empty index. `config` must be valid ([`IndexConfig::validate`]).
+    /// An empty index with a key budget of its own. `config` must be valid
+    /// ([`IndexConfig::validate`]).
     pub fn new(config: IndexConfig) -> Result<Self, IndexConfigError> {
+        let budget = KeyBudget::new(config.max_keys as u64);
+        Self::with_budget(config, budget)
+    }
+
+    /// An empty index whose keys count against `budget`, shared with other indexes: when it
+    /// is spent, this index evicts its own blocks (CLOCK) to make room.
+    pub fn with_budget(
+        config: IndexConfig,
+        budget: Arc<KeyBudget>,
+    ) -> Result<Self, IndexConfigError> {
         config.validate()?;
         let seed = random_seed();
         let table = Arc::new(Table::with_capacity(INITIAL_TABLE, seed));
@@ -103,6 +116,7 @@ impl ModelIndex {
             directory: ArcSwap::from_pointee(EngineDirectory::default()),
             writer: Mutex::new(Writer::new(table)),
             counters: Counters::default(),
+            budget,
             config,
         })
     }
@@ -115,6 +129,11 @@ impl ModelIndex {
     /// The engines known now (readers; lock-free).
     pub fn directory(&self) -> Arc<EngineDirectory> {
         self.directory.load_full()
+    }
+
+    /// Distinct block keys as of the last finished write (lock-free).
+    pub fn key_count(&self) -> u64 {
+        self.counters.snapshot().keys
     }
 
     /// Size and activity counters (as of the last finished write) and memory held.

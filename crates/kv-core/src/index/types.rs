@@ -86,10 +86,56 @@ impl TierWeights {
     }
 }
 
+/// The keys several model indexes share: `size` bounds the whole indexer, not each model (a
+/// publisher that names many models cannot multiply it). Taken when a block's node is created,
+/// given back when it is freed.
+#[derive(Debug)]
+pub struct KeyBudget {
+    limit: u64,
+    used: std::sync::atomic::AtomicU64,
+}
+
+impl KeyBudget {
+    /// A budget of `limit` keys.
+    pub fn new(limit: u64) -> Arc<Self> {
+        Arc::new(Self {
+            limit,
+            used: std::sync::atomic::AtomicU64::new(0),
+        })
+    }
+
+    /// Keys in use across every index sharing the budget.
+    pub fn used(&self) -> u64 {
+        self.used.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// The limit.
+    pub fn limit(&self) -> u64 {
+        self.limit
+    }
+
+    /// Takes one key; false when the budget is spent.
+    pub(super) fn take(&self) -> bool {
+        use std::sync::atomic::Ordering::Relaxed;
+        self.used
+            .fetch_update(Relaxed, Relaxed, |u| (u < self.limit).then_some(u + 1))
+            .is_ok()
+    }
+
+    /// Gives `n` keys back.
+    pub(super) fn give_back(&self, n: u64) {
+        use std::sync::atomic::Ordering::Relaxed;
+        let _ = self
+            .used
+            .fetch_update(Relaxed, Relaxed, |u| Some(u.saturating_sub(n)));
+    }
+}
+
 /// Capacity settings (the `kvBlockIndexConfig.inMemoryConfig` of the config file).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct IndexConfig {
-    /// Most distinct block keys per model (`size`).
+    /// Most distinct block keys (`size`): per index, and across the indexes that share a
+    /// [`KeyBudget`] (the indexer's models).
     pub max_keys: usize,
     /// Most engines per key (`podCacheSize`).
     pub pod_cache_size: usize,

@@ -27,7 +27,7 @@ use crate::hashing::{
     TokenProcessorError,
 };
 use crate::index::{
-    EngineKey, EngineScore, IndexConfig, IndexConfigError, IndexStats, ModelIndex, Tier,
+    EngineKey, EngineScore, IndexConfig, IndexConfigError, IndexStats, KeyBudget, ModelIndex, Tier,
     TierWeights,
 };
 use crate::BlockHash;
@@ -44,8 +44,11 @@ pub struct ModelSettings {
 /// Everything the indexer needs to run.
 #[derive(Debug, Clone, Default)]
 pub struct IndexerSettings {
-    /// Capacity per model.
+    /// Capacity: `max_keys` bounds all models together, `pod_cache_size` each block.
     pub index: IndexConfig,
+    /// Models indexed at most (events name models, so they must not multiply state); 0 means
+    /// [`DEFAULT_MAX_MODELS`].
+    pub max_models: usize,
     /// Settings of models not listed in `models`.
     pub default_model: ModelSettings,
     /// Per-model overrides; these models are "known" before any event arrives.
@@ -68,7 +71,18 @@ pub enum SettingsError {
     /// Index capacity settings are invalid.
     #[error(transparent)]
     Index(#[from] IndexConfigError),
+    /// Indexing this model would pass the model limit.
+    #[error("model {model:?} not indexed: {max} models already (maxModels)")]
+    TooManyModels {
+        /// The model refused.
+        model: String,
+        /// The limit.
+        max: usize,
+    },
 }
+
+/// The model limit when none is configured.
+pub const DEFAULT_MAX_MODELS: usize = 64;
 
 /// Why a score request failed.
 #[derive(Debug, Error, PartialEq, Eq)]
@@ -188,6 +202,8 @@ pub struct Indexer {
     models: ArcSwap<HashMap<Arc<str>, Arc<ModelState>>>,
     create: Mutex<()>,
     totals: Totals,
+    /// `size` keys shared by every model's index.
+    budget: Arc<KeyBudget>,
 }
 
 /// The index tier of an event's medium; no medium (vLLM < 0.10.2) means GPU.
@@ -215,6 +231,7 @@ impl Indexer {
             }
         })?;
         let indexer = Self {
+            budget: KeyBudget::new(settings.index.max_keys as u64),
             settings,
             models: ArcSwap::from_pointee(HashMap::new()),
             create: Mutex::new(()),
@@ -251,6 +268,16 @@ impl Indexer {
         if let Some(m) = self.model(name) {
             return Ok(m);
         }
+        let max = match self.settings.max_models {
+            0 => DEFAULT_MAX_MODELS,
+            n => n,
+        };
+        if self.models.load().len() >= max {
+            return Err(SettingsError::TooManyModels {
+                model: name.to_owned(),
+                max,
+            });
+        }
         let settings = self
             .settings
             .models
@@ -264,7 +291,7 @@ impl Indexer {
         })?;
         let state = Arc::new(ModelState {
             name: name.into(),
-            index: ModelIndex::new(self.settings.index.clone())?,
+            index: ModelIndex::with_budget(self.settings.index.clone(), self.budget.clone())?,
             processor,
             lora_paths: settings.lora_paths.clone(),
             hash_checks: Mutex::new(HashMap::new()),
@@ -291,6 +318,7 @@ impl Indexer {
             .unwrap_or(0);
         let key = EngineKey::new(pod, rank);
         let mut report = ApplyReport::default();
+        self.make_room(&state, batch);
         self.check_hashes(&state, &key.pod, batch, &mut report);
         let mut skipped = state.skipped_groups.lock();
         let engine_skips = skipped.entry(key.clone()).or_default();
@@ -340,6 +368,33 @@ impl Indexer {
             .skipped_group_events
             .fetch_add(report.skipped_group_events as u64, Ordering::Relaxed);
         Ok(report)
+    }
+
+    /// When the shared key budget cannot take `batch`'s new blocks, evicts that many from the
+    /// model holding the most keys, if it is another one (this model evicts its own as it
+    /// stores). Takes one other model's writer at a time, never while holding this one's.
+    fn make_room(&self, state: &ModelState, batch: &EventBatch) {
+        let incoming: u64 = batch
+            .events
+            .iter()
+            .map(|e| match e {
+                KvEvent::BlockStored(s) => s.block_hashes.len() as u64,
+                _ => 0,
+            })
+            .sum();
+        let over = (self.budget.used() + incoming).saturating_sub(self.budget.limit());
+        if over == 0 {
+            return;
+        }
+        let largest = self
+            .models
+            .load()
+            .values()
+            .max_by_key(|m| m.index.key_count())
+            .cloned();
+        if let Some(other) = largest.filter(|m| m.name != state.name) {
+            other.index.write(|w| w.evict(over as usize));
+        }
     }
 
     /// Drops every block of `pod` (all DP ranks) in `model`: a publisher restart, an admin

@@ -13,6 +13,21 @@ impl IndexWriter<'_> {
         self.state.referenced[word] |= 1 << (id % 64);
     }
 
+    /// Evicts up to `n` blocks (CLOCK), with all their memberships: room for another index
+    /// sharing the key budget. Returns the blocks evicted.
+    pub fn evict(&mut self, n: usize) -> usize {
+        let mut evicted = 0;
+        while evicted < n && self.state.tally.keys > 0 {
+            let before = self.state.tally.keys;
+            self.evict_one();
+            if self.state.tally.keys == before {
+                break;
+            }
+            evicted += 1;
+        }
+        evicted
+    }
+
     /// Second-chance eviction of one block with all its memberships.
     pub(super) fn evict_one(&mut self) {
         let end = self.state.next_node;

@@ -545,13 +545,21 @@ impl IndexWriter<'_> {
             _ => self.state.free_ranges.push((id, 1)),
         }
         self.state.tally.keys -= 1;
+        self.index.budget.give_back(1);
     }
 
     /// A fresh node holding `hash` with the single member `m`, evicting by CLOCK when the index
-    /// is at `size`.
+    /// is at `size` or the shared key budget is spent. `None` when no key can be had (the
+    /// budget is spent and this index holds nothing to evict).
     fn alloc_node(&mut self, hash: u64, m: u32) -> Option<u32> {
         if self.state.tally.keys as usize >= self.index.config.max_keys {
             self.evict_one();
+        }
+        if !self.index.budget.take() {
+            self.evict_one();
+            if !self.index.budget.take() {
+                return None;
+            }
         }
         let id = match self.state.free_ranges.last_mut() {
             Some((start, len)) => {
@@ -568,6 +576,7 @@ impl IndexWriter<'_> {
                 if id as usize >= self.index.slab.nodes.capacity()
                     || self.index.slab.nodes.get_or_alloc(id).is_none()
                 {
+                    self.index.budget.give_back(1);
                     return None;
                 }
                 self.state.next_node += 1;
