@@ -124,7 +124,7 @@ fn payloads() -> (Vec<Vec<u8>>, Vec<Vec<u8>>, usize) {
             blocks += n;
             if stored {
                 let parent = next_hash();
-                events.push(KvEvent::BlockStored(BlockStored {
+                events.push(KvEvent::BlockStored(Box::new(BlockStored {
                     block_hashes: hashes,
                     parent_block_hash: Some(parent),
                     token_ids: rng_tokens(n * 16, parent.get()),
@@ -134,7 +134,7 @@ fn payloads() -> (Vec<Vec<u8>>, Vec<Vec<u8>>, usize) {
                     group_idx: Some(0),
                     kv_cache_spec_kind: Some("full_attention".into()),
                     ..Default::default()
-                }));
+                })));
             } else {
                 events.push(KvEvent::BlockRemoved(BlockRemoved {
                     block_hashes: hashes,

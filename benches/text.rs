@@ -100,11 +100,11 @@ async fn run(dir: PathBuf) {
         for p in 0..8 {
             let batch = EventBatch {
                 ts: 0.0,
-                events: vec![KvEvent::BlockStored(BlockStored {
+                events: vec![KvEvent::BlockStored(Box::new(BlockStored {
                     block_hashes: hashes.clone(),
                     block_size: 16,
                     ..Default::default()
-                })],
+                }))],
                 data_parallel_rank: None,
             };
             indexer

@@ -26,13 +26,13 @@ use zeromq::{PubSocket, Socket, SocketSend, ZmqMessage};
 fn block_stored(hashes: &[BlockHash], tokens: &[u32], block_size: usize) -> Vec<u8> {
     encode_batch(&EventBatch {
         ts: 1.7e9,
-        events: vec![KvEvent::BlockStored(BlockStored {
+        events: vec![KvEvent::BlockStored(Box::new(BlockStored {
             block_hashes: hashes.to_vec(),
             token_ids: tokens.to_vec(),
             block_size: block_size as u32,
             medium: Some(Medium::Gpu),
             ..Default::default()
-        })],
+        }))],
         data_parallel_rank: Some(0),
     })
 }

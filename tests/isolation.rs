@@ -27,12 +27,12 @@ const MODEL: &str = "iso/model";
 fn stored(hashes: &[BlockHash]) -> Bytes {
     Bytes::from(encode_batch(&EventBatch {
         ts: 1.7e9,
-        events: vec![KvEvent::BlockStored(BlockStored {
+        events: vec![KvEvent::BlockStored(Box::new(BlockStored {
             block_hashes: hashes.to_vec(),
             block_size: 16,
             medium: Some(Medium::Gpu),
             ..Default::default()
-        })],
+        }))],
         data_parallel_rank: Some(0),
     }))
 }

@@ -26,12 +26,12 @@ fn config() -> Config {
 fn stored(first: u64, n: u64) -> Bytes {
     Bytes::from(encode_batch(&EventBatch {
         ts: 1.7e9,
-        events: vec![KvEvent::BlockStored(BlockStored {
+        events: vec![KvEvent::BlockStored(Box::new(BlockStored {
             block_hashes: (first..first + n).map(BlockHash::new).collect(),
             block_size: 16,
             medium: Some(Medium::Gpu),
             ..Default::default()
-        })],
+        }))],
         data_parallel_rank: Some(0),
     }))
 }

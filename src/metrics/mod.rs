@@ -19,7 +19,7 @@ mod tokenizer;
 use std::sync::Arc;
 
 use kv_core::Indexer;
-use prometheus::{Encoder, Registry, TextEncoder};
+use prometheus::{Encoder, IntGauge, Registry, TextEncoder};
 
 pub use index::IndexMetrics;
 pub use ingest::IngestMetrics;
@@ -40,6 +40,8 @@ pub struct Metrics {
     pub scoring: ScoringMetrics,
     /// Tokenization (the tokenizer service's observer).
     pub tokenizer: Arc<TokenizerMetrics>,
+    /// The process's resident memory, read at scrape time (soak tests watch it).
+    resident_memory: IntGauge,
 }
 
 impl Metrics {
@@ -52,6 +54,11 @@ impl Metrics {
             index: IndexMetrics::new(&registry, labels.clone()),
             scoring: ScoringMetrics::new(&registry),
             tokenizer: Arc::new(TokenizerMetrics::new(&registry)),
+            resident_memory: registry::gauge(
+                &registry,
+                "kvindexer_process_resident_memory_bytes",
+                "Resident memory of the daemon process (Linux VmRSS), read at scrape time",
+            ),
             labels,
             registry,
         })
@@ -60,10 +67,27 @@ impl Metrics {
     /// Refreshes the index gauges from the indexer, then renders the text exposition.
     pub fn render(&self, indexer: &Indexer) -> String {
         self.index.refresh(indexer);
+        if let Some(rss) = resident_memory_bytes() {
+            self.resident_memory.set(rss as i64);
+        }
         let mut out = Vec::new();
         if let Err(e) = TextEncoder::new().encode(&self.registry.gather(), &mut out) {
             return format!("# metrics encoding failed: {e}\n");
         }
         String::from_utf8(out).unwrap_or_default()
     }
+}
+
+/// The process's resident set size from `/proc/self/status` (`None` off Linux).
+fn resident_memory_bytes() -> Option<u64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let kb = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))?
+        .trim()
+        .trim_end_matches("kB")
+        .trim()
+        .parse::<u64>()
+        .ok()?;
+    Some(kb * 1024)
 }

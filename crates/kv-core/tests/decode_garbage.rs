@@ -117,8 +117,8 @@ fn unknown_event_types_and_fields_are_tolerated() {
 }
 
 /// Payloads crafted to multiply memory: 16 MB of nil `extra_keys` (each nil would decode into
-/// a 32-byte value), 16 MB of one-byte hashes (8 bytes each), and an event count that promises
-/// more than the payload holds. Each is refused before it allocates more than 3x its size.
+/// a 32-byte value), 16 MB of one-byte hashes (8 bytes each), a million tiny events. Each is
+/// refused before it allocates more than its budget (6x its size).
 #[test]
 fn payloads_that_would_multiply_memory_are_refused() {
     fn map_event(key: &str, elements: usize, element: u8) -> Vec<u8> {
@@ -149,10 +149,15 @@ fn payloads_that_would_multiply_memory_are_refused() {
         let e = decode_batch(&payload).expect_err(what);
         assert_eq!(e.reason(), "too_large", "{what}: {e}");
     }
-    // Fixint token ids cost 4x: refused too, a block's worth at a time is fine.
-    let tokens = map_event("token_ids", 1 << 20, 0x05);
+    // A million unknown array-form events (["x"], 3 bytes) would each decode to ~115 bytes.
+    let mut tiny = vec![0x93, 0xcb, 0, 0, 0, 0, 0, 0, 0, 0, 0xdd];
+    tiny.extend_from_slice(&(1u32 << 20).to_be_bytes());
+    for _ in 0..1 << 20 {
+        tiny.extend_from_slice(&[0x91, 0xa1, b'x']);
+    }
+    tiny.push(0);
     assert_eq!(
-        decode_batch(&tokens).expect_err("tokens").reason(),
+        decode_batch(&tiny).expect_err("tiny events").reason(),
         "too_large"
     );
 }

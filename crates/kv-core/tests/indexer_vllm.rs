@@ -142,7 +142,7 @@ fn salted_root_runs_are_verified_from_the_published_extra_keys() {
     };
     let batch = EventBatch {
         ts: 0.0,
-        events: vec![KvEvent::BlockStored(stored)],
+        events: vec![KvEvent::BlockStored(Box::new(stored))],
         data_parallel_rank: Some(0),
     };
     let ix = Indexer::new(settings(Some("7"), 16)).expect("valid");
@@ -191,12 +191,12 @@ fn mismatches_are_counted_per_pod_and_diagnosed() {
     let tokens: Vec<u32> = (0..16).collect();
     let default_seed_run = EventBatch {
         ts: 0.0,
-        events: vec![KvEvent::BlockStored(kv_core::BlockStored {
+        events: vec![KvEvent::BlockStored(Box::new(kv_core::BlockStored {
             block_hashes: processor.block_hashes(&tokens, &RequestExtras::default()),
             token_ids: tokens,
             block_size: 16,
             ..Default::default()
-        })],
+        }))],
         data_parallel_rank: None,
     };
     let ix = Indexer::new(settings(Some("12345"), 16)).expect("valid");
@@ -297,13 +297,13 @@ fn size_bounds_all_models_together_and_models_are_bounded() {
     .expect("valid");
     let batch = |model: u64, n: u64| EventBatch {
         ts: 0.0,
-        events: vec![KvEvent::BlockStored(BlockStored {
+        events: vec![KvEvent::BlockStored(Box::new(BlockStored {
             block_hashes: (0..n)
                 .map(|i| BlockHash::new(model << 32 | (i + 1)))
                 .collect(),
             block_size: 16,
             ..Default::default()
-        })],
+        }))],
         data_parallel_rank: None,
     };
     for m in 0..8u64 {

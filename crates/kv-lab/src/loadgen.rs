@@ -135,6 +135,10 @@ pub struct LoadgenArgs {
     /// Write a ScorePods request (grpcurl's JSON) for the prompt the first pod stored.
     #[arg(long)]
     pub dump_request: Option<std::path::PathBuf>,
+    /// Soak mode: sample the daemon's memory every this many seconds during the load (0: off)
+    /// and report whether anything grew after the first half (run with `--duration` of hours).
+    #[arg(long, default_value_t = 0)]
+    pub soak_sample: u64,
 }
 
 /// A prepared prompt: tokens, block hashes, and its payloads.
@@ -151,7 +155,7 @@ fn block_stored(
     tokens: &[u32],
     block_size: usize,
 ) -> KvEvent {
-    KvEvent::BlockStored(BlockStored {
+    KvEvent::BlockStored(Box::new(BlockStored {
         block_hashes: hashes.to_vec(),
         parent_block_hash: parent,
         token_ids: tokens.to_vec(),
@@ -161,7 +165,7 @@ fn block_stored(
         group_idx: Some(0),
         kv_cache_spec_kind: Some("full_attention".into()),
         ..Default::default()
-    })
+    }))
 }
 
 /// `BlockRemoved` of one hash (vLLM sends one event per evicted block).
@@ -419,11 +423,107 @@ pub struct LoadgenReport {
     pub score_idle: ScorePhase,
     /// ScorePods under event load (`None` for a warm-up-only run).
     pub score_under_load: Option<ScorePhase>,
+    /// Soak mode: the memory samples and the verdict.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub soak: Option<SoakReport>,
+}
+
+/// One soak sample of the daemon's own gauges.
+#[derive(Debug, Clone, Serialize)]
+pub struct SoakSample {
+    /// Seconds since the load started.
+    pub at_s: f64,
+    /// The daemon's resident memory.
+    pub rss_bytes: f64,
+    /// The index's memory, all models.
+    pub index_bytes: f64,
+    /// Block keys, all models.
+    pub keys: f64,
+    /// Messages waiting in worker queues.
+    pub queue_depth: f64,
+}
+
+impl SoakSample {
+    fn read(at_s: f64, page: &str) -> Self {
+        Self {
+            at_s,
+            rss_bytes: metric_sum(page, "kvindexer_process_resident_memory_bytes"),
+            index_bytes: metric_sum(page, "kvindexer_index_memory_bytes"),
+            keys: metric_sum(page, "kvindexer_index_keys"),
+            queue_depth: metric_sum(page, "kvindexer_event_queue_depth"),
+        }
+    }
+}
+
+/// Soak mode's verdict: the load is steady (the index is bounded by design), so after a
+/// warm-up half nothing should grow. `growth` compares the last quarter's mean with the
+/// second quarter's, per gauge; `bounded` holds when none grew by more than 5%.
+#[derive(Debug, Clone, Serialize)]
+pub struct SoakReport {
+    /// Every sample, in order.
+    pub samples: Vec<SoakSample>,
+    /// Relative growth of RSS, index memory and keys (last quarter over second quarter).
+    pub rss_growth: f64,
+    /// Index memory growth, same measure.
+    pub index_growth: f64,
+    /// Key count growth, same measure.
+    pub keys_growth: f64,
+    /// No gauge grew by more than 5% after the warm-up.
+    pub bounded: bool,
+}
+
+impl SoakReport {
+    fn of(samples: Vec<SoakSample>) -> Self {
+        let n = samples.len();
+        let mean = |range: std::ops::Range<usize>, f: &dyn Fn(&SoakSample) -> f64| {
+            let slice = &samples[range];
+            slice.iter().map(f).sum::<f64>() / slice.len().max(1) as f64
+        };
+        let growth = |f: &dyn Fn(&SoakSample) -> f64| {
+            let (q2, q4) = (n / 4..(n / 2).max(n / 4 + 1), (3 * n / 4).min(n - 1)..n);
+            let base = mean(q2, f);
+            if base <= 0.0 {
+                0.0
+            } else {
+                mean(q4, f) / base - 1.0
+            }
+        };
+        let rss_growth = growth(&|s| s.rss_bytes);
+        let index_growth = growth(&|s| s.index_bytes);
+        let keys_growth = growth(&|s| s.keys);
+        Self {
+            bounded: [rss_growth, index_growth, keys_growth]
+                .iter()
+                .all(|g| *g <= 0.05),
+            samples,
+            rss_growth,
+            index_growth,
+            keys_growth,
+        }
+    }
 }
 
 impl LoadgenReport {
     /// The report as an operator reads it.
     pub fn to_text(&self) -> String {
+        let soak = self.soak.as_ref().map_or(String::new(), |s| {
+            let last = s.samples.last();
+            format!(
+                "\nsoak: {} samples; last RSS {:.0} MB, index {:.0} MB, {:.0} keys; growth after warm-up: RSS {:+.1}%, index {:+.1}%, keys {:+.1}% ({})",
+                s.samples.len(),
+                last.map_or(0.0, |l| l.rss_bytes / 1e6),
+                last.map_or(0.0, |l| l.index_bytes / 1e6),
+                last.map_or(0.0, |l| l.keys),
+                100.0 * s.rss_growth,
+                100.0 * s.index_growth,
+                100.0 * s.keys_growth,
+                if s.bounded { "bounded" } else { "GROWING" }
+            )
+        });
+        self.to_text_without_soak() + &soak
+    }
+
+    fn to_text_without_soak(&self) -> String {
         let idle = &self.score_idle;
         let Some(loaded) = &self.score_under_load else {
             return format!(
@@ -542,6 +642,7 @@ async fn run_async(args: LoadgenArgs) -> Result<LoadgenReport, LoadgenError> {
         messages_lost: 0.0,
         score_idle,
         score_under_load: None,
+        soak: None,
     };
     if args.duration == 0 {
         // Warm-up only: every pod holds its first prompt (what --dump-request describes).
@@ -588,7 +689,28 @@ async fn run_async(args: LoadgenArgs) -> Result<LoadgenReport, LoadgenError> {
         })
     };
     let started = Instant::now();
-    let (loaded, loaded_matched) = score_phase(&args, &docs, &pods, args.duration).await?;
+    let (loaded, loaded_matched, samples) = if args.soak_sample > 0 {
+        let scoring = {
+            let (args, docs, pods) = (args.clone(), docs.clone(), pods.clone());
+            tokio::spawn(async move { score_phase(&args, &docs, &pods, args.duration).await })
+        };
+        let mut samples = Vec::new();
+        while started.elapsed() < Duration::from_secs(args.duration) {
+            let page = http_get(&args.metrics, "/metrics").await?;
+            samples.push(SoakSample::read(started.elapsed().as_secs_f64(), &page));
+            let next = Duration::from_secs(args.soak_sample * samples.len() as u64);
+            if let Some(wait) = next.checked_sub(started.elapsed()) {
+                tokio::time::sleep(wait).await;
+            }
+        }
+        let (loaded, matched) = scoring
+            .await
+            .map_err(|e| LoadgenError::Task(e.to_string()))??;
+        (loaded, matched, samples)
+    } else {
+        let (loaded, matched) = score_phase(&args, &docs, &pods, args.duration).await?;
+        (loaded, matched, Vec::new())
+    };
     stop.store(true, Ordering::Relaxed);
     let elapsed = started.elapsed().as_secs_f64();
     let after = http_get(&args.metrics, "/metrics").await?;
@@ -605,6 +727,9 @@ async fn run_async(args: LoadgenArgs) -> Result<LoadgenReport, LoadgenError> {
     report.sequence_gaps = delta("kvindexer_sequence_gaps_total");
     report.messages_lost = delta("kvindexer_messages_lost_total");
     report.score_under_load = Some(ScorePhase::of(&loaded, loaded_matched, elapsed));
+    if !samples.is_empty() {
+        report.soak = Some(SoakReport::of(samples));
+    }
     Ok(report)
 }
 

@@ -259,12 +259,12 @@ mod tests {
     fn array_form_writes_nils_up_to_the_last_present_field() {
         let batch = EventBatch {
             ts: 0.0,
-            events: vec![KvEvent::BlockStored(BlockStored {
+            events: vec![KvEvent::BlockStored(Box::new(BlockStored {
                 block_hashes: hashes(&[1]),
                 block_size: 16,
                 group_idx: Some(0),
                 ..Default::default()
-            })],
+            }))],
             data_parallel_rank: None,
         };
         let bytes = encode_batch_as(&batch, WireForm::Array);
@@ -310,12 +310,12 @@ mod tests {
         let batch = EventBatch {
             ts: 1.7e9,
             events: vec![
-                KvEvent::BlockStored(full),
-                KvEvent::BlockStored(BlockStored {
+                KvEvent::BlockStored(Box::new(full)),
+                KvEvent::BlockStored(Box::new(BlockStored {
                     block_hashes: hashes(&[5]),
                     block_size: 16,
                     ..Default::default()
-                }),
+                })),
                 KvEvent::BlockRemoved(BlockRemoved {
                     block_hashes: hashes(&[1]),
                     medium: Some(Medium::Other("NVME".into())),

@@ -87,7 +87,7 @@ pub enum DecodeError {
         /// Where the event starts.
         at: usize,
     },
-    /// The decoded batch would be larger than the payload's decode budget (3x its size plus
+    /// The decoded batch would be larger than the payload's decode budget (6x its size plus
     /// 4 KiB): a payload crafted to multiply memory.
     #[error("payload decodes to more than its memory budget (at byte {at})")]
     TooLarge {
@@ -235,8 +235,8 @@ pub struct BlockRemoved {
 /// One KV-cache event.
 #[derive(Debug, Clone, PartialEq)]
 pub enum KvEvent {
-    /// Blocks cached.
-    BlockStored(BlockStored),
+    /// Blocks cached (boxed: the largest event, so the others stay small in a batch).
+    BlockStored(Box<BlockStored>),
     /// Blocks evicted.
     BlockRemoved(BlockRemoved),
     /// The engine's prefix cache was reset.
@@ -380,7 +380,8 @@ fn decode_array_event(
                     None => r.skip()?,
                 }
             }
-            Ok(KvEvent::BlockStored(ev))
+            r.charge(std::mem::size_of::<BlockStored>())?;
+            Ok(KvEvent::BlockStored(Box::new(ev)))
         }
         "BlockRemoved" => {
             if fields < 1 {
@@ -463,7 +464,8 @@ fn decode_map_event(r: &mut Reader<'_>, len: usize, at: usize) -> Result<KvEvent
                     field: "block_size",
                 });
             }
-            KvEvent::BlockStored(ev)
+            r.charge(std::mem::size_of::<BlockStored>())?;
+            KvEvent::BlockStored(Box::new(ev))
         }
         "BlockRemoved" => {
             let mut ev = BlockRemoved::default();

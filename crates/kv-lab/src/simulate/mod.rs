@@ -191,13 +191,13 @@ mod wire {
     }
 
     pub fn stored(hashes: &[BlockHash], parent: Option<BlockHash>, block_size: u64) -> Vec<u8> {
-        batch(vec![KvEvent::BlockStored(BlockStored {
+        batch(vec![KvEvent::BlockStored(Box::new(BlockStored {
             block_hashes: hashes.to_vec(),
             parent_block_hash: parent,
             block_size: block_size as u32,
             medium: Some(Medium::Gpu),
             ..Default::default()
-        })])
+        }))])
     }
 
     pub fn removed(hashes: &[BlockHash]) -> Vec<u8> {
