@@ -20,3 +20,6 @@ pub mod daemon;
 mod ingest;
 mod metrics;
 mod server;
+
+/// Topic and endpoint grammar (public for the fuzz targets and tools).
+pub use ingest::topic;

@@ -273,6 +273,10 @@ fn strftime_now(format: String) -> String {
     out
 }
 
+/// Template instructions one render may execute (real chat templates use a few thousand per
+/// message; a 4,096-message chat stays far below).
+pub const RENDER_FUEL: u64 = 50_000_000;
+
 impl ChatTemplate {
     /// Compiles `source` with the HuggingFace environment. `special_tokens` are (name, text)
     /// pairs such as `("bos_token", "<|begin_of_text|>")`.
@@ -286,6 +290,9 @@ impl ChatTemplate {
                 .map_err(|e| ChatError::Template(e.to_string()))?,
         );
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+        // Rendering is bounded: a template's loops run over request input (messages, tools),
+        // so a request can make it work, but never without end.
+        env.set_fuel(Some(RENDER_FUEL));
         env.add_function("raise_exception", raise_exception);
         env.add_function("strftime_now", strftime_now);
         env.add_filter("tojson", tojson);

@@ -20,7 +20,7 @@ mod hub;
 mod model;
 mod prefix;
 
-pub use chat::{ChatError, ChatInput, ChatMessage};
+pub use chat::{ChatError, ChatInput, ChatMessage, ChatTemplate};
 pub use model::{Encoded, LoadError, LoadedTokenizer, SourceSettings};
 pub use prefix::PrefixStore;
 

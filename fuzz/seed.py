@@ -1,0 +1,58 @@
+#!/usr/bin/env python3
+"""Writes the fuzz targets' seed corpora from the project's own files.
+
+- decode_batch: every ZMQ payload vLLM's publisher sent, from
+  crates/kv-core/tests/fixtures/vllm/zmq_messages.vllm-*.json (copied from vLLM's own output);
+- topic: vLLM-shaped topics and a few near misses;
+- config: the shipped configuration files (config/*.yaml);
+- chat_input: small chats with and without template arguments and tools.
+
+Usage: python3 fuzz/seed.py  (from the project root or fuzz/); idempotent.
+"""
+import glob
+import hashlib
+import json
+import os
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CORPUS = os.path.join(ROOT, "fuzz", "corpus")
+
+
+def put(target, data):
+    folder = os.path.join(CORPUS, target)
+    os.makedirs(folder, exist_ok=True)
+    name = hashlib.sha1(data).hexdigest()
+    with open(os.path.join(folder, name), "wb") as f:
+        f.write(data)
+
+
+fixtures = os.path.join(ROOT, "crates", "kv-core", "tests", "fixtures", "vllm")
+for path in sorted(glob.glob(os.path.join(fixtures, "zmq_messages.vllm-*.json"))):
+    with open(path) as f:
+        doc = json.load(f)
+    for scenario in doc["scenarios"]:
+        for message in scenario.get("messages", []):
+            put("decode_batch", bytes.fromhex(message["frames_hex"][2]))
+            put("topic", bytes.fromhex(message["frames_hex"][0]))
+
+for topic in [
+    "kv@10.0.0.7:8000@Qwen/Qwen3-8B",
+    "kv@[fd00::7]:8000@meta-llama/Llama-3.1-8B-Instruct",
+    "kv@vllm-0.vllm-headless:8000@org/model@v2",
+    "kv@10.0.0.7:8000@",
+    "kv@@model",
+    "kv-events",
+]:
+    put("topic", topic.encode())
+
+for path in sorted(glob.glob(os.path.join(ROOT, "config", "*.yaml"))):
+    with open(path, "rb") as f:
+        put("config", f.read())
+
+for chat in [
+    '\n\nsystem\nYou are helpful.\nuser\nHi',
+    '{"enable_thinking": false}\n\nuser\nWhat is a KV cache?',
+    '{}\n[{"type": "function", "function": {"name": "get_weather", "parameters": {}}}]\nuser\nWeather?\nassistant\nSunny.',
+    '{"enable_thinking": true}\n[]\nuser\n\u00e9\u00e8 \U0001F600',
+]:
+    put("chat_input", chat.encode())
