@@ -52,6 +52,38 @@ pub enum DaemonError {
     /// Reflection descriptors are broken (a build problem).
     #[error("gRPC reflection: {0}")]
     Reflection(String),
+    /// A TLS file could not be read, or the certificate and key do not make a server identity.
+    #[error("gRPC TLS ({what}): {detail}")]
+    Tls {
+        /// Which file or step.
+        what: String,
+        /// Why.
+        detail: String,
+    },
+}
+
+/// The rustls server configuration from `server.tls` (files read at start).
+fn tls_config(
+    tls: &crate::config::TlsConfig,
+) -> Result<tonic::transport::ServerTlsConfig, DaemonError> {
+    let read = |field: &str, path: &str| {
+        std::fs::read(path).map_err(|e| DaemonError::Tls {
+            what: format!("server.tls.{field} {path}"),
+            detail: e.to_string(),
+        })
+    };
+    let identity = tonic::transport::Identity::from_pem(
+        read("certFile", &tls.cert_file)?,
+        read("keyFile", &tls.key_file)?,
+    );
+    let mut config = tonic::transport::ServerTlsConfig::new().identity(identity);
+    if !tls.client_ca_file.is_empty() {
+        config = config.client_ca_root(tonic::transport::Certificate::from_pem(read(
+            "clientCaFile",
+            &tls.client_ca_file,
+        )?));
+    }
+    Ok(config)
 }
 
 /// A started daemon.
@@ -130,8 +162,17 @@ pub async fn start(config: Config) -> Result<RunningDaemon, DaemonError> {
             source,
         })?;
     let mut grpc_shutdown = shutdown_rx.clone();
+    let mut builder = tonic::transport::Server::builder();
+    if config.server.tls.enabled() {
+        builder = builder
+            .tls_config(tls_config(&config.server.tls)?)
+            .map_err(|e| DaemonError::Tls {
+                what: "server.tls".into(),
+                detail: e.to_string(),
+            })?;
+    }
     let grpc = tokio::spawn(
-        tonic::transport::Server::builder()
+        builder
             // A 500-block prompt is ~25 KB of token ids: open windows wide enough that a
             // request never waits for a WINDOW_UPDATE round trip.
             .initial_stream_window_size(Some(1 << 20))

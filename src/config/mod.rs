@@ -317,6 +317,28 @@ pub struct ServerConfig {
     /// The bearer token admin RPCs must carry (`authorization: Bearer <token>`), required when
     /// they are enabled; also `KVINDEXER_ADMIN_TOKEN`. Never printed.
     pub admin_token: String,
+    /// TLS for gRPC (off when both files are empty).
+    pub tls: TlsConfig,
+}
+
+/// gRPC TLS (rustls): a certificate and key in PEM, and optionally the CA that client
+/// certificates must chain to (mutual TLS).
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase", deny_unknown_fields, default)]
+pub struct TlsConfig {
+    /// The server certificate chain (PEM file).
+    pub cert_file: String,
+    /// The server private key (PEM file).
+    pub key_file: String,
+    /// When set, clients must present a certificate issued by this CA (PEM file).
+    pub client_ca_file: String,
+}
+
+impl TlsConfig {
+    /// Whether TLS is configured.
+    pub fn enabled(&self) -> bool {
+        !self.cert_file.is_empty() || !self.key_file.is_empty()
+    }
 }
 
 impl ServerConfig {
@@ -342,6 +364,7 @@ impl Default for ServerConfig {
             shutdown_grace_ms: 5_000,
             enable_admin_rpcs: false,
             admin_token: String::new(),
+            tls: TlsConfig::default(),
         }
     }
 }

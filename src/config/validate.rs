@@ -113,6 +113,19 @@ impl Config {
                 return Err(invalid(field, "must be at least 1"));
             }
         }
+        let tls = &self.server.tls;
+        if tls.enabled() && (tls.cert_file.is_empty() || tls.key_file.is_empty()) {
+            return Err(invalid(
+                "server.tls",
+                "certFile and keyFile go together (both PEM files)",
+            ));
+        }
+        if !tls.client_ca_file.is_empty() && !tls.enabled() {
+            return Err(invalid(
+                "server.tls.clientCaFile",
+                "needs certFile and keyFile (mutual TLS is on top of TLS)",
+            ));
+        }
         if self.server.enable_admin_rpcs && self.server.admin_token.len() < 16 {
             return Err(invalid(
                 "server.adminToken",

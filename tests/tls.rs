@@ -1,0 +1,159 @@
+//! Optional TLS for gRPC (rustls), over real sockets: with `server.tls` set, a client that
+//! trusts the certificate scores, a plaintext client is refused; with `clientCaFile`, a client
+//! without a certificate is refused too. The certificates are made here with `openssl`.
+
+mod support;
+
+use std::path::Path;
+use std::process::Command;
+
+use kv_indexer::config::Config;
+use kv_indexer::daemon;
+use kv_proto::kvindexer_v1::{kv_indexer_client::KvIndexerClient, ListPodsRequest};
+use tonic::transport::{Certificate, ClientTlsConfig, Endpoint, Identity};
+
+/// A self-signed CA and a `localhost` certificate it signs (and a client one), as PEM files.
+fn certificates(dir: &Path) -> bool {
+    let run = |args: &[&str]| {
+        Command::new("openssl")
+            .args(args)
+            .current_dir(dir)
+            .output()
+            .is_ok_and(|o| o.status.success())
+    };
+    let ext = dir.join("ext.cnf");
+    std::fs::write(&ext, "subjectAltName=DNS:localhost\n").expect("ext");
+    run(&[
+        "req",
+        "-x509",
+        "-newkey",
+        "ec",
+        "-pkeyopt",
+        "ec_paramgen_curve:P-256",
+        "-nodes",
+        "-keyout",
+        "ca.key",
+        "-out",
+        "ca.pem",
+        "-days",
+        "2",
+        "-subj",
+        "/CN=kv-indexer test CA",
+    ]) && ["server", "client"].iter().all(|who| {
+        run(&[
+            "req",
+            "-newkey",
+            "ec",
+            "-pkeyopt",
+            "ec_paramgen_curve:P-256",
+            "-nodes",
+            "-keyout",
+            &format!("{who}.key"),
+            "-out",
+            &format!("{who}.csr"),
+            "-subj",
+            "/CN=localhost",
+        ]) && run(&[
+            "x509",
+            "-req",
+            "-in",
+            &format!("{who}.csr"),
+            "-CA",
+            "ca.pem",
+            "-CAkey",
+            "ca.key",
+            "-CAcreateserial",
+            "-out",
+            &format!("{who}.pem"),
+            "-days",
+            "2",
+            "-extfile",
+            "ext.cnf",
+        ])
+    })
+}
+
+fn tls_config(dir: &Path, mutual: bool) -> Config {
+    let mut c = Config::default();
+    c.server.grpc_addr = "127.0.0.1:0".into();
+    c.server.metrics_addr = "127.0.0.1:0".into();
+    c.kv_events_config.zmq_endpoint = "tcp://127.0.0.1:0".into();
+    c.server.tls.cert_file = dir.join("server.pem").display().to_string();
+    c.server.tls.key_file = dir.join("server.key").display().to_string();
+    if mutual {
+        c.server.tls.client_ca_file = dir.join("ca.pem").display().to_string();
+    }
+    c
+}
+
+async fn list_pods(port: u16, tls: Option<ClientTlsConfig>) -> Result<(), String> {
+    let scheme = if tls.is_some() { "https" } else { "http" };
+    let mut endpoint =
+        Endpoint::from_shared(format!("{scheme}://localhost:{port}")).map_err(|e| e.to_string())?;
+    if let Some(tls) = tls {
+        endpoint = endpoint.tls_config(tls).map_err(|e| e.to_string())?;
+    }
+    let channel = endpoint.connect().await.map_err(|e| format!("{e:?}"))?;
+    KvIndexerClient::new(channel)
+        .list_pods(ListPodsRequest::default())
+        .await
+        .map(|_| ())
+        .map_err(|s| s.to_string())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn grpc_over_tls_and_mutual_tls() {
+    let dir = support::temp_dir("tls");
+    if !certificates(&dir) {
+        if std::env::var("CI").as_deref() == Ok("true") {
+            panic!("CI must have openssl to make the test certificates");
+        }
+        use std::io::Write;
+        let _ = writeln!(
+            std::io::stderr().lock(),
+            "SKIPPED grpc_over_tls_and_mutual_tls: no openssl to make test certificates (CI has it)"
+        );
+        return;
+    }
+    let ca = Certificate::from_pem(std::fs::read(dir.join("ca.pem")).expect("ca"));
+    let trusting = || {
+        ClientTlsConfig::new()
+            .ca_certificate(ca.clone())
+            .domain_name("localhost")
+    };
+
+    let d = daemon::start(tls_config(&dir, false))
+        .await
+        .expect("daemon starts with TLS");
+    let port = d.grpc_addr.port();
+    list_pods(port, Some(trusting()))
+        .await
+        .expect("a trusting client is served");
+    assert!(list_pods(port, None).await.is_err(), "plaintext is refused");
+    d.shutdown().await;
+
+    let d = daemon::start(tls_config(&dir, true))
+        .await
+        .expect("daemon starts with mTLS");
+    let port = d.grpc_addr.port();
+    assert!(
+        list_pods(port, Some(trusting())).await.is_err(),
+        "mutual TLS: a client without a certificate is refused"
+    );
+    let identity = Identity::from_pem(
+        std::fs::read(dir.join("client.pem")).expect("client cert"),
+        std::fs::read(dir.join("client.key")).expect("client key"),
+    );
+    list_pods(port, Some(trusting().identity(identity)))
+        .await
+        .expect("a client with a certificate from the CA is served");
+    d.shutdown().await;
+
+    let mut missing = tls_config(&dir, false);
+    missing.server.tls.key_file = dir.join("nope.key").display().to_string();
+    let e = daemon::start(missing)
+        .await
+        .err()
+        .expect("a missing key file fails start-up");
+    assert!(e.to_string().contains("server.tls.keyFile"), "{e}");
+}
