@@ -84,10 +84,7 @@ fn message(topic: &str, seq: u64, payload: &[u8]) -> ZmqMessage {
 }
 
 fn base_config() -> Config {
-    let mut c = Config::default();
-    c.server.grpc_addr = "127.0.0.1:0".into();
-    c.server.metrics_addr = "127.0.0.1:0".into();
-    c.kv_events_config.zmq_endpoint = "tcp://127.0.0.1:0".into();
+    let mut c = support::loopback_config();
     c.kv_events_config.concurrency = 4;
     c.kv_events_config.replay_timeout_ms = 3_000;
     c.indexer_config.token_processor_config.hash_seed = Some("12345".into());
@@ -152,14 +149,6 @@ async fn http_get(addr: std::net::SocketAddr, path: &str) -> (u16, String) {
         .and_then(|c| c.parse().ok())
         .unwrap_or(0);
     (status, body)
-}
-
-fn metric(page: &str, name_and_labels: &str) -> f64 {
-    page.lines()
-        .find(|l| l.starts_with(name_and_labels))
-        .and_then(|l| l.rsplit(' ').next())
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(0.0)
 }
 
 /// Sends `msg` repeatedly until `done` holds.
@@ -228,16 +217,16 @@ async fn bind_mode_scores_what_vllm_published_for_every_wire_format() {
     }
     let (_, page) = http_get(d.metrics_addr, "/metrics").await;
     assert!(
-        metric(
+        support::metric(
             &page,
             "kvindexer_events_received_total{pod=\"10.0.0.2:8000\",type=\"BlockStored\"}"
         ) >= 2.0,
         "{page}"
     );
-    assert!(metric(&page, "kvindexer_hash_checks_total{model=\"Qwen/Qwen3-8B\",pod=\"10.0.0.0:8000\",result=\"match\"}") >= 1.0);
-    assert_eq!(metric(&page, "kvindexer_hash_checks_total{model=\"Qwen/Qwen3-8B\",pod=\"10.0.0.0:8000\",result=\"mismatch\"}"), 0.0);
+    assert!(support::metric(&page, "kvindexer_hash_checks_total{model=\"Qwen/Qwen3-8B\",pod=\"10.0.0.0:8000\",result=\"match\"}") >= 1.0);
+    assert_eq!(support::metric(&page, "kvindexer_hash_checks_total{model=\"Qwen/Qwen3-8B\",pod=\"10.0.0.0:8000\",result=\"mismatch\"}"), 0.0);
     assert!(
-        metric(&page, "kvcache_index_admissions_total") >= 15.0,
+        support::metric(&page, "kvcache_index_admissions_total") >= 15.0,
         "5 cases x 3 blocks"
     );
     drop(grpc);
@@ -391,7 +380,7 @@ async fn a_gap_is_recovered_from_vllms_replay_buffer_in_both_layouts() {
         .await;
         let (_, page) = http_get(d.metrics_addr, "/metrics").await;
         assert_eq!(
-            metric(
+            support::metric(
                 &page,
                 "kvindexer_sequence_gaps_total{pod=\"127.0.0.1:8000\"}"
             ),
@@ -399,12 +388,12 @@ async fn a_gap_is_recovered_from_vllms_replay_buffer_in_both_layouts() {
             "{layout}"
         );
         assert_eq!(
-            metric(&page, "kvindexer_replays_total{result=\"ok\"}"),
+            support::metric(&page, "kvindexer_replays_total{result=\"ok\"}"),
             1.0,
             "{layout}"
         );
         assert_eq!(
-            metric(
+            support::metric(
                 &page,
                 "kvindexer_messages_lost_total{pod=\"127.0.0.1:8000\"}"
             ),
@@ -486,27 +475,27 @@ async fn a_publisher_restart_clears_the_pod_and_garbage_is_counted() {
     let (status, page) = http_get(d.metrics_addr, "/metrics").await;
     assert_eq!(status, 200);
     assert_eq!(
-        metric(&page, "kvindexer_pod_restarts_total{pod=\"10.2.0.1:8000\"}"),
+        support::metric(&page, "kvindexer_pod_restarts_total{pod=\"10.2.0.1:8000\"}"),
         1.0,
         "{page}"
     );
     assert_eq!(
-        metric(
+        support::metric(
             &page,
             "kvindexer_frame_errors_total{reason=\"bad_frame_count\"}"
         ),
         1.0
     );
     assert_eq!(
-        metric(&page, "kvindexer_frame_errors_total{reason=\"short_seq\"}"),
+        support::metric(&page, "kvindexer_frame_errors_total{reason=\"short_seq\"}"),
         1.0
     );
     assert_eq!(
-        metric(&page, "kvindexer_frame_errors_total{reason=\"bad_topic\"}"),
+        support::metric(&page, "kvindexer_frame_errors_total{reason=\"bad_topic\"}"),
         1.0
     );
     assert!(
-        metric(
+        support::metric(
             &page,
             "kvindexer_decode_errors_total{reason=\"unexpected_type\"}"
         ) >= 1.0,

@@ -2,25 +2,18 @@
 //! a request that does not decode is INVALID_ARGUMENT, not INTERNAL; `/readyz` means what the
 //! docs say.
 
+mod support;
+
 use std::time::Duration;
 
 use bytes::Bytes;
 use kv_core::{encode_batch, BlockHash, BlockStored, EventBatch, KvEvent, Medium};
-use kv_indexer::config::Config;
 use kv_indexer::daemon::{self, RunningDaemon};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use zeromq::{PubSocket, Socket, SocketSend, ZmqMessage};
 
 const MODEL: &str = "hard/model";
 const POD: &str = "10.1.0.1:8000";
-
-fn config() -> Config {
-    let mut c = Config::default();
-    c.server.grpc_addr = "127.0.0.1:0".into();
-    c.server.metrics_addr = "127.0.0.1:0".into();
-    c.kv_events_config.zmq_endpoint = "tcp://127.0.0.1:0".into();
-    c
-}
 
 fn message(seq: u64, block: u64) -> ZmqMessage {
     let payload = encode_batch(&EventBatch {
@@ -41,14 +34,6 @@ fn message(seq: u64, block: u64) -> ZmqMessage {
     .expect("non-empty")
 }
 
-fn metric(page: &str, name_and_labels: &str) -> f64 {
-    page.lines()
-        .find(|l| l.starts_with(name_and_labels))
-        .and_then(|l| l.rsplit(' ').next())
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(0.0)
-}
-
 fn holds(d: &RunningDaemon, block: u64) -> bool {
     d.indexer
         .model(MODEL)
@@ -57,7 +42,9 @@ fn holds(d: &RunningDaemon, block: u64) -> bool {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_forged_sequence_cannot_wrap_the_loss_counter() {
-    let d = daemon::start(config()).await.expect("daemon starts");
+    let d = daemon::start(support::loopback_config())
+        .await
+        .expect("daemon starts");
     let mut p = PubSocket::new();
     p.connect(d.zmq_endpoint.as_deref().expect("bind"))
         .await
@@ -82,7 +69,7 @@ async fn a_forged_sequence_cannot_wrap_the_loss_counter() {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     assert!(holds(&d, 5), "the stream goes on after the forged jumps");
-    let lost = metric(&d.metrics_text(), "kvindexer_messages_lost_total{");
+    let lost = support::metric(&d.metrics_text(), "kvindexer_messages_lost_total{");
     // 0 -> 2^63 and 2^63 -> 2^64-1 are resyncs (no real gap is that long); 2^64-1 -> 0 is the
     // next message; 0 -> 5 skips four.
     assert_eq!(lost, 4.0, "messages lost");
@@ -108,7 +95,9 @@ struct RawScoreRequest {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_request_that_does_not_decode_is_invalid_argument() {
-    let d = daemon::start(config()).await.expect("daemon starts");
+    let d = daemon::start(support::loopback_config())
+        .await
+        .expect("daemon starts");
     let channel = tonic::transport::Endpoint::from_shared(format!("http://{}", d.grpc_addr))
         .expect("uri")
         .connect()
@@ -134,7 +123,9 @@ async fn a_request_that_does_not_decode_is_invalid_argument() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn readyz_is_ready_with_an_empty_index_as_documented() {
-    let d = daemon::start(config()).await.expect("daemon starts");
+    let d = daemon::start(support::loopback_config())
+        .await
+        .expect("daemon starts");
     let mut s = tokio::net::TcpStream::connect(d.metrics_addr)
         .await
         .expect("HTTP connects");
@@ -183,7 +174,9 @@ fn current_rss_bytes() -> u64 {
 /// by the decode budget, and peak memory grows by less than 4x what was sent (0.75x here).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn payloads_crafted_to_multiply_memory_stay_within_4x() {
-    let d = daemon::start(config()).await.expect("daemon starts");
+    let d = daemon::start(support::loopback_config())
+        .await
+        .expect("daemon starts");
     let mut p = PubSocket::new();
     p.connect(d.zmq_endpoint.as_deref().expect("bind"))
         .await
@@ -228,7 +221,7 @@ async fn payloads_crafted_to_multiply_memory_stay_within_4x() {
     }
     let mut refused = 0.0;
     for _ in 0..500 {
-        refused = metric(
+        refused = support::metric(
             &d.metrics_text(),
             "kvindexer_decode_errors_total{reason=\"too_large\"}",
         );
@@ -265,7 +258,9 @@ async fn oversize_prompts_and_chats_are_refused_before_any_work() {
         kv_indexer_client::KvIndexerClient, score_pods_request::Input, ChatMessage, ChatRequest,
         ScorePodsRequest,
     };
-    let d = daemon::start(config()).await.expect("daemon starts");
+    let d = daemon::start(support::loopback_config())
+        .await
+        .expect("daemon starts");
     let mut grpc = KvIndexerClient::connect(format!("http://{}", d.grpc_addr))
         .await
         .expect("gRPC");
@@ -309,7 +304,7 @@ async fn oversize_prompts_and_chats_are_refused_before_any_work() {
 /// `maxModels` 16, leave at most 1,000 keys and 16 models, the rest counted.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn models_named_by_topics_cannot_multiply_the_index() {
-    let mut c = config();
+    let mut c = support::loopback_config();
     c.indexer_config.kv_block_index_config.in_memory_config.size = 1_000;
     c.indexer_config
         .kv_block_index_config
@@ -342,7 +337,7 @@ async fn models_named_by_topics_cannot_multiply_the_index() {
     }
     let mut skipped = 0.0;
     for _ in 0..300 {
-        skipped = metric(
+        skipped = support::metric(
             &d.metrics_text(),
             "kvindexer_events_skipped_total{reason=\"too_many_models\"}",
         );

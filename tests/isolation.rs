@@ -13,13 +13,14 @@
 //! Before gap fill moved off the event path, every gap of a broken pod held the worker for the
 //! whole `replayTimeoutMs` (2 s) and the healthy pod's blocks waited behind it.
 
+mod support;
+
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use kv_core::{encode_batch, BlockHash, BlockStored, EventBatch, KvEvent, Medium};
-use kv_indexer::config::Config;
 use kv_indexer::daemon;
 use zeromq::{PubSocket, Socket, SocketSend, ZmqMessage};
 
@@ -66,10 +67,7 @@ async fn a_pod_whose_gap_fill_hangs_does_not_delay_the_others() {
             keep.lock().push(socket);
         }
     });
-    let mut config = Config::default();
-    config.server.grpc_addr = "127.0.0.1:0".into();
-    config.server.metrics_addr = "127.0.0.1:0".into();
-    config.kv_events_config.zmq_endpoint = "tcp://127.0.0.1:0".into();
+    let mut config = support::loopback_config();
     config.kv_events_config.concurrency = 1;
     config.kv_events_config.replay_timeout_ms = 2_000;
     // {ip} is the pod's address: 127.0.0.1 reaches the black hole, 127.0.0.3 refuses.

@@ -2,6 +2,8 @@
 //! enabled, then only with the bearer token; topics outside the pod/model grammar or the
 //! allow-lists dropped and counted; secrets never printed.
 
+mod support;
+
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -14,14 +16,6 @@ use zeromq::{PubSocket, Socket, SocketSend, ZmqMessage};
 
 const MODEL: &str = "sec/model";
 const TOKEN: &str = "s3cret-admin-token-0123456789";
-
-fn config() -> Config {
-    let mut c = Config::default();
-    c.server.grpc_addr = "127.0.0.1:0".into();
-    c.server.metrics_addr = "127.0.0.1:0".into();
-    c.kv_events_config.zmq_endpoint = "tcp://127.0.0.1:0".into();
-    c
-}
 
 fn stored(first: u64, n: u64) -> Bytes {
     Bytes::from(encode_batch(&EventBatch {
@@ -78,14 +72,6 @@ async fn publish_until_indexed(d: &RunningDaemon, p: &mut PubSocket, pod: &str) 
     panic!("{pod}'s blocks never arrived");
 }
 
-fn metric(page: &str, name_and_labels: &str) -> f64 {
-    page.lines()
-        .find(|l| l.starts_with(name_and_labels))
-        .and_then(|l| l.rsplit(' ').next())
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(0.0)
-}
-
 fn clear(pod: &str) -> tonic::Request<ClearPodRequest> {
     tonic::Request::new(ClearPodRequest {
         model: MODEL.into(),
@@ -96,7 +82,9 @@ fn clear(pod: &str) -> tonic::Request<ClearPodRequest> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn admin_rpcs_are_refused_unless_enabled_then_need_the_token() {
     // Default: ClearPod refused, naming the setting; the victim keeps its blocks.
-    let d = daemon::start(config()).await.expect("daemon starts");
+    let d = daemon::start(support::loopback_config())
+        .await
+        .expect("daemon starts");
     let mut p = publisher(&d).await;
     publish_until_indexed(&d, &mut p, "10.0.0.1:8000").await;
     let mut grpc = KvIndexerClient::connect(format!("http://{}", d.grpc_addr))
@@ -112,7 +100,7 @@ async fn admin_rpcs_are_refused_unless_enabled_then_need_the_token() {
     d.shutdown().await;
 
     // Enabled: no token or a wrong one is UNAUTHENTICATED; the right one clears.
-    let mut c = config();
+    let mut c = support::loopback_config();
     c.server.enable_admin_rpcs = true;
     c.server.admin_token = TOKEN.into();
     let d = daemon::start(c).await.expect("daemon starts");
@@ -157,7 +145,7 @@ async fn admin_rpcs_are_refused_unless_enabled_then_need_the_token() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn topics_outside_the_grammar_or_the_allow_lists_are_dropped_and_counted() {
-    let mut c = config();
+    let mut c = support::loopback_config();
     c.kv_events_config.allowed_models = vec![MODEL.into()];
     c.kv_events_config.allowed_pods = vec!["10.0.*:8000".into()];
     let d = daemon::start(c).await.expect("daemon starts");
@@ -192,7 +180,7 @@ async fn topics_outside_the_grammar_or_the_allow_lists_are_dropped_and_counted()
     assert_eq!(blocks_of(&d, MODEL, "10.0.0.4:8000"), 3);
     let page = d.metrics_text();
     for (_, reason) in &cases {
-        let n = metric(
+        let n = support::metric(
             &page,
             &format!("kvindexer_frame_errors_total{{reason=\"{reason}\"}}"),
         );

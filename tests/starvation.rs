@@ -6,7 +6,7 @@ mod support;
 
 use std::time::{Duration, Instant};
 
-use kv_indexer::config::{Config, ModelConfig};
+use kv_indexer::config::ModelConfig;
 use kv_indexer::daemon;
 use kv_proto::kvindexer_v1::{
     kv_indexer_client::KvIndexerClient, score_pods_request::Input, ScorePodsRequest,
@@ -33,10 +33,7 @@ fn prompt(vocab: &[String], words: usize, seed: u64) -> String {
 async fn short_prompts_are_answered_while_maximal_ones_are_tokenized() {
     let dir = support::temp_dir("starvation-tokenizer");
     let vocab = support::tiny_tokenizer(&dir);
-    let mut c = Config::default();
-    c.server.grpc_addr = "127.0.0.1:0".into();
-    c.server.metrics_addr = "127.0.0.1:0".into();
-    c.kv_events_config.zmq_endpoint = "tcp://127.0.0.1:0".into();
+    let mut c = support::loopback_config();
     c.models.insert(
         MODEL.into(),
         ModelConfig {

@@ -74,10 +74,7 @@ fn certificates(dir: &Path) -> bool {
 }
 
 fn tls_config(dir: &Path, mutual: bool) -> Config {
-    let mut c = Config::default();
-    c.server.grpc_addr = "127.0.0.1:0".into();
-    c.server.metrics_addr = "127.0.0.1:0".into();
-    c.kv_events_config.zmq_endpoint = "tcp://127.0.0.1:0".into();
+    let mut c = support::loopback_config();
     c.server.tls.cert_file = dir.join("server.pem").display().to_string();
     c.server.tls.key_file = dir.join("server.key").display().to_string();
     if mutual {

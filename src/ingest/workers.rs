@@ -20,7 +20,7 @@ use tokio::sync::mpsc;
 
 use super::gap_fill::{self, GapFillError};
 use super::sequence::SeqOutcome;
-use super::{Job, PublisherKey, PublisherState, Shared};
+use super::{GapFillRoute, Job, PublisherKey, PublisherState, Shared};
 
 /// Messages a publisher may park while its gap is being filled; beyond, the fill is given up.
 pub(super) const MAX_PARKED: usize = 4096;
@@ -128,18 +128,17 @@ impl Worker<'_> {
                 self.release(&key, parked.messages);
             }
         }
-        self.sequence(&job, key, job.seq, batch, true);
+        self.sequence(Some(&job.gap_fill), key, job.seq, batch);
     }
 
-    /// Sequences one message of `key` and applies it; with `may_fill`, a hole before it starts a
-    /// gap fill (and parks the message) instead of being counted as lost.
+    /// Sequences one message of `key` and applies it; with a gap-fill route, a hole before it
+    /// starts a gap fill (and parks the message) instead of being counted as lost.
     fn sequence(
         &mut self,
-        job: &Job,
+        gap_fill: Option<&GapFillRoute>,
         key: PublisherKey,
         seq: u64,
         batch: EventBatch,
-        may_fill: bool,
     ) {
         let metrics = &self.shared.metrics.ingest;
         let last = self.state(&key, |s| s.last_seq);
@@ -153,23 +152,16 @@ impl Worker<'_> {
             // Joined late (daemon start, slow joiner): fetch what the buffer still has.
             SeqOutcome::First { missed } => missed.clone().map(|m| (m, false)),
             SeqOutcome::Restart { missed } => {
-                metrics.restart(&key.pod);
-                let removed = self
-                    .shared
-                    .indexer
-                    .clear_engine(&key.model, &key.pod, key.rank);
-                tracing::warn!(pod = %key.pod, model = %key.model, rank = key.rank, last_seq = ?last, seq, removed, "publisher restarted (sequence went backwards): its blocks were cleared");
-                self.state(&key, |s| s.restarts += 1);
+                self.restart(
+                    &key,
+                    last,
+                    seq,
+                    "publisher restarted (sequence went backwards): its blocks were cleared",
+                );
                 missed.clone().map(|m| (m, false))
             }
             SeqOutcome::Resync => {
-                metrics.restart(&key.pod);
-                let removed = self
-                    .shared
-                    .indexer
-                    .clear_engine(&key.model, &key.pod, key.rank);
-                tracing::warn!(pod = %key.pod, model = %key.model, rank = key.rank, last_seq = ?last, seq, removed, "publisher sequence jumped beyond any real gap: its blocks were cleared and the stream restarted");
-                self.state(&key, |s| s.restarts += 1);
+                self.restart(&key, last, seq, "publisher sequence jumped beyond any real gap: its blocks were cleared and the stream restarted");
                 None
             }
             SeqOutcome::Gap { missing } => {
@@ -179,8 +171,8 @@ impl Worker<'_> {
             }
         };
         if let Some((wanted, count_lost)) = hole {
-            if may_fill {
-                if let Some(fill) = self.start_fill(job, &key, wanted.clone()) {
+            if let Some(route) = gap_fill {
+                if let Some(fill) = self.start_fill(route, &key, wanted.clone()) {
                     let mut messages = VecDeque::new();
                     messages.push_back((seq, batch));
                     self.parked.insert(
@@ -208,9 +200,14 @@ impl Worker<'_> {
 
     /// Starts a gap-fill task for `wanted`, or says why not (and counts it): no gap-fill
     /// endpoint, the publisher in backoff, or every slot taken.
-    fn start_fill(&mut self, job: &Job, key: &PublisherKey, wanted: Range<u64>) -> Option<u64> {
+    fn start_fill(
+        &mut self,
+        route: &GapFillRoute,
+        key: &PublisherKey,
+        wanted: Range<u64>,
+    ) -> Option<u64> {
         let metrics = &self.shared.metrics.ingest;
-        let Some(endpoint) = job.gap_fill.endpoint(&key.pod, key.rank) else {
+        let Some(endpoint) = route.endpoint(&key.pod, key.rank) else {
             metrics.gap_fill("unavailable");
             return None;
         };
@@ -319,17 +316,21 @@ impl Worker<'_> {
 
     /// Applies parked messages in order; a new hole among them is counted, not filled.
     fn release(&mut self, key: &PublisherKey, messages: VecDeque<(u64, EventBatch)>) {
-        // Parked messages may skip what the fill already applied: start after the last applied.
-        let job = Job {
-            pod: key.pod.clone(),
-            model: key.model.clone(),
-            seq: 0,
-            payload: Bytes::new(),
-            gap_fill: super::GapFillRoute::None,
-        };
         for (seq, batch) in messages {
-            self.sequence(&job, key.clone(), seq, batch, false);
+            self.sequence(None, key.clone(), seq, batch);
         }
+    }
+
+    /// A publisher's stream starts over (it restarted, or its sequence cannot be the one we
+    /// knew): its blocks are cleared and the restart counted.
+    fn restart(&self, key: &PublisherKey, last: Option<u64>, seq: u64, why: &str) {
+        self.shared.metrics.ingest.restart(&key.pod);
+        let removed = self
+            .shared
+            .indexer
+            .clear_engine(&key.model, &key.pod, key.rank);
+        tracing::warn!(pod = %key.pod, model = %key.model, rank = key.rank, last_seq = ?last, seq, removed, "{why}");
+        self.state(key, |s| s.restarts += 1);
     }
 
     fn lost(&self, key: &PublisherKey, n: u64) {

@@ -131,3 +131,23 @@ pub fn kv_indexer_json<S: AsRef<std::ffi::OsStr>>(args: &[S]) -> Value {
     );
     serde_json::from_slice(&out.stdout).expect("JSON output")
 }
+
+/// A configuration whose listeners are all on loopback with ephemeral ports (gRPC, metrics,
+/// the ZMQ bind endpoint), otherwise the defaults.
+pub fn loopback_config() -> kv_indexer::config::Config {
+    let mut c = kv_indexer::config::Config::default();
+    c.server.grpc_addr = "127.0.0.1:0".into();
+    c.server.metrics_addr = "127.0.0.1:0".into();
+    c.kv_events_config.zmq_endpoint = "tcp://127.0.0.1:0".into();
+    c
+}
+
+/// The value of the first sample on a metrics page whose line starts with `name_and_labels`
+/// (0 when there is none).
+pub fn metric(page: &str, name_and_labels: &str) -> f64 {
+    page.lines()
+        .find(|l| l.starts_with(name_and_labels))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0.0)
+}
