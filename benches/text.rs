@@ -130,7 +130,7 @@ async fn run(dir: PathBuf) {
             assert!(!ids.from_prefix_store);
             std::hint::black_box(
                 indexer
-                    .score_tokens(MODEL, &ids.ids, &[], None, None)
+                    .score_tokens(MODEL, &ids.ids, kv_core::ALL_PODS, None, None)
                     .expect("scores"),
             );
             cold.push(t.elapsed().as_secs_f64());
@@ -148,7 +148,7 @@ async fn run(dir: PathBuf) {
             assert!(ids.from_prefix_store, "a 90% shared prefix hits the store");
             std::hint::black_box(
                 indexer
-                    .score_tokens(MODEL, &ids.ids, &[], None, None)
+                    .score_tokens(MODEL, &ids.ids, kv_core::ALL_PODS, None, None)
                     .expect("scores"),
             );
             warm.push(t.elapsed().as_secs_f64());

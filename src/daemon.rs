@@ -120,6 +120,15 @@ async fn listen(what: &'static str, addr: &str) -> Result<TcpListener, DaemonErr
 pub async fn start(config: Config) -> Result<RunningDaemon, DaemonError> {
     config.validate()?;
     let indexer = Arc::new(Indexer::new(config.indexer_settings())?);
+    if let Some(bound) = indexer.settings().index.pod_cache_size {
+        tracing::warn!(
+            pod_cache_size = bound,
+            "podCacheSize is set: a block records at most {bound} holders and drops the oldest \
+             beyond, so a prefix held by more pods scores too few of them \
+             (kvindexer_index_capacity_drops{{reason=\"pod_cache_size\"}}); remove it for exact \
+             membership"
+        );
+    }
     let metrics = Metrics::new();
     let (shutdown, shutdown_rx) = watch::channel(false);
 

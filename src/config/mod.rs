@@ -159,8 +159,10 @@ impl Default for KvBlockIndexConfig {
 pub struct InMemoryConfig {
     /// Most block keys, all models together (as llm-d's single index counts them).
     pub size: usize,
-    /// Most pods per block key.
-    pub pod_cache_size: usize,
+    /// Most (pod, tier) holders recorded per block key, the oldest dropped beyond (llm-d's
+    /// setting, honoured when present). Absent (the default): exact, every holder recorded.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub pod_cache_size: Option<usize>,
     /// Most models indexed; events of further models are dropped and counted.
     pub max_models: usize,
 }
@@ -169,7 +171,7 @@ impl Default for InMemoryConfig {
     fn default() -> Self {
         Self {
             size: 100_000_000,
-            pod_cache_size: 10,
+            pod_cache_size: None,
             max_models: kv_core::DEFAULT_MAX_MODELS,
         }
     }

@@ -3,8 +3,6 @@
 
 use std::net::SocketAddr;
 
-use kv_core::MAX_MEMBERS;
-
 use super::{invalid, Config, ConfigError};
 
 impl Config {
@@ -23,10 +21,10 @@ impl Config {
                 format!("must be between 1 and {}", u32::MAX - 2),
             ));
         }
-        if mem.pod_cache_size == 0 || mem.pod_cache_size > MAX_MEMBERS {
+        if mem.pod_cache_size == Some(0) {
             return Err(invalid(
                 "indexerConfig.kvBlockIndexConfig.inMemoryConfig.podCacheSize",
-                format!("must be between 1 and {MAX_MEMBERS}"),
+                "must be at least 1 when set (leave it out for exact membership)",
             ));
         }
         let ps = &self.indexer_config.prefix_store_config;

@@ -42,13 +42,13 @@ pub use events::{
 /// The block index (`index`).
 pub use index::{
     EngineDirectory, EngineId, EngineKey, EngineScore, IndexConfig, IndexConfigError, IndexStats,
-    IndexWriter, KeyBudget, ModelIndex, StoreOutcome, Tier, TierWeights, MAX_ENGINES, MAX_MEMBERS,
+    IndexWriter, KeyBudget, ModelIndex, StoreOutcome, Tier, TierWeights, MAX_ENGINES,
 };
 
 /// The facade transports call (`indexer`).
 pub use indexer::{
     ApplyReport, HashCheckStats, Indexer, IndexerSettings, ModelSettings, ModelState, PodScore,
-    ScoreError, ScoreResult, SettingsError, DEFAULT_MAX_MODELS,
+    ScoreError, ScoreResult, SettingsError, ALL_PODS, DEFAULT_MAX_MODELS,
 };
 
 /// 64-bit mixing and the project's one PRNG (`mix`).

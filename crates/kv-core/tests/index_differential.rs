@@ -2,8 +2,11 @@
 //! seeded random streams of stores, removals, clears and queries. A failure is shrunk (ops
 //! dropped one at a time while it still fails) and reported with its seed and minimal ops.
 //!
+//! Streams run with a few engines (so the opt-in `podCacheSize` bound is exercised) and with
+//! hundreds (exact membership: sets of any size, hundreds of members per block).
+//!
 //! Also: readers scoring while a writer churns see each block's members consistently (never a
-//! torn or impossible answer).
+//! torn or impossible answer), with few and with many engines per block.
 
 mod support;
 
@@ -15,7 +18,6 @@ use kv_core::BlockHash;
 use kv_core::{EngineId, EngineKey, EngineScore, IndexConfig, ModelIndex, Tier, TierWeights};
 use support::Rng;
 
-const ENGINES: u32 = 6;
 const TIERS: [Tier; 3] = [Tier::Gpu, Tier::Cpu, Tier::Storage];
 
 #[derive(Debug, Clone)]
@@ -62,7 +64,7 @@ fn chains(rng: &mut Rng) -> Vec<Vec<BlockHash>> {
     out
 }
 
-fn gen_ops(rng: &mut Rng, chains: &[Vec<BlockHash>], n: usize) -> Vec<Op> {
+fn gen_ops(rng: &mut Rng, chains: &[Vec<BlockHash>], n: usize, engines: u32) -> Vec<Op> {
     (0..n)
         .map(|_| {
             let chain = rng.below(chains.len() as u64) as usize;
@@ -76,7 +78,7 @@ fn gen_ops(rng: &mut Rng, chains: &[Vec<BlockHash>], n: usize) -> Vec<Op> {
                     };
                     let end = start + 1 + rng.below((len - start) as u64) as usize;
                     Op::Store {
-                        engine: rng.below(ENGINES as u64) as u32,
+                        engine: rng.below(engines as u64) as u32,
                         tier: rng.below(3) as usize,
                         chain,
                         start,
@@ -84,20 +86,26 @@ fn gen_ops(rng: &mut Rng, chains: &[Vec<BlockHash>], n: usize) -> Vec<Op> {
                     }
                 }
                 4..=5 => Op::Remove {
-                    engine: rng.below(ENGINES as u64) as u32,
+                    engine: rng.below(engines as u64) as u32,
                     tier: rng.below(3) as usize,
                     chain,
                     at: rng.below(len as u64) as usize,
                 },
                 6 => Op::Clear {
-                    engine: rng.below(ENGINES as u64) as u32,
+                    engine: rng.below(engines as u64) as u32,
                 },
                 _ => Op::Query {
                     chain,
                     len: 1 + rng.below(len as u64) as usize,
                     candidates: (rng.below(3) == 0).then(|| {
-                        let mut c: Vec<u32> = (0..ENGINES).filter(|_| rng.below(2) == 0).collect();
-                        c.sort_unstable();
+                        // In any order, some named twice: the index must not need them sorted.
+                        let mut c: Vec<u32> = (0..engines).filter(|_| rng.below(2) == 0).collect();
+                        for i in (1..c.len()).rev() {
+                            c.swap(i, rng.below(i as u64 + 1) as usize);
+                        }
+                        if let Some(&first) = c.first() {
+                            c.push(first);
+                        }
                         c
                     }),
                 },
@@ -109,7 +117,7 @@ fn gen_ops(rng: &mut Rng, chains: &[Vec<BlockHash>], n: usize) -> Vec<Op> {
 /// The reference: a map from hash to its members in store order, nothing clever.
 struct Reference {
     blocks: HashMap<BlockHash, Vec<(u32, Tier)>>,
-    pod_cache_size: usize,
+    pod_cache_size: Option<usize>,
 }
 
 impl Reference {
@@ -117,7 +125,7 @@ impl Reference {
         for h in hashes {
             let list = self.blocks.entry(*h).or_default();
             if !list.contains(&(engine, tier)) {
-                if list.len() >= self.pod_cache_size {
+                if self.pod_cache_size.is_some_and(|b| list.len() >= b) {
                     list.remove(0);
                 }
                 list.push((engine, tier));
@@ -148,7 +156,14 @@ impl Reference {
         w: &TierWeights,
     ) -> Vec<(u32, u32, f64)> {
         let mut out = Vec::new();
-        for engine in 0..ENGINES {
+        let engines = self
+            .blocks
+            .values()
+            .flatten()
+            .map(|m| m.0 + 1)
+            .max()
+            .unwrap_or(0);
+        for engine in 0..engines {
             if candidates.is_some_and(|c| !c.contains(&engine)) {
                 continue;
             }
@@ -186,14 +201,19 @@ fn sorted(scores: &[EngineScore]) -> Vec<(u32, u32, f64)> {
 }
 
 /// Runs `ops` on both; `Err` describes the first divergence.
-fn run(chains: &[Vec<BlockHash>], ops: &[Op], pod_cache_size: usize) -> Result<(), String> {
+fn run(
+    chains: &[Vec<BlockHash>],
+    ops: &[Op],
+    pod_cache_size: Option<usize>,
+    engines: u32,
+) -> Result<(), String> {
     let ix = ModelIndex::new(IndexConfig {
         max_keys: 1 << 16,
         pod_cache_size,
     })
     .map_err(|e| e.to_string())?;
     let ids: Vec<EngineId> = ix.write(|w| {
-        (0..ENGINES)
+        (0..engines)
             .map(|e| {
                 w.engine(&EngineKey::new(&format!("pod{e}"), 0))
                     .expect("room")
@@ -202,7 +222,7 @@ fn run(chains: &[Vec<BlockHash>], ops: &[Op], pod_cache_size: usize) -> Result<(
     });
     assert_eq!(
         ids,
-        (0..ENGINES).collect::<Vec<_>>(),
+        (0..engines).collect::<Vec<_>>(),
         "ids are dense from 0"
     );
     let mut reference = Reference {
@@ -290,13 +310,18 @@ fn run(chains: &[Vec<BlockHash>], ops: &[Op], pod_cache_size: usize) -> Result<(
     Ok(())
 }
 
-fn shrink(chains: &[Vec<BlockHash>], mut ops: Vec<Op>, pcs: usize) -> (Vec<Op>, String) {
-    let mut err = run(chains, &ops, pcs).expect_err("fails before shrinking");
+fn shrink(
+    chains: &[Vec<BlockHash>],
+    mut ops: Vec<Op>,
+    pcs: Option<usize>,
+    engines: u32,
+) -> (Vec<Op>, String) {
+    let mut err = run(chains, &ops, pcs, engines).expect_err("fails before shrinking");
     let mut i = 0;
     while i < ops.len() {
         let mut fewer = ops.clone();
         fewer.remove(i);
-        match run(chains, &fewer, pcs) {
+        match run(chains, &fewer, pcs, engines) {
             Err(e) => {
                 ops = fewer;
                 err = e;
@@ -307,25 +332,42 @@ fn shrink(chains: &[Vec<BlockHash>], mut ops: Vec<Op>, pcs: usize) -> (Vec<Op>, 
     (ops, err)
 }
 
-#[test]
-fn index_matches_reference_on_random_streams() {
-    let mut total_ops = 0;
-    for seed in 0..300u64 {
+/// Runs `seeds` random streams of `n` ops over `engines` engines; panics with the shrunk case.
+fn check_seeds(
+    seeds: std::ops::Range<u64>,
+    n: usize,
+    engines: u32,
+    pcs: impl Fn(u64) -> Option<usize>,
+) {
+    for seed in seeds {
         let mut rng = Rng::new(seed);
         let chains = chains(&mut rng);
-        let ops = gen_ops(&mut rng, &chains, 150);
-        // Small podCacheSize on some seeds, so member eviction (and overflow pages) are exercised.
-        let pcs = [2, 4, 10][seed as usize % 3];
-        total_ops += ops.len();
-        if run(&chains, &ops, pcs).is_err() {
-            let (ops, err) = shrink(&chains, ops, pcs);
+        let ops = gen_ops(&mut rng, &chains, n, engines);
+        let pcs = pcs(seed);
+        if run(&chains, &ops, pcs, engines).is_err() {
+            let (ops, err) = shrink(&chains, ops, pcs, engines);
             panic!(
-                "seed {seed} (podCacheSize {pcs}) diverges; shrunk to {} ops:\n{ops:#?}\n{err}",
+                "seed {seed} ({engines} engines, podCacheSize {pcs:?}) diverges; shrunk to {} ops:\n{ops:#?}\n{err}",
                 ops.len()
             );
         }
     }
-    assert_eq!(total_ops, 300 * 150);
+}
+
+#[test]
+fn index_matches_reference_on_random_streams() {
+    // Six engines; exact on a third of the seeds, a small podCacheSize on the others, so member
+    // eviction (and set pages) are exercised.
+    check_seeds(0..300, 150, 6, |seed| {
+        [None, Some(2), Some(4)][seed as usize % 3]
+    });
+}
+
+#[test]
+fn index_matches_reference_with_hundreds_of_engines_per_block() {
+    // 400 engines in three tiers storing over eight chains: blocks held by hundreds of
+    // (engine, tier) members, far past the 64 the index once capped them at; exact.
+    check_seeds(1000..1004, 1500, 400, |_| None);
 }
 
 #[test]
@@ -353,7 +395,7 @@ fn the_harness_catches_a_wrong_reference() {
             candidates: None,
         },
     ];
-    assert!(run(&chains, &ops, 10).is_ok());
+    assert!(run(&chains, &ops, None, 6).is_ok());
     let ix = ModelIndex::new(IndexConfig::default()).expect("valid");
     ix.write(|w| {
         let e = w.engine(&EngineKey::new("a", 0)).expect("room");
@@ -364,7 +406,7 @@ fn the_harness_catches_a_wrong_reference() {
     ix.score_engines(&chains[0][..3], None, &TierWeights::default(), &mut out);
     let mut forgetful = Reference {
         blocks: HashMap::new(),
-        pod_cache_size: 10,
+        pod_cache_size: None,
     };
     forgetful.store(0, Tier::Gpu, &chains[0][..3]);
     assert_ne!(
@@ -376,17 +418,27 @@ fn the_harness_catches_a_wrong_reference() {
 
 #[test]
 fn concurrent_readers_never_see_impossible_scores() {
-    // A stable chain held by engine 0 throughout, and churn by other engines on branches that
-    // share its prefix. Readers must always score engine 0 at the full stable length and never
-    // score anyone beyond the prompt.
+    concurrent_readers(8, 20_000);
+}
+
+#[test]
+fn concurrent_readers_never_see_impossible_scores_with_many_engines() {
+    concurrent_readers(300, 1_000);
+}
+
+/// A stable chain held by engine 0 throughout, and churn by `churners` other engines on
+/// branches that share its prefix. Readers must always score engine 0 at the full stable
+/// length (exact membership: it is never dropped, however many engines join the block) and
+/// never score anyone beyond the prompt or any engine twice.
+fn concurrent_readers(churners: u64, reads: usize) {
     let ix = Arc::new(
         ModelIndex::new(IndexConfig {
             max_keys: 1 << 16,
-            // Above the 9 engines, so the stable engine is never the oldest member evicted.
-            pod_cache_size: 10,
+            pod_cache_size: None,
         })
         .expect("valid"),
     );
+    let engines = churners as usize + 1;
     let mut rng = Rng::new(99);
     let stable: Vec<BlockHash> = (0..64)
         .map(|_| BlockHash::new(rng.next_u64() | 1))
@@ -406,7 +458,7 @@ fn concurrent_readers_never_see_impossible_scores() {
             while !stop.load(Ordering::Relaxed) || rounds < 2000 {
                 ix.write(|w| {
                     let e = w
-                        .engine(&EngineKey::new(&format!("churn{}", rng.below(8)), 0))
+                        .engine(&EngineKey::new(&format!("churn{}", rng.below(churners)), 0))
                         .expect("room");
                     let cut = rng.below(64) as usize;
                     let branch: Vec<BlockHash> = (0..32)
@@ -419,7 +471,8 @@ fn concurrent_readers_never_see_impossible_scores() {
                         stable.get(cut.wrapping_sub(1)).copied(),
                         &branch,
                     );
-                    if rng.below(2) == 0 {
+                    // Clear rarely, so blocks gather many holders.
+                    if rng.below(8) == 0 {
                         w.clear_engine(e);
                     } else {
                         w.remove(e, Tier::Cpu, &branch[..16]);
@@ -436,15 +489,21 @@ fn concurrent_readers_never_see_impossible_scores() {
             let stable = stable.clone();
             std::thread::spawn(move || {
                 let mut out = Vec::new();
-                for _ in 0..20_000 {
+                for _ in 0..reads {
                     ix.score_engines(&stable, None, &TierWeights::default(), &mut out);
                     let s = out
                         .iter()
                         .find(|s| s.engine == 0)
                         .expect("stable engine present");
                     assert_eq!(s.matched_blocks, 64);
-                    assert!(out.iter().all(|s| s.matched_blocks <= 64 && s.engine < 9));
-                    assert!(out.len() <= 9, "at most every engine: {out:?}");
+                    assert!(out
+                        .iter()
+                        .all(|s| s.matched_blocks <= 64 && (s.engine as usize) < engines));
+                    assert!(out.len() <= engines, "at most every engine: {out:?}");
+                    let mut ids: Vec<_> = out.iter().map(|s| s.engine).collect();
+                    ids.sort_unstable();
+                    ids.dedup();
+                    assert_eq!(ids.len(), out.len(), "no engine twice: {out:?}");
                 }
             })
         })

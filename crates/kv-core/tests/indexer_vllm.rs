@@ -149,11 +149,11 @@ fn salted_root_runs_are_verified_from_the_published_extra_keys() {
     let report = ix.apply_batch(MODEL, "p", &batch).expect("applies");
     assert_eq!((report.hash_matches, report.hash_mismatches), (1, 0));
     let r = ix
-        .score_tokens(MODEL, &tokens, &[], None, Some("tenant-42"))
+        .score_tokens(MODEL, &tokens, kv_core::ALL_PODS, None, Some("tenant-42"))
         .expect("known");
     assert_eq!(r.scores[0].matched_blocks, 2);
     let unsalted = ix
-        .score_tokens(MODEL, &tokens, &[], None, None)
+        .score_tokens(MODEL, &tokens, kv_core::ALL_PODS, None, None)
         .expect("known");
     assert_eq!(
         unsalted.scores[0].matched_blocks, 0,
@@ -230,7 +230,7 @@ fn vllm_0_10_sha256_cbor_64bit_hashes_are_flagged() {
 fn unknown_models_and_unconfigured_lora_paths_are_errors() {
     let ix = Indexer::new(settings(None, 16)).expect("valid");
     assert_eq!(
-        ix.score_tokens("nope", &[1, 2, 3], &[], None, None),
+        ix.score_tokens("nope", &[1, 2, 3], kv_core::ALL_PODS, None, None),
         Err(ScoreError::UnknownModel("nope".into()))
     );
     ix.apply_batch(
@@ -244,11 +244,11 @@ fn unknown_models_and_unconfigured_lora_paths_are_errors() {
     )
     .expect("applies");
     assert!(matches!(
-        ix.score_tokens(MODEL, &[1; 32], &[], Some("sql"), None),
+        ix.score_tokens(MODEL, &[1; 32], kv_core::ALL_PODS, Some("sql"), None),
         Err(ScoreError::UnknownLora(_))
     ));
     let r = ix
-        .score_tokens(MODEL, &[1; 32], &[], None, None)
+        .score_tokens(MODEL, &[1; 32], kv_core::ALL_PODS, None, None)
         .expect("known now");
     assert_eq!(
         r.scores.len(),
@@ -265,7 +265,7 @@ fn data_parallel_ranks_are_separate_engines_of_one_pod() {
     rank1.data_parallel_rank = Some(1);
     ix.apply_batch(MODEL, "pod", &rank1).expect("applies");
     let r = ix
-        .score_tokens(MODEL, &tokens, &["pod".into()], None, None)
+        .score_tokens(MODEL, &tokens, &["pod"], None, None)
         .expect("known");
     assert_eq!(r.scores[0].matched_blocks, 2);
     // Clearing rank 0 leaves rank 1's blocks.
@@ -274,7 +274,7 @@ fn data_parallel_ranks_are_separate_engines_of_one_pod() {
     clear0.data_parallel_rank = Some(0);
     ix.apply_batch(MODEL, "pod", &clear0).expect("applies");
     let r = ix
-        .score_tokens(MODEL, &tokens, &["pod".into()], None, None)
+        .score_tokens(MODEL, &tokens, &["pod"], None, None)
         .expect("known");
     assert_eq!(r.scores[0].matched_blocks, 2);
     assert_eq!(ix.clear_pod(MODEL, "pod"), 2);
@@ -289,7 +289,7 @@ fn size_bounds_all_models_together_and_models_are_bounded() {
     let indexer = Indexer::new(IndexerSettings {
         index: IndexConfig {
             max_keys: 100,
-            pod_cache_size: 10,
+            pod_cache_size: Some(10),
         },
         max_models: 8,
         ..settings(Some("12345"), 16)

@@ -25,7 +25,10 @@
 //!   keyed by its hashes, and counted: since a vLLM hash commits to its whole prefix, an orphan
 //!   can never be mistaken for position 0 of another prompt; it only starts to score once its
 //!   parent's chain arrives (e.g. by replay), which is exactly right;
-//! - `podCacheSize` full: the oldest member of the block is dropped (members keep store order);
+//! - membership is exact by default: a block records every (engine, tier) that holds it, however
+//!   many (sets of more than two are interned, so a prefix the whole fleet holds costs one set);
+//!   `podCacheSize`, when configured, bounds it and drops the oldest member beyond (members keep
+//!   store order);
 //! - `size` full: a CLOCK hand over the nodes evicts a block not stored recently (second
 //!   chance), with all its memberships; counted as capacity evictions.
 //!
@@ -52,7 +55,6 @@ use parking_lot::Mutex;
 
 use crate::BlockHash;
 use slab::Slab;
-pub use slab::MAX_MEMBERS;
 use table::Table;
 pub use types::{
     EngineDirectory, EngineId, EngineKey, EngineScore, IndexConfig, IndexConfigError, IndexStats,
@@ -153,7 +155,7 @@ mod tests {
         v.iter().copied().map(BlockHash::new).collect()
     }
 
-    fn index(max_keys: usize, pod_cache_size: usize) -> ModelIndex {
+    fn index(max_keys: usize, pod_cache_size: Option<usize>) -> ModelIndex {
         ModelIndex::new(IndexConfig {
             max_keys,
             pod_cache_size,
@@ -171,7 +173,7 @@ mod tests {
 
     #[test]
     fn consecutive_prefix_with_holes_and_tiers() {
-        let ix = index(1000, 10);
+        let ix = index(1000, None);
         let (a, b) = ix.write(|w| {
             let a = w.engine(&EngineKey::new("a", 0)).expect("room");
             let b = w.engine(&EngineKey::new("b", 0)).expect("room");
@@ -200,7 +202,7 @@ mod tests {
 
     #[test]
     fn clear_and_pod_cache_eviction_and_capacity() {
-        let ix = index(4, 2);
+        let ix = index(4, Some(2));
         ix.write(|w| {
             let ids: Vec<_> = (0..3)
                 .map(|i| {

@@ -5,33 +5,144 @@
 //! block's member list as of one moment; a chain segment with one member set is crossed with
 //! O(log n) node reads through the continuation bitmap.
 
-use super::slab::{NodeRead, Slab, MAX_MEMBERS, NO_WORDS};
+use std::cell::RefCell;
+
+use super::slab::{NodeRead, Slab, NO_WORDS};
 use super::table::Table;
 use super::types::{EngineId, EngineScore, Tier, TierWeights};
 use super::{key, ModelIndex};
 use crate::BlockHash;
+
+/// A reader's working memory, kept per thread and reused by every call, so a score allocates
+/// nothing once the thread has seen its largest member set and engine id. Per-engine marks
+/// carry an epoch instead of being cleared, so intersecting a set of `m` members with `a`
+/// active engines costs O(m + a) whatever the fleet size.
+#[derive(Default)]
+struct Scratch {
+    /// The members of the block last decoded.
+    members: Vec<u32>,
+    /// Engines still matching, with their score so far.
+    active: Vec<EngineScore>,
+    /// Each active engine's weight on the last decoded block (credited to the blocks after it
+    /// that share its member set).
+    last_weight: Vec<f64>,
+    /// Per engine id: the epoch of the last decoded set that held it...
+    seen_epoch: Vec<u32>,
+    /// ...and its best tier weight in that set.
+    seen_weight: Vec<f64>,
+    epoch: u32,
+    /// Per engine id: the call epoch in which it was named a candidate.
+    candidate_epoch: Vec<u32>,
+    call_epoch: u32,
+}
+
+impl Scratch {
+    /// A fresh epoch for marking one set's members.
+    fn next_epoch(&mut self) -> u32 {
+        self.epoch = self.epoch.wrapping_add(1);
+        if self.epoch == 0 {
+            self.seen_epoch.fill(0);
+            self.epoch = 1;
+        }
+        self.epoch
+    }
+
+    /// Marks the candidates of this call; `false` when there is no restriction.
+    fn mark_candidates(&mut self, candidates: Option<&[EngineId]>) -> bool {
+        let Some(candidates) = candidates else {
+            return false;
+        };
+        self.call_epoch = self.call_epoch.wrapping_add(1);
+        if self.call_epoch == 0 {
+            self.candidate_epoch.fill(0);
+            self.call_epoch = 1;
+        }
+        for &c in candidates {
+            let c = c as usize;
+            if c >= self.candidate_epoch.len() {
+                self.candidate_epoch.resize(c + 1, 0);
+            }
+            self.candidate_epoch[c] = self.call_epoch;
+        }
+        true
+    }
+
+    fn is_candidate(&self, engine: EngineId) -> bool {
+        self.candidate_epoch.get(engine as usize) == Some(&self.call_epoch)
+    }
+
+    /// Marks every engine of `members` (the set just decoded) under a fresh epoch with its best
+    /// tier weight; with `admit`, also appends engines not yet active (the prompt's first block).
+    fn mark_members(&mut self, weights: &TierWeights, restricted: bool, admit: bool) -> u32 {
+        let epoch = self.next_epoch();
+        for i in 0..self.members.len() {
+            let m = self.members[i];
+            let engine = m >> 8;
+            if restricted && !self.is_candidate(engine) {
+                continue;
+            }
+            let e = engine as usize;
+            if e >= self.seen_epoch.len() {
+                self.seen_epoch.resize(e + 1, 0);
+                self.seen_weight.resize(e + 1, 0.0);
+            }
+            let w = weights.of(Tier::from_bits(m));
+            if self.seen_epoch[e] == epoch {
+                self.seen_weight[e] = self.seen_weight[e].max(w);
+            } else {
+                self.seen_epoch[e] = epoch;
+                self.seen_weight[e] = w;
+                if admit {
+                    self.active.push(EngineScore {
+                        engine,
+                        matched_blocks: 0,
+                        score: 0.0,
+                    });
+                    self.last_weight.push(0.0);
+                }
+            }
+        }
+        epoch
+    }
+
+    /// Credits `pending` blocks that shared the last decoded set to every active engine.
+    fn credit(&mut self, pending: u32) {
+        if pending == 0 {
+            return;
+        }
+        for (a, w) in self.active.iter_mut().zip(&self.last_weight) {
+            a.score += pending as f64 * w;
+            a.matched_blocks += pending;
+        }
+    }
+}
+
+thread_local! {
+    static SCRATCH: RefCell<Scratch> = RefCell::new(Scratch::default());
+}
 
 impl ModelIndex {
     /// Who holds `hash` right now, as (engine, tier) pairs in store order.
     pub fn lookup(&self, hash: BlockHash) -> Vec<(EngineId, Tier)> {
         let hash = key(hash);
         let table = self.table.load();
-        let mut buf = [0u32; MAX_MEMBERS];
-        let n = table
+        let mut buf = Vec::new();
+        let found = table
             .find(hash, |id| self.slab.peek_hash(id))
-            .and_then(|id| self.slab.read_members(id, hash, &mut buf))
-            .unwrap_or(0);
-        buf[..n]
-            .iter()
-            .map(|&m| (m >> 8, Tier::from_bits(m)))
-            .collect()
+            .is_some_and(|id| self.slab.read_members(id, hash, &mut buf));
+        if !found {
+            return Vec::new();
+        }
+        buf.iter().map(|&m| (m >> 8, Tier::from_bits(m))).collect()
     }
 
     /// Scores every engine that holds the prompt's first block: how many consecutive blocks
-    /// from block 0 it holds, and their tier-weighted sum. `candidates` (sorted), when given,
-    /// restricts the result to those engines. Engines holding nothing are not listed.
+    /// from block 0 it holds, and their tier-weighted sum. `candidates` (any order), when
+    /// given, restricts the result to those engines. Engines holding nothing are not listed;
+    /// every holder is, however many pods hold a block.
     ///
-    /// Lock-free; allocates nothing but `out`'s growth.
+    /// Lock-free; allocates nothing but `out`'s growth (and, once per thread, the working
+    /// memory for the largest set and engine id it meets).
     pub fn score_engines(
         &self,
         hashes: &[BlockHash],
@@ -40,17 +151,27 @@ impl ModelIndex {
         out: &mut Vec<EngineScore>,
     ) {
         out.clear();
+        SCRATCH.with(|cell| match cell.try_borrow_mut() {
+            Ok(mut scratch) => self.walk(hashes, candidates, weights, &mut scratch, out),
+            // Only reachable if a walk re-entered itself on this thread; stay correct anyway.
+            Err(_) => self.walk(hashes, candidates, weights, &mut Scratch::default(), out),
+        });
+    }
+
+    /// The scoring walk (see [`ModelIndex::score_engines`]).
+    fn walk(
+        &self,
+        hashes: &[BlockHash],
+        candidates: Option<&[EngineId]>,
+        weights: &TierWeights,
+        s: &mut Scratch,
+        out: &mut Vec<EngineScore>,
+    ) {
         let table = self.table.load();
         let slab = &self.slab;
-        let mut members = [0u32; MAX_MEMBERS];
-        // Active engines: each with its score so far and its weight on the last decoded block.
-        let mut active = [EngineScore {
-            engine: 0,
-            matched_blocks: 0,
-            score: 0.0,
-        }; MAX_MEMBERS];
-        let mut last_weight = [0f64; MAX_MEMBERS];
-        let mut active_len = 0usize;
+        let restricted = s.mark_candidates(candidates);
+        s.active.clear();
+        s.last_weight.clear();
         // Blocks since the last decoded one whose member set was the same (not yet credited).
         let mut pending = 0u32;
         let mut words = NO_WORDS;
@@ -60,10 +181,10 @@ impl ModelIndex {
             let hash = key(hashes[i]);
             let node = locate(slab, &table, prev, hash);
             let read = match node {
-                Some(id) => slab.read_node(id, hash, words, &mut members),
+                Some(id) => slab.read_node(id, hash, words, &mut s.members),
                 None => NodeRead::Gone,
             };
-            let n = match read {
+            match read {
                 NodeRead::Same => {
                     pending += 1;
                     i += 1;
@@ -76,65 +197,28 @@ impl ModelIndex {
                     }
                     continue;
                 }
-                NodeRead::Gone => 0,
-                NodeRead::Members(n, w) => {
-                    words = w;
-                    n
-                }
-            };
+                NodeRead::Gone => s.members.clear(),
+                NodeRead::Members(_, w) => words = w,
+            }
             // The set changed: credit the blocks that shared the previous one, then intersect.
-            for (a, w) in active[..active_len].iter_mut().zip(&last_weight) {
-                a.score += pending as f64 * w;
-                a.matched_blocks += pending;
-            }
+            s.credit(pending);
             pending = 0;
-            if i == 0 {
-                for &m in &members[..n] {
-                    let engine = m >> 8;
-                    if candidates.is_some_and(|c| c.binary_search(&engine).is_err()) {
-                        continue;
-                    }
-                    let w = weights.of(Tier::from_bits(m));
-                    match active[..active_len].iter().position(|a| a.engine == engine) {
-                        Some(k) => {
-                            active[k].score = active[k].score.max(w);
-                            last_weight[k] = active[k].score;
-                        }
-                        None => {
-                            active[active_len] = EngineScore {
-                                engine,
-                                matched_blocks: 1,
-                                score: w,
-                            };
-                            last_weight[active_len] = w;
-                            active_len += 1;
-                        }
-                    }
-                }
-            } else {
-                let mut k = 0;
-                while k < active_len {
-                    let engine = active[k].engine;
-                    let mut best = -1.0f64;
-                    for &m in &members[..n] {
-                        if m >> 8 == engine {
-                            best = best.max(weights.of(Tier::from_bits(m)));
-                        }
-                    }
-                    if best >= 0.0 {
-                        active[k].score += best;
-                        active[k].matched_blocks += 1;
-                        last_weight[k] = best;
-                        k += 1;
-                    } else {
-                        out.push(active[k]);
-                        active_len -= 1;
-                        active[k] = active[active_len];
-                        last_weight[k] = last_weight[active_len];
-                    }
+            let epoch = s.mark_members(weights, restricted, i == 0);
+            let mut k = 0;
+            while k < s.active.len() {
+                let e = s.active[k].engine as usize;
+                if s.seen_epoch.get(e) == Some(&epoch) {
+                    let w = s.seen_weight[e];
+                    s.active[k].score += w;
+                    s.active[k].matched_blocks += 1;
+                    s.last_weight[k] = w;
+                    k += 1;
+                } else {
+                    out.push(s.active.swap_remove(k));
+                    s.last_weight.swap_remove(k);
                 }
             }
-            if active_len == 0 {
+            if s.active.is_empty() {
                 return;
             }
             prev = node;
@@ -148,11 +232,8 @@ impl ModelIndex {
                 prev = Some(id + run as u32);
             }
         }
-        for (a, w) in active[..active_len].iter_mut().zip(&last_weight) {
-            a.score += pending as f64 * w;
-            a.matched_blocks += pending;
-        }
-        out.extend_from_slice(&active[..active_len]);
+        s.credit(pending);
+        out.extend_from_slice(&s.active);
     }
 }
 
@@ -185,10 +266,7 @@ fn follow_segment(slab: &Slab, id: u32, words: u64, rest: &[BlockHash]) -> usize
     if k == 0 {
         return 0;
     }
-    let mut scratch = [0u32; MAX_MEMBERS];
-    let mut holds = |j: usize| {
-        slab.read_node(id + j as u32, key(rest[j - 1]), words, &mut scratch) == NodeRead::Same
-    };
+    let holds = |j: usize| slab.holds_with(id + j as u32, key(rest[j - 1]), words);
     if holds(k) {
         return k;
     }

@@ -13,7 +13,10 @@
 //!   share them (every block of a prefix that the same pods hold).
 //!
 //! So a node's two words identify its member set exactly: the scoring walk compares them with
-//! the previous block's and decodes nothing while they are equal.
+//! the previous block's and decodes nothing while they are equal. A set has no size limit (a
+//! block held by every pod of a 1,024-pod fleet is one set of 1,024 members, 147 pages, stored
+//! once); readers bound a decode by the largest set the writer ever built, so a torn read of a
+//! node being rewritten can neither loop nor grow a buffer past what the index really holds.
 //!
 //! The **continuation bitmap** goes further: bit `id` is set when node `id` is the chain child
 //! of node `id - 1` and has the same member words. A run of set bits is one chain segment held
@@ -34,10 +37,6 @@ pub const EMPTY: u32 = u32::MAX;
 const SET_TAG: u32 = 1 << 31;
 /// Members per set page.
 pub const PAGE_MEMBERS: usize = 7;
-/// The most members one node may hold (the `podCacheSize` upper bound).
-pub const MAX_MEMBERS: usize = 64;
-/// Pages a reader follows at most (bounds a walk over a page chain being rewritten).
-const MAX_PAGES: usize = MAX_MEMBERS.div_ceil(PAGE_MEMBERS);
 /// Member words that no node ever holds: "no previous block" for [`Slab::read_node`].
 pub const NO_WORDS: u64 = u64::MAX - 1;
 
@@ -136,6 +135,8 @@ pub struct Slab {
     pub pages: Chunked<Page, 12>,
     /// Continuation bits, one per node id (chunks of 256 words = 16Ki ids, like `nodes`).
     cont: Chunked<AtomicU64, 8>,
+    /// Members of the largest set ever interned (only grows): bounds every decode.
+    largest_set: AtomicU32,
 }
 
 impl Slab {
@@ -148,6 +149,7 @@ impl Slab {
             nodes: Chunked::new(max_nodes),
             pages: Chunked::new(max_pages.max(1)),
             cont: Chunked::new(max_nodes.div_ceil(64)),
+            largest_set: AtomicU32::new(2),
         }
     }
 
@@ -209,15 +211,10 @@ impl Slab {
     }
 
     /// Reader: node `id`'s member set if the node still holds `hash`, as one consistent version.
-    /// When its member words equal `prev_words`, nothing is decoded ([`NodeRead::Same`]).
+    /// When its member words equal `prev_words`, nothing is decoded ([`NodeRead::Same`]);
+    /// otherwise the members replace `out`'s contents (its capacity is reused).
     #[inline(always)]
-    pub fn read_node(
-        &self,
-        id: u32,
-        hash: u64,
-        prev_words: u64,
-        out: &mut [u32; MAX_MEMBERS],
-    ) -> NodeRead {
+    pub fn read_node(&self, id: u32, hash: u64, prev_words: u64, out: &mut Vec<u32>) -> NodeRead {
         let Some(node) = self.nodes.get(id) else {
             return NodeRead::Gone;
         };
@@ -236,7 +233,8 @@ impl Slab {
             } else if words == prev_words {
                 NodeRead::Same
             } else {
-                NodeRead::Members(self.decode(m0, m1, out), words)
+                self.decode(m0, m1, out);
+                NodeRead::Members(out.len(), words)
             };
             fence(Ordering::Acquire);
             if node.seq.load(Ordering::Relaxed) == s1 {
@@ -245,52 +243,72 @@ impl Slab {
         }
     }
 
-    /// Reader: copies node `id`'s members into `out` if it still holds `hash`.
-    pub fn read_members(&self, id: u32, hash: u64, out: &mut [u32; MAX_MEMBERS]) -> Option<usize> {
-        match self.read_node(id, hash, NO_WORDS, out) {
-            NodeRead::Members(n, _) => Some(n),
-            NodeRead::Same => Some(0),
-            NodeRead::Gone => None,
+    /// Reader: whether node `id` still holds `hash` with member words `words`, as one
+    /// consistent version (decodes nothing).
+    #[inline(always)]
+    pub fn holds_with(&self, id: u32, hash: u64, words: u64) -> bool {
+        let Some(node) = self.nodes.get(id) else {
+            return false;
+        };
+        loop {
+            let s1 = node.seq.load(Ordering::Acquire);
+            if s1 & 1 == 1 {
+                std::hint::spin_loop();
+                continue;
+            }
+            let same = node.hash.load(Ordering::Relaxed) == hash
+                && (node.members[0].load(Ordering::Relaxed) as u64) << 32
+                    | node.members[1].load(Ordering::Relaxed) as u64
+                    == words;
+            fence(Ordering::Acquire);
+            if node.seq.load(Ordering::Relaxed) == s1 {
+                return same;
+            }
         }
     }
 
-    /// Decodes member words (inline, or an interned set's pages); bounded even on a set being
-    /// rewritten (the caller's seqlock check discards such a read).
+    /// Reader: node `id`'s members (replacing `out`'s contents) if it still holds `hash`.
+    pub fn read_members(&self, id: u32, hash: u64, out: &mut Vec<u32>) -> bool {
+        out.clear();
+        self.read_node(id, hash, NO_WORDS, out) != NodeRead::Gone
+    }
+
+    /// Decodes member words (inline, or an interned set's pages) into `out`, replacing its
+    /// contents; bounded even on a set being rewritten (the caller's seqlock check discards
+    /// such a read): at most the largest set ever built, following at most that many pages.
     #[inline(always)]
-    fn decode(&self, m0: u32, m1: u32, out: &mut [u32; MAX_MEMBERS]) -> usize {
+    fn decode(&self, m0: u32, m1: u32, out: &mut Vec<u32>) {
+        out.clear();
         if m0 == EMPTY {
-            return 0;
+            return;
         }
         if m0 & SET_TAG == 0 {
-            out[0] = m0;
-            if m1 == EMPTY {
-                return 1;
+            out.push(m0);
+            if m1 != EMPTY {
+                out.push(m1);
             }
-            out[1] = m1;
-            return 2;
+            return;
         }
-        let count = (m1 as usize).min(MAX_MEMBERS);
-        let mut n = 0;
+        let count = (m1 as usize).min(self.largest_set.load(Ordering::Relaxed) as usize);
+        let max_pages = count.div_ceil(PAGE_MEMBERS);
         let mut link = Some(m0 & !SET_TAG);
         let mut pages = 0;
         while let Some(id) = link {
-            if pages == MAX_PAGES {
+            if pages == max_pages {
                 break;
             }
             let Some(page) = self.pages.get(id) else {
                 break;
             };
             for slot in &page.members {
-                if n == count {
-                    return n;
+                if out.len() == count {
+                    return;
                 }
-                out[n] = slot.load(Ordering::Relaxed);
-                n += 1;
+                out.push(slot.load(Ordering::Relaxed));
             }
             link = page.next.load(Ordering::Relaxed).checked_sub(1);
             pages += 1;
         }
-        n
     }
 
     /// Hints the CPU to fetch node `id` (no effect on results).
@@ -306,13 +324,14 @@ impl Slab {
         self.peek_hash(id)
     }
 
-    /// Writer: copies the node's member list.
-    pub fn members_of(&self, id: u32, out: &mut [u32; MAX_MEMBERS]) -> usize {
-        self.nodes.get(id).map_or(0, |node| {
+    /// Writer: the node's member list, replacing `out`'s contents.
+    pub fn members_of(&self, id: u32, out: &mut Vec<u32>) {
+        out.clear();
+        if let Some(node) = self.nodes.get(id) {
             let m0 = node.members[0].load(Ordering::Relaxed);
             let m1 = node.members[1].load(Ordering::Relaxed);
-            self.decode(m0, m1, out)
-        })
+            self.decode(m0, m1, out);
+        }
     }
 
     /// Writer: sets the child hint of `parent` to `child`.
@@ -390,19 +409,21 @@ impl SetPool {
             return Some(set);
         }
         let pages = members.len().div_ceil(PAGE_MEMBERS);
-        let mut ids = [0u32; MAX_PAGES];
-        for slot in ids.iter_mut().take(pages) {
-            *slot = match self.free_pages.pop() {
+        let mut ids = Vec::with_capacity(pages);
+        for _ in 0..pages {
+            let page = match self.free_pages.pop() {
                 Some(p) => p,
                 None => {
                     let p = self.next_page;
                     if p >= SET_TAG - 1 || slab.pages.get_or_alloc(p).is_none() {
+                        self.free_pages.extend_from_slice(&ids);
                         return None;
                     }
                     self.next_page += 1;
                     p
                 }
             };
+            ids.push(page);
         }
         // Fresh pages: no node points at them yet, so no reader can see these stores half-done.
         for (k, &page_id) in ids.iter().take(pages).enumerate() {
@@ -415,13 +436,17 @@ impl SetPool {
             page.next.store(next, Ordering::Relaxed);
         }
         let set = ids[0];
+        // Published before any node names the set: a reader that sees the set id sees a bound
+        // that covers it (the node's seqlock write releases after this store).
+        slab.largest_set
+            .fetch_max(members.len() as u32, Ordering::Relaxed);
         self.by_contents.insert(members.into(), set);
         self.sets.insert(
             set,
             SetEntry {
                 refs: 1,
                 contents: members.into(),
-                pages: ids[..pages].into(),
+                pages: ids.into(),
             },
         );
         Some(set)
@@ -490,15 +515,17 @@ mod tests {
         assert!(slab.write(6, 43, &many, &mut pool));
         assert_eq!(pool.set_count(), 1, "one set for two nodes");
         assert_eq!(pool.next_page, 3, "20 members need 3 pages, once");
-        let mut out = [0; MAX_MEMBERS];
-        assert_eq!(slab.read_members(5, 42, &mut out), Some(20));
-        assert_eq!(&out[..20], &many[..]);
-        assert_eq!(slab.read_members(5, 43, &mut out), None, "other hash");
+        let mut out = Vec::new();
+        assert!(slab.read_members(5, 42, &mut out));
+        assert_eq!(out, many);
+        assert!(!slab.read_members(5, 43, &mut out), "other hash");
         let words = match slab.read_node(5, 42, NO_WORDS, &mut out) {
             NodeRead::Members(20, w) => w,
             other => panic!("{other:?}"),
         };
         assert_eq!(slab.read_node(6, 43, words, &mut out), NodeRead::Same);
+        assert!(slab.holds_with(6, 43, words));
+        assert!(!slab.holds_with(6, 42, words), "other hash");
         assert!(slab.write(5, 42, &many[..2], &mut pool));
         assert_eq!(pool.set_count(), 1, "node 6 still references the set");
         assert!(slab.write(6, 43, &many[..1], &mut pool));
@@ -508,6 +535,19 @@ mod tests {
             3,
             "the last reference frees the pages"
         );
-        assert_eq!(slab.read_members(6, 43, &mut out), Some(1));
+        assert!(slab.read_members(6, 43, &mut out));
+        assert_eq!(out, many[..1]);
+    }
+
+    #[test]
+    fn a_set_of_any_size_round_trips() {
+        let slab = Slab::new(10);
+        let mut pool = SetPool::default();
+        let all: Vec<u32> = (0..1500).map(|i| i << 8 | (i % 2)).collect();
+        assert!(slab.write(1, 7, &all, &mut pool));
+        let mut out = Vec::new();
+        assert!(slab.read_members(1, 7, &mut out));
+        assert_eq!(out, all, "1,500 members, every one back in order");
+        assert_eq!(pool.next_page as usize, 1500usize.div_ceil(PAGE_MEMBERS));
     }
 }

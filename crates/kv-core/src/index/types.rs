@@ -6,8 +6,6 @@ use std::sync::Arc;
 
 use thiserror::Error;
 
-use super::slab::MAX_MEMBERS;
-
 /// Dense per-model id of an engine (one vLLM process: a pod and its data-parallel rank).
 pub type EngineId = u32;
 
@@ -137,15 +135,16 @@ pub struct IndexConfig {
     /// Most distinct block keys (`size`): per index, and across the indexes that share a
     /// [`KeyBudget`] (the indexer's models).
     pub max_keys: usize,
-    /// Most engines per key (`podCacheSize`).
-    pub pod_cache_size: usize,
+    /// Most (engine, tier) holders recorded per key (`podCacheSize`), the oldest dropped
+    /// beyond it. `None` (the default): exact, every holder of every block is recorded.
+    pub pod_cache_size: Option<usize>,
 }
 
 impl Default for IndexConfig {
     fn default() -> Self {
         Self {
             max_keys: 100_000_000,
-            pod_cache_size: 10,
+            pod_cache_size: None,
         }
     }
 }
@@ -161,14 +160,9 @@ pub enum IndexConfigError {
         /// The largest supported.
         max: usize,
     },
-    /// `podCacheSize` out of range.
-    #[error("podCacheSize must be between 1 and {max}, got {got}")]
-    PodCacheSize {
-        /// The configured value.
-        got: usize,
-        /// The largest supported.
-        max: usize,
-    },
+    /// `podCacheSize` set to 0 (leave it out for exact membership).
+    #[error("podCacheSize must be at least 1 when set (leave it out for exact membership)")]
+    PodCacheSize,
 }
 
 impl IndexConfig {
@@ -181,11 +175,8 @@ impl IndexConfig {
                 max: max_keys,
             });
         }
-        if self.pod_cache_size == 0 || self.pod_cache_size > MAX_MEMBERS {
-            return Err(IndexConfigError::PodCacheSize {
-                got: self.pod_cache_size,
-                max: MAX_MEMBERS,
-            });
+        if self.pod_cache_size == Some(0) {
+            return Err(IndexConfigError::PodCacheSize);
         }
         Ok(())
     }
@@ -215,7 +206,7 @@ pub struct IndexStats {
     pub removals: u64,
     /// Memberships dropped because the index reached `size`.
     pub capacity_evictions: u64,
-    /// Memberships dropped because a block reached `podCacheSize`.
+    /// Memberships dropped because a block reached `podCacheSize` (only when it is set).
     pub pod_cache_evictions: u64,
     /// Stored runs whose parent the engine did not hold.
     pub orphan_runs: u64,
@@ -225,26 +216,92 @@ pub struct IndexStats {
     pub memory_bytes: u64,
 }
 
-/// The readers' map of engines: pods by name, and each engine's key.
+/// The readers' map of engines: pods by name (each with a dense pod index, in name order),
+/// the engines of each pod, and each engine's key and pod.
 #[derive(Debug, Default, Clone)]
 pub struct EngineDirectory {
-    pub(super) by_pod: HashMap<Arc<str>, Vec<EngineId>>,
-    pub(super) keys: Vec<Option<EngineKey>>,
+    /// Pod name -> pod index.
+    pub(super) pod_index: HashMap<Arc<str>, u32>,
+    /// Per pod index, sorted by name: the name and its engines (DP ranks).
+    pub(super) pods: Vec<(Arc<str>, Vec<EngineId>)>,
+    /// Per engine id: its key and pod index (`None` for a free id).
+    pub(super) engines: Vec<Option<(EngineKey, u32)>>,
 }
 
 impl EngineDirectory {
+    /// Builds the directory of `engines` (indexed by engine id).
+    pub(super) fn build<'a>(engines: impl Iterator<Item = (EngineId, &'a EngineKey)>) -> Self {
+        let mut dir = Self::default();
+        let mut by_name: Vec<(&'a EngineKey, EngineId)> = Vec::new();
+        for (id, key) in engines {
+            by_name.push((key, id));
+        }
+        by_name.sort_unstable();
+        for (key, id) in by_name {
+            let pod = match dir.pods.last_mut() {
+                Some((name, ids)) if **name == *key.pod => {
+                    ids.push(id);
+                    dir.pods.len() - 1
+                }
+                _ => {
+                    dir.pods.push((key.pod.clone(), vec![id]));
+                    dir.pod_index
+                        .insert(key.pod.clone(), (dir.pods.len() - 1) as u32);
+                    dir.pods.len() - 1
+                }
+            };
+            let slot = id as usize;
+            if slot >= dir.engines.len() {
+                dir.engines.resize(slot + 1, None);
+            }
+            dir.engines[slot] = Some((key.clone(), pod as u32));
+        }
+        dir
+    }
+
     /// The engines (DP ranks) of a pod.
     pub fn engines_of(&self, pod: &str) -> &[EngineId] {
-        self.by_pod.get(pod).map_or(&[], Vec::as_slice)
+        self.pod_index
+            .get(pod)
+            .and_then(|&p| self.pods.get(p as usize))
+            .map_or(&[], |(_, ids)| ids.as_slice())
+    }
+
+    /// The pod index of a pod name (dense, `0..pod_count()`, in name order).
+    pub fn pod_index(&self, pod: &str) -> Option<u32> {
+        self.pod_index.get(pod).copied()
+    }
+
+    /// The name and engines of pod index `p`.
+    pub fn pod(&self, p: u32) -> Option<(&Arc<str>, &[EngineId])> {
+        self.pods
+            .get(p as usize)
+            .map(|(name, ids)| (name, ids.as_slice()))
+    }
+
+    /// How many pods the index knows.
+    pub fn pod_count(&self) -> usize {
+        self.pods.len()
+    }
+
+    /// The pod index of an engine.
+    pub fn pod_of(&self, engine: EngineId) -> Option<u32> {
+        self.engines
+            .get(engine as usize)
+            .and_then(Option::as_ref)
+            .map(|(_, p)| *p)
     }
 
     /// The key of an engine id.
     pub fn key(&self, engine: EngineId) -> Option<&EngineKey> {
-        self.keys.get(engine as usize).and_then(Option::as_ref)
+        self.engines
+            .get(engine as usize)
+            .and_then(Option::as_ref)
+            .map(|(k, _)| k)
     }
 
-    /// Every pod known to the index.
+    /// Every pod known to the index, in name order.
     pub fn pods(&self) -> impl Iterator<Item = &Arc<str>> {
-        self.by_pod.keys()
+        self.pods.iter().map(|(name, _)| name)
     }
 }

@@ -27,8 +27,8 @@ use crate::hashing::{
     TokenProcessorError,
 };
 use crate::index::{
-    EngineKey, EngineScore, IndexConfig, IndexConfigError, IndexStats, KeyBudget, ModelIndex, Tier,
-    TierWeights,
+    EngineId, EngineKey, EngineScore, IndexConfig, IndexConfigError, IndexStats, KeyBudget,
+    ModelIndex, Tier, TierWeights,
 };
 use crate::BlockHash;
 
@@ -44,7 +44,7 @@ pub struct ModelSettings {
 /// Everything the indexer needs to run.
 #[derive(Debug, Clone, Default)]
 pub struct IndexerSettings {
-    /// Capacity: `max_keys` bounds all models together, `pod_cache_size` each block.
+    /// Capacity: `max_keys` bounds all models together; `pod_cache_size`, when set, each block.
     pub index: IndexConfig,
     /// Models indexed at most (events name models, so they must not multiply state); 0 means
     /// [`DEFAULT_MAX_MODELS`].
@@ -204,6 +204,26 @@ pub struct Indexer {
     totals: Totals,
     /// `size` keys shared by every model's index.
     budget: Arc<KeyBudget>,
+}
+
+/// The candidate list that means "every pod the model knows" (an empty list, typed).
+pub const ALL_PODS: &[&str] = &[];
+
+/// Per-thread working memory of the pod aggregation (reused by every score).
+#[derive(Default)]
+struct PodScratch {
+    /// The candidates' engine ids.
+    candidates: Vec<EngineId>,
+    /// The index's per-engine result.
+    engines: Vec<EngineScore>,
+    /// Per pod index: (epoch, best score, its matched blocks).
+    best: Vec<(u32, f64, u32)>,
+    epoch: u32,
+    /// Per pod index: the pass in which it was listed (candidates named twice).
+    listed: Vec<u32>,
+    listed_epoch: u32,
+    /// Candidates unknown to the index already listed in this call.
+    unknown: HashSet<Box<str>>,
 }
 
 /// The index tier of an event's medium; no medium (vLLM < 0.10.2) means GPU.
@@ -431,46 +451,83 @@ impl Indexer {
     }
 
     /// Scores `pods` (every known pod of the model when empty) for a prompt given as tokens.
-    pub fn score_tokens(
+    pub fn score_tokens<S: AsRef<str>>(
         &self,
         model: &str,
         tokens: &[u32],
-        pods: &[String],
+        pods: &[S],
         lora_name: Option<&str>,
         cache_salt: Option<&str>,
     ) -> Result<ScoreResult, ScoreError> {
+        let mut result = ScoreResult::default();
+        self.score_tokens_into(model, tokens, pods, lora_name, cache_salt, &mut result)?;
+        Ok(result)
+    }
+
+    /// [`Indexer::score_tokens`] into a result the caller reuses: once the thread and `out`
+    /// have seen their largest prompt and fleet, a call allocates nothing (a candidate the
+    /// index has never heard of costs its name).
+    pub fn score_tokens_into<S: AsRef<str>>(
+        &self,
+        model: &str,
+        tokens: &[u32],
+        pods: &[S],
+        lora_name: Option<&str>,
+        cache_salt: Option<&str>,
+        out: &mut ScoreResult,
+    ) -> Result<(), ScoreError> {
         let state = self
             .model(model)
             .ok_or_else(|| ScoreError::UnknownModel(model.to_owned()))?;
         let extras = self.request_extras(&state, lora_name, cache_salt)?;
         thread_local! {
-            static SCRATCH: std::cell::RefCell<(HashScratch, Vec<BlockHash>)> =
+            static HASHING: std::cell::RefCell<(HashScratch, Vec<BlockHash>)> =
                 std::cell::RefCell::new((HashScratch::default(), Vec::new()));
         }
-        SCRATCH.with(|cell| {
-            let mut cell = cell.borrow_mut();
-            let (scratch, hashes) = &mut *cell;
+        HASHING.with(|cell| {
+            let mut fresh = Default::default();
+            let mut borrowed = cell.try_borrow_mut();
+            let (scratch, hashes) = match borrowed.as_deref_mut() {
+                Ok(pair) => pair,
+                Err(_) => &mut fresh,
+            };
             hashes.clear();
             state
                 .processor
                 .block_hashes_into(tokens, &extras, scratch, hashes);
-            let mut result = self.score_hashes_in(&state, hashes, pods);
-            result.prompt_tokens = tokens.len() as u32;
-            Ok(result)
-        })
+            self.score_hashes_in(&state, hashes, pods, out);
+        });
+        out.prompt_tokens = tokens.len() as u32;
+        Ok(())
     }
 
     /// Scores pods for a prompt given as its block hashes (event form).
-    pub fn score_hashes(
+    pub fn score_hashes<S: AsRef<str>>(
         &self,
         model: &str,
         hashes: &[BlockHash],
-        pods: &[String],
+        pods: &[S],
     ) -> Result<ScoreResult, ScoreError> {
+        let mut result = ScoreResult::default();
+        self.score_hashes_into(model, hashes, pods, &mut result)?;
+        Ok(result)
+    }
+
+    /// [`Indexer::score_hashes`] into a result the caller reuses (see
+    /// [`Indexer::score_tokens_into`]).
+    pub fn score_hashes_into<S: AsRef<str>>(
+        &self,
+        model: &str,
+        hashes: &[BlockHash],
+        pods: &[S],
+        out: &mut ScoreResult,
+    ) -> Result<(), ScoreError> {
         let state = self
             .model(model)
             .ok_or_else(|| ScoreError::UnknownModel(model.to_owned()))?;
-        Ok(self.score_hashes_in(&state, hashes, pods))
+        self.score_hashes_in(&state, hashes, pods, out);
+        out.prompt_tokens = 0;
+        Ok(())
     }
 
     fn request_extras(
@@ -503,74 +560,139 @@ impl Indexer {
         })
     }
 
-    fn score_hashes_in(
+    /// Scores into `out`: the index walk over the candidates' engines, then one entry per
+    /// pod (its best engine, for DP ranks), best first (ties by matched blocks, then name).
+    fn score_hashes_in<S: AsRef<str>>(
         &self,
         state: &ModelState,
         hashes: &[BlockHash],
-        pods: &[String],
-    ) -> ScoreResult {
-        let directory = state.index.directory();
-        let candidates: Option<Vec<u32>> = (!pods.is_empty()).then(|| {
-            let mut ids: Vec<u32> = pods
-                .iter()
-                .flat_map(|p| directory.engines_of(p).iter().copied())
-                .collect();
-            ids.sort_unstable();
-            ids
+        pods: &[S],
+        out: &mut ScoreResult,
+    ) {
+        thread_local! {
+            static SCRATCH: std::cell::RefCell<PodScratch> = Default::default();
+        }
+        SCRATCH.with(|cell| {
+            let mut fresh = PodScratch::default();
+            let mut borrowed = cell.try_borrow_mut();
+            let scratch = match borrowed.as_deref_mut() {
+                Ok(s) => s,
+                Err(_) => &mut fresh,
+            };
+            self.score_pods(state, hashes, pods, scratch, out);
         });
-        let mut engine_scores: Vec<EngineScore> = Vec::new();
-        state.index.score_engines(
-            hashes,
-            candidates.as_deref(),
-            &self.settings.weights,
-            &mut engine_scores,
-        );
-        let mut by_pod: HashMap<&str, (f64, u32)> = HashMap::new();
-        for s in &engine_scores {
-            if let Some(key) = directory.key(s.engine) {
-                let e = by_pod.entry(&key.pod).or_insert((0.0, 0));
-                if (s.score, s.matched_blocks) > *e {
-                    *e = (s.score, s.matched_blocks);
-                }
+        out.total_blocks = hashes.len() as u32;
+    }
+
+    fn score_pods<S: AsRef<str>>(
+        &self,
+        state: &ModelState,
+        hashes: &[BlockHash],
+        pods: &[S],
+        s: &mut PodScratch,
+        out: &mut ScoreResult,
+    ) {
+        let directory = state.index.directory();
+        out.scores.clear();
+        s.candidates.clear();
+        for pod in pods {
+            let ids = directory.engines_of(pod.as_ref());
+            s.candidates.extend_from_slice(ids);
+        }
+        let restrict = (!pods.is_empty()).then_some(s.candidates.as_slice());
+        state
+            .index
+            .score_engines(hashes, restrict, &self.settings.weights, &mut s.engines);
+        // Best engine per pod, by pod index (an epoch instead of clearing).
+        s.epoch = s.epoch.wrapping_add(1);
+        if s.epoch == 0 {
+            s.best.fill((0, 0.0, 0));
+            s.epoch = 1;
+        }
+        let epoch = s.epoch;
+        if s.best.len() < directory.pod_count() {
+            s.best.resize(directory.pod_count(), (0, 0.0, 0));
+        }
+        for e in &s.engines {
+            let Some(p) = directory.pod_of(e.engine) else {
+                continue;
+            };
+            let slot = &mut s.best[p as usize];
+            if slot.0 != epoch || (e.score, e.matched_blocks) > (slot.1, slot.2) {
+                *slot = (epoch, e.score, e.matched_blocks);
             }
         }
-        let mut scores: Vec<PodScore> = if pods.is_empty() {
-            directory
-                .pods()
-                .map(|p| {
-                    let (score, matched_blocks) = by_pod.get(&**p).copied().unwrap_or((0.0, 0));
-                    PodScore {
-                        pod: p.clone(),
-                        score,
-                        matched_blocks,
-                    }
-                })
-                .collect()
-        } else {
-            let mut seen = HashSet::new();
-            pods.iter()
-                .filter(|p| seen.insert(p.as_str()))
-                .map(|p| {
-                    let (score, matched_blocks) =
-                        by_pod.get(p.as_str()).copied().unwrap_or((0.0, 0));
-                    PodScore {
-                        pod: p.as_str().into(),
-                        score,
-                        matched_blocks,
-                    }
-                })
-                .collect()
+        let score_of = |best: &[(u32, f64, u32)], p: u32| match best.get(p as usize) {
+            Some(&(e, score, matched)) if e == epoch => (score, matched),
+            _ => (0.0, 0),
         };
-        scores.sort_by(|a, b| {
-            b.score
-                .total_cmp(&a.score)
-                .then(b.matched_blocks.cmp(&a.matched_blocks))
-                .then(a.pod.cmp(&b.pod))
-        });
-        ScoreResult {
-            scores,
-            total_blocks: hashes.len() as u32,
-            prompt_tokens: 0,
+        // Two passes, holders then the rest, so only holders need sorting and the rest keep
+        // their order (name order, or the caller's).
+        for holders in [true, false] {
+            if pods.is_empty() {
+                for p in 0..directory.pod_count() as u32 {
+                    let (score, matched_blocks) = score_of(&s.best, p);
+                    if (matched_blocks > 0) != holders {
+                        continue;
+                    }
+                    if let Some((name, _)) = directory.pod(p) {
+                        out.scores.push(PodScore {
+                            pod: name.clone(),
+                            score,
+                            matched_blocks,
+                        });
+                    }
+                }
+            } else {
+                // Each candidate once, in the caller's order (a pod named twice is listed once).
+                s.listed_epoch = s.listed_epoch.wrapping_add(1);
+                if s.listed_epoch == 0 {
+                    s.listed.fill(0);
+                    s.listed_epoch = 1;
+                }
+                if s.listed.len() < directory.pod_count() {
+                    s.listed.resize(directory.pod_count(), 0);
+                }
+                s.unknown.clear();
+                for pod in pods {
+                    let name = pod.as_ref();
+                    match directory.pod_index(name) {
+                        Some(p) => {
+                            let (score, matched_blocks) = score_of(&s.best, p);
+                            if (matched_blocks > 0) != holders
+                                || s.listed[p as usize] == s.listed_epoch
+                            {
+                                continue;
+                            }
+                            s.listed[p as usize] = s.listed_epoch;
+                            if let Some((name, _)) = directory.pod(p) {
+                                out.scores.push(PodScore {
+                                    pod: name.clone(),
+                                    score,
+                                    matched_blocks,
+                                });
+                            }
+                        }
+                        // Unknown to the index: listed with 0, once.
+                        None if !holders && s.unknown.insert(name.into()) => {
+                            out.scores.push(PodScore {
+                                pod: name.into(),
+                                score: 0.0,
+                                matched_blocks: 0,
+                            })
+                        }
+                        None => {}
+                    }
+                }
+            }
+            if holders {
+                out.scores.sort_unstable_by(|a, b| {
+                    b.score
+                        .total_cmp(&a.score)
+                        .then(b.matched_blocks.cmp(&a.matched_blocks))
+                        .then(a.pod.cmp(&b.pod))
+                });
+            }
         }
     }
 

@@ -224,7 +224,10 @@ impl Router for Precise {
             self.pending.resize_with(pods, Vec::new);
         }
         let mut matched = vec![0.0; pods];
-        if let Ok(result) = ctx.indexer.score_hashes(ctx.model, &req.blocks, &[]) {
+        if let Ok(result) = ctx
+            .indexer
+            .score_hashes(ctx.model, &req.blocks, kv_core::ALL_PODS)
+        {
             for s in result.scores {
                 if let Some(p) = ctx.pod_names.iter().position(|n| **n == *s.pod) {
                     matched[p] = s.matched_blocks as f64 / n;

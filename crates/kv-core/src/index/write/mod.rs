@@ -18,7 +18,7 @@ mod evict;
 mod reverse;
 
 use super::read::locate;
-use super::slab::{SetPool, MAX_MEMBERS};
+use super::slab::SetPool;
 use super::table::Table;
 use super::types::{EngineDirectory, EngineId, EngineKey, IndexStats, Tier, MAX_ENGINES};
 use super::{key, member, ModelIndex, INITIAL_TABLE};
@@ -84,6 +84,9 @@ pub(super) struct Writer {
     /// Running totals (plain integers: the hot path does no atomic read-modify-write).
     tally: Tally,
     clock_hand: u32,
+    /// Scratch for one node's member list (reused: a member change allocates nothing once it
+    /// has held the largest set).
+    list: Vec<u32>,
 }
 
 impl Counters {
@@ -137,6 +140,7 @@ impl Writer {
             linked: Vec::new(),
             tally: Tally::default(),
             clock_hand: 0,
+            list: Vec::new(),
         }
     }
 }
@@ -259,19 +263,10 @@ impl IndexWriter<'_> {
     }
 
     fn publish_directory(&self) {
-        let mut dir = EngineDirectory {
-            by_pod: HashMap::new(),
-            keys: vec![None; self.state.engines.len()],
-        };
-        for (id, e) in self.state.engines.iter().enumerate() {
-            if let Some(e) = e {
-                dir.keys[id] = Some(e.key.clone());
-                dir.by_pod
-                    .entry(e.key.pod.clone())
-                    .or_default()
-                    .push(id as EngineId);
-            }
-        }
+        let engines = self.state.engines.iter().enumerate();
+        let dir = EngineDirectory::build(
+            engines.filter_map(|(id, e)| e.as_ref().map(|e| (id as EngineId, &e.key))),
+        );
         self.index.directory.store(Arc::new(dir));
     }
 
@@ -280,10 +275,9 @@ impl IndexWriter<'_> {
         self.state.table.find(hash, |id| slab.peek_hash(id))
     }
 
-    fn has_engine(&self, id: u32, engine: EngineId) -> bool {
-        let mut buf = [0u32; MAX_MEMBERS];
-        let n = self.index.slab.members_of(id, &mut buf);
-        buf[..n].iter().any(|&m| m >> 8 == engine)
+    fn has_engine(&mut self, id: u32, engine: EngineId) -> bool {
+        self.index.slab.members_of(id, &mut self.state.list);
+        self.state.list.iter().any(|&m| m >> 8 == engine)
     }
 
     /// `BlockStored`: `engine` holds `hashes` (a chain continuing `parent`) in `tier`.
@@ -409,24 +403,25 @@ impl IndexWriter<'_> {
     }
 
     fn add_member(&mut self, id: u32, hash: u64, m: u32) -> bool {
-        let slab = &self.index.slab;
-        let mut list = [0u32; MAX_MEMBERS];
-        let mut n = slab.members_of(id, &mut list);
-        if list[..n].contains(&m) {
+        let mut list = std::mem::take(&mut self.state.list);
+        self.index.slab.members_of(id, &mut list);
+        if list.contains(&m) {
+            self.state.list = list;
             return false;
         }
-        if n >= self.index.config.pod_cache_size {
-            let victim = list[0];
-            list.copy_within(1..n, 0);
-            n -= 1;
-            self.drop_membership(victim);
-            self.state.tally.pod_cache_evictions += 1;
+        // Opt-in bound (`podCacheSize`): the oldest holder makes room.
+        if let Some(bound) = self.index.config.pod_cache_size {
+            while list.len() >= bound {
+                let victim = list.remove(0);
+                self.drop_membership(victim);
+                self.state.tally.pod_cache_evictions += 1;
+            }
         }
-        list[n] = m;
-        n += 1;
+        list.push(m);
         self.state.tally.memberships += 1;
         self.state.tally.admissions += 1;
-        self.write_members(id, hash, &list[..n]);
+        self.write_members(id, hash, &list);
+        self.state.list = list;
         true
     }
 
@@ -500,30 +495,26 @@ impl IndexWriter<'_> {
 
     /// Removes the members matching `pred` from node `id`; frees the node when none remain.
     fn remove_members(&mut self, id: u32, hash: u64, pred: impl Fn(u32) -> bool) -> usize {
-        let slab = &self.index.slab;
-        let mut list = [0u32; MAX_MEMBERS];
-        let n = slab.members_of(id, &mut list);
-        let mut kept = 0;
-        let mut removed = 0;
-        for i in 0..n {
-            let m = list[i];
-            if pred(m) {
-                removed += 1;
+        let mut list = std::mem::take(&mut self.state.list);
+        self.index.slab.members_of(id, &mut list);
+        let before = list.len();
+        list.retain(|&m| {
+            let leaves = pred(m);
+            if leaves {
                 self.drop_membership(m);
+            }
+            !leaves
+        });
+        let removed = before - list.len();
+        if removed > 0 {
+            self.state.tally.removals += removed as u64;
+            if list.is_empty() {
+                self.free_node(id, hash);
             } else {
-                list[kept] = m;
-                kept += 1;
+                self.write_members(id, hash, &list);
             }
         }
-        if removed == 0 {
-            return 0;
-        }
-        self.state.tally.removals += removed as u64;
-        if kept == 0 {
-            self.free_node(id, hash);
-        } else {
-            self.write_members(id, hash, &list[..kept]);
-        }
+        self.state.list = list;
         removed
     }
 
