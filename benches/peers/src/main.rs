@@ -1,22 +1,29 @@
 //! kv-indexer's index against its peers on the Mooncake conversation trace, one thread, one
-//! process, one run: SMG `kv-index` 2.0 `ChainIndex`, NVIDIA Dynamo `dynamo-kv-router` 1.6
-//! `RadixTree`, and a flat hash map probed block by block. Every backend is driven through the same
-//! prepared stream (`kv_lab::index_bench`) and must report the same matched-block checksum.
+//! process: SMG `kv-index` 2.0 `ChainIndex`, NVIDIA Dynamo `dynamo-kv-router` 1.6 `RadixTree`,
+//! and a flat hash map probed block by block (the reference). Every backend is driven through
+//! the same prepared stream (`kv_lab::index_bench`); each query's answer (every pod's matched
+//! depth) is compared with the flat map's, and mismatching queries are counted.
 //!
-//! Usage: `cargo run --release --manifest-path benches/peers/Cargo.toml [-- TRACE.jsonl]`.
+//! Fleets: 16 pods (the replay), 80, 1,024, and 1,024 with a 128-block system prompt
+//! before every request (held by every pod). Each fleet runs `KV_BENCH_RUNS` rounds (default 3)
+//! of every backend, interleaved; the table shows medians.
+//!
+//! Usage: `cargo run --release --manifest-path benches/peers/Cargo.toml [-- TRACE.jsonl]`;
+//! `KV_BENCH_FLEETS=16,80` picks fleets (`1024s` = 1,024 pods with the system prompt).
 
 use std::time::Instant;
 
 use dynamo_kv_router::protocols::{
-    ExternalSequenceBlockHash, KvCacheEvent, KvCacheEventData, KvCacheRemoveData,
-    KvCacheStoreData, KvCacheStoredBlockData, LocalBlockHash, RouterEvent,
+    ExternalSequenceBlockHash, KvCacheEvent, KvCacheEventData, KvCacheRemoveData, KvCacheStoreData,
+    KvCacheStoredBlockData, LocalBlockHash, RouterEvent,
 };
 use dynamo_kv_router::RadixTree;
-use kv_index::{ChainBlockMap, ChainIndex, ContentHash, SequenceHash, StoredBlock};
 use kv_core::BlockHash;
+use kv_index::{ChainBlockMap, ChainIndex, ContentHash, SequenceHash, StoredBlock};
 use kv_lab::alloc::{live_heap_bytes, CountingAllocator};
 use kv_lab::index_bench::{
-    drive, FlatMapBackend, IndexBackend, IndexWorkload, KvIndexerBackend, WorkloadShape,
+    drive, BenchReport, FlatMapBackend, IndexBackend, IndexWorkload, IndexerFacadeBackend,
+    KvIndexerBackend, QueryAnswer, WorkloadShape,
 };
 use kv_lab::trace::load_mooncake;
 
@@ -27,6 +34,8 @@ static GLOBAL: CountingAllocator = CountingAllocator;
 struct Smg {
     index: ChainIndex,
     workers: Vec<u32>,
+    /// SMG worker id -> pod number.
+    pod_of: Vec<u32>,
     maps: Vec<ChainBlockMap>,
     blocks: Vec<StoredBlock>,
     removed: Vec<SequenceHash>,
@@ -35,13 +44,23 @@ struct Smg {
 
 impl Smg {
     fn new(pods: u32) -> Self {
-        let index = ChainIndex::new();
-        let workers = (0..pods)
-            .map(|p| index.intern_worker(&format!("pod-{p}")).expect("room for workers"))
+        // SMG's default is 256 workers; 1,024 is its most.
+        let index = ChainIndex::with_max_workers(pods as usize);
+        let workers: Vec<u32> = (0..pods)
+            .map(|p| {
+                index
+                    .intern_worker(&format!("pod-{p}"))
+                    .expect("room for workers")
+            })
             .collect();
+        let mut pod_of = vec![u32::MAX; workers.iter().max().map_or(0, |&w| w as usize + 1)];
+        for (p, &w) in workers.iter().enumerate() {
+            pod_of[w as usize] = p as u32;
+        }
         Self {
             index,
             workers,
+            pod_of,
             maps: (0..pods).map(|_| ChainBlockMap::new()).collect(),
             blocks: Vec::new(),
             removed: Vec::new(),
@@ -55,22 +74,45 @@ impl IndexBackend for Smg {
         "SMG kv-index 2.0 ChainIndex"
     }
 
-    fn query(&mut self, _hashes: &[BlockHash], content: &[u64]) -> u32 {
-        let mut best = 0;
-        self.index.score_into(content, |c| *c, false, |_, score| best = best.max(score));
-        best
+    fn query(&mut self, _hashes: &[BlockHash], content: &[u64]) -> QueryAnswer {
+        let mut answer = QueryAnswer::default();
+        let pod_of = &self.pod_of;
+        self.index.score_into(
+            content,
+            |c| *c,
+            false,
+            |worker, score| {
+                answer.add(
+                    pod_of.get(worker as usize).copied().unwrap_or(u32::MAX),
+                    score,
+                )
+            },
+        );
+        answer
     }
 
-    fn store(&mut self, pod: u32, parent: Option<BlockHash>, hashes: &[BlockHash], content: &[u64]) {
+    fn store(
+        &mut self,
+        pod: u32,
+        parent: Option<BlockHash>,
+        hashes: &[BlockHash],
+        content: &[u64],
+    ) {
         self.blocks.clear();
-        self.blocks.extend(hashes.iter().zip(content).map(|(&h, &c)| StoredBlock {
-            seq_hash: SequenceHash(h.get()),
-            content_hash: ContentHash(c),
-        }));
+        self.blocks
+            .extend(hashes.iter().zip(content).map(|(&h, &c)| StoredBlock {
+                seq_hash: SequenceHash(h.get()),
+                content_hash: ContentHash(c),
+            }));
         let map = &mut self.maps[pod as usize];
         if self
             .index
-            .apply_stored(self.workers[pod as usize], &self.blocks, parent.map(|p| SequenceHash(p.get())), map)
+            .apply_stored(
+                self.workers[pod as usize],
+                &self.blocks,
+                parent.map(|p| SequenceHash(p.get())),
+                map,
+            )
             .is_err()
         {
             self.errors += 1;
@@ -79,9 +121,13 @@ impl IndexBackend for Smg {
 
     fn remove(&mut self, pod: u32, hashes: &[BlockHash]) {
         self.removed.clear();
-        self.removed.extend(hashes.iter().map(|&h| SequenceHash(h.get())));
-        self.index
-            .apply_removed(self.workers[pod as usize], &self.removed, &mut self.maps[pod as usize]);
+        self.removed
+            .extend(hashes.iter().map(|&h| SequenceHash(h.get())));
+        self.index.apply_removed(
+            self.workers[pod as usize],
+            &self.removed,
+            &mut self.maps[pod as usize],
+        );
     }
 }
 
@@ -97,13 +143,23 @@ impl IndexBackend for Dynamo {
         "Dynamo dynamo-kv-router 1.6 RadixTree"
     }
 
-    fn query(&mut self, _hashes: &[BlockHash], content: &[u64]) -> u32 {
+    fn query(&mut self, _hashes: &[BlockHash], content: &[u64]) -> QueryAnswer {
         let seq = content.iter().map(|&c| LocalBlockHash(c)).collect();
         let scores = self.tree.find_matches(seq, false);
-        scores.scores.values().copied().max().unwrap_or(0)
+        let mut answer = QueryAnswer::default();
+        for (worker, &score) in &scores.scores {
+            answer.add(worker.worker_id as u32, score);
+        }
+        answer
     }
 
-    fn store(&mut self, pod: u32, parent: Option<BlockHash>, hashes: &[BlockHash], content: &[u64]) {
+    fn store(
+        &mut self,
+        pod: u32,
+        parent: Option<BlockHash>,
+        hashes: &[BlockHash],
+        content: &[u64],
+    ) {
         self.event_id += 1;
         let blocks = hashes
             .iter()
@@ -123,7 +179,11 @@ impl IndexBackend for Dynamo {
             }),
             dp_rank: 0,
         };
-        if self.tree.apply_event(RouterEvent::new(pod as u64, event)).is_err() {
+        if self
+            .tree
+            .apply_event(RouterEvent::new(pod as u64, event))
+            .is_err()
+        {
             self.errors += 1;
         }
     }
@@ -133,14 +193,101 @@ impl IndexBackend for Dynamo {
         let event = KvCacheEvent {
             event_id: self.event_id,
             data: KvCacheEventData::Removed(KvCacheRemoveData {
-                block_hashes: hashes.iter().map(|&h| ExternalSequenceBlockHash(h.get())).collect(),
+                block_hashes: hashes
+                    .iter()
+                    .map(|&h| ExternalSequenceBlockHash(h.get()))
+                    .collect(),
             }),
             dp_rank: 0,
         };
-        if self.tree.apply_event(RouterEvent::new(pod as u64, event)).is_err() {
+        if self
+            .tree
+            .apply_event(RouterEvent::new(pod as u64, event))
+            .is_err()
+        {
             self.errors += 1;
         }
     }
+}
+
+/// A fleet to replay the trace on.
+struct Fleet {
+    label: &'static str,
+    shape: WorkloadShape,
+}
+
+fn fleets() -> Vec<Fleet> {
+    let base = WorkloadShape::default();
+    let all = [
+        ("16", "16 pods", base),
+        ("80", "80 pods", WorkloadShape { pods: 80, ..base }),
+        ("1024", "1,024 pods", WorkloadShape { pods: 1024, ..base }),
+        (
+            "1024s",
+            "1,024 pods, 128-block system prompt on every request",
+            WorkloadShape {
+                pods: 1024,
+                shared_prefix_blocks: 128,
+                ..base
+            },
+        ),
+    ];
+    let wanted = std::env::var("KV_BENCH_FLEETS").unwrap_or_else(|_| "16,80,1024,1024s".into());
+    let wanted: Vec<&str> = wanted.split(',').map(str::trim).collect();
+    all.into_iter()
+        .filter(|(key, ..)| wanted.contains(key))
+        .map(|(_, label, shape)| Fleet { label, shape })
+        .collect()
+}
+
+type Maker = Box<dyn Fn(u32) -> Box<dyn IndexBackend>>;
+
+fn backends() -> Vec<(&'static str, Maker)> {
+    vec![
+        ("flat", Box::new(|_| Box::new(FlatMapBackend::default()))),
+        ("smg", Box::new(|pods| Box::new(Smg::new(pods)))),
+        (
+            "dynamo",
+            Box::new(|_| {
+                Box::new(Dynamo {
+                    tree: RadixTree::new(),
+                    event_id: 0,
+                    errors: 0,
+                })
+            }),
+        ),
+        (
+            "ours",
+            Box::new(|pods| Box::new(KvIndexerBackend::new(pods))),
+        ),
+        (
+            "facade",
+            Box::new(|pods| Box::new(IndexerFacadeBackend::new(pods))),
+        ),
+        (
+            "bounded",
+            Box::new(|pods| Box::new(KvIndexerBackend::with_pod_cache_size(pods, Some(10)))),
+        ),
+    ]
+}
+
+/// One backend's rounds on one fleet.
+#[derive(Default)]
+struct Rounds {
+    name: String,
+    ops: Vec<f64>,
+    apply: Vec<f64>,
+    p50: Vec<f64>,
+    p99: Vec<f64>,
+    bytes: Vec<f64>,
+    mismatches: Vec<usize>,
+    short: Vec<usize>,
+}
+
+fn median(v: &[f64]) -> f64 {
+    let mut v = v.to_vec();
+    v.sort_by(f64::total_cmp);
+    v.get(v.len() / 2).copied().unwrap_or(0.0)
 }
 
 fn main() {
@@ -154,65 +301,79 @@ fn main() {
         eprintln!("cannot read the trace: {e}");
         std::process::exit(2);
     });
-    let shape = WorkloadShape::default();
-    let t = Instant::now();
-    let workload = IndexWorkload::simulate(&requests, shape);
-    let (q, s, r) = workload.totals();
-    println!(
-        "Mooncake conversation trace: {} requests, {:.2}M stored, {:.2}M removed, {:.2}M queried blocks (avg depth {:.0}), {} final memberships; prepared in {:.1}s",
-        requests.len(),
-        s as f64 / 1e6,
-        r as f64 / 1e6,
-        q as f64 / 1e6,
-        q as f64 / workload.steps.len() as f64,
-        workload.final_memberships,
-        t.elapsed().as_secs_f64()
-    );
-    println!();
-    println!("| backend | block-ops/s | apply blocks/s | query p50 | query p99 | bytes/membership | vs best peer (ops/s) | matched blocks (exact = flat map) |");
-    println!("|---|---:|---:|---:|---:|---:|---:|---:|");
-    let makers: Vec<(&str, Box<dyn Fn() -> Box<dyn IndexBackend>>)> = vec![
-        ("flat", Box::new(|| Box::new(FlatMapBackend::default()))),
-        ("smg", Box::new(move || Box::new(Smg::new(shape.pods)))),
-        (
-            "dynamo",
-            Box::new(|| {
-                Box::new(Dynamo {
-                    tree: RadixTree::new(),
-                    event_id: 0,
-                    errors: 0,
-                })
-            }),
-        ),
-        ("ours", Box::new(move || Box::new(KvIndexerBackend::new(shape.pods)))),
-    ];
-    let mut rows = Vec::new();
-    for (key, make) in &makers {
-        let before = live_heap_bytes();
-        let mut backend = make();
-        let report = drive(&workload, backend.as_mut());
-        let bytes = live_heap_bytes().saturating_sub(before);
-        drop(backend);
-        rows.push((*key, report, bytes));
-    }
-    let best_peer = rows
-        .iter()
-        .filter(|(k, ..)| *k == "smg" || *k == "dynamo")
-        .map(|(_, r, _)| r.block_ops_per_sec())
-        .fold(0.0, f64::max);
-    let checksum = rows[0].1.checksum;
-    for (_, rep, bytes) in &rows {
+    let runs: usize = std::env::var("KV_BENCH_RUNS")
+        .ok()
+        .and_then(|r| r.parse().ok())
+        .unwrap_or(3);
+    for fleet in fleets() {
+        let t = Instant::now();
+        let workload = IndexWorkload::simulate(&requests, fleet.shape);
+        let (q, s, r) = workload.totals();
         println!(
-            "| {} | {:.1}M | {:.1}M | {:.2} us | {:.2} us | {:.1} | {:.2} | {}{} |",
-            rep.backend,
-            rep.block_ops_per_sec() / 1e6,
-            (s + r) as f64 / rep.apply_seconds / 1e6,
-            rep.query_percentile_us(50.0),
-            rep.query_percentile_us(99.0),
-            *bytes as f64 / workload.final_memberships as f64,
-            rep.block_ops_per_sec() / best_peer,
-            rep.checksum,
-            if rep.checksum == checksum { "" } else { " (differs)" }
+            "### {}: {} requests, {:.2}M stored, {:.2}M removed, {:.2}M queried blocks (avg depth {:.0}), {} final memberships; prepared in {:.1}s; medians of {runs} rounds",
+            fleet.label,
+            requests.len(),
+            s as f64 / 1e6,
+            r as f64 / 1e6,
+            q as f64 / 1e6,
+            q as f64 / workload.steps.len() as f64,
+            workload.final_memberships,
+            t.elapsed().as_secs_f64()
         );
+        println!();
+        println!("| backend | block-ops/s | apply blocks/s | query p50 | query p99 | bytes/membership | ops/s vs SMG | apply vs SMG | queries differing from the flat map (of which short) |");
+        println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|");
+        let makers = backends();
+        let mut rounds: Vec<Rounds> = makers.iter().map(|_| Rounds::default()).collect();
+        for _ in 0..runs {
+            let mut reference: Option<BenchReport> = None;
+            for ((_, make), acc) in makers.iter().zip(rounds.iter_mut()) {
+                let before = live_heap_bytes();
+                let mut backend = make(fleet.shape.pods);
+                let report = drive(&workload, backend.as_mut());
+                let bytes = live_heap_bytes().saturating_sub(before);
+                drop(backend);
+                acc.name = report.backend.clone();
+                acc.ops.push(report.block_ops_per_sec());
+                acc.apply.push((s + r) as f64 / report.apply_seconds);
+                acc.p50.push(report.query_percentile_us(50.0));
+                acc.p99.push(report.query_percentile_us(99.0));
+                acc.bytes
+                    .push(bytes as f64 / workload.final_memberships as f64);
+                match &reference {
+                    None => {
+                        acc.mismatches.push(0);
+                        acc.short.push(0);
+                        reference = Some(report);
+                    }
+                    Some(reference) => {
+                        acc.mismatches.push(report.mismatches(reference));
+                        acc.short.push(report.short_answers(reference));
+                    }
+                }
+            }
+        }
+        let smg = rounds
+            .iter()
+            .zip(&makers)
+            .find(|(_, (key, _))| *key == "smg")
+            .map(|(r, _)| (median(&r.ops), median(&r.apply)))
+            .unwrap_or((1.0, 1.0));
+        for acc in &rounds {
+            println!(
+                "| {} | {:.1}M | {:.1}M | {:.2} us | {:.2} us | {:.1} | {:.2} | {:.2} | {} ({}) |",
+                acc.name,
+                median(&acc.ops) / 1e6,
+                median(&acc.apply) / 1e6,
+                median(&acc.p50),
+                median(&acc.p99),
+                median(&acc.bytes),
+                median(&acc.ops) / smg.0,
+                median(&acc.apply) / smg.1,
+                acc.mismatches.iter().max().copied().unwrap_or(0),
+                acc.short.iter().max().copied().unwrap_or(0),
+            );
+        }
+        println!();
     }
 }

@@ -33,6 +33,9 @@ pub struct WorkloadShape {
     pub pods: u32,
     /// Engine blocks each pod's LRU holds.
     pub pod_capacity_blocks: usize,
+    /// Engine blocks of a system prompt put before every request (0: none), so every pod that
+    /// serves a request holds them: the many-holders case.
+    pub shared_prefix_blocks: u64,
 }
 
 impl Default for WorkloadShape {
@@ -43,6 +46,7 @@ impl Default for WorkloadShape {
             engine_block_tokens: 16,
             pods: 16,
             pod_capacity_blocks: 65_536,
+            shared_prefix_blocks: 0,
         }
     }
 }
@@ -97,8 +101,15 @@ impl IndexWorkload {
         let mut present = Vec::new();
         for (r, req) in requests.iter().enumerate() {
             let pod = (r % shape.pods as usize) as u32;
-            let full = (req.input_length / shape.engine_block_tokens) as usize;
+            let full = (shape.shared_prefix_blocks + req.input_length / shape.engine_block_tokens)
+                as usize;
             let q0 = w.queries.len();
+            for j in 0..shape.shared_prefix_blocks.min(full as u64) {
+                // The system prompt: its own hash space (high bit set), chained like the rest.
+                w.queries
+                    .push(BlockHash::new(mix64(j ^ 0x5157_E000) | 1 << 63));
+                w.query_content.push(mix64(j ^ 0x5157_E001));
+            }
             'blocks: for &id in &req.hash_ids {
                 for j in 0..sub {
                     if w.queries.len() - q0 == full {
@@ -161,13 +172,40 @@ impl IndexWorkload {
     }
 }
 
+/// What a query found, reduced to numbers every backend can produce: the best pod's matched
+/// blocks, and an order-independent digest of every (pod, matched blocks) pair with at least one
+/// block, so two backends agree only if they report the same depth for the same pods.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct QueryAnswer {
+    /// The best pod's consecutive matched blocks.
+    pub best: u32,
+    /// Pods with at least one matched block.
+    pub holders: u32,
+    /// Wrapping sum of `mix64(pod << 32 | matched)` over those pods.
+    pub digest: u64,
+}
+
+impl QueryAnswer {
+    /// Adds one pod's result (pods with 0 blocks are ignored, as the digest defines).
+    pub fn add(&mut self, pod: u32, matched: u32) {
+        if matched == 0 {
+            return;
+        }
+        self.best = self.best.max(matched);
+        self.holders += 1;
+        self.digest = self
+            .digest
+            .wrapping_add(mix64((pod as u64) << 32 | matched as u64));
+    }
+}
+
 /// An index under benchmark: ours, a peer's, or a baseline.
 pub trait IndexBackend {
     /// A short name for reports.
     fn name(&self) -> &str;
-    /// Queries the prompt; returns the best pod's matched blocks (a checksum across backends).
-    /// `content` holds the blocks' content-only hashes, for indexes keyed by content.
-    fn query(&mut self, hashes: &[BlockHash], content: &[u64]) -> u32;
+    /// Queries the prompt; returns what every pod matched (see [`QueryAnswer`]). `content`
+    /// holds the blocks' content-only hashes, for indexes keyed by content.
+    fn query(&mut self, hashes: &[BlockHash], content: &[u64]) -> QueryAnswer;
     /// `pod` stored `hashes` after `parent`.
     fn store(&mut self, pod: u32, parent: Option<BlockHash>, hashes: &[BlockHash], content: &[u64]);
     /// `pod` evicted `hashes`.
@@ -189,12 +227,35 @@ pub struct BenchReport {
     pub query_ns: Vec<u64>,
     /// Sum of the best match per query (must agree across exact backends).
     pub checksum: u64,
+    /// Every query's answer, in order (compared with a reference by [`BenchReport::mismatches`]).
+    pub answers: Vec<QueryAnswer>,
 }
 
 impl BenchReport {
     /// Block operations per second of index time.
     pub fn block_ops_per_sec(&self) -> f64 {
         self.block_ops as f64 / (self.query_seconds + self.apply_seconds)
+    }
+
+    /// Queries whose answer differs from `reference`'s (0 for an exact index against the
+    /// flat map).
+    pub fn mismatches(&self, reference: &BenchReport) -> usize {
+        self.answers
+            .iter()
+            .zip(&reference.answers)
+            .filter(|(a, b)| a != b)
+            .count()
+            + self.answers.len().abs_diff(reference.answers.len())
+    }
+
+    /// Queries answered with fewer holders than `reference` found (a bounded index
+    /// under-counting).
+    pub fn short_answers(&self, reference: &BenchReport) -> usize {
+        self.answers
+            .iter()
+            .zip(&reference.answers)
+            .filter(|(a, b)| a.holders < b.holders)
+            .count()
     }
 
     /// Nearest-rank percentile of query latency, microseconds.
@@ -212,6 +273,7 @@ pub fn drive(workload: &IndexWorkload, backend: &mut dyn IndexBackend) -> BenchR
     let mut report = BenchReport {
         backend: backend.name().to_owned(),
         query_ns: Vec::with_capacity(workload.steps.len()),
+        answers: Vec::with_capacity(workload.steps.len()),
         ..Default::default()
     };
     let (q, s, r) = workload.totals();
@@ -220,14 +282,15 @@ pub fn drive(workload: &IndexWorkload, backend: &mut dyn IndexBackend) -> BenchR
     let mut query_total = 0u128;
     for step in &workload.steps {
         let t = Instant::now();
-        let best = backend.query(
+        let answer = backend.query(
             &workload.queries[step.query.clone()],
             &workload.query_content[step.query.clone()],
         );
         let dt = t.elapsed().as_nanos();
         report.query_ns.push(dt as u64);
         query_total += dt;
-        report.checksum += best as u64;
+        report.checksum += answer.best as u64;
+        report.answers.push(answer);
         let t = Instant::now();
         for op in &step.stores {
             backend.store(
@@ -250,28 +313,46 @@ pub fn drive(workload: &IndexWorkload, backend: &mut dyn IndexBackend) -> BenchR
 
 /// kv-indexer's own index as a benchmark backend.
 pub struct KvIndexerBackend {
+    name: String,
     index: kv_core::ModelIndex,
     engines: Vec<kv_core::EngineId>,
+    /// Engine id -> pod number.
+    pod_of: Vec<u32>,
     out: Vec<kv_core::EngineScore>,
     weights: kv_core::TierWeights,
 }
 
 impl KvIndexerBackend {
-    /// An index for `pods` engines with the default capacity settings.
+    /// An index for `pods` engines with the default (exact) membership.
     pub fn new(pods: u32) -> Self {
+        Self::with_pod_cache_size(pods, None)
+    }
+
+    /// An index for `pods` engines with `podCacheSize` set to `bound` (`None`: exact).
+    pub fn with_pod_cache_size(pods: u32, bound: Option<usize>) -> Self {
         let index = kv_core::ModelIndex::new(kv_core::IndexConfig {
             max_keys: 1 << 26,
-            pod_cache_size: 16,
+            pod_cache_size: bound,
         })
         .expect("benchmark config is valid");
-        let engines = index.write(|w| {
+        let engines: Vec<_> = index.write(|w| {
             (0..pods)
                 .filter_map(|p| w.engine(&kv_core::EngineKey::new(&format!("pod-{p}"), 0)))
                 .collect()
         });
+        let mut pod_of = vec![u32::MAX; engines.iter().max().map_or(0, |&e| e as usize + 1)];
+        for (p, &e) in engines.iter().enumerate() {
+            pod_of[e as usize] = p as u32;
+        }
+        let name = match bound {
+            None => "kv-indexer".to_owned(),
+            Some(b) => format!("kv-indexer, podCacheSize {b}"),
+        };
         Self {
+            name,
             index,
             engines,
+            pod_of,
             out: Vec::new(),
             weights: kv_core::TierWeights::default(),
         }
@@ -285,13 +366,19 @@ impl KvIndexerBackend {
 
 impl IndexBackend for KvIndexerBackend {
     fn name(&self) -> &str {
-        "kv-indexer"
+        &self.name
     }
 
-    fn query(&mut self, hashes: &[BlockHash], _content: &[u64]) -> u32 {
+    fn query(&mut self, hashes: &[BlockHash], _content: &[u64]) -> QueryAnswer {
         self.index
             .score_engines(hashes, None, &self.weights, &mut self.out);
-        self.out.iter().map(|s| s.matched_blocks).max().unwrap_or(0)
+        let mut answer = QueryAnswer::default();
+        for s in &self.out {
+            if let Some(&pod) = self.pod_of.get(s.engine as usize) {
+                answer.add(pod, s.matched_blocks);
+            }
+        }
+        answer
     }
 
     fn store(
@@ -315,6 +402,104 @@ impl IndexBackend for KvIndexerBackend {
     }
 }
 
+/// kv-indexer through its facade ([`kv_core::Indexer`]), as a transport drives it: events as
+/// decoded batches (one per store run or removal list, built per call as the decoder would),
+/// scores by pod name into a reused result.
+pub struct IndexerFacadeBackend {
+    indexer: kv_core::Indexer,
+    pods: Vec<String>,
+    result: kv_core::ScoreResult,
+    /// Pod name (by the address of the facade's shared `Arc<str>`) -> pod number, so turning
+    /// a result into an answer costs the benchmark one small lookup per pod, not a parse.
+    pod_numbers: rustc_hash::FxHashMap<usize, u32>,
+}
+
+/// The model name the facade backend indexes under.
+const BENCH_MODEL: &str = "bench";
+
+impl IndexerFacadeBackend {
+    /// A facade with default settings (exact membership) and `pods` pods.
+    pub fn new(pods: u32) -> Self {
+        let settings = kv_core::IndexerSettings {
+            index: kv_core::IndexConfig {
+                max_keys: 1 << 26,
+                pod_cache_size: None,
+            },
+            ..Default::default()
+        };
+        Self {
+            indexer: kv_core::Indexer::new(settings).expect("benchmark config is valid"),
+            pods: (0..pods).map(|p| format!("pod-{p}")).collect(),
+            result: kv_core::ScoreResult::default(),
+            pod_numbers: Default::default(),
+        }
+    }
+
+    fn apply(&self, pod: u32, event: kv_core::KvEvent) {
+        let batch = kv_core::EventBatch {
+            ts: 0.0,
+            events: vec![event],
+            data_parallel_rank: None,
+        };
+        // Cannot fail: one model, default limits.
+        let _ = self
+            .indexer
+            .apply_batch(BENCH_MODEL, &self.pods[pod as usize], &batch);
+    }
+}
+
+impl IndexBackend for IndexerFacadeBackend {
+    fn name(&self) -> &str {
+        "kv-indexer through Indexer (facade)"
+    }
+
+    fn query(&mut self, hashes: &[BlockHash], _content: &[u64]) -> QueryAnswer {
+        let mut answer = QueryAnswer::default();
+        if self
+            .indexer
+            .score_hashes_into(BENCH_MODEL, hashes, kv_core::ALL_PODS, &mut self.result)
+            .is_ok()
+        {
+            for s in self.result.scores.iter().filter(|s| s.matched_blocks > 0) {
+                let address = s.pod.as_ptr() as usize;
+                let number = *self.pod_numbers.entry(address).or_insert_with(|| {
+                    // Pod names are `pod-<n>`.
+                    s.pod
+                        .strip_prefix("pod-")
+                        .and_then(|n| n.parse().ok())
+                        .unwrap_or(u32::MAX)
+                });
+                answer.add(number, s.matched_blocks);
+            }
+        }
+        answer
+    }
+
+    fn store(
+        &mut self,
+        pod: u32,
+        parent: Option<BlockHash>,
+        hashes: &[BlockHash],
+        _content: &[u64],
+    ) {
+        let stored = kv_core::BlockStored {
+            block_hashes: hashes.to_vec(),
+            parent_block_hash: parent,
+            block_size: 16,
+            ..Default::default()
+        };
+        self.apply(pod, kv_core::KvEvent::BlockStored(Box::new(stored)));
+    }
+
+    fn remove(&mut self, pod: u32, hashes: &[BlockHash]) {
+        let removed = kv_core::BlockRemoved {
+            block_hashes: hashes.to_vec(),
+            ..Default::default()
+        };
+        self.apply(pod, kv_core::KvEvent::BlockRemoved(removed));
+    }
+}
+
 /// The baseline every design is compared with: a flat hash map from block hash to holders,
 /// probed block by block.
 #[derive(Default)]
@@ -328,24 +513,32 @@ impl IndexBackend for FlatMapBackend {
         "flat-hashmap"
     }
 
-    fn query(&mut self, hashes: &[BlockHash], _content: &[u64]) -> u32 {
+    fn query(&mut self, hashes: &[BlockHash], _content: &[u64]) -> QueryAnswer {
+        let mut answer = QueryAnswer::default();
         let Some(first) = hashes.first().and_then(|h| self.map.get(h)) else {
-            return 0;
+            return answer;
         };
         self.active.clear();
         self.active.extend_from_slice(first);
         let mut depth = 1;
         for h in &hashes[1..] {
-            let Some(holders) = self.map.get(h) else {
-                break;
-            };
-            self.active.retain(|p| holders.contains(p));
+            let holders = self.map.get(h);
+            self.active.retain(|&p| {
+                let stays = holders.is_some_and(|hs| hs.contains(&p));
+                if !stays {
+                    answer.add(p, depth);
+                }
+                stays
+            });
             if self.active.is_empty() {
-                break;
+                return answer;
             }
             depth += 1;
         }
-        depth
+        for &p in &self.active {
+            answer.add(p, depth);
+        }
+        answer
     }
 
     fn store(
@@ -395,6 +588,7 @@ mod tests {
             engine_block_tokens: 16,
             pods: 1,
             pod_capacity_blocks: 6,
+            shared_prefix_blocks: 0,
         };
         // 2 trace blocks = 4 engine blocks; the second request shares the first trace block.
         let w = IndexWorkload::simulate(&[req(&[0, 1], 64), req(&[0, 2], 60)], shape);
@@ -423,11 +617,40 @@ mod tests {
             engine_block_tokens: 16,
             pods: 3,
             pod_capacity_blocks: 10,
+            shared_prefix_blocks: 0,
         };
         let w = IndexWorkload::simulate(&reqs, shape);
         let a = drive(&w, &mut FlatMapBackend::default());
         let b = drive(&w, &mut KvIndexerBackend::new(3));
+        let c = drive(&w, &mut IndexerFacadeBackend::new(3));
         assert!(a.checksum > 0);
-        assert_eq!(a.checksum, b.checksum);
+        assert_eq!(b.mismatches(&a), 0);
+        assert_eq!(c.mismatches(&a), 0);
+    }
+
+    #[test]
+    fn every_holder_of_a_shared_prefix_is_reported_and_a_bound_under_counts() {
+        let reqs: Vec<_> = (0..300u64).map(|i| req(&[1000 + i], 32)).collect();
+        let shape = WorkloadShape {
+            trace_block_tokens: 32,
+            engine_block_tokens: 16,
+            pods: 100,
+            pod_capacity_blocks: 1000,
+            shared_prefix_blocks: 4,
+        };
+        let w = IndexWorkload::simulate(&reqs, shape);
+        let flat = drive(&w, &mut FlatMapBackend::default());
+        let last = flat.answers.last().copied().unwrap_or_default();
+        assert_eq!(last.holders, 100, "every pod holds the system prompt");
+        let exact = drive(&w, &mut KvIndexerBackend::new(100));
+        assert_eq!(exact.mismatches(&flat), 0);
+        let bounded = drive(
+            &w,
+            &mut KvIndexerBackend::with_pod_cache_size(100, Some(10)),
+        );
+        assert!(
+            bounded.short_answers(&flat) >= 200,
+            "a bound of 10 must under-count once more than 10 pods hold the prefix"
+        );
     }
 }
