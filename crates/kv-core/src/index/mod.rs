@@ -45,6 +45,7 @@ mod slab;
 mod table;
 
 mod read;
+mod seqlock;
 mod types;
 mod write;
 

@@ -3,7 +3,8 @@
 //! Memory is a directory of fixed-size chunks allocated on first use and never moved or freed
 //! while the index lives, so a reader can hold a node reference without any lock. Every field is
 //! an atomic: the single writer mutates with relaxed stores inside a per-node seqlock, readers
-//! load relaxed and validate with the node's sequence number (Boehm's seqlock recipe).
+//! load relaxed and validate with the node's sequence number (Boehm's seqlock recipe; the
+//! orderings live in `seqlock`, which the loom model checks).
 //!
 //! Node layout (24 bytes): sequence, child hint, block hash, two member words. A member is
 //! `engine_id << 8 | tier` (engine ids below 2^23, so bit 31 is free). The two words hold:
@@ -26,10 +27,11 @@
 //! after, so a set bit is never newer than the nodes it describes.
 
 use rustc_hash::FxHashMap as HashMap;
-use std::sync::atomic::{fence, AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::OnceLock;
 
 use super::memory::{zeroed_slice, Zeroable};
+use super::seqlock::{StdFence, PROTOCOL};
 
 /// An unused member word (never a valid member: engine ids stop below 2^23 - 1).
 pub const EMPTY: u32 = u32::MAX;
@@ -160,7 +162,7 @@ impl Slab {
             let w = word.load(Ordering::Relaxed);
             let new = if on { w | bit } else { w & !bit };
             if new != w {
-                word.store(new, Ordering::Release);
+                word.store(new, PROTOCOL.flag_publish);
             }
         }
     }
@@ -175,7 +177,7 @@ impl Slab {
                 break;
             };
             let shift = id % 64;
-            let bits = word.load(Ordering::Acquire) >> shift;
+            let bits = word.load(PROTOCOL.flag_observe) >> shift;
             let ones = (!bits).trailing_zeros() as usize;
             let room = 64 - shift;
             n += ones.min(room);
@@ -218,29 +220,20 @@ impl Slab {
         let Some(node) = self.nodes.get(id) else {
             return NodeRead::Gone;
         };
-        loop {
-            let s1 = node.seq.load(Ordering::Acquire);
-            if s1 & 1 == 1 {
-                std::hint::spin_loop();
-                continue;
-            }
+        PROTOCOL.read::<_, StdFence, _>(&node.seq, || {
             let current = node.hash.load(Ordering::Relaxed);
             let m0 = node.members[0].load(Ordering::Relaxed);
             let m1 = node.members[1].load(Ordering::Relaxed);
             let words = (m0 as u64) << 32 | m1 as u64;
-            let result = if current != hash {
+            if current != hash {
                 NodeRead::Gone
             } else if words == prev_words {
                 NodeRead::Same
             } else {
                 self.decode(m0, m1, out);
                 NodeRead::Members(out.len(), words)
-            };
-            fence(Ordering::Acquire);
-            if node.seq.load(Ordering::Relaxed) == s1 {
-                return result;
             }
-        }
+        })
     }
 
     /// Reader: whether node `id` still holds `hash` with member words `words`, as one
@@ -250,21 +243,12 @@ impl Slab {
         let Some(node) = self.nodes.get(id) else {
             return false;
         };
-        loop {
-            let s1 = node.seq.load(Ordering::Acquire);
-            if s1 & 1 == 1 {
-                std::hint::spin_loop();
-                continue;
-            }
-            let same = node.hash.load(Ordering::Relaxed) == hash
+        PROTOCOL.read::<_, StdFence, _>(&node.seq, || {
+            node.hash.load(Ordering::Relaxed) == hash
                 && (node.members[0].load(Ordering::Relaxed) as u64) << 32
                     | node.members[1].load(Ordering::Relaxed) as u64
-                    == words;
-            fence(Ordering::Acquire);
-            if node.seq.load(Ordering::Relaxed) == s1 {
-                return same;
-            }
-        }
+                    == words
+        })
     }
 
     /// Reader: node `id`'s members (replacing `out`'s contents) if it still holds `hash`.
@@ -358,13 +342,11 @@ impl Slab {
             },
         };
         let old = node.members[0].load(Ordering::Relaxed);
-        let s = node.seq.load(Ordering::Relaxed);
-        node.seq.store(s.wrapping_add(1), Ordering::Relaxed);
-        fence(Ordering::Release);
-        node.hash.store(hash, Ordering::Relaxed);
-        node.members[0].store(m0, Ordering::Relaxed);
-        node.members[1].store(m1, Ordering::Relaxed);
-        node.seq.store(s.wrapping_add(2), Ordering::Release);
+        PROTOCOL.write::<_, StdFence, _>(&node.seq, || {
+            node.hash.store(hash, Ordering::Relaxed);
+            node.members[0].store(m0, Ordering::Relaxed);
+            node.members[1].store(m1, Ordering::Relaxed);
+        });
         if old != EMPTY && old & SET_TAG != 0 {
             sets.release(old & !SET_TAG);
         }

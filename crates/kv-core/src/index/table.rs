@@ -14,8 +14,11 @@
 //! Invariants: the writer never moves an entry (deletes leave tombstones), so a concurrent reader
 //! can miss only an entry inserted after it looked, never an old one; the table is rebuilt into a
 //! new allocation (published through `ArcSwap`) before empty slots run out, so every probe ends.
+//! A slot is stored after the node it names is written ("flag after data", `seqlock`).
 
 use std::sync::atomic::{AtomicU64, Ordering};
+
+use super::seqlock::PROTOCOL;
 
 const EMPTY: u64 = 0;
 const TOMBSTONE: u64 = 1;
@@ -83,7 +86,7 @@ impl Table {
         let tag = mix(hash, self.seed) as u32;
         let mut pos = self.home(tag);
         for _ in 0..self.slots.len() {
-            let slot = self.slots[pos].load(Ordering::Acquire);
+            let slot = self.slots[pos].load(PROTOCOL.flag_observe);
             if slot == EMPTY {
                 return None;
             }
@@ -105,7 +108,7 @@ impl Table {
         let tag = mix(hash, self.seed) as u32;
         let mut pos = self.home(tag);
         for _ in 0..self.slots.len() {
-            let slot = self.slots[pos].load(Ordering::Acquire);
+            let slot = self.slots[pos].load(PROTOCOL.flag_observe);
             if slot == EMPTY {
                 return None;
             }
@@ -128,7 +131,7 @@ impl Table {
         loop {
             let slot = self.slots[pos].load(Ordering::Relaxed);
             if slot == EMPTY || slot == TOMBSTONE {
-                self.slots[pos].store(entry, Ordering::Release);
+                self.slots[pos].store(entry, PROTOCOL.flag_publish);
                 return slot == TOMBSTONE;
             }
             pos = self.next(pos);
@@ -150,12 +153,12 @@ impl Table {
             }
             if slot == entry {
                 if self.slots[self.next(pos)].load(Ordering::Relaxed) != EMPTY {
-                    self.slots[pos].store(TOMBSTONE, Ordering::Release);
+                    self.slots[pos].store(TOMBSTONE, PROTOCOL.flag_publish);
                     return Some(0);
                 }
                 let mut freed = 0;
                 loop {
-                    self.slots[pos].store(EMPTY, Ordering::Release);
+                    self.slots[pos].store(EMPTY, PROTOCOL.flag_publish);
                     freed += 1;
                     pos = if pos == 0 {
                         self.slots.len() - 1
