@@ -22,7 +22,8 @@ use kv_core::{
 use kv_core::{HashScratch, RequestExtras, TokenProcessor, TokenProcessorConfig};
 use kv_lab::alloc::{live_heap_bytes, CountingAllocator};
 use kv_lab::index_bench::{
-    drive, FlatMapBackend, IndexBackend, IndexWorkload, KvIndexerBackend, WorkloadShape,
+    apply_in_lanes, drive, FlatMapBackend, IndexBackend, IndexWorkload, KvIndexerBackend,
+    WorkloadShape,
 };
 use kv_lab::trace::load_mooncake;
 use sha2::{Digest, Sha256};
@@ -268,6 +269,40 @@ fn bench_index() {
             rep.query_percentile_us(99.0),
             *bytes as f64 / workload.final_memberships as f64,
             rep.block_ops_per_sec() / base
+        );
+    }
+    println!();
+    writer_lanes(&workload, shape.pods);
+}
+
+/// Writer lanes: the replay's stores and removals (no queries) applied by one or two threads
+/// to an index of one or two lanes; three rounds, medians.
+fn writer_lanes(workload: &IndexWorkload, pods: u32) {
+    println!("## Writer lanes ({pods} pods, apply only, medians of 3 rounds)");
+    println!("| lanes | threads | apply blocks/s | vs 1 lane, 1 thread | busiest thread's share |");
+    println!("|---:|---:|---:|---:|---:|");
+    let configs = [(1, 1), (1, 2), (2, 1), (2, 2)];
+    let mut rounds: Vec<Vec<f64>> = vec![Vec::new(); configs.len()];
+    let mut shares = vec![0.0; configs.len()];
+    for _ in 0..3 {
+        for (k, &(lanes, threads)) in configs.iter().enumerate() {
+            let run = apply_in_lanes(workload, pods, lanes, threads);
+            rounds[k].push(run.apply_blocks_per_sec);
+            shares[k] = run.busiest_share;
+        }
+    }
+    let median = |v: &mut Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    let base = median(&mut rounds[0].clone());
+    for (k, &(lanes, threads)) in configs.iter().enumerate() {
+        let m = median(&mut rounds[k]);
+        println!(
+            "| {lanes} | {threads} | {:.1}M | {:.2} | {:.2} |",
+            m / 1e6,
+            m / base,
+            shares[k]
         );
     }
     println!();

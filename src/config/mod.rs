@@ -163,6 +163,9 @@ pub struct InMemoryConfig {
     /// setting, honoured when present). Absent (the default): exact, every holder recorded.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub pod_cache_size: Option<usize>,
+    /// Writer lanes per model: events of pods in different lanes apply in parallel (the ingest
+    /// workers write concurrently); a query walks every lane.
+    pub writer_lanes: usize,
     /// Most models indexed; events of further models are dropped and counted.
     pub max_models: usize,
 }
@@ -172,6 +175,7 @@ impl Default for InMemoryConfig {
         Self {
             size: 100_000_000,
             pod_cache_size: None,
+            writer_lanes: 2,
             max_models: kv_core::DEFAULT_MAX_MODELS,
         }
     }

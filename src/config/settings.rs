@@ -39,6 +39,7 @@ impl Config {
             index: IndexConfig {
                 max_keys: mem.size,
                 pod_cache_size: mem.pod_cache_size,
+                writer_lanes: mem.writer_lanes,
             },
             max_models: mem.max_models,
             default_model: ModelSettings {

@@ -27,6 +27,12 @@ impl Config {
                 "must be at least 1 when set (leave it out for exact membership)",
             ));
         }
+        if mem.writer_lanes == 0 || mem.writer_lanes > kv_core::MAX_WRITER_LANES {
+            return Err(invalid(
+                "indexerConfig.kvBlockIndexConfig.inMemoryConfig.writerLanes",
+                format!("must be between 1 and {}", kv_core::MAX_WRITER_LANES),
+            ));
+        }
         let ps = &self.indexer_config.prefix_store_config;
         if ps.block_size == 0 {
             return Err(invalid(

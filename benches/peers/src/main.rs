@@ -265,6 +265,19 @@ fn backends() -> Vec<(&'static str, Maker)> {
             Box::new(|pods| Box::new(IndexerFacadeBackend::new(pods))),
         ),
         (
+            "lanes",
+            Box::new(|pods| {
+                Box::new(KvIndexerBackend::with_config(
+                    pods,
+                    kv_core::IndexConfig {
+                        max_keys: 1 << 26,
+                        pod_cache_size: None,
+                        writer_lanes: 2,
+                    },
+                ))
+            }),
+        ),
+        (
             "bounded",
             Box::new(|pods| Box::new(KvIndexerBackend::with_pod_cache_size(pods, Some(10)))),
         ),

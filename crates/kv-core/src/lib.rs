@@ -43,6 +43,7 @@ pub use events::{
 pub use index::{
     EngineDirectory, EngineId, EngineKey, EngineScore, IndexConfig, IndexConfigError, IndexStats,
     IndexWriter, KeyBudget, ModelIndex, StoreOutcome, Tier, TierWeights, MAX_ENGINES,
+    MAX_WRITER_LANES,
 };
 
 /// The facade transports call (`indexer`).

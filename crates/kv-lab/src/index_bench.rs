@@ -330,24 +330,33 @@ impl KvIndexerBackend {
 
     /// An index for `pods` engines with `podCacheSize` set to `bound` (`None`: exact).
     pub fn with_pod_cache_size(pods: u32, bound: Option<usize>) -> Self {
-        let index = kv_core::ModelIndex::new(kv_core::IndexConfig {
-            max_keys: 1 << 26,
-            pod_cache_size: bound,
-        })
-        .expect("benchmark config is valid");
-        let engines: Vec<_> = index.write(|w| {
-            (0..pods)
-                .filter_map(|p| w.engine(&kv_core::EngineKey::new(&format!("pod-{p}"), 0)))
-                .collect()
-        });
+        Self::with_config(
+            pods,
+            kv_core::IndexConfig {
+                max_keys: 1 << 26,
+                pod_cache_size: bound,
+                writer_lanes: 1,
+            },
+        )
+    }
+
+    /// An index for `pods` engines (`pod-0`...) with `config`.
+    pub fn with_config(pods: u32, config: kv_core::IndexConfig) -> Self {
+        let mut name = "kv-indexer".to_owned();
+        if let Some(b) = config.pod_cache_size {
+            name.push_str(&format!(", podCacheSize {b}"));
+        }
+        if config.writer_lanes > 1 {
+            name.push_str(&format!(", {} writer lanes", config.writer_lanes));
+        }
+        let index = kv_core::ModelIndex::new(config).expect("benchmark config is valid");
+        let engines: Vec<_> = (0..pods)
+            .filter_map(|p| index.engine(&kv_core::EngineKey::new(&format!("pod-{p}"), 0)))
+            .collect();
         let mut pod_of = vec![u32::MAX; engines.iter().max().map_or(0, |&e| e as usize + 1)];
         for (p, &e) in engines.iter().enumerate() {
             pod_of[e as usize] = p as u32;
         }
-        let name = match bound {
-            None => "kv-indexer".to_owned(),
-            Some(b) => format!("kv-indexer, podCacheSize {b}"),
-        };
         Self {
             name,
             index,
@@ -389,14 +398,14 @@ impl IndexBackend for KvIndexerBackend {
         _content: &[u64],
     ) {
         let engine = self.engines[pod as usize];
-        self.index.write(|w| {
+        self.index.write(engine, |w| {
             w.store(engine, kv_core::Tier::Gpu, parent, hashes);
         });
     }
 
     fn remove(&mut self, pod: u32, hashes: &[BlockHash]) {
         let engine = self.engines[pod as usize];
-        self.index.write(|w| {
+        self.index.write(engine, |w| {
             w.remove(engine, kv_core::Tier::Gpu, hashes);
         });
     }
@@ -423,7 +432,7 @@ impl IndexerFacadeBackend {
         let settings = kv_core::IndexerSettings {
             index: kv_core::IndexConfig {
                 max_keys: 1 << 26,
-                pod_cache_size: None,
+                ..Default::default()
             },
             ..Default::default()
         };
@@ -497,6 +506,86 @@ impl IndexBackend for IndexerFacadeBackend {
             ..Default::default()
         };
         self.apply(pod, kv_core::KvEvent::BlockRemoved(removed));
+    }
+}
+
+/// What [`apply_in_lanes`] measured.
+#[derive(Debug, Clone, Copy)]
+pub struct LaneRun {
+    /// Stored plus removed blocks per second of wall time.
+    pub apply_blocks_per_sec: f64,
+    /// Blocks applied by the busiest thread over all blocks (1/threads when even).
+    pub busiest_share: f64,
+}
+
+/// Applies the workload's stores and removals (no queries), in trace order per pod, to an
+/// exact index with `lanes` writer lanes from `threads` threads: thread `t` applies the events
+/// of the engines with `id % threads == t`, so with `threads == lanes` each thread writes one
+/// lane and never waits for another.
+pub fn apply_in_lanes(
+    workload: &IndexWorkload,
+    pods: u32,
+    lanes: usize,
+    threads: usize,
+) -> LaneRun {
+    let backend = KvIndexerBackend::with_config(
+        pods,
+        kv_core::IndexConfig {
+            max_keys: 1 << 26,
+            pod_cache_size: None,
+            writer_lanes: lanes,
+        },
+    );
+    let index = &backend.index;
+    let engines = &backend.engines;
+    let threads = threads.max(1);
+    let mut per_thread = vec![0usize; threads];
+    for step in &workload.steps {
+        let t = engines[step.pod as usize] as usize % threads;
+        per_thread[t] +=
+            step.stores.iter().map(|op| op.blocks.len()).sum::<usize>() + step.removed.len();
+    }
+    let total: usize = per_thread.iter().sum();
+    let start = std::sync::Barrier::new(threads);
+    let t0 = std::thread::scope(|scope| {
+        let handles: Vec<_> = (0..threads)
+            .map(|t| {
+                let start = &start;
+                scope.spawn(move || {
+                    start.wait();
+                    let t0 = Instant::now();
+                    for step in &workload.steps {
+                        let engine = engines[step.pod as usize];
+                        if engine as usize % threads != t {
+                            continue;
+                        }
+                        index.write(engine, |w| {
+                            for op in &step.stores {
+                                w.store(
+                                    engine,
+                                    kv_core::Tier::Gpu,
+                                    op.parent,
+                                    &workload.stored[op.blocks.clone()],
+                                );
+                            }
+                            w.remove(
+                                engine,
+                                kv_core::Tier::Gpu,
+                                &workload.removed[step.removed.clone()],
+                            );
+                        });
+                    }
+                    t0
+                })
+            })
+            .collect();
+        let starts: Vec<Instant> = handles.into_iter().filter_map(|h| h.join().ok()).collect();
+        starts.into_iter().min()
+    });
+    let seconds = t0.map_or(f64::INFINITY, |t| t.elapsed().as_secs_f64());
+    LaneRun {
+        apply_blocks_per_sec: total as f64 / seconds,
+        busiest_share: per_thread.iter().copied().max().unwrap_or(0) as f64 / total.max(1) as f64,
     }
 }
 

@@ -1,7 +1,14 @@
 //! The block index: for every (model, block hash), the engines that hold the block and in which
 //! tier; and the prefix scoring walk over it.
 //!
-//! Shape (per model, [`ModelIndex`]):
+//! A model's index ([`ModelIndex`]) is one or more **writer lanes**; an engine belongs to the
+//! lane its pod name hashes to (all DP ranks of a pod together). Each lane is a complete index
+//! of its engines' blocks with its own writer, so events of pods in different lanes apply in
+//! parallel; a reader walks every lane (an engine's results come from one lane only). Engine
+//! ids are global (`id % lanes` is the lane). A block held by pods of two lanes is a key in
+//! each; `size` is one budget for all lanes (and, in an indexer, all models).
+//!
+//! Shape (per lane):
 //! - a **node** per distinct block (24 bytes: hash, two member words with overflow pages beyond,
 //!   a hint to the block's most recently stored child), in a chunked slab; a stored run gets
 //!   consecutive node ids where free ids allow (freed ids are kept as ranges), so a chain is
@@ -17,8 +24,10 @@
 //! probe when the chain branches, so a 700-block prompt costs a few probes, not 700. Each node
 //! is read under its seqlock, so a reader sees each block's member list as of one moment.
 //!
-//! Writes go through one writer per model ([`ModelIndex::write`]), which callers hold for a
-//! whole event batch; different models write in parallel.
+//! Writes go through one writer per lane ([`ModelIndex::write`], [`ModelIndex::write_engine`]),
+//! which callers hold for a whole event batch of one engine; different lanes and models write
+//! in parallel. Registering an engine takes a small registry lock (known engines are found in
+//! the published directory without it).
 //!
 //! Decisions:
 //! - a `BlockStored` run whose parent this engine does not hold ("orphan") is stored anyway,
@@ -29,8 +38,9 @@
 //!   many (sets of more than two are interned, so a prefix the whole fleet holds costs one set);
 //!   `podCacheSize`, when configured, bounds it and drops the oldest member beyond (members keep
 //!   store order);
-//! - `size` full: a CLOCK hand over the nodes evicts a block not stored recently (second
-//!   chance), with all its memberships; counted as capacity evictions.
+//! - `size` full (the shared budget): a CLOCK hand over the nodes of the lane that needs the
+//!   key evicts a block not stored recently (second chance), with all its memberships; counted
+//!   as capacity evictions.
 //!
 //! Memory per block: 24 bytes (node) + 8 / load-factor bytes (table, load 0.67-0.85) + 4 bytes
 //! per membership (reverse list; up to 1.25x before compaction) + 1 bit (CLOCK).
@@ -59,23 +69,47 @@ use slab::Slab;
 use table::Table;
 pub use types::{
     EngineDirectory, EngineId, EngineKey, EngineScore, IndexConfig, IndexConfigError, IndexStats,
-    KeyBudget, Tier, TierWeights, MAX_ENGINES,
+    KeyBudget, Tier, TierWeights, MAX_ENGINES, MAX_WRITER_LANES,
 };
 use write::{random_seed, Counters, Writer};
 pub use write::{IndexWriter, StoreOutcome};
 
-/// The index for one model.
+/// The index for one model: one or more **writer lanes**, each a complete index of the
+/// engines assigned to it (by pod name, so a pod's DP ranks share a lane). Events of engines in
+/// different lanes apply in parallel; a reader walks every lane, lock-free. Engine ids are
+/// global: engine `e` lives in lane `e % lanes`, at slot `e / lanes` of that lane's writer.
 pub struct ModelIndex {
     config: IndexConfig,
-    /// Mixes block hashes into table positions (random per index).
+    lanes: Box<[Lane]>,
+    directory: ArcSwap<EngineDirectory>,
+    registry: Mutex<Registry>,
+}
+
+/// One writer lane: nodes, table and writer state for its engines' blocks.
+pub(crate) struct Lane {
+    config: IndexConfig,
+    /// Mixes block hashes into table positions (random per lane).
     seed: u64,
     slab: Slab,
     table: ArcSwap<Table>,
-    directory: ArcSwap<EngineDirectory>,
     writer: Mutex<Writer>,
     counters: Counters,
-    /// Keys this index may create, shared with the other models' indexes.
+    /// Keys this lane may create, shared by the lanes and with the other models' indexes.
     budget: Arc<KeyBudget>,
+    /// This lane's number and the lane count (engine `e` is here iff `e % lanes == lane`).
+    lane: u32,
+    lanes: u32,
+}
+
+/// Engine registration (rare: a new publisher), shared by the lanes.
+#[derive(Default)]
+struct Registry {
+    ids: std::collections::HashMap<EngineKey, EngineId>,
+    /// Key of each global engine id (`None`: free).
+    keys: Vec<Option<EngineKey>>,
+    /// Per lane: freed slots, and the next never-used slot.
+    free: Vec<Vec<u32>>,
+    next_slot: Vec<u32>,
 }
 
 /// Maps the one hash value the slab reserves (0 = free node) to another value; a real block
@@ -86,6 +120,15 @@ fn key(hash: BlockHash) -> u64 {
         0 => 0x9E37_79B9_7F4A_7C15,
         h => h,
     }
+}
+
+/// A stable hash of a pod name (FNV-1a), choosing its lane.
+fn mix_name(name: &str) -> u64 {
+    let mut h = 0xcbf2_9ce4_8422_2325u64;
+    for b in name.bytes() {
+        h = (h ^ b as u64).wrapping_mul(0x0100_0000_01b3);
+    }
+    h
 }
 
 #[inline(always)]
@@ -104,22 +147,38 @@ impl ModelIndex {
     }
 
     /// An empty index whose keys count against `budget`, shared with other indexes: when it
-    /// is spent, this index evicts its own blocks (CLOCK) to make room.
+    /// is spent, a lane evicts its own blocks (CLOCK) to make room.
     pub fn with_budget(
         config: IndexConfig,
         budget: Arc<KeyBudget>,
     ) -> Result<Self, IndexConfigError> {
         config.validate()?;
-        let seed = random_seed();
-        let table = Arc::new(Table::with_capacity(INITIAL_TABLE, seed));
+        let lanes = config.writer_lanes as u32;
+        let lanes_built = (0..lanes)
+            .map(|lane| {
+                let seed = random_seed();
+                let table = Arc::new(Table::with_capacity(INITIAL_TABLE, seed));
+                Lane {
+                    config: config.clone(),
+                    seed,
+                    slab: Slab::new(config.max_keys),
+                    table: ArcSwap::new(table.clone()),
+                    writer: Mutex::new(Writer::new(table)),
+                    counters: Counters::default(),
+                    budget: budget.clone(),
+                    lane,
+                    lanes,
+                }
+            })
+            .collect();
         Ok(Self {
-            seed,
-            slab: Slab::new(config.max_keys),
-            table: ArcSwap::new(table.clone()),
+            lanes: lanes_built,
             directory: ArcSwap::from_pointee(EngineDirectory::default()),
-            writer: Mutex::new(Writer::new(table)),
-            counters: Counters::default(),
-            budget,
+            registry: Mutex::new(Registry {
+                free: vec![Vec::new(); lanes as usize],
+                next_slot: vec![0; lanes as usize],
+                ..Default::default()
+            }),
             config,
         })
     }
@@ -134,17 +193,133 @@ impl ModelIndex {
         self.directory.load_full()
     }
 
-    /// Distinct block keys as of the last finished write (lock-free).
+    /// Distinct block keys as of the last finished writes, all lanes (lock-free). A block
+    /// held by engines of two lanes is a key in each.
     pub fn key_count(&self) -> u64 {
-        self.counters.snapshot().keys
+        self.lanes.iter().map(|l| l.counters.snapshot().keys).sum()
     }
 
-    /// Size and activity counters (as of the last finished write) and memory held.
+    /// Size and activity counters (as of the last finished writes, all lanes) and memory held.
     pub fn stats(&self) -> IndexStats {
-        IndexStats {
-            memory_bytes: self.memory_bytes() as u64,
-            ..self.counters.snapshot()
+        let mut total = IndexStats::default();
+        for lane in self.lanes.iter() {
+            total.add(&lane.counters.snapshot());
         }
+        total.memory_bytes = self.memory_bytes() as u64;
+        total
+    }
+
+    /// The lane of an engine id.
+    fn lane_of(&self, engine: EngineId) -> Option<&Lane> {
+        self.lanes.get((engine % self.lanes.len() as u32) as usize)
+    }
+
+    /// The id of `key`, registering the engine on first sight in the lane its pod hashes to.
+    /// `None` when `MAX_ENGINES` engines are registered.
+    pub fn engine(&self, key: &EngineKey) -> Option<EngineId> {
+        // Known engines are found in the published directory, without the registry's lock.
+        let directory = self.directory.load();
+        for &id in directory.engines_of(&key.pod) {
+            if directory.key(id).is_some_and(|k| k.dp_rank == key.dp_rank) {
+                return Some(id);
+            }
+        }
+        drop(directory);
+        let mut registry = self.registry.lock();
+        if let Some(&id) = registry.ids.get(key) {
+            return Some(id);
+        }
+        let lanes = self.lanes.len() as u32;
+        let lane = (mix_name(&key.pod) % lanes as u64) as u32;
+        let slot = match registry.free[lane as usize].pop() {
+            Some(slot) => slot,
+            None => {
+                let slot = registry.next_slot[lane as usize];
+                let id = slot as u64 * lanes as u64 + lane as u64;
+                if id >= MAX_ENGINES as u64 {
+                    return None;
+                }
+                registry.next_slot[lane as usize] += 1;
+                slot
+            }
+        };
+        let id = slot * lanes + lane;
+        if registry.keys.len() <= id as usize {
+            registry.keys.resize(id as usize + 1, None);
+        }
+        registry.keys[id as usize] = Some(key.clone());
+        registry.ids.insert(key.clone(), id);
+        self.lanes[lane as usize].write(|w| w.register(id));
+        self.publish_directory(&registry);
+        Some(id)
+    }
+
+    /// Removes an engine entirely (its blocks, then its id). Returns memberships removed.
+    pub fn remove_engine(&self, key: &EngineKey) -> usize {
+        let mut registry = self.registry.lock();
+        let Some(id) = registry.ids.remove(key) else {
+            return 0;
+        };
+        let removed = self.write(id, |w| {
+            let removed = w.clear_engine(id);
+            w.unregister(id);
+            removed
+        });
+        let lanes = self.lanes.len() as u32;
+        registry.keys[id as usize] = None;
+        registry.free[(id % lanes) as usize].push(id / lanes);
+        self.publish_directory(&registry);
+        removed
+    }
+
+    fn publish_directory(&self, registry: &Registry) {
+        let engines = registry.keys.iter().enumerate();
+        let dir = EngineDirectory::build(
+            engines.filter_map(|(id, k)| k.as_ref().map(|k| (id as EngineId, k))),
+        );
+        self.directory.store(Arc::new(dir));
+    }
+
+    /// Runs `f` as the single writer of `engine`'s lane (hold it for a whole event batch of
+    /// that engine). Writers of other lanes run in parallel; readers never wait.
+    pub fn write<R>(&self, engine: EngineId, f: impl FnOnce(&mut IndexWriter<'_>) -> R) -> R {
+        let lane = self.lane_of(engine).unwrap_or(&self.lanes[0]);
+        lane.write(f)
+    }
+
+    /// Registers `key` if needed and runs `f` as its lane's writer with its id; `None` when
+    /// the engine cannot be registered (`MAX_ENGINES`).
+    pub fn write_engine<R>(
+        &self,
+        key: &EngineKey,
+        f: impl FnOnce(&mut IndexWriter<'_>, EngineId) -> R,
+    ) -> Option<R> {
+        let engine = self.engine(key)?;
+        Some(self.write(engine, |w| f(w, engine)))
+    }
+
+    /// Evicts up to `n` blocks (CLOCK) from the lane holding the most keys: room for another
+    /// index sharing the key budget. Returns the blocks evicted.
+    pub fn evict(&self, n: usize) -> usize {
+        self.lanes
+            .iter()
+            .max_by_key(|l| l.counters.snapshot().keys)
+            .map_or(0, |lane| lane.write(|w| w.evict(n)))
+    }
+
+    /// Every engine with the memberships it holds.
+    pub fn engine_blocks(&self) -> Vec<(EngineKey, u64)> {
+        let registry = self.registry.lock();
+        let mut out = Vec::new();
+        for lane in self.lanes.iter() {
+            let w = lane.writer.lock();
+            for (id, live) in w.live_engines(lane.lane, lane.lanes) {
+                if let Some(Some(key)) = registry.keys.get(id as usize) {
+                    out.push((key.clone(), live));
+                }
+            }
+        }
+        out
     }
 }
 
@@ -156,10 +331,11 @@ mod tests {
         v.iter().copied().map(BlockHash::new).collect()
     }
 
-    fn index(max_keys: usize, pod_cache_size: Option<usize>) -> ModelIndex {
+    fn index(max_keys: usize, pod_cache_size: Option<usize>, writer_lanes: usize) -> ModelIndex {
         ModelIndex::new(IndexConfig {
             max_keys,
             pod_cache_size,
+            writer_lanes,
         })
         .expect("valid config")
     }
@@ -172,45 +348,67 @@ mod tests {
         v
     }
 
+    /// Stores as its engine's writer.
+    fn store(ix: &ModelIndex, e: EngineId, tier: Tier, parent: Option<u64>, hashes: &[u64]) {
+        ix.write(e, |w| {
+            w.store(e, tier, parent.map(BlockHash::new), &hs(hashes));
+        });
+    }
+
     #[test]
     fn consecutive_prefix_with_holes_and_tiers() {
-        let ix = index(1000, None);
-        let (a, b) = ix.write(|w| {
-            let a = w.engine(&EngineKey::new("a", 0)).expect("room");
-            let b = w.engine(&EngineKey::new("b", 0)).expect("room");
-            w.store(a, Tier::Gpu, None, &hs(&[1, 2, 3, 4]));
-            w.store(b, Tier::Cpu, None, &hs(&[1, 2]));
-            w.store(b, Tier::Gpu, Some(BlockHash::new(2)), &hs(&[3]));
-            (a, b)
-        });
-        assert_eq!(scores(&ix, &[1, 2, 3, 4, 5]), vec![(a, 4), (b, 3)]);
-        ix.write(|w| w.remove(a, Tier::Gpu, &hs(&[2])));
-        assert_eq!(
-            scores(&ix, &[1, 2, 3, 4]),
-            vec![(a, 1), (b, 3)],
-            "a hole stops a"
-        );
-        let mut out = Vec::new();
-        ix.score_engines(
-            &hs(&[1, 2, 3]),
-            Some(&[b]),
-            &TierWeights::default(),
-            &mut out,
-        );
-        assert_eq!(out.len(), 1);
-        assert!((out[0].score - (0.8 + 0.8 + 1.0)).abs() < 1e-9, "{out:?}");
+        for lanes in [1, 2, 3] {
+            let ix = index(1000, None, lanes);
+            let a = ix.engine(&EngineKey::new("a", 0)).expect("room");
+            let b = ix.engine(&EngineKey::new("b", 0)).expect("room");
+            store(&ix, a, Tier::Gpu, None, &[1, 2, 3, 4]);
+            store(&ix, b, Tier::Cpu, None, &[1, 2]);
+            store(&ix, b, Tier::Gpu, Some(2), &[3]);
+            let mut want = vec![(a, 4), (b, 3)];
+            want.sort();
+            assert_eq!(scores(&ix, &[1, 2, 3, 4, 5]), want, "{lanes} lanes");
+            ix.write(a, |w| w.remove(a, Tier::Gpu, &hs(&[2])));
+            let mut want = vec![(a, 1), (b, 3)];
+            want.sort();
+            assert_eq!(scores(&ix, &[1, 2, 3, 4]), want, "a hole stops a");
+            let mut out = Vec::new();
+            ix.score_engines(
+                &hs(&[1, 2, 3]),
+                Some(&[b]),
+                &TierWeights::default(),
+                &mut out,
+            );
+            assert_eq!(out.len(), 1);
+            assert!((out[0].score - (0.8 + 0.8 + 1.0)).abs() < 1e-9, "{out:?}");
+        }
+    }
+
+    #[test]
+    fn a_writer_ignores_engines_of_other_lanes() {
+        let ix = index(1000, None, 2);
+        let engines: Vec<_> = (0..8)
+            .filter_map(|i| ix.engine(&EngineKey::new(&format!("p{i}"), 0)))
+            .collect();
+        let (a, b) = engines
+            .iter()
+            .flat_map(|&a| engines.iter().map(move |&b| (a, b)))
+            .find(|(a, b)| a % 2 != b % 2)
+            .expect("eight pods fill both lanes");
+        let outcome = ix.write(a, |w| w.store(b, Tier::Gpu, None, &hs(&[1, 2])));
+        assert_eq!(outcome.added, 0, "engine {b} is not in {a}'s lane");
+        assert!(ix.lookup(BlockHash::new(1)).is_empty());
     }
 
     #[test]
     fn clear_and_pod_cache_eviction_and_capacity() {
-        let ix = index(4, Some(2));
-        ix.write(|w| {
-            let ids: Vec<_> = (0..3)
-                .map(|i| {
-                    w.engine(&EngineKey::new(&format!("p{i}"), 0))
-                        .expect("room")
-                })
-                .collect();
+        let ix = index(4, Some(2), 1);
+        let ids: Vec<_> = (0..3)
+            .map(|i| {
+                ix.engine(&EngineKey::new(&format!("p{i}"), 0))
+                    .expect("room")
+            })
+            .collect();
+        ix.write(ids[0], |w| {
             for &e in &ids {
                 w.store(e, Tier::Gpu, None, &hs(&[10, 11]));
             }
@@ -230,5 +428,19 @@ mod tests {
         let stats = ix.stats();
         assert!(stats.keys <= 4, "size bound holds: {stats:?}");
         assert!(stats.capacity_evictions >= 2, "{stats:?}");
+    }
+
+    #[test]
+    fn lanes_share_the_size_budget() {
+        let ix = index(8, None, 2);
+        let engines: Vec<_> = (0..6)
+            .filter_map(|i| ix.engine(&EngineKey::new(&format!("p{i}"), 0)))
+            .collect();
+        for (k, &e) in engines.iter().enumerate() {
+            let base = 100 * k as u64;
+            store(&ix, e, Tier::Gpu, None, &[base + 1, base + 2, base + 3]);
+        }
+        assert!(ix.stats().keys <= 8, "{:?}", ix.stats());
+        assert!(ix.stats().capacity_evictions > 0);
     }
 }

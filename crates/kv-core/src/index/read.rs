@@ -10,7 +10,7 @@ use std::cell::RefCell;
 use super::slab::{NodeRead, Slab, NO_WORDS};
 use super::table::Table;
 use super::types::{EngineId, EngineScore, Tier, TierWeights};
-use super::{key, ModelIndex};
+use super::{key, Lane, ModelIndex};
 use crate::BlockHash;
 
 /// A reader's working memory, kept per thread and reused by every call, so a score allocates
@@ -122,18 +122,21 @@ thread_local! {
 }
 
 impl ModelIndex {
-    /// Who holds `hash` right now, as (engine, tier) pairs in store order.
+    /// Who holds `hash` right now, as (engine, tier) pairs: lane by lane, each in store order.
     pub fn lookup(&self, hash: BlockHash) -> Vec<(EngineId, Tier)> {
         let hash = key(hash);
-        let table = self.table.load();
+        let mut out = Vec::new();
         let mut buf = Vec::new();
-        let found = table
-            .find(hash, |id| self.slab.peek_hash(id))
-            .is_some_and(|id| self.slab.read_members(id, hash, &mut buf));
-        if !found {
-            return Vec::new();
+        for lane in self.lanes.iter() {
+            let table = lane.table.load();
+            let found = table
+                .find(hash, |id| lane.slab.peek_hash(id))
+                .is_some_and(|id| lane.slab.read_members(id, hash, &mut buf));
+            if found {
+                out.extend(buf.iter().map(|&m| (m >> 8, Tier::from_bits(m))));
+            }
         }
-        buf.iter().map(|&m| (m >> 8, Tier::from_bits(m))).collect()
+        out
     }
 
     /// Scores every engine that holds the prompt's first block: how many consecutive blocks
@@ -151,25 +154,33 @@ impl ModelIndex {
         out: &mut Vec<EngineScore>,
     ) {
         out.clear();
+        let mut walk_lanes = |s: &mut Scratch| {
+            let restricted = s.mark_candidates(candidates);
+            // An engine lives in one lane, so the lanes' results never overlap.
+            for lane in self.lanes.iter() {
+                lane.walk(hashes, restricted, weights, s, out);
+            }
+        };
         SCRATCH.with(|cell| match cell.try_borrow_mut() {
-            Ok(mut scratch) => self.walk(hashes, candidates, weights, &mut scratch, out),
+            Ok(mut scratch) => walk_lanes(&mut scratch),
             // Only reachable if a walk re-entered itself on this thread; stay correct anyway.
-            Err(_) => self.walk(hashes, candidates, weights, &mut Scratch::default(), out),
+            Err(_) => walk_lanes(&mut Scratch::default()),
         });
     }
+}
 
-    /// The scoring walk (see [`ModelIndex::score_engines`]).
+impl Lane {
+    /// The scoring walk over this lane (see [`ModelIndex::score_engines`]); appends to `out`.
     fn walk(
         &self,
         hashes: &[BlockHash],
-        candidates: Option<&[EngineId]>,
+        restricted: bool,
         weights: &TierWeights,
         s: &mut Scratch,
         out: &mut Vec<EngineScore>,
     ) {
         let table = self.table.load();
         let slab = &self.slab;
-        let restricted = s.mark_candidates(candidates);
         s.active.clear();
         s.last_weight.clear();
         // Blocks since the last decoded one whose member set was the same (not yet credited).

@@ -136,15 +136,23 @@ pub struct IndexConfig {
     /// [`KeyBudget`] (the indexer's models).
     pub max_keys: usize,
     /// Most (engine, tier) holders recorded per key (`podCacheSize`), the oldest dropped
-    /// beyond it. `None` (the default): exact, every holder of every block is recorded.
+    /// beyond it. `None` (the default): exact, every holder of every block is recorded. With
+    /// several writer lanes the bound holds per lane.
     pub pod_cache_size: Option<usize>,
+    /// Writer lanes (`writerLanes`): events of engines in different lanes apply in parallel;
+    /// a query walks every lane. 1 to [`MAX_WRITER_LANES`].
+    pub writer_lanes: usize,
 }
+
+/// The most writer lanes an index may have.
+pub const MAX_WRITER_LANES: usize = 64;
 
 impl Default for IndexConfig {
     fn default() -> Self {
         Self {
             max_keys: 100_000_000,
             pod_cache_size: None,
+            writer_lanes: 1,
         }
     }
 }
@@ -155,6 +163,14 @@ pub enum IndexConfigError {
     /// `size` out of range.
     #[error("size must be between 1 and {max}, got {got}")]
     Size {
+        /// The configured value.
+        got: usize,
+        /// The largest supported.
+        max: usize,
+    },
+    /// `writerLanes` out of range.
+    #[error("writerLanes must be between 1 and {max}, got {got}")]
+    WriterLanes {
         /// The configured value.
         got: usize,
         /// The largest supported.
@@ -177,6 +193,12 @@ impl IndexConfig {
         }
         if self.pod_cache_size == Some(0) {
             return Err(IndexConfigError::PodCacheSize);
+        }
+        if self.writer_lanes == 0 || self.writer_lanes > MAX_WRITER_LANES {
+            return Err(IndexConfigError::WriterLanes {
+                got: self.writer_lanes,
+                max: MAX_WRITER_LANES,
+            });
         }
         Ok(())
     }
@@ -214,6 +236,21 @@ pub struct IndexStats {
     pub dropped_full: u64,
     /// Bytes held by the index's structures.
     pub memory_bytes: u64,
+}
+
+impl IndexStats {
+    /// Adds another lane's counters (memory included).
+    pub(super) fn add(&mut self, other: &IndexStats) {
+        self.keys += other.keys;
+        self.memberships += other.memberships;
+        self.admissions += other.admissions;
+        self.removals += other.removals;
+        self.capacity_evictions += other.capacity_evictions;
+        self.pod_cache_evictions += other.pod_cache_evictions;
+        self.orphan_runs += other.orphan_runs;
+        self.dropped_full += other.dropped_full;
+        self.memory_bytes += other.memory_bytes;
+    }
 }
 
 /// The readers' map of engines: pods by name (each with a dense pod index, in name order),

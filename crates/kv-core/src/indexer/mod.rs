@@ -342,11 +342,7 @@ impl Indexer {
         self.check_hashes(&state, &key.pod, batch, &mut report);
         let mut skipped = state.skipped_groups.lock();
         let engine_skips = skipped.entry(key.clone()).or_default();
-        state.index.write(|w| {
-            let Some(engine) = w.engine(&key) else {
-                report.engine_rejected = true;
-                return;
-            };
+        let applied = state.index.write_engine(&key, |w, engine| {
             for event in &batch.events {
                 match event {
                     KvEvent::BlockStored(s) => {
@@ -380,6 +376,9 @@ impl Indexer {
                 }
             }
         });
+        if applied.is_none() {
+            report.engine_rejected = true;
+        }
         drop(skipped);
         self.totals
             .unknown_events
@@ -413,7 +412,7 @@ impl Indexer {
             .max_by_key(|m| m.index.key_count())
             .cloned();
         if let Some(other) = largest.filter(|m| m.name != state.name) {
-            other.index.write(|w| w.evict(over as usize));
+            other.index.evict(over as usize);
         }
     }
 
@@ -423,19 +422,11 @@ impl Indexer {
         let Some(state) = self.model(model) else {
             return 0;
         };
-        let engines: Vec<EngineKey> = state
-            .index
-            .directory()
-            .engines_of(pod)
+        let engines: Vec<EngineId> = state.index.directory().engines_of(pod).to_vec();
+        engines
             .iter()
-            .filter_map(|&e| state.index.directory().key(e).cloned())
-            .collect();
-        state.index.write(|w| {
-            engines
-                .iter()
-                .map(|k| w.engine(k).map_or(0, |e| w.clear_engine(e)))
-                .sum()
-        })
+            .map(|&e| state.index.write(e, |w| w.clear_engine(e)))
+            .sum()
     }
 
     /// Drops every block of one engine (`pod` at data-parallel rank `rank`): its vLLM process
@@ -447,7 +438,8 @@ impl Indexer {
         let key = EngineKey::new(pod, rank);
         state
             .index
-            .write(|w| w.engine(&key).map_or(0, |e| w.clear_engine(e)))
+            .write_engine(&key, |w, e| w.clear_engine(e))
+            .unwrap_or(0)
     }
 
     /// Scores `pods` (every known pod of the model when empty) for a prompt given as tokens.

@@ -1,5 +1,6 @@
-//! The write path: one writer per model applies stores, removals and clears, keeps the
-//! reverse lists and the continuation bitmap, grows the table and evicts by CLOCK at `size`.
+//! The write path: one writer per lane applies stores, removals and clears of the lane's
+//! engines, keeps the reverse lists and the continuation bitmap, grows the table and evicts by
+//! CLOCK when the key budget is spent.
 //!
 //! Invariants kept here:
 //! - every node write goes through `write_node`, which clears the continuation bits of the node
@@ -10,7 +11,6 @@
 //! - the running totals are plain integers here and published to the atomic counters when the
 //!   write ends.
 
-use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
@@ -20,8 +20,8 @@ mod reverse;
 use super::read::locate;
 use super::slab::SetPool;
 use super::table::Table;
-use super::types::{EngineDirectory, EngineId, EngineKey, IndexStats, Tier, MAX_ENGINES};
-use super::{key, member, ModelIndex, INITIAL_TABLE};
+use super::types::{EngineId, IndexStats, Tier};
+use super::{key, member, Lane, ModelIndex, INITIAL_TABLE};
 use crate::BlockHash;
 
 /// The writer's running totals; published to [`Counters`] when each write ends.
@@ -51,7 +51,6 @@ pub(super) struct Counters {
 }
 
 struct EngineState {
-    key: EngineKey,
     /// Node ids this engine was given memberships on; may hold stale or duplicate ids (checked
     /// against the node when used, compacted when it grows past twice `live`).
     blocks: Vec<u32>,
@@ -71,9 +70,8 @@ pub(super) struct Writer {
     next_node: u32,
     /// Interned member sets of nodes with more than two members.
     sets: SetPool,
+    /// The lane's engines, by slot (`engine id / lanes`).
     engines: Vec<Option<EngineState>>,
-    free_engine_ids: Vec<EngineId>,
-    engine_ids: HashMap<EngineKey, EngineId>,
     /// CLOCK reference bits, one per node id.
     referenced: Vec<u64>,
     /// Scratch bitset over node ids for reverse-list compaction.
@@ -133,8 +131,6 @@ impl Writer {
             next_node: 0,
             sets: SetPool::default(),
             engines: Vec::new(),
-            free_engine_ids: Vec::new(),
-            engine_ids: HashMap::new(),
             referenced: Vec::new(),
             seen: Vec::new(),
             linked: Vec::new(),
@@ -145,9 +141,28 @@ impl Writer {
     }
 }
 
-impl ModelIndex {
-    /// Runs `f` as the model's single writer (hold it for a whole event batch).
-    pub fn write<R>(&self, f: impl FnOnce(&mut IndexWriter<'_>) -> R) -> R {
+impl Writer {
+    /// The lane's engines with their live memberships, as global ids.
+    pub(super) fn live_engines(&self, lane: u32, lanes: u32) -> Vec<(EngineId, u64)> {
+        self.engines
+            .iter()
+            .enumerate()
+            .filter_map(|(slot, e)| e.as_ref().map(|e| (slot as u32 * lanes + lane, e.live)))
+            .collect()
+    }
+
+    fn reverse_bytes(&self) -> usize {
+        self.engines
+            .iter()
+            .flatten()
+            .map(|e| e.blocks.capacity() * 4 + std::mem::size_of::<EngineState>())
+            .sum()
+    }
+}
+
+impl Lane {
+    /// Runs `f` as the lane's single writer.
+    pub(super) fn write<R>(&self, f: impl FnOnce(&mut IndexWriter<'_>) -> R) -> R {
         let mut guard = self.writer.lock();
         let result = f(&mut IndexWriter {
             index: self,
@@ -157,53 +172,44 @@ impl ModelIndex {
         result
     }
 
-    /// Bytes the index holds: slab chunks, the table, reverse lists and engine maps (takes the
-    /// writer briefly).
-    pub fn memory_bytes(&self) -> usize {
+    /// Bytes the lane holds: slab chunks, the table, reverse lists (takes its writer briefly).
+    fn memory_bytes(&self) -> usize {
         let w = self.writer.lock();
-        let reverse: usize = w
-            .engines
-            .iter()
-            .flatten()
-            .map(|e| e.blocks.capacity() * 4 + std::mem::size_of::<EngineState>())
-            .sum();
         self.slab.allocated_bytes()
             + w.table.allocated_bytes()
-            + reverse
+            + w.reverse_bytes()
             + w.free_ranges.capacity() * 8
             + w.sets.bookkeeping_bytes()
             + w.referenced.capacity() * 8
             + w.seen.capacity() * 8
             + w.linked.capacity() * 8
+            + w.list.capacity() * 4
     }
 
-    /// Memory breakdown (debugging).
-    pub fn debug_memory(&self) -> String {
+    fn debug_memory(&self) -> String {
         let w = self.writer.lock();
-        let reverse: usize = w
-            .engines
-            .iter()
-            .flatten()
-            .map(|e| e.blocks.capacity() * 4)
-            .sum();
         let rev_len: usize = w.engines.iter().flatten().map(|e| e.blocks.len()).sum();
         format!(
             "nodes {} (next_node {}, free ranges {}), pages {} (sets {}), table {} (cap {}, live {}, used {}), reverse {} (len {}), referenced {}",
             self.slab.nodes.allocated_bytes(), w.next_node, w.free_ranges.len(),
             self.slab.pages.allocated_bytes(), w.sets.set_count(),
             w.table.allocated_bytes(), w.table.capacity(), w.table_live, w.table_used,
-            reverse, rev_len, w.referenced.capacity() * 8
+            w.reverse_bytes(), rev_len, w.referenced.capacity() * 8
         )
     }
+}
 
-    /// Every engine with the memberships it holds.
-    pub fn engine_blocks(&self) -> Vec<(EngineKey, u64)> {
-        let w = self.writer.lock();
-        w.engines
-            .iter()
-            .flatten()
-            .map(|e| (e.key.clone(), e.live))
-            .collect()
+impl ModelIndex {
+    /// Bytes the index holds: every lane's slab chunks, table, reverse lists and bookkeeping
+    /// (takes each lane's writer briefly).
+    pub fn memory_bytes(&self) -> usize {
+        self.lanes.iter().map(Lane::memory_bytes).sum()
+    }
+
+    /// Memory breakdown per lane (debugging).
+    pub fn debug_memory(&self) -> String {
+        let lanes: Vec<String> = self.lanes.iter().map(Lane::debug_memory).collect();
+        lanes.join("; ")
     }
 }
 
@@ -216,58 +222,47 @@ pub struct StoreOutcome {
     pub orphan: bool,
 }
 
-/// The model's writer, held for a batch of operations.
+/// A lane's writer, held for a batch of operations on engines of that lane (an engine of
+/// another lane is ignored: nothing stored, removed or cleared).
 pub struct IndexWriter<'a> {
-    index: &'a ModelIndex,
+    index: &'a Lane,
     state: &'a mut Writer,
 }
 
 impl IndexWriter<'_> {
-    /// The id of `key`, registering the engine on first sight. `None` when `MAX_ENGINES`
-    /// engines are registered.
-    pub fn engine(&mut self, key: &EngineKey) -> Option<EngineId> {
-        if let Some(&id) = self.state.engine_ids.get(key) {
-            return Some(id);
-        }
-        let id = match self.state.free_engine_ids.pop() {
-            Some(id) => id,
-            None => {
-                if self.state.engines.len() >= MAX_ENGINES {
-                    return None;
-                }
-                self.state.engines.push(None);
-                (self.state.engines.len() - 1) as EngineId
+    /// The writer's slot of `engine`, if the engine belongs to this lane.
+    #[inline(always)]
+    fn slot(&self, engine: EngineId) -> Option<usize> {
+        (engine % self.index.lanes == self.index.lane)
+            .then_some((engine / self.index.lanes) as usize)
+    }
+
+    /// The state of `engine`, if it is a registered engine of this lane.
+    fn engine_state(&mut self, engine: EngineId) -> Option<&mut EngineState> {
+        let slot = self.slot(engine)?;
+        self.state.engines.get_mut(slot)?.as_mut()
+    }
+
+    /// Gives a newly registered engine of this lane its (empty) state.
+    pub(super) fn register(&mut self, engine: EngineId) {
+        if let Some(slot) = self.slot(engine) {
+            if self.state.engines.len() <= slot {
+                self.state.engines.resize_with(slot + 1, || None);
             }
-        };
-        self.state.engines[id as usize] = Some(EngineState {
-            key: key.clone(),
-            blocks: Vec::new(),
-            live: 0,
-        });
-        self.state.engine_ids.insert(key.clone(), id);
-        self.publish_directory();
-        Some(id)
+            self.state.engines[slot] = Some(EngineState {
+                blocks: Vec::new(),
+                live: 0,
+            });
+        }
     }
 
-    /// Removes an engine entirely (its blocks, then its id). Returns memberships removed.
-    pub fn remove_engine(&mut self, key: &EngineKey) -> usize {
-        let Some(&id) = self.state.engine_ids.get(key) else {
-            return 0;
-        };
-        let removed = self.clear_engine(id);
-        self.state.engine_ids.remove(key);
-        self.state.engines[id as usize] = None;
-        self.state.free_engine_ids.push(id);
-        self.publish_directory();
-        removed
-    }
-
-    fn publish_directory(&self) {
-        let engines = self.state.engines.iter().enumerate();
-        let dir = EngineDirectory::build(
-            engines.filter_map(|(id, e)| e.as_ref().map(|e| (id as EngineId, &e.key))),
-        );
-        self.index.directory.store(Arc::new(dir));
+    /// Forgets an engine's state (after its blocks were cleared).
+    pub(super) fn unregister(&mut self, engine: EngineId) {
+        if let Some(slot) = self.slot(engine) {
+            if let Some(e) = self.state.engines.get_mut(slot) {
+                *e = None;
+            }
+        }
     }
 
     fn find(&self, hash: u64) -> Option<u32> {
@@ -289,6 +284,9 @@ impl IndexWriter<'_> {
         hashes: &[BlockHash],
     ) -> StoreOutcome {
         let mut outcome = StoreOutcome::default();
+        if self.engine_state(engine).is_none() {
+            return outcome;
+        }
         let mut prev = None;
         if let Some(p) = parent {
             prev = self.find(key(p));
@@ -348,6 +346,9 @@ impl IndexWriter<'_> {
     /// prefetch them, then verify and remove, so the cache misses of a chunk overlap.
     pub fn remove(&mut self, engine: EngineId, tier: Tier, hashes: &[BlockHash]) -> usize {
         const CHUNK: usize = 32;
+        if self.engine_state(engine).is_none() {
+            return 0;
+        }
         let m = member(engine, tier);
         let mut removed = 0;
         let mut candidates = [None; CHUNK];
@@ -376,7 +377,7 @@ impl IndexWriter<'_> {
 
     /// `AllBlocksCleared` / a restart: drops every block `engine` holds, in every tier.
     pub fn clear_engine(&mut self, engine: EngineId) -> usize {
-        let Some(Some(state)) = self.state.engines.get_mut(engine as usize) else {
+        let Some(state) = self.engine_state(engine) else {
             return 0;
         };
         let blocks = std::mem::take(&mut state.blocks);
@@ -395,9 +396,8 @@ impl IndexWriter<'_> {
 
     /// Total memberships `engine` holds.
     pub fn engine_blocks(&self, engine: EngineId) -> u64 {
-        self.state
-            .engines
-            .get(engine as usize)
+        self.slot(engine)
+            .and_then(|slot| self.state.engines.get(slot))
             .and_then(Option::as_ref)
             .map_or(0, |e| e.live)
     }
@@ -487,7 +487,7 @@ impl IndexWriter<'_> {
 
     /// Bookkeeping for a membership leaving a node (the reverse list stays lazy).
     fn drop_membership(&mut self, m: u32) {
-        if let Some(Some(state)) = self.state.engines.get_mut((m >> 8) as usize) {
+        if let Some(state) = self.engine_state(m >> 8) {
             state.live = state.live.saturating_sub(1);
         }
         self.state.tally.memberships -= 1;
@@ -539,13 +539,11 @@ impl IndexWriter<'_> {
         self.index.budget.give_back(1);
     }
 
-    /// A fresh node holding `hash` with the single member `m`, evicting by CLOCK when the index
-    /// is at `size` or the shared key budget is spent. `None` when no key can be had (the
-    /// budget is spent and this index holds nothing to evict).
+    /// A fresh node holding `hash` with the single member `m`, evicting by CLOCK from this lane
+    /// when the shared key budget (`size`) is spent. `None` when no key can be had (the budget
+    /// is spent and this lane holds nothing to evict).
     fn alloc_node(&mut self, hash: u64, m: u32) -> Option<u32> {
-        if self.state.tally.keys as usize >= self.index.config.max_keys {
-            self.evict_one();
-        }
+        // The budget is `size` (all lanes and, in an indexer, all models together).
         if !self.index.budget.take() {
             self.evict_one();
             if !self.index.budget.take() {

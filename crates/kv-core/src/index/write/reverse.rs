@@ -7,7 +7,7 @@ use crate::index::types::EngineId;
 
 impl IndexWriter<'_> {
     pub(super) fn note_membership(&mut self, engine: EngineId, id: u32) {
-        let Some(Some(state)) = self.state.engines.get_mut(engine as usize) else {
+        let Some(state) = self.engine_state(engine) else {
             return;
         };
         if state.blocks.len() == state.blocks.capacity() {
@@ -17,7 +17,7 @@ impl IndexWriter<'_> {
             if state.blocks.len() >= 1024 && state.blocks.len() > live + live / 2 {
                 self.compact_reverse_list(engine);
             }
-            if let Some(Some(state)) = self.state.engines.get_mut(engine as usize) {
+            if let Some(state) = self.engine_state(engine) {
                 if state.blocks.len() == state.blocks.capacity() {
                     state
                         .blocks
@@ -25,7 +25,7 @@ impl IndexWriter<'_> {
                 }
             }
         }
-        if let Some(Some(state)) = self.state.engines.get_mut(engine as usize) {
+        if let Some(state) = self.engine_state(engine) {
             state.blocks.push(id);
             state.live += 1;
         }
@@ -34,7 +34,7 @@ impl IndexWriter<'_> {
     /// Drops stale and duplicate ids from an engine's reverse list: one pass, nodes prefetched,
     /// duplicates found with a bitset over node ids (no sort).
     fn compact_reverse_list(&mut self, engine: EngineId) {
-        let Some(Some(state)) = self.state.engines.get_mut(engine as usize) else {
+        let Some(state) = self.engine_state(engine) else {
             return;
         };
         let mut blocks = std::mem::take(&mut state.blocks);
@@ -63,7 +63,7 @@ impl IndexWriter<'_> {
             blocks.shrink_to(kept + kept / 4 + 1024);
         }
         self.state.seen = seen;
-        if let Some(Some(state)) = self.state.engines.get_mut(engine as usize) {
+        if let Some(state) = self.engine_state(engine) {
             state.blocks = blocks;
         }
     }
