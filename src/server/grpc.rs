@@ -234,10 +234,9 @@ impl ScoreService {
         self.metrics.scoring.served(input_kind, started.elapsed());
         Ok(kvindexer_v1::ScorePodsResponse {
             scores: result
-                .scores
-                .into_iter()
-                .map(|s| kvindexer_v1::PodScore {
-                    pod: s.pod.to_string(),
+                .named()
+                .map(|(pod, s)| kvindexer_v1::PodScore {
+                    pod: pod.to_owned(),
                     score: s.score,
                     matched_blocks: s.matched_blocks,
                 })

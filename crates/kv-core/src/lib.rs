@@ -48,8 +48,8 @@ pub use index::{
 
 /// The facade transports call (`indexer`).
 pub use indexer::{
-    ApplyReport, HashCheckStats, Indexer, IndexerSettings, ModelSettings, ModelState, PodScore,
-    ScoreError, ScoreResult, SettingsError, ALL_PODS, DEFAULT_MAX_MODELS,
+    ApplyReport, HashCheckStats, Indexer, IndexerSettings, ModelSettings, ModelState, PodRef,
+    PodScore, ScoreError, ScoreResult, SettingsError, ALL_PODS, DEFAULT_MAX_MODELS,
 };
 
 /// 64-bit mixing and the project's one PRNG (`mix`).

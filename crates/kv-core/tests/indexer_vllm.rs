@@ -63,7 +63,8 @@ fn captured_events_score_the_request_that_produced_them() {
                 .expect("known model");
             assert_eq!(r.total_blocks, 3, "{ctx}: 56 tokens = 3 full blocks");
             assert_eq!(r.prompt_tokens, 56);
-            assert_eq!(&*r.scores[0].pod, "10.0.0.1:8000", "{ctx}");
+            assert_eq!(r.pod(&r.scores[0]), "10.0.0.1:8000", "{ctx}");
+            assert_eq!(r.pod(&r.scores[1]), "10.0.0.2:8000", "{ctx}: listed with 0");
             assert_eq!(r.scores[0].matched_blocks, 3, "{ctx}");
             assert!(
                 (r.scores[0].score - 3.0).abs() < 1e-9,
@@ -230,8 +231,9 @@ fn vllm_0_10_sha256_cbor_64bit_hashes_are_flagged() {
 fn unknown_models_and_unconfigured_lora_paths_are_errors() {
     let ix = Indexer::new(settings(None, 16)).expect("valid");
     assert_eq!(
-        ix.score_tokens("nope", &[1, 2, 3], kv_core::ALL_PODS, None, None),
-        Err(ScoreError::UnknownModel("nope".into()))
+        ix.score_tokens("nope", &[1, 2, 3], kv_core::ALL_PODS, None, None)
+            .err(),
+        Some(ScoreError::UnknownModel("nope".into()))
     );
     ix.apply_batch(
         MODEL,

@@ -418,9 +418,9 @@ pub struct IndexerFacadeBackend {
     indexer: kv_core::Indexer,
     pods: Vec<String>,
     result: kv_core::ScoreResult,
-    /// Pod name (by the address of the facade's shared `Arc<str>`) -> pod number, so turning
-    /// a result into an answer costs the benchmark one small lookup per pod, not a parse.
-    pod_numbers: rustc_hash::FxHashMap<usize, u32>,
+    /// Pod handle -> pod number, so turning a result into an answer costs the benchmark one
+    /// small lookup per pod, not a parse.
+    pod_numbers: rustc_hash::FxHashMap<kv_core::PodRef, u32>,
 }
 
 /// The model name the facade backend indexes under.
@@ -469,11 +469,12 @@ impl IndexBackend for IndexerFacadeBackend {
             .score_hashes_into(BENCH_MODEL, hashes, kv_core::ALL_PODS, &mut self.result)
             .is_ok()
         {
-            for s in self.result.scores.iter().filter(|s| s.matched_blocks > 0) {
-                let address = s.pod.as_ptr() as usize;
-                let number = *self.pod_numbers.entry(address).or_insert_with(|| {
+            let result = &self.result;
+            for s in result.scores.iter().filter(|s| s.matched_blocks > 0) {
+                let number = *self.pod_numbers.entry(s.pod).or_insert_with(|| {
                     // Pod names are `pod-<n>`.
-                    s.pod
+                    result
+                        .pod(s)
                         .strip_prefix("pod-")
                         .and_then(|n| n.parse().ok())
                         .unwrap_or(u32::MAX)
@@ -590,11 +591,16 @@ pub fn apply_in_lanes(
 }
 
 /// The baseline every design is compared with: a flat hash map from block hash to holders,
-/// probed block by block.
+/// probed block by block. Also the reference every answer is checked against, so it is kept
+/// obviously right: per block, the holders are stamped, then the pods still matching keep
+/// their stamp (O(holders + matching) per block, fine with 1,024 holders).
 #[derive(Default)]
 pub struct FlatMapBackend {
     map: HashMap<BlockHash, Vec<u32>>,
     active: Vec<u32>,
+    /// Per pod: the step at which it was last seen holding the block being checked.
+    stamp: Vec<u64>,
+    step: u64,
 }
 
 impl IndexBackend for FlatMapBackend {
@@ -611,9 +617,18 @@ impl IndexBackend for FlatMapBackend {
         self.active.extend_from_slice(first);
         let mut depth = 1;
         for h in &hashes[1..] {
-            let holders = self.map.get(h);
+            self.step += 1;
+            if let Some(holders) = self.map.get(h) {
+                for &p in holders {
+                    if self.stamp.len() <= p as usize {
+                        self.stamp.resize(p as usize + 1, 0);
+                    }
+                    self.stamp[p as usize] = self.step;
+                }
+            }
+            let (stamp, step) = (&self.stamp, self.step);
             self.active.retain(|&p| {
-                let stays = holders.is_some_and(|hs| hs.contains(&p));
+                let stays = stamp.get(p as usize) == Some(&step);
                 if !stays {
                     answer.add(p, depth);
                 }

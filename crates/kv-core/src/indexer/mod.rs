@@ -27,8 +27,8 @@ use crate::hashing::{
     TokenProcessorError,
 };
 use crate::index::{
-    EngineId, EngineKey, EngineScore, IndexConfig, IndexConfigError, IndexStats, KeyBudget,
-    ModelIndex, Tier, TierWeights,
+    EngineDirectory, EngineId, EngineKey, EngineScore, IndexConfig, IndexConfigError, IndexStats,
+    KeyBudget, ModelIndex, Tier, TierWeights,
 };
 use crate::BlockHash;
 
@@ -95,19 +95,29 @@ pub enum ScoreError {
     UnknownLora(String),
 }
 
-/// A pod's score for a prompt.
-#[derive(Debug, Clone, PartialEq)]
+/// A pod's score for a prompt. The pod is a handle: its name is [`ScoreResult::pod`].
+#[derive(Debug, Clone, Copy, PartialEq)]
 pub struct PodScore {
-    /// The pod, as named in the events' topic (or connect-mode config).
-    pub pod: Arc<str>,
+    /// The pod (resolve with [`ScoreResult::pod`]).
+    pub pod: PodRef,
     /// Tier-weighted consecutive blocks from the prompt's start.
     pub score: f64,
     /// Consecutive blocks from the prompt's start the pod holds.
     pub matched_blocks: u32,
 }
 
+/// A pod named in a [`ScoreResult`], without copying or reference-counting its name (listing
+/// 1,024 pods by `Arc<str>` costs a cache miss per pod on the reference counts alone).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum PodRef {
+    /// A pod the index knows: its index in the result's directory.
+    Known(u32),
+    /// A candidate the index has never heard of: its index among the result's unknown names.
+    Unknown(u32),
+}
+
 /// The answer to a score request.
-#[derive(Debug, Clone, PartialEq, Default)]
+#[derive(Debug, Clone, Default)]
 pub struct ScoreResult {
     /// One entry per candidate (every known pod when none are given), best first.
     pub scores: Vec<PodScore>,
@@ -115,6 +125,29 @@ pub struct ScoreResult {
     pub total_blocks: u32,
     /// Prompt tokens.
     pub prompt_tokens: u32,
+    /// The engine directory the pods were scored against (names of [`PodRef::Known`]).
+    directory: Option<Arc<EngineDirectory>>,
+    /// Names of [`PodRef::Unknown`] candidates.
+    unknown: Vec<Box<str>>,
+}
+
+impl ScoreResult {
+    /// The name of a scored pod, as named in the events' topic (or connect-mode config).
+    pub fn pod(&self, score: &PodScore) -> &str {
+        match score.pod {
+            PodRef::Known(p) => self
+                .directory
+                .as_ref()
+                .and_then(|d| d.pod(p))
+                .map_or("", |(name, _)| name),
+            PodRef::Unknown(i) => self.unknown.get(i as usize).map_or("", |n| n),
+        }
+    }
+
+    /// `(pod name, score)` pairs, best first.
+    pub fn named(&self) -> impl Iterator<Item = (&str, &PodScore)> {
+        self.scores.iter().map(move |s| (self.pod(s), s))
+    }
 }
 
 /// What applying one batch did (for metrics and tests).
@@ -586,6 +619,7 @@ impl Indexer {
     ) {
         let directory = state.index.directory();
         out.scores.clear();
+        out.unknown.clear();
         s.candidates.clear();
         for pod in pods {
             let ids = directory.engines_of(pod.as_ref());
@@ -627,13 +661,11 @@ impl Indexer {
                     if (matched_blocks > 0) != holders {
                         continue;
                     }
-                    if let Some((name, _)) = directory.pod(p) {
-                        out.scores.push(PodScore {
-                            pod: name.clone(),
-                            score,
-                            matched_blocks,
-                        });
-                    }
+                    out.scores.push(PodScore {
+                        pod: PodRef::Known(p),
+                        score,
+                        matched_blocks,
+                    });
                 }
             } else {
                 // Each candidate once, in the caller's order (a pod named twice is listed once).
@@ -657,35 +689,40 @@ impl Indexer {
                                 continue;
                             }
                             s.listed[p as usize] = s.listed_epoch;
-                            if let Some((name, _)) = directory.pod(p) {
-                                out.scores.push(PodScore {
-                                    pod: name.clone(),
-                                    score,
-                                    matched_blocks,
-                                });
-                            }
+                            out.scores.push(PodScore {
+                                pod: PodRef::Known(p),
+                                score,
+                                matched_blocks,
+                            });
                         }
                         // Unknown to the index: listed with 0, once.
                         None if !holders && s.unknown.insert(name.into()) => {
                             out.scores.push(PodScore {
-                                pod: name.into(),
+                                pod: PodRef::Unknown(out.unknown.len() as u32),
                                 score: 0.0,
                                 matched_blocks: 0,
-                            })
+                            });
+                            out.unknown.push(name.into());
                         }
                         None => {}
                     }
                 }
             }
             if holders {
+                // Pod indexes are in name order: ties by name without reading a name.
+                let index = |p: &PodScore| match p.pod {
+                    PodRef::Known(i) => i,
+                    PodRef::Unknown(_) => u32::MAX,
+                };
                 out.scores.sort_unstable_by(|a, b| {
                     b.score
                         .total_cmp(&a.score)
                         .then(b.matched_blocks.cmp(&a.matched_blocks))
-                        .then(a.pod.cmp(&b.pod))
+                        .then(index(a).cmp(&index(b)))
                 });
             }
         }
+        out.directory = Some(directory);
     }
 
     /// Per-model index statistics.

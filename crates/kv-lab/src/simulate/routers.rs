@@ -228,8 +228,8 @@ impl Router for Precise {
             .indexer
             .score_hashes(ctx.model, &req.blocks, kv_core::ALL_PODS)
         {
-            for s in result.scores {
-                if let Some(p) = ctx.pod_names.iter().position(|n| **n == *s.pod) {
+            for (name, s) in result.named() {
+                if let Some(p) = ctx.pod_names.iter().position(|n| **n == *name) {
                     matched[p] = s.matched_blocks as f64 / n;
                 }
             }
