@@ -9,7 +9,8 @@
 //! of every backend, interleaved; the table shows medians.
 //!
 //! Usage: `cargo run --release --manifest-path benches/peers/Cargo.toml [-- TRACE.jsonl]`;
-//! `KV_BENCH_FLEETS=16,80` picks fleets (`1024s` = 1,024 pods with the system prompt).
+//! `KV_BENCH_FLEETS=16,80` picks fleets (`1024s` = 1,024 pods with the system prompt);
+//! `KV_BENCH_BACKENDS=smg,ours` picks backends (keys in `backends()`; the flat map always runs).
 
 use std::time::Instant;
 
@@ -336,7 +337,17 @@ fn main() {
         println!();
         println!("| backend | block-ops/s | apply blocks/s | query p50 | query p99 | bytes/membership | ops/s vs SMG | apply vs SMG | queries differing from the flat map (of which short) |");
         println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|");
-        let makers = backends();
+        // KV_BENCH_BACKENDS=flat,facade picks backends (the flat map, the reference, always runs).
+        let picked = std::env::var("KV_BENCH_BACKENDS").ok();
+        let makers: Vec<_> = backends()
+            .into_iter()
+            .filter(|(key, _)| {
+                *key == "flat"
+                    || picked
+                        .as_deref()
+                        .is_none_or(|p| p.split(',').any(|k| k == *key))
+            })
+            .collect();
         let mut rounds: Vec<Rounds> = makers.iter().map(|_| Rounds::default()).collect();
         for _ in 0..runs {
             let mut reference: Option<BenchReport> = None;
@@ -371,7 +382,7 @@ fn main() {
             .zip(&makers)
             .find(|(_, (key, _))| *key == "smg")
             .map(|(r, _)| (median(&r.ops), median(&r.apply)))
-            .unwrap_or((1.0, 1.0));
+            .unwrap_or((f64::NAN, f64::NAN));
         for acc in &rounds {
             println!(
                 "| {} | {:.1}M | {:.1}M | {:.2} us | {:.2} us | {:.1} | {:.2} | {:.2} | {} ({}) |",

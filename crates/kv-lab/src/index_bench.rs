@@ -14,6 +14,7 @@
 
 use std::collections::HashMap;
 use std::ops::Range;
+use std::sync::Arc;
 use std::time::Instant;
 
 use kv_core::mix64;
@@ -418,9 +419,9 @@ pub struct IndexerFacadeBackend {
     indexer: kv_core::Indexer,
     pods: Vec<String>,
     result: kv_core::ScoreResult,
-    /// Pod handle -> pod number, so turning a result into an answer costs the benchmark one
-    /// small lookup per pod, not a parse.
-    pod_numbers: rustc_hash::FxHashMap<kv_core::PodRef, u32>,
+    /// Pod index -> pod number, for the directory at address `numbers_for`.
+    numbers: Vec<u32>,
+    numbers_for: usize,
 }
 
 /// The model name the facade backend indexes under.
@@ -440,7 +441,8 @@ impl IndexerFacadeBackend {
             indexer: kv_core::Indexer::new(settings).expect("benchmark config is valid"),
             pods: (0..pods).map(|p| format!("pod-{p}")).collect(),
             result: kv_core::ScoreResult::default(),
-            pod_numbers: Default::default(),
+            numbers: Vec::new(),
+            numbers_for: 0,
         }
     }
 
@@ -469,17 +471,29 @@ impl IndexBackend for IndexerFacadeBackend {
             .score_hashes_into(BENCH_MODEL, hashes, kv_core::ALL_PODS, &mut self.result)
             .is_ok()
         {
-            let result = &self.result;
-            for s in result.scores.iter().filter(|s| s.matched_blocks > 0) {
-                let number = *self.pod_numbers.entry(s.pod).or_insert_with(|| {
-                    // Pod names are `pod-<n>`.
-                    result
-                        .pod(s)
-                        .strip_prefix("pod-")
-                        .and_then(|n| n.parse().ok())
-                        .unwrap_or(u32::MAX)
-                });
-                answer.add(number, s.matched_blocks);
+            // Pod index -> pod number, rebuilt when the directory changes (pod indexes shift
+            // as pods register); pod names are `pod-<n>`.
+            let directory = self
+                .result
+                .directory()
+                .map_or(0, |d| Arc::as_ptr(d) as usize);
+            if directory != self.numbers_for {
+                self.numbers_for = directory;
+                self.numbers.clear();
+                if let Some(d) = self.result.directory() {
+                    self.numbers.extend((0..d.pod_count() as u32).map(|p| {
+                        d.pod(p)
+                            .and_then(|(name, _)| name.strip_prefix("pod-")?.parse().ok())
+                            .unwrap_or(u32::MAX)
+                    }));
+                }
+            }
+            for s in self.result.scores.iter().filter(|s| s.matched_blocks > 0) {
+                let number = match s.pod {
+                    kv_core::PodRef::Known(p) => self.numbers.get(p as usize).copied(),
+                    kv_core::PodRef::Unknown(_) => None,
+                };
+                answer.add(number.unwrap_or(u32::MAX), s.matched_blocks);
             }
         }
         answer

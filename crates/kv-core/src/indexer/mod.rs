@@ -144,6 +144,12 @@ impl ScoreResult {
         }
     }
 
+    /// The directory the pods were scored against: [`PodRef::Known`] indexes its pods (an
+    /// embedder can keep its own per-pod data by that index while the directory is the same).
+    pub fn directory(&self) -> Option<&Arc<EngineDirectory>> {
+        self.directory.as_ref()
+    }
+
     /// `(pod name, score)` pairs, best first.
     pub fn named(&self) -> impl Iterator<Item = (&str, &PodScore)> {
         self.scores.iter().map(move |s| (self.pod(s), s))
