@@ -585,14 +585,14 @@ impl IndexWriter<'_> {
         Some(id)
     }
 
-    /// Rebuilds the table into a new allocation, sized to 1.5x the live entries, when live
+    /// Rebuilds the table into a new allocation, sized to 1.4x the live entries, when live
     /// entries plus tombstones would pass 85% of it.
     fn ensure_table_room(&mut self) {
         let cap = self.state.table.capacity();
         if (self.state.table_used + 1) * 100 <= cap * 85 {
             return;
         }
-        let wanted = ((self.state.table_live + 1) * 3 / 2).max(INITIAL_TABLE);
+        let wanted = ((self.state.table_live + 1) * 7 / 5).max(INITIAL_TABLE);
         let fresh = Table::with_capacity(wanted, self.index.seed);
         let live = self.state.table.copy_into(&fresh);
         let fresh = Arc::new(fresh);

@@ -1,6 +1,6 @@
 //! Per-engine reverse lists: the node ids an engine was given memberships on, so clearing an
 //! engine costs O(its blocks). Lazy: a list may hold stale or duplicate ids (checked against
-//! the node when used) and is compacted when it grows past 1.5x the engine's live memberships.
+//! the node when used) and is compacted when it grows past 1.25x the engine's live memberships.
 
 use super::{IndexWriter, PREFETCH_AHEAD};
 use crate::index::types::EngineId;
@@ -11,17 +11,17 @@ impl IndexWriter<'_> {
             return;
         };
         if state.blocks.len() == state.blocks.capacity() {
-            // Full: compact if at least a third is stale, else grow by a quarter. Capacity stays
-            // within ~1.5x the live memberships (a doubling Vec would reach 4x).
+            // Full: compact if at least a fifth is stale, else grow by an eighth. Capacity stays
+            // within ~1.25x the live memberships (a doubling Vec would reach 4x).
             let live = state.live as usize;
-            if state.blocks.len() >= 1024 && state.blocks.len() > live + live / 2 {
+            if state.blocks.len() >= 1024 && state.blocks.len() > live + live / 4 {
                 self.compact_reverse_list(engine);
             }
             if let Some(state) = self.engine_state(engine) {
                 if state.blocks.len() == state.blocks.capacity() {
                     state
                         .blocks
-                        .reserve_exact((state.blocks.len() / 4).max(256));
+                        .reserve_exact((state.blocks.len() / 8).max(256));
                 }
             }
         }
@@ -59,8 +59,9 @@ impl IndexWriter<'_> {
             }
         }
         blocks.truncate(kept);
-        if blocks.capacity() > 2 * kept + 4096 {
-            blocks.shrink_to(kept + kept / 4 + 1024);
+        // Give back what compaction freed (the list regrows by an eighth when needed).
+        if blocks.capacity() > kept + kept / 4 + 1024 {
+            blocks.shrink_to(kept + kept / 8 + 256);
         }
         self.state.seen = seen;
         if let Some(state) = self.engine_state(engine) {
