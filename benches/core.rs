@@ -22,7 +22,7 @@ use kv_core::{
 use kv_core::{HashScratch, RequestExtras, TokenProcessor, TokenProcessorConfig};
 use kv_lab::alloc::{live_heap_bytes, CountingAllocator};
 use kv_lab::index_bench::{
-    apply_in_lanes, drive, FlatMapBackend, IndexBackend, IndexWorkload, KvIndexerBackend,
+    apply_in_lanes, drive, median, FlatMapBackend, IndexBackend, IndexWorkload, KvIndexerBackend,
     WorkloadShape,
 };
 use kv_lab::trace::load_mooncake;
@@ -210,15 +210,10 @@ fn bench_index() {
     let t = Instant::now();
     let shape = WorkloadShape::default();
     let workload = IndexWorkload::simulate(&requests, shape);
-    let (q, s, r) = workload.totals();
+    let (_, s, r) = workload.totals();
     println!(
-        "## Index: Mooncake conversation trace ({} requests; {:.2}M blocks stored, {:.2}M removed, {:.2}M queried; avg query depth {:.0}; final memberships {}; built in {:.1}s)",
-        requests.len(),
-        s as f64 / 1e6,
-        r as f64 / 1e6,
-        q as f64 / 1e6,
-        q as f64 / workload.steps.len() as f64,
-        workload.final_memberships,
+        "## Index: Mooncake conversation trace ({}; built in {:.1}s)",
+        workload.summary(),
         t.elapsed().as_secs_f64()
     );
     println!("| backend | block-ops/s | apply blocks/s | query p50 | query p99 | bytes/membership | ratio (ops/s) |");
@@ -291,13 +286,9 @@ fn writer_lanes(workload: &IndexWorkload, pods: u32) {
             shares[k] = run.busiest_share;
         }
     }
-    let median = |v: &mut Vec<f64>| {
-        v.sort_by(f64::total_cmp);
-        v[v.len() / 2]
-    };
-    let base = median(&mut rounds[0].clone());
+    let base = median(&rounds[0]);
     for (k, &(lanes, threads)) in configs.iter().enumerate() {
-        let m = median(&mut rounds[k]);
+        let m = median(&rounds[k]);
         println!(
             "| {lanes} | {threads} | {:.1}M | {:.2} | {:.2} |",
             m / 1e6,

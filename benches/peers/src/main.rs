@@ -23,7 +23,7 @@ use kv_core::BlockHash;
 use kv_index::{ChainBlockMap, ChainIndex, ContentHash, SequenceHash, StoredBlock};
 use kv_lab::alloc::{live_heap_bytes, CountingAllocator};
 use kv_lab::index_bench::{
-    drive, BenchReport, FlatMapBackend, IndexBackend, IndexWorkload, IndexerFacadeBackend,
+    drive, median, BenchReport, FlatMapBackend, IndexBackend, IndexWorkload, IndexerFacadeBackend,
     KvIndexerBackend, QueryAnswer, WorkloadShape,
 };
 use kv_lab::trace::load_mooncake;
@@ -298,12 +298,6 @@ struct Rounds {
     short: Vec<usize>,
 }
 
-fn median(v: &[f64]) -> f64 {
-    let mut v = v.to_vec();
-    v.sort_by(f64::total_cmp);
-    v.get(v.len() / 2).copied().unwrap_or(0.0)
-}
-
 fn main() {
     let path = std::env::args().nth(1).unwrap_or_else(|| {
         format!(
@@ -322,16 +316,11 @@ fn main() {
     for fleet in fleets() {
         let t = Instant::now();
         let workload = IndexWorkload::simulate(&requests, fleet.shape);
-        let (q, s, r) = workload.totals();
+        let (_, s, r) = workload.totals();
         println!(
-            "### {}: {} requests, {:.2}M stored, {:.2}M removed, {:.2}M queried blocks (avg depth {:.0}), {} final memberships; prepared in {:.1}s; medians of {runs} rounds",
+            "### {}: {}; prepared in {:.1}s; medians of {runs} rounds",
             fleet.label,
-            requests.len(),
-            s as f64 / 1e6,
-            r as f64 / 1e6,
-            q as f64 / 1e6,
-            q as f64 / workload.steps.len() as f64,
-            workload.final_memberships,
+            workload.summary(),
             t.elapsed().as_secs_f64()
         );
         println!();

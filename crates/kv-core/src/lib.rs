@@ -20,6 +20,7 @@ mod events;
 mod hashing;
 mod index;
 mod indexer;
+mod marks;
 mod mix;
 
 // The public surface: everything a transport, a gateway, the lab or a benchmark uses. Modules

@@ -171,6 +171,20 @@ impl IndexWorkload {
     pub fn totals(&self) -> (usize, usize, usize) {
         (self.queries.len(), self.stored.len(), self.removed.len())
     }
+
+    /// One line describing the stream (for benchmark reports).
+    pub fn summary(&self) -> String {
+        let (q, s, r) = self.totals();
+        format!(
+            "{} requests, {:.2}M blocks stored, {:.2}M removed, {:.2}M queried (avg query depth {:.0}), {} final memberships",
+            self.steps.len(),
+            s as f64 / 1e6,
+            r as f64 / 1e6,
+            q as f64 / 1e6,
+            q as f64 / self.steps.len().max(1) as f64,
+            self.final_memberships,
+        )
+    }
 }
 
 /// What a query found, reduced to numbers every backend can produce: the best pod's matched
@@ -522,6 +536,14 @@ impl IndexBackend for IndexerFacadeBackend {
         };
         self.apply(pod, kv_core::KvEvent::BlockRemoved(removed));
     }
+}
+
+/// The median of `values` (the upper one of an even count; 0 when empty): benchmarks report
+/// medians of their rounds.
+pub fn median(values: &[f64]) -> f64 {
+    let mut v = values.to_vec();
+    v.sort_by(f64::total_cmp);
+    v.get(v.len() / 2).copied().unwrap_or(0.0)
 }
 
 /// What [`apply_in_lanes`] measured.

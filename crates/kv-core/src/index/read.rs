@@ -11,11 +11,12 @@ use super::slab::{NodeRead, Slab, NO_WORDS};
 use super::table::Table;
 use super::types::{EngineId, EngineScore, Tier, TierWeights};
 use super::{key, Lane, ModelIndex};
+use crate::marks::RoundMarks;
 use crate::BlockHash;
 
 /// A reader's working memory, kept per thread and reused by every call, so a score allocates
 /// nothing once the thread has seen its largest member set and engine id. Per-engine marks
-/// carry an epoch instead of being cleared, so intersecting a set of `m` members with `a`
+/// are [`RoundMarks`] instead of being cleared, so intersecting a set of `m` members with `a`
 /// active engines costs O(m + a) whatever the fleet size.
 #[derive(Default)]
 struct Scratch {
@@ -26,83 +27,56 @@ struct Scratch {
     /// Each active engine's weight on the last decoded block (credited to the blocks after it
     /// that share its member set).
     last_weight: Vec<f64>,
-    /// Per engine id: the epoch of the last decoded set that held it...
-    seen_epoch: Vec<u32>,
-    /// ...and its best tier weight in that set.
+    /// The engines of the last decoded set...
+    seen: RoundMarks,
+    /// ...and, per engine id, its best tier weight in that set.
     seen_weight: Vec<f64>,
-    epoch: u32,
-    /// Per engine id: the call epoch in which it was named a candidate.
-    candidate_epoch: Vec<u32>,
-    call_epoch: u32,
+    /// The engines this call is restricted to.
+    candidates: RoundMarks,
 }
 
 impl Scratch {
-    /// A fresh epoch for marking one set's members.
-    fn next_epoch(&mut self) -> u32 {
-        self.epoch = self.epoch.wrapping_add(1);
-        if self.epoch == 0 {
-            self.seen_epoch.fill(0);
-            self.epoch = 1;
-        }
-        self.epoch
-    }
-
     /// Marks the candidates of this call; `false` when there is no restriction.
     fn mark_candidates(&mut self, candidates: Option<&[EngineId]>) -> bool {
         let Some(candidates) = candidates else {
             return false;
         };
-        self.call_epoch = self.call_epoch.wrapping_add(1);
-        if self.call_epoch == 0 {
-            self.candidate_epoch.fill(0);
-            self.call_epoch = 1;
-        }
+        self.candidates.next_round();
         for &c in candidates {
-            let c = c as usize;
-            if c >= self.candidate_epoch.len() {
-                self.candidate_epoch.resize(c + 1, 0);
-            }
-            self.candidate_epoch[c] = self.call_epoch;
+            self.candidates.mark(c as usize);
         }
         true
     }
 
-    fn is_candidate(&self, engine: EngineId) -> bool {
-        self.candidate_epoch.get(engine as usize) == Some(&self.call_epoch)
-    }
-
-    /// Marks every engine of `members` (the set just decoded) under a fresh epoch with its best
+    /// Marks every engine of `members` (the set just decoded), in a new round, with its best
     /// tier weight; with `admit`, also appends engines not yet active (the prompt's first block).
-    fn mark_members(&mut self, weights: &TierWeights, restricted: bool, admit: bool) -> u32 {
-        let epoch = self.next_epoch();
+    fn mark_members(&mut self, weights: &TierWeights, restricted: bool, admit: bool) {
+        self.seen.next_round();
         for i in 0..self.members.len() {
             let m = self.members[i];
             let engine = m >> 8;
-            if restricted && !self.is_candidate(engine) {
+            if restricted && !self.candidates.is_marked(engine as usize) {
                 continue;
             }
             let e = engine as usize;
-            if e >= self.seen_epoch.len() {
-                self.seen_epoch.resize(e + 1, 0);
+            if e >= self.seen_weight.len() {
                 self.seen_weight.resize(e + 1, 0.0);
             }
             let w = weights.of(Tier::from_bits(m));
-            if self.seen_epoch[e] == epoch {
+            if !self.seen.mark(e) {
                 self.seen_weight[e] = self.seen_weight[e].max(w);
-            } else {
-                self.seen_epoch[e] = epoch;
-                self.seen_weight[e] = w;
-                if admit {
-                    self.active.push(EngineScore {
-                        engine,
-                        matched_blocks: 0,
-                        score: 0.0,
-                    });
-                    self.last_weight.push(0.0);
-                }
+                continue;
+            }
+            self.seen_weight[e] = w;
+            if admit {
+                self.active.push(EngineScore {
+                    engine,
+                    matched_blocks: 0,
+                    score: 0.0,
+                });
+                self.last_weight.push(0.0);
             }
         }
-        epoch
     }
 
     /// Credits `pending` blocks that shared the last decoded set to every active engine.
@@ -214,11 +188,11 @@ impl Lane {
             // The set changed: credit the blocks that shared the previous one, then intersect.
             s.credit(pending);
             pending = 0;
-            let epoch = s.mark_members(weights, restricted, i == 0);
+            s.mark_members(weights, restricted, i == 0);
             let mut k = 0;
             while k < s.active.len() {
                 let e = s.active[k].engine as usize;
-                if s.seen_epoch.get(e) == Some(&epoch) {
+                if s.seen.is_marked(e) {
                     let w = s.seen_weight[e];
                     s.active[k].score += w;
                     s.active[k].matched_blocks += 1;

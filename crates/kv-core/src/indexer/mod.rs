@@ -30,6 +30,7 @@ use crate::index::{
     EngineDirectory, EngineId, EngineKey, EngineScore, IndexConfig, IndexConfigError, IndexStats,
     KeyBudget, ModelIndex, Tier, TierWeights,
 };
+use crate::marks::RoundMarks;
 use crate::BlockHash;
 
 /// How one model's hashes are computed (must equal its vLLM deployment's settings).
@@ -255,12 +256,12 @@ struct PodScratch {
     candidates: Vec<EngineId>,
     /// The index's per-engine result.
     engines: Vec<EngineScore>,
-    /// Per pod index: (epoch, best score, its matched blocks).
-    best: Vec<(u32, f64, u32)>,
-    epoch: u32,
-    /// Per pod index: the pass in which it was listed (candidates named twice).
-    listed: Vec<u32>,
-    listed_epoch: u32,
+    /// The pods holding the prompt's first block in this call...
+    holding: RoundMarks,
+    /// ...and, per pod index, its best engine's (score, matched blocks).
+    best: Vec<(f64, u32)>,
+    /// The pods listed in this pass (a candidate named twice is listed once).
+    listed: RoundMarks,
     /// Candidates unknown to the index already listed in this call.
     unknown: HashSet<Box<str>>,
 }
@@ -635,27 +636,23 @@ impl Indexer {
         state
             .index
             .score_engines(hashes, restrict, &self.settings.weights, &mut s.engines);
-        // Best engine per pod, by pod index (an epoch instead of clearing).
-        s.epoch = s.epoch.wrapping_add(1);
-        if s.epoch == 0 {
-            s.best.fill((0, 0.0, 0));
-            s.epoch = 1;
-        }
-        let epoch = s.epoch;
+        // Best engine per pod (DP ranks), by pod index.
+        s.holding.next_round();
         if s.best.len() < directory.pod_count() {
-            s.best.resize(directory.pod_count(), (0, 0.0, 0));
+            s.best.resize(directory.pod_count(), (0.0, 0));
         }
         for e in &s.engines {
             let Some(p) = directory.pod_of(e.engine) else {
                 continue;
             };
             let slot = &mut s.best[p as usize];
-            if slot.0 != epoch || (e.score, e.matched_blocks) > (slot.1, slot.2) {
-                *slot = (epoch, e.score, e.matched_blocks);
+            if s.holding.mark(p as usize) || (e.score, e.matched_blocks) > *slot {
+                *slot = (e.score, e.matched_blocks);
             }
         }
-        let score_of = |best: &[(u32, f64, u32)], p: u32| match best.get(p as usize) {
-            Some(&(e, score, matched)) if e == epoch => (score, matched),
+        let (holding, best) = (&s.holding, &s.best);
+        let score_of = |p: u32| match best.get(p as usize) {
+            Some(&pair) if holding.is_marked(p as usize) => pair,
             _ => (0.0, 0),
         };
         // Two passes, holders then the rest, so only holders need sorting and the rest keep
@@ -663,7 +660,7 @@ impl Indexer {
         for holders in [true, false] {
             if pods.is_empty() {
                 for p in 0..directory.pod_count() as u32 {
-                    let (score, matched_blocks) = score_of(&s.best, p);
+                    let (score, matched_blocks) = score_of(p);
                     if (matched_blocks > 0) != holders {
                         continue;
                     }
@@ -675,26 +672,16 @@ impl Indexer {
                 }
             } else {
                 // Each candidate once, in the caller's order (a pod named twice is listed once).
-                s.listed_epoch = s.listed_epoch.wrapping_add(1);
-                if s.listed_epoch == 0 {
-                    s.listed.fill(0);
-                    s.listed_epoch = 1;
-                }
-                if s.listed.len() < directory.pod_count() {
-                    s.listed.resize(directory.pod_count(), 0);
-                }
+                s.listed.next_round();
                 s.unknown.clear();
                 for pod in pods {
                     let name = pod.as_ref();
                     match directory.pod_index(name) {
                         Some(p) => {
-                            let (score, matched_blocks) = score_of(&s.best, p);
-                            if (matched_blocks > 0) != holders
-                                || s.listed[p as usize] == s.listed_epoch
-                            {
+                            let (score, matched_blocks) = score_of(p);
+                            if (matched_blocks > 0) != holders || !s.listed.mark(p as usize) {
                                 continue;
                             }
-                            s.listed[p as usize] = s.listed_epoch;
                             out.scores.push(PodScore {
                                 pod: PodRef::Known(p),
                                 score,
