@@ -307,6 +307,26 @@ impl ModelIndex {
             .map_or(0, |lane| lane.write(|w| w.evict(n)))
     }
 
+    /// Calls `f` with every engine and the blocks it holds, with their tiers: what a snapshot
+    /// stores, one engine at a time (one reused buffer, so the copy never holds the whole
+    /// index). Takes each lane's writer in turn; a consistent copy needs the caller to have
+    /// stopped its writers.
+    pub fn export_each(&self, mut f: impl FnMut(&EngineKey, &[(BlockHash, Tier)])) {
+        let registry = self.registry.lock();
+        let mut blocks = Vec::new();
+        for lane in self.lanes.iter() {
+            lane.write(|w| {
+                for id in w.engines() {
+                    if let Some(Some(key)) = registry.keys.get(id as usize) {
+                        blocks.clear();
+                        w.export_engine(id, &mut blocks);
+                        f(key, &blocks);
+                    }
+                }
+            });
+        }
+    }
+
     /// Every engine with the memberships it holds.
     pub fn engine_blocks(&self) -> Vec<(EngineKey, u64)> {
         let registry = self.registry.lock();

@@ -469,6 +469,49 @@ impl Indexer {
             .sum()
     }
 
+    /// Calls `f` with every model's engines and the blocks they hold, with their tiers (a
+    /// snapshot's content), one engine at a time. Consistent only while nothing writes (the
+    /// caller pauses its writers).
+    pub fn export_each(&self, mut f: impl FnMut(&str, &EngineKey, &[(BlockHash, Tier)])) {
+        let mut models: Vec<_> = self.models.load().values().cloned().collect();
+        models.sort_by(|a, b| a.name.cmp(&b.name));
+        for m in models {
+            m.index.export_each(|key, blocks| f(&m.name, key, blocks));
+        }
+    }
+
+    /// `pod` at rank `rank` holds `hashes` in `tier` (a snapshot being loaded). Returns the
+    /// memberships added.
+    pub fn import(
+        &self,
+        model: &str,
+        key: &EngineKey,
+        tier: Tier,
+        hashes: &[BlockHash],
+    ) -> Result<usize, SettingsError> {
+        let state = self.model_or_create(model)?;
+        Ok(state
+            .index
+            .write_engine(key, |w, e| w.store(e, tier, None, hashes).added)
+            .unwrap_or(0))
+    }
+
+    /// Drops every block of every model (before a snapshot replaces the index). Returns
+    /// memberships removed.
+    pub fn clear_all(&self) -> usize {
+        let mut removed = 0;
+        for state in self.models.load().values() {
+            let directory = state.index.directory();
+            let pods: Vec<Arc<str>> = directory.pods().cloned().collect();
+            for pod in pods {
+                for &e in directory.engines_of(&pod) {
+                    removed += state.index.write(e, |w| w.clear_engine(e));
+                }
+            }
+        }
+        removed
+    }
+
     /// Drops every block of one engine (`pod` at data-parallel rank `rank`): its vLLM process
     /// restarted. Returns memberships removed.
     pub fn clear_engine(&self, model: &str, pod: &str, rank: u32) -> usize {

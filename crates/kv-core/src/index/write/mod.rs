@@ -394,6 +394,41 @@ impl IndexWriter<'_> {
         removed
     }
 
+    /// The lane's engines that are registered.
+    pub(in crate::index) fn engines(&self) -> Vec<EngineId> {
+        self.state
+            .live_engines(self.index.lane, self.index.lanes)
+            .into_iter()
+            .map(|(engine, _)| engine)
+            .collect()
+    }
+
+    /// Appends every block `engine` holds, with its tier, to `out` (each once; stale reverse
+    /// entries are compacted away first). For snapshots: O(the engine's memberships).
+    pub fn export_engine(&mut self, engine: EngineId, out: &mut Vec<(BlockHash, Tier)>) {
+        if self.engine_state(engine).is_none() {
+            return;
+        }
+        self.compact_reverse_list(engine);
+        let Some(state) = self.engine_state(engine) else {
+            return;
+        };
+        let blocks = std::mem::take(&mut state.blocks);
+        out.reserve(blocks.len());
+        let mut list = std::mem::take(&mut self.state.list);
+        for &id in &blocks {
+            let hash = self.index.slab.hash_of(id);
+            self.index.slab.members_of(id, &mut list);
+            if let Some(&m) = list.iter().find(|&&m| m >> 8 == engine) {
+                out.push((BlockHash::from(hash), Tier::from_bits(m)));
+            }
+        }
+        self.state.list = list;
+        if let Some(state) = self.engine_state(engine) {
+            state.blocks = blocks;
+        }
+    }
+
     /// Total memberships `engine` holds.
     pub fn engine_blocks(&self, engine: EngineId) -> u64 {
         self.slot(engine)

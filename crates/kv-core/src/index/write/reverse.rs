@@ -33,7 +33,7 @@ impl IndexWriter<'_> {
 
     /// Drops stale and duplicate ids from an engine's reverse list: one pass, nodes prefetched,
     /// duplicates found with a bitset over node ids (no sort).
-    fn compact_reverse_list(&mut self, engine: EngineId) {
+    pub(super) fn compact_reverse_list(&mut self, engine: EngineId) {
         let Some(state) = self.engine_state(engine) else {
             return;
         };
