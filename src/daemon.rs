@@ -1,8 +1,9 @@
 //! The daemon: wires configuration, the indexer, event ingestion and the servers together, and
 //! shuts them down in order.
 //!
-//! Start-up: validate the config, build the indexer, bind the ZMQ socket (or start dialling in
-//! connect mode), bind gRPC and HTTP, then report ready. Shutdown (SIGTERM/SIGINT, or
+//! Start-up: validate the config, build the indexer, (with replication) load the newest
+//! snapshot, bind the ZMQ socket (or start dialling in connect mode), bind gRPC and HTTP, then
+//! report ready: at once without replication, once the log is read to its end with it. Shutdown (SIGTERM/SIGINT, or
 //! [`RunningDaemon::shutdown`]): not ready, stop intake, let workers apply what is queued, let
 //! gRPC finish in-flight calls (bounded by `server.shutdownGraceMs`), stop.
 
@@ -17,8 +18,9 @@ use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
 use crate::config::{Config, ConfigError};
-use crate::ingest::{self, IngestError, IngestHandle, Publishers};
+use crate::ingest::{self, IngestError, IngestHandle, IngestSetup, Publishers};
 use crate::metrics::Metrics;
+use crate::replication::{Replication, ReplicationError};
 use crate::server::grpc::{
     indexer_v1::indexer_service_server::IndexerServiceServer,
     kvindexer_v1::kv_indexer_server::KvIndexerServer, KvIndexerApi, LlmdIndexerApi, ScoreService,
@@ -39,6 +41,9 @@ pub enum DaemonError {
     /// ZMQ set-up failed.
     #[error(transparent)]
     Ingest(#[from] IngestError),
+    /// Replication is misconfigured.
+    #[error(transparent)]
+    Replication(#[from] ReplicationError),
     /// A listen address could not be bound.
     #[error("binding {what} on {addr}: {source}")]
     Listen {
@@ -101,6 +106,7 @@ pub struct RunningDaemon {
     shutdown: watch::Sender<bool>,
     ready: Arc<AtomicBool>,
     ingest: IngestHandle,
+    appender: Option<JoinHandle<()>>,
     grpc: JoinHandle<Result<(), tonic::transport::Error>>,
     http: JoinHandle<std::io::Result<()>>,
     grace: Duration,
@@ -131,14 +137,40 @@ pub async fn start(config: Config) -> Result<RunningDaemon, DaemonError> {
     }
     let metrics = Metrics::new();
     let (shutdown, shutdown_rx) = watch::channel(false);
+    let ready = Arc::new(AtomicBool::new(false));
 
-    let ingest = ingest::start(
+    let replication = if config.replication.enabled {
+        Some(Replication::new(&config.replication, metrics.clone())?)
+    } else {
+        None
+    };
+    let (mut restored, log, appender) = match &replication {
+        Some(r) => {
+            tracing::info!(redis = %r.redacted_url(), replica = %r.replica(), "replication on: loading the newest snapshot");
+            let restored = r.restore(&indexer).await;
+            let (sink, task) = r.start_appender();
+            (restored, Some(sink), Some(task))
+        }
+        None => (Default::default(), None, None),
+    };
+    let replica = replication
+        .as_ref()
+        .map_or_else(|| "".into(), Replication::replica);
+    let mut ingest = ingest::start(
         &config.kv_events_config,
-        indexer.clone(),
-        metrics.clone(),
+        IngestSetup {
+            indexer: indexer.clone(),
+            metrics: metrics.clone(),
+            publishers: std::mem::take(&mut restored.publishers),
+            log: log.clone(),
+            replica,
+        },
         shutdown_rx.clone(),
     )
     .await?;
+    if let (Some(r), Some(feeder)) = (&replication, ingest.feeder()) {
+        ingest.attach(r.start_follower(feeder, &restored, ready.clone(), shutdown_rx.clone()));
+    }
 
     let tokenizers =
         kv_tokenize::TokenizerService::new(config.tokenizer_settings(), metrics.tokenizer.clone());
@@ -148,6 +180,7 @@ pub async fn start(config: Config) -> Result<RunningDaemon, DaemonError> {
         metrics.clone(),
         ingest.publishers.clone(),
         config.server.clone(),
+        log,
     );
     let (health_reporter, health_service) = tonic_health::server::health_reporter();
     health_reporter
@@ -208,7 +241,6 @@ pub async fn start(config: Config) -> Result<RunningDaemon, DaemonError> {
             ),
     );
 
-    let ready = Arc::new(AtomicBool::new(false));
     let http_listener = listen("metrics", &config.server.metrics_addr).await?;
     let metrics_addr = http_listener
         .local_addr()
@@ -231,7 +263,9 @@ pub async fn start(config: Config) -> Result<RunningDaemon, DaemonError> {
             .await
     });
 
-    ready.store(true, Ordering::Relaxed);
+    if replication.is_none() {
+        ready.store(true, Ordering::Relaxed);
+    }
     tracing::info!(grpc = %grpc_addr, metrics = %metrics_addr, zmq = ?ingest.bound_endpoint, "kv-indexer ready");
     Ok(RunningDaemon {
         grpc_addr,
@@ -242,6 +276,7 @@ pub async fn start(config: Config) -> Result<RunningDaemon, DaemonError> {
         shutdown,
         ready,
         ingest,
+        appender,
         grpc,
         http,
         grace: Duration::from_millis(config.server.shutdown_grace_ms),
@@ -249,6 +284,12 @@ pub async fn start(config: Config) -> Result<RunningDaemon, DaemonError> {
 }
 
 impl RunningDaemon {
+    /// Whether the daemon reports ready (`/readyz`): with replication, once it has read the
+    /// log to its end.
+    pub fn is_ready(&self) -> bool {
+        self.ready.load(Ordering::Relaxed)
+    }
+
     /// Publisher states (for tests and tools).
     pub fn publishers(&self) -> Arc<Publishers> {
         self.ingest.publishers.clone()
@@ -268,6 +309,11 @@ impl RunningDaemon {
             self.ingest.join().await;
             let _ = self.grpc.await;
             let _ = self.http.await;
+            // Last: the workers and the admin API have let go of the append queue, so the
+            // appender flushes what they appended and stops.
+            if let Some(appender) = self.appender {
+                let _ = appender.await;
+            }
         };
         if tokio::time::timeout(grace, drain).await.is_err() {
             tracing::warn!(

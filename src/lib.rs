@@ -4,6 +4,8 @@
 //! Layout, following the data:
 //! - [`ingest`]: ZMQ sockets (bind and connect), the per-publisher sequence state machine, gap
 //!   fill from vLLM's replay socket, per-pod ordered workers applying batches to the indexer;
+//! - [`replication`]: several replicas sharing one index through Redis (a shared event log,
+//!   snapshots, warm restarts), off by default;
 //! - [`server`]: gRPC (ScorePods, admin, llm-d compatibility, health, reflection) and HTTP
 //!   (metrics, probes);
 //! - [`config`], [`metrics`], [`daemon`]: the YAML schema, the Prometheus registry (attached to
@@ -19,6 +21,7 @@ pub mod config;
 pub mod daemon;
 mod ingest;
 mod metrics;
+pub mod replication;
 mod server;
 
 /// Topic and endpoint grammar (public for the fuzz targets and tools).

@@ -102,21 +102,7 @@ async fn matched(
     tokens: &[u32],
     pod: &str,
 ) -> u32 {
-    let r = client
-        .score_pods(ScorePodsRequest {
-            model: MODEL.into(),
-            input: Some(Input::Tokens(TokenIds {
-                ids: tokens.to_vec(),
-            })),
-            pods: vec![pod.into()],
-            ..Default::default()
-        })
-        .await;
-    match r {
-        Ok(r) => r.into_inner().scores[0].matched_blocks,
-        Err(s) if s.code() == tonic::Code::NotFound => 0, // model not seen yet
-        Err(s) => panic!("ScorePods failed: {s}"),
-    }
+    support::matched_blocks(client, MODEL, tokens, pod).await
 }
 
 /// Polls `f` until it returns true (or fails the test after 10 s).

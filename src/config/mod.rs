@@ -7,8 +7,11 @@
 //! (`HF_TOKEN`, `PYTHONHASHSEED`) are applied by [`Config::apply_env`] and win over the file;
 //! [`Config::redacted`] hides secrets for printing.
 
+mod duration;
 mod settings;
 mod validate;
+
+pub use duration::ConfigDuration;
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -69,6 +72,68 @@ pub struct Config {
     pub scoring: ScoringConfig,
     /// Per-model overrides (models listed here are known before any event arrives).
     pub models: BTreeMap<String, ModelConfig>,
+    /// Several replicas sharing one index through Redis (off by default).
+    pub replication: ReplicationConfig,
+}
+
+/// Replication through Redis (or Valkey): a shared event log, snapshots and warm restarts.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase", deny_unknown_fields, default)]
+pub struct ReplicationConfig {
+    /// Off by default: the daemon is one process with an in-memory index.
+    pub enabled: bool,
+    /// `redis://[user:password@]host:port[/db]` or `rediss://` (TLS); `KVINDEXER_REDIS_URL`
+    /// wins over the file. The password is never printed.
+    pub redis_url: String,
+    /// Prefix of every key this deployment uses, so several deployments can share one Redis.
+    pub key_prefix: String,
+    /// This replica's name in the log and in `ListPods`; empty: the host name.
+    pub replica_id: String,
+    /// How often a snapshot of the index is written (by one replica at a time); the log is
+    /// trimmed behind it.
+    pub snapshot_interval: ConfigDuration,
+    /// Messages waiting to be appended while Redis is slow or down; beyond, appends are
+    /// dropped and counted (`kvindexer_replication_append_dropped_total`).
+    pub append_queue: usize,
+    /// The log's length cap (approximate, entries): a safety net should snapshots stop; a
+    /// replica that falls further behind reloads from the snapshot.
+    pub max_log_length: u64,
+    /// How long a starting replica waits for Redis (snapshot and log) before it serves cold
+    /// and catches up in the background.
+    pub startup_timeout: ConfigDuration,
+}
+
+impl Default for ReplicationConfig {
+    fn default() -> Self {
+        Self {
+            enabled: false,
+            redis_url: String::new(),
+            key_prefix: "kv-indexer".into(),
+            replica_id: String::new(),
+            snapshot_interval: ConfigDuration::secs(30),
+            append_queue: 65_536,
+            max_log_length: 2_000_000,
+            startup_timeout: ConfigDuration::secs(10),
+        }
+    }
+}
+
+/// `url` with its password (if any) replaced, for logs, metrics and errors.
+pub fn redact_url(url: &str) -> String {
+    let Some((scheme, rest)) = url.split_once("://") else {
+        return url.to_owned();
+    };
+    let (authority, path) = match rest.find('/') {
+        Some(i) => rest.split_at(i),
+        None => (rest, ""),
+    };
+    match authority.rsplit_once('@') {
+        Some((userinfo, host)) => {
+            let user = userinfo.split_once(':').map_or("", |(u, _)| u);
+            format!("{scheme}://{user}:<redacted>@{host}{path}")
+        }
+        None => url.to_owned(),
+    }
 }
 
 /// llm-d's `indexerConfig`.
@@ -450,7 +515,8 @@ impl Config {
 
     /// Applies environment overrides through `get` (so tests need no process environment):
     /// `HF_TOKEN` -> `huggingFaceToken`, `PYTHONHASHSEED` -> `hashSeed`, `HF_ENDPOINT` ->
-    /// `hfEndpoint`, `HF_HUB_OFFLINE=1` -> `offline`.
+    /// `hfEndpoint`, `HF_HUB_OFFLINE=1` -> `offline`, `KVINDEXER_ADMIN_TOKEN` -> `adminToken`,
+    /// `KVINDEXER_REDIS_URL` -> `replication.redisUrl`.
     pub fn apply_env(&mut self, get: impl Fn(&str) -> Option<String>) {
         if let Some(endpoint) = get("HF_ENDPOINT").filter(|e| !e.is_empty()) {
             self.indexer_config.tokenizers_pool_config.hf_endpoint = endpoint;
@@ -469,6 +535,9 @@ impl Config {
         if let Some(token) = get("KVINDEXER_ADMIN_TOKEN").filter(|t| !t.is_empty()) {
             self.server.admin_token = token;
         }
+        if let Some(url) = get("KVINDEXER_REDIS_URL").filter(|u| !u.is_empty()) {
+            self.replication.redis_url = url;
+        }
     }
 
     /// A copy safe to print: the HuggingFace token and the admin token are masked.
@@ -482,6 +551,7 @@ impl Config {
                 *secret = "<redacted>".into();
             }
         }
+        c.replication.redis_url = redact_url(&c.replication.redis_url);
         c
     }
 
@@ -575,6 +645,37 @@ kvEventsConfig: {zmqEndpoint: "tcp://*:5557", topicFilter: "kv@", concurrency: 1
         let printed = c.redacted().to_yaml();
         assert!(!printed.contains("hf_secret"), "{printed}");
         assert!(printed.contains("<redacted>"));
+    }
+
+    #[test]
+    fn the_redis_url_comes_from_the_environment_and_its_password_is_never_printed() {
+        let mut c = Config::from_yaml(
+            "replication: {enabled: true, redisUrl: \"redis://file-host:6379\", snapshotInterval: 500ms}\n",
+            "f",
+        )
+        .expect("parses");
+        c.apply_env(|k| {
+            (k == "KVINDEXER_REDIS_URL").then(|| "rediss://kv:s3cr3t-pw@redis.prod:6380/2".into())
+        });
+        c.validate().expect("valid");
+        assert_eq!(c.replication.snapshot_interval.0.as_millis(), 500);
+        let printed = c.redacted().to_yaml();
+        assert!(!printed.contains("s3cr3t-pw"), "{printed}");
+        assert!(
+            printed.contains("rediss://kv:<redacted>@redis.prod:6380/2"),
+            "{printed}"
+        );
+        assert_eq!(redact_url("redis://h:1"), "redis://h:1");
+        assert_eq!(redact_url("redis://:pw@h:1"), "redis://:<redacted>@h:1");
+        let mut off = Config::default();
+        off.replication.enabled = true;
+        let e = off.validate().expect_err("no url");
+        assert!(e.to_string().contains("replication.redisUrl"), "{e}");
+        let e = Config::from_yaml("replication: {snapshotInterval: 30}\n", "f").expect_err("unit");
+        assert!(
+            e.to_string().contains("unit") || e.to_string().contains("duration"),
+            "{e}"
+        );
     }
 
     #[test]

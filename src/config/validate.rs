@@ -184,6 +184,52 @@ impl Config {
             let unit = m.hash_block_size.or(tp.hash_block_size);
             check_block_sizes(&format!("models.{model}"), block, unit)?;
         }
+        self.validate_replication()
+    }
+
+    fn validate_replication(&self) -> Result<(), ConfigError> {
+        let r = &self.replication;
+        if !r.enabled {
+            return Ok(());
+        }
+        if !(r.redis_url.starts_with("redis://") || r.redis_url.starts_with("rediss://")) {
+            return Err(invalid(
+                "replication.redisUrl",
+                format!(
+                    "{:?}: replication needs a redis:// or rediss:// URL (or KVINDEXER_REDIS_URL)",
+                    super::redact_url(&r.redis_url)
+                ),
+            ));
+        }
+        if r.key_prefix.is_empty()
+            || r.key_prefix.len() > 128
+            || r.key_prefix
+                .chars()
+                .any(|c| c.is_whitespace() || c.is_control())
+        {
+            return Err(invalid(
+                "replication.keyPrefix",
+                "must be 1-128 characters without spaces",
+            ));
+        }
+        if r.replica_id.len() > 253 || r.replica_id.chars().any(|c| c.is_control()) {
+            return Err(invalid(
+                "replication.replicaId",
+                "must be at most 253 printable characters",
+            ));
+        }
+        if r.snapshot_interval.0 < std::time::Duration::from_millis(100) {
+            return Err(invalid(
+                "replication.snapshotInterval",
+                "must be at least 100ms",
+            ));
+        }
+        if r.append_queue == 0 {
+            return Err(invalid("replication.appendQueue", "must be at least 1"));
+        }
+        if r.max_log_length < 1_000 {
+            return Err(invalid("replication.maxLogLength", "must be at least 1000"));
+        }
         Ok(())
     }
 }

@@ -25,7 +25,12 @@
 //! - gap fill runs off the event path: it is a task of its own (at most `maxGapFillsInFlight`
 //!   at once); meanwhile that publisher's messages wait in a bounded buffer and every other
 //!   publisher's apply as usual; a publisher whose gap fill fails is backed off (1 s doubling to
-//!   60 s) and its gaps are counted as lost without asking it again.
+//!   60 s) and its gaps are counted as lost without asking it again;
+//! - with replication ([`crate::replication`]), every message applied from this replica's own
+//!   sockets is appended to the shared log, and messages other replicas appended come back
+//!   through a [`Feeder`] to the same worker as the pod's own messages; one sequence state per
+//!   publisher covers both paths, so each (publisher, sequence) is applied once, whichever path
+//!   brought it first (an older message after a newer one is stale, see [`sequence`]).
 
 pub mod gap_fill;
 pub mod sequence;
@@ -48,6 +53,7 @@ use zeromq::{Socket, SubSocket};
 
 use crate::config::KvEventsConfig;
 use crate::metrics::Metrics;
+use crate::replication::Record;
 
 /// Why ingestion could not start.
 #[derive(Debug, Error)]
@@ -82,10 +88,16 @@ pub struct PublisherKey {
 }
 
 /// What the daemon knows about a publisher's stream.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq)]
 pub struct PublisherState {
     /// The last sequence number applied.
     pub last_seq: Option<u64>,
+    /// The timestamp (`ts`, vLLM's wall clock) of the batch applied last; with `last_seq` it
+    /// tells a stale message from a restart.
+    pub last_ts: f64,
+    /// The replica whose socket received the message applied last (this one's id when the
+    /// message came from its own socket).
+    pub received_by: Arc<str>,
     /// Messages applied.
     pub messages: u64,
     /// Gaps seen.
@@ -131,6 +143,17 @@ impl Publishers {
         all
     }
 
+    /// Puts back publisher states from a snapshot (replacing what is there).
+    pub(crate) fn restore(&self, states: Vec<(PublisherKey, PublisherState)>) {
+        for shard in &self.shards {
+            shard.lock().clear();
+        }
+        for (key, state) in states {
+            let shard = worker_of(&key.pod, self.shards.len());
+            self.shards[shard].lock().insert(key, state);
+        }
+    }
+
     /// Forgets a pod's publishers (after an admin clear), so its next message starts afresh.
     pub fn forget_pod(&self, model: &str, pod: &str) {
         for shard in &self.shards {
@@ -139,6 +162,14 @@ impl Publishers {
                 .retain(|k, _| !(&*k.pod == pod && &*k.model == model));
         }
     }
+}
+
+/// The worker (and publisher shard) a pod's messages go to.
+pub(crate) fn worker_of(pod: &str, workers: usize) -> usize {
+    use std::hash::{Hash, Hasher};
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    pod.hash(&mut h);
+    (h.finish() as usize) % workers.max(1)
 }
 
 /// At most one log line per reason every 10 s, reporting how many were suppressed.
@@ -189,13 +220,126 @@ impl GapFillRoute {
     }
 }
 
-/// One received message, dispatched to a worker.
-struct Job {
+/// How a message reached this replica.
+#[derive(Debug, Clone)]
+enum Via {
+    /// Its own socket; a gap may be filled through the route.
+    Socket(GapFillRoute),
+    /// The replication log, appended by the named replica.
+    Log(Arc<str>),
+}
+
+/// One message for a worker.
+struct Message {
     pod: Arc<str>,
     model: Arc<str>,
     seq: u64,
     payload: Bytes,
-    gap_fill: GapFillRoute,
+    via: Via,
+}
+
+/// What a worker is asked to do.
+enum Job {
+    /// Sequence and apply a message.
+    Message(Message),
+    /// Clear a pod and forget its publishers (an admin clear, replayed from the log).
+    ClearPod {
+        /// The model.
+        model: Arc<str>,
+        /// The pod.
+        pod: Arc<str>,
+    },
+    /// Stop until the gate opens (a consistent snapshot of index and publishers).
+    Pause(PauseGate),
+}
+
+/// A worker's side of a pause: it says it arrived, then waits for the resume signal (or for
+/// the pauser to go away).
+struct PauseGate {
+    arrived: mpsc::Sender<()>,
+    resume: watch::Receiver<bool>,
+}
+
+impl PauseGate {
+    async fn hold(mut self) {
+        let _ = self.arrived.send(()).await;
+        let _ = self.resume.wait_for(|go| *go).await;
+    }
+}
+
+/// Every worker paused; they resume when this is dropped.
+pub struct Paused {
+    _resume: watch::Sender<bool>,
+}
+
+/// Hands replication-log entries to the workers (each to its pod's worker, in log order), and
+/// pauses them all for a snapshot.
+#[derive(Clone)]
+pub struct Feeder {
+    dispatch: Arc<Dispatch>,
+}
+
+impl Feeder {
+    /// Queues `record` (appended by `replica`) for its pod's worker, waiting for room (the log is never shed: a
+    /// replica that skipped an entry would differ from the others). `false` once the workers
+    /// are gone.
+    pub async fn feed(&self, replica: Arc<str>, record: Record) -> bool {
+        let (pod, job) = match record {
+            Record::Message {
+                pod,
+                model,
+                seq,
+                payload,
+            } => (
+                pod.clone(),
+                Job::Message(Message {
+                    pod,
+                    model,
+                    seq,
+                    payload,
+                    via: Via::Log(replica),
+                }),
+            ),
+            Record::ClearPod { model, pod } => (pod.clone(), Job::ClearPod { model, pod }),
+        };
+        let worker = worker_of(&pod, self.dispatch.workers.len());
+        self.dispatch.shared.metrics.ingest.queued();
+        let sent = self.dispatch.workers[worker].send(job).await.is_ok();
+        if !sent {
+            self.dispatch.shared.metrics.ingest.dequeued();
+        }
+        sent
+    }
+
+    /// Pauses every worker after what is queued before; returns once all have stopped.
+    /// `None` when the workers are gone.
+    pub async fn pause(&self) -> Option<Paused> {
+        let n = self.dispatch.workers.len();
+        let (arrived, mut arrivals) = mpsc::channel(n);
+        let (resume, resume_rx) = watch::channel(false);
+        for worker in &self.dispatch.workers {
+            let gate = PauseGate {
+                arrived: arrived.clone(),
+                resume: resume_rx.clone(),
+            };
+            worker.send(Job::Pause(gate)).await.ok()?;
+        }
+        drop(arrived);
+        for _ in 0..n {
+            arrivals.recv().await?;
+        }
+        Some(Paused { _resume: resume })
+    }
+
+    /// The index the workers apply to.
+    pub fn indexer(&self) -> &Arc<Indexer> {
+        &self.dispatch.shared.indexer
+    }
+
+    /// The publishers' states.
+    pub fn publishers(&self) -> &Arc<Publishers> {
+        &self.dispatch.shared.publishers
+    }
 }
 
 /// Shared by receivers and workers.
@@ -215,6 +359,10 @@ struct Shared {
     decode_log: LogLimiter,
     gap_fill_log: LogLimiter,
     shed_log: LogLimiter,
+    /// Where messages from this replica's sockets are appended (replication on).
+    log: Option<crate::replication::LogSink>,
+    /// This replica's id (`received_by` of what its sockets bring).
+    replica: Arc<str>,
 }
 
 /// What receivers hold: the shared state and the workers' queues. Workers do not hold it, so
@@ -236,6 +384,19 @@ pub struct IngestHandle {
 }
 
 impl IngestHandle {
+    /// The replication follower's way in (a log entry goes to its pod's worker).
+    pub fn feeder(&self) -> Option<Feeder> {
+        self.dispatch.as_ref().map(|dispatch| Feeder {
+            dispatch: dispatch.clone(),
+        })
+    }
+
+    /// A task that feeds the workers (the replication follower): joined with the receivers,
+    /// before the queues close.
+    pub fn attach(&mut self, task: JoinHandle<()>) {
+        self.receivers.push(task);
+    }
+
     /// Stops intake, then lets the workers finish what is queued. Call after signalling
     /// `shutdown`.
     pub async fn join(mut self) {
@@ -250,15 +411,36 @@ impl IngestHandle {
     }
 }
 
+/// What ingestion starts from, beside its config.
+pub struct IngestSetup {
+    /// The index.
+    pub indexer: Arc<Indexer>,
+    /// The metrics.
+    pub metrics: Arc<Metrics>,
+    /// Publisher states restored from a snapshot (empty on a cold start).
+    pub publishers: Vec<(PublisherKey, PublisherState)>,
+    /// Replication's append queue, when replication is on.
+    pub log: Option<crate::replication::LogSink>,
+    /// This replica's id.
+    pub replica: Arc<str>,
+}
+
 /// Starts the workers and the receivers (bind and/or connect mode).
 pub async fn start(
     config: &KvEventsConfig,
-    indexer: Arc<Indexer>,
-    metrics: Arc<Metrics>,
+    setup: IngestSetup,
     shutdown: watch::Receiver<bool>,
 ) -> Result<IngestHandle, IngestError> {
+    let IngestSetup {
+        indexer,
+        metrics,
+        publishers: restored,
+        log,
+        replica,
+    } = setup;
     let n = config.concurrency.max(1);
     let publishers = Arc::new(Publishers::new(n));
+    publishers.restore(restored);
     let mut senders = Vec::with_capacity(n);
     let mut receivers_of_workers = Vec::with_capacity(n);
     for _ in 0..n {
@@ -281,6 +463,8 @@ pub async fn start(
         decode_log: LogLimiter::default(),
         gap_fill_log: LogLimiter::default(),
         shed_log: LogLimiter::default(),
+        log,
+        replica,
     });
     let dispatch = Arc::new(Dispatch {
         shared: shared.clone(),

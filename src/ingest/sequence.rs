@@ -15,8 +15,22 @@
 //!   between two of ours (vLLM buffers 10,000), so the stream is not the one we knew: clear the
 //!   engine's blocks, as for a restart, and count nothing as lost (a forged or corrupt sequence
 //!   cannot inflate the loss counters).
+//!
+//! With replication, one publisher's messages reach a replica by two paths (its own ZMQ socket
+//! and the shared log, where another replica put them), so a message can come after a newer
+//! one, and messages of an engine's previous incarnation can come after its restart.
+//! [`SeqOutcome::classify_timed`] tells these apart by the batch's timestamp (vLLM's wall
+//! clock, `ts`): a lower sequence with an older timestamp is **stale** (dropped), with a newer
+//! one a restart; a higher sequence more than [`INCARNATION_SKEW_SECS`] older than the last
+//! applied is a message of the previous incarnation, also stale. A restarted engine takes
+//! seconds to load its model, far more than any skew of one node's clock. Without replication
+//! there is one path and the daemon uses [`SeqOutcome::classify`].
 
 use std::ops::Range;
+
+/// How much older than the last applied batch a batch with a *higher* sequence must be to
+/// belong to an earlier incarnation (seconds): a clock stepped back by NTP stays far below.
+pub const INCARNATION_SKEW_SECS: f64 = 1.0;
 
 /// The largest forward jump taken as a gap (16.7M messages: hours of a busy engine's traffic).
 pub const MAX_GAP: u64 = 1 << 24;
@@ -45,6 +59,9 @@ pub enum SeqOutcome {
         /// The skipped sequences (counted as lost when they cannot be fetched).
         missing: Range<u64>,
     },
+    /// An earlier message of the same incarnation, after a newer one was applied (it came
+    /// the long way, through the replication log or late from the socket): drop it.
+    Stale,
 }
 
 impl SeqOutcome {
@@ -60,6 +77,19 @@ impl SeqOutcome {
             Some(last) => SeqOutcome::Gap {
                 missing: last + 1..seq,
             },
+        }
+    }
+
+    /// As [`classify`](Self::classify), with the batches' timestamps: a sequence that went
+    /// backwards with an older timestamp than the last applied is [`Stale`](Self::Stale), not a
+    /// restart. `last` is `(sequence, ts)` of the last message applied.
+    pub fn classify_timed(last: Option<(u64, f64)>, seq: u64, ts: f64) -> Self {
+        match last {
+            Some((last_seq, last_ts)) if seq < last_seq && ts < last_ts => SeqOutcome::Stale,
+            Some((last_seq, last_ts)) if seq > last_seq && ts < last_ts - INCARNATION_SKEW_SECS => {
+                SeqOutcome::Stale
+            }
+            _ => Self::classify(last.map(|(s, _)| s), seq),
         }
     }
 }
@@ -117,6 +147,29 @@ mod tests {
             }
         );
         assert_eq!(SeqOutcome::classify(Some(10), 11 + super::MAX_GAP), Resync);
+    }
+
+    #[test]
+    fn backwards_and_older_is_stale_backwards_and_newer_is_a_restart() {
+        assert_eq!(SeqOutcome::classify_timed(Some((9, 50.0)), 7, 49.5), Stale);
+        assert_eq!(
+            SeqOutcome::classify_timed(Some((9, 50.0)), 0, 80.0),
+            Restart { missed: None }
+        );
+        // Equal timestamps (synthetic publishers) keep the single-stream meaning.
+        assert_eq!(
+            SeqOutcome::classify_timed(Some((9, 0.0)), 0, 0.0),
+            Restart { missed: None }
+        );
+        assert_eq!(
+            SeqOutcome::classify_timed(Some((9, 50.0)), 9, 50.0),
+            Duplicate
+        );
+        assert_eq!(SeqOutcome::classify_timed(Some((9, 50.0)), 10, 50.1), Next);
+        assert_eq!(
+            SeqOutcome::classify_timed(None, 3, 1.0),
+            First { missed: Some(0..3) }
+        );
     }
 
     #[test]

@@ -1,15 +1,13 @@
 //! The ZMQ side: bind-mode and connect-mode SUB sockets, and the dispatch of each well-formed
 //! message to its pod's worker queue.
 
-use std::collections::hash_map::DefaultHasher;
-use std::hash::{Hash, Hasher};
 use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::sync::{mpsc, watch};
 use zeromq::{Socket, SocketRecv, SubSocket, ZmqMessage};
 
-use super::{topic, Dispatch, GapFillRoute, Job, Shared};
+use super::{topic, worker_of, Dispatch, GapFillRoute, Job, Message, Shared, Via};
 use crate::config::ConnectEndpoint;
 
 /// How a receiver names the messages it gets.
@@ -166,17 +164,15 @@ fn dispatch_message(message: ZmqMessage, source: &Source, dispatch: &Dispatch) {
         return;
     }
     shared.metrics.ingest.received(&pod);
-    let mut h = DefaultHasher::new();
-    pod.hash(&mut h);
-    let worker = (h.finish() as usize) % dispatch.workers.len();
+    let worker = worker_of(&pod, dispatch.workers.len());
     shared.metrics.ingest.queued();
-    let job = Job {
+    let job = Job::Message(Message {
         pod,
         model,
         seq,
         payload: payload.clone(),
-        gap_fill: source.gap_fill.clone(),
-    };
+        via: Via::Socket(source.gap_fill.clone()),
+    });
     // Never wait on one worker: a full queue sheds this message (its publisher sees a gap,
     // filled from vLLM's buffer when possible) instead of holding back every other pod.
     match dispatch.workers[worker].try_send(job) {
@@ -184,8 +180,8 @@ fn dispatch_message(message: ZmqMessage, source: &Source, dispatch: &Dispatch) {
         Err(mpsc::error::TrySendError::Full(job)) => {
             shared.metrics.ingest.dequeued();
             shared.metrics.ingest.shed("queue_full");
-            if let Some(suppressed) = shared.shed_log.allow() {
-                tracing::warn!(pod = %job.pod, worker, suppressed, "a worker queue is full: message shed (kvEventsConfig.queueDepth)");
+            if let (Some(suppressed), Job::Message(m)) = (shared.shed_log.allow(), &job) {
+                tracing::warn!(pod = %m.pod, worker, suppressed, "a worker queue is full: message shed (kvEventsConfig.queueDepth)");
             }
         }
         Err(mpsc::error::TrySendError::Closed(_)) => shared.metrics.ingest.dequeued(),

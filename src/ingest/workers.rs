@@ -8,9 +8,13 @@
 //! `replayTimeoutMs`), the fetched batches are applied, then the parked ones, in sequence order.
 //! A buffer that overflows gives up waiting: the hole is counted as lost and the parked messages
 //! are applied.
+//!
+//! Messages from the replication log ([`Via::Log`]) are sequenced by the same state: never
+//! gap-filled (the replica that received them did that), never appended again.
 
 use std::collections::{HashMap, VecDeque};
 use std::ops::Range;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -20,7 +24,8 @@ use tokio::sync::mpsc;
 
 use super::gap_fill::{self, GapFillError};
 use super::sequence::SeqOutcome;
-use super::{GapFillRoute, Job, PublisherKey, PublisherState, Shared};
+use super::{GapFillRoute, Job, Message, PublisherKey, PublisherState, Shared, Via};
+use crate::replication::Record;
 
 /// Messages a publisher may park while its gap is being filled; beyond, the fill is given up.
 pub(super) const MAX_PARKED: usize = 4096;
@@ -29,6 +34,10 @@ pub(super) const MAX_PARKED: usize = 4096;
 const BACKOFF_START: Duration = Duration::from_secs(1);
 /// The longest backoff.
 const BACKOFF_MAX: Duration = Duration::from_secs(60);
+
+/// With replication on, how long a gap waits for the log (another replica may have received
+/// the missing messages) before the publisher's replay socket is asked.
+const LOG_FILL_GRACE: Duration = Duration::from_millis(100);
 
 /// A publisher waiting for its gap fill.
 struct Parked {
@@ -39,7 +48,19 @@ struct Parked {
     /// Whether the hole counts as lost when it cannot be filled (a gap; not a late join).
     count_lost: bool,
     /// Messages that arrived meanwhile, in arrival order.
-    messages: VecDeque<(u64, EventBatch)>,
+    messages: VecDeque<Pending>,
+    /// Set when the replication log closed the hole first: the fill task, still in its
+    /// grace delay, then never asks the publisher.
+    closed_by_log: Arc<AtomicBool>,
+}
+
+/// A decoded message on its way to the index.
+struct Pending {
+    seq: u64,
+    payload: Bytes,
+    batch: EventBatch,
+    /// `None`: this replica's socket; `Some(replica)`: the replication log.
+    from_log: Option<Arc<str>>,
 }
 
 /// A gap-fill task's report.
@@ -74,10 +95,17 @@ pub(super) async fn run(index: usize, mut rx: mpsc::Receiver<Job>, shared: Arc<S
             biased;
             Some(report) = report_rx.recv() => worker.settle(report),
             job = rx.recv() => match job {
-                Some(job) => {
+                Some(Job::Message(message)) => {
                     shared.metrics.ingest.dequeued();
-                    worker.handle(job);
+                    worker.handle(message);
                 }
+                Some(Job::ClearPod { model, pod }) => {
+                    shared.metrics.ingest.dequeued();
+                    let removed = shared.indexer.clear_pod(&model, &pod);
+                    shared.publishers.forget_pod(&model, &pod);
+                    tracing::info!(%model, %pod, removed, "pod cleared (replicated admin request)");
+                }
+                Some(Job::Pause(gate)) => gate.hold().await,
                 None => break,
             },
         }
@@ -97,7 +125,7 @@ impl Worker<'_> {
         f(shard.entry(key.clone()).or_default())
     }
 
-    fn handle(&mut self, job: Job) {
+    fn handle(&mut self, job: Message) {
         let metrics = &self.shared.metrics.ingest;
         let batch = match decode_batch(&job.payload) {
             Ok(b) => b,
@@ -114,9 +142,34 @@ impl Worker<'_> {
             model: job.model.clone(),
             rank: rank_of(&batch),
         };
+        let (gap_fill, from_log) = match job.via {
+            Via::Socket(route) => (Some(route), None),
+            Via::Log(replica) => (None, Some(replica)),
+        };
+        let message = Pending {
+            seq: job.seq,
+            payload: job.payload,
+            batch,
+            from_log,
+        };
         if let Some(parked) = self.parked.get_mut(&key) {
+            if message.from_log.is_some() && message.seq == parked.wanted.start {
+                // The log brings the next missing message: apply it, and stop waiting for the
+                // fill once the hole is closed.
+                parked.wanted.start += 1;
+                let closed = parked.wanted.is_empty();
+                self.apply(&key, message);
+                if closed {
+                    if let Some(parked) = self.parked.remove(&key) {
+                        parked.closed_by_log.store(true, Ordering::Relaxed);
+                        metrics.gap_fill("from_log");
+                        self.release(&key, parked.messages);
+                    }
+                }
+                return;
+            }
             if parked.messages.len() < MAX_PARKED {
-                parked.messages.push_back((job.seq, batch));
+                parked.messages.push_back(message);
                 return;
             }
             // The fill takes too long for this publisher's traffic: stop waiting for it, and
@@ -128,25 +181,30 @@ impl Worker<'_> {
                 self.release(&key, parked.messages);
             }
         }
-        self.sequence(Some(&job.gap_fill), key, job.seq, batch);
+        self.sequence(gap_fill.as_ref(), key, message);
     }
 
     /// Sequences one message of `key` and applies it; with a gap-fill route, a hole before it
     /// starts a gap fill (and parks the message) instead of being counted as lost.
-    fn sequence(
-        &mut self,
-        gap_fill: Option<&GapFillRoute>,
-        key: PublisherKey,
-        seq: u64,
-        batch: EventBatch,
-    ) {
+    fn sequence(&mut self, gap_fill: Option<&GapFillRoute>, key: PublisherKey, message: Pending) {
         let metrics = &self.shared.metrics.ingest;
-        let last = self.state(&key, |s| s.last_seq);
-        let outcome = SeqOutcome::classify(last, seq);
+        let seq = message.seq;
+        let last_applied = self.state(&key, |s| s.last_seq.map(|seq| (seq, s.last_ts)));
+        let last = last_applied.map(|(seq, _)| seq);
+        // Two paths (replication) need the timestamps to order a publisher's messages.
+        let outcome = if self.shared.log.is_some() {
+            SeqOutcome::classify_timed(last_applied, seq, message.batch.ts)
+        } else {
+            SeqOutcome::classify(last, seq)
+        };
         let hole = match &outcome {
             SeqOutcome::Next => None,
             SeqOutcome::Duplicate => {
                 metrics.skipped("duplicate", 1);
+                return;
+            }
+            SeqOutcome::Stale => {
+                metrics.skipped("stale", 1);
                 return;
             }
             // Joined late (daemon start, slow joiner): fetch what the buffer still has.
@@ -172,9 +230,12 @@ impl Worker<'_> {
         };
         if let Some((wanted, count_lost)) = hole {
             if let Some(route) = gap_fill {
-                if let Some(fill) = self.start_fill(route, &key, wanted.clone()) {
+                let closed_by_log = Arc::new(AtomicBool::new(false));
+                if let Some(fill) =
+                    self.start_fill(route, &key, wanted.clone(), closed_by_log.clone())
+                {
                     let mut messages = VecDeque::new();
-                    messages.push_back((seq, batch));
+                    messages.push_back(message);
                     self.parked.insert(
                         key,
                         Parked {
@@ -182,6 +243,7 @@ impl Worker<'_> {
                             wanted,
                             count_lost,
                             messages,
+                            closed_by_log,
                         },
                     );
                     return;
@@ -191,11 +253,7 @@ impl Worker<'_> {
                 self.lost(&key, wanted.end - wanted.start);
             }
         }
-        self.apply(&key, &batch);
-        self.state(&key, |s| {
-            s.last_seq = Some(seq);
-            s.messages += 1;
-        });
+        self.apply(&key, message);
     }
 
     /// Starts a gap-fill task for `wanted`, or says why not (and counts it): no gap-fill
@@ -205,6 +263,7 @@ impl Worker<'_> {
         route: &GapFillRoute,
         key: &PublisherKey,
         wanted: Range<u64>,
+        closed_by_log: Arc<AtomicBool>,
     ) -> Option<u64> {
         let metrics = &self.shared.metrics.ingest;
         let Some(endpoint) = route.endpoint(&key.pod, key.rank) else {
@@ -225,7 +284,18 @@ impl Worker<'_> {
         let reports = self.reports.clone();
         let timeout = self.shared.gap_fill_timeout;
         let key = key.clone();
+        let grace = if self.shared.log.is_some() {
+            LOG_FILL_GRACE
+        } else {
+            Duration::ZERO
+        };
         tokio::spawn(async move {
+            if !grace.is_zero() {
+                tokio::time::sleep(grace).await;
+                if closed_by_log.load(Ordering::Relaxed) {
+                    return;
+                }
+            }
             let started = Instant::now();
             let result = gap_fill::fetch(&endpoint, wanted.start, timeout).await;
             drop(permit);
@@ -266,11 +336,13 @@ impl Worker<'_> {
                     }
                     match decode_batch(&payload) {
                         Ok(batch) => {
-                            self.apply(&key, &batch);
-                            self.state(&key, |s| {
-                                s.last_seq = Some(seq);
-                                s.messages += 1;
-                            });
+                            let message = Pending {
+                                seq,
+                                payload,
+                                batch,
+                                from_log: None,
+                            };
+                            self.apply(&key, message);
                             applied += 1;
                         }
                         Err(e) => metrics.decode_error(e.reason()),
@@ -315,9 +387,9 @@ impl Worker<'_> {
     }
 
     /// Applies parked messages in order; a new hole among them is counted, not filled.
-    fn release(&mut self, key: &PublisherKey, messages: VecDeque<(u64, EventBatch)>) {
-        for (seq, batch) in messages {
-            self.sequence(None, key.clone(), seq, batch);
+    fn release(&mut self, key: &PublisherKey, messages: VecDeque<Pending>) {
+        for message in messages {
+            self.sequence(None, key.clone(), message);
         }
     }
 
@@ -340,8 +412,35 @@ impl Worker<'_> {
         }
     }
 
-    /// Applies one batch and records what it did.
-    fn apply(&self, key: &PublisherKey, batch: &EventBatch) {
+    /// Applies one message, records it as its publisher's last, and (when it came from this
+    /// replica's socket and replication is on) appends it to the shared log.
+    fn apply(&self, key: &PublisherKey, message: Pending) {
+        let shared = self.shared;
+        self.apply_batch(key, &message.batch);
+        let received_by = message
+            .from_log
+            .clone()
+            .unwrap_or_else(|| shared.replica.clone());
+        self.state(key, |s| {
+            s.last_seq = Some(message.seq);
+            s.last_ts = message.batch.ts;
+            s.messages += 1;
+            if s.received_by != received_by {
+                s.received_by = received_by;
+            }
+        });
+        if let (Some(log), None) = (&shared.log, &message.from_log) {
+            log.append(Record::Message {
+                pod: key.pod.clone(),
+                model: key.model.clone(),
+                seq: message.seq,
+                payload: message.payload,
+            });
+        }
+    }
+
+    /// Applies one batch to the index and counts what it did.
+    fn apply_batch(&self, key: &PublisherKey, batch: &EventBatch) {
         let shared = self.shared;
         let report = match shared.indexer.apply_batch(&key.model, &key.pod, batch) {
             Ok(r) => r,

@@ -13,6 +13,7 @@
 mod index;
 mod ingest;
 mod registry;
+mod replication;
 mod scoring;
 mod tokenizer;
 
@@ -24,6 +25,7 @@ use prometheus::{Encoder, IntGauge, Registry, TextEncoder};
 pub use index::IndexMetrics;
 pub use ingest::IngestMetrics;
 pub use registry::Labels;
+pub use replication::ReplicationMetrics;
 pub use scoring::ScoringMetrics;
 pub use tokenizer::TokenizerMetrics;
 
@@ -38,6 +40,8 @@ pub struct Metrics {
     pub index: IndexMetrics,
     /// Score requests.
     pub scoring: ScoringMetrics,
+    /// The replication log, snapshots and Redis (zero while replication is off).
+    pub replication: ReplicationMetrics,
     /// Tokenization (the tokenizer service's observer).
     pub tokenizer: Arc<TokenizerMetrics>,
     /// The process's resident memory, read at scrape time (soak tests watch it).
@@ -53,6 +57,7 @@ impl Metrics {
             ingest: IngestMetrics::new(&registry, labels.clone()),
             index: IndexMetrics::new(&registry, labels.clone()),
             scoring: ScoringMetrics::new(&registry),
+            replication: ReplicationMetrics::new(&registry),
             tokenizer: Arc::new(TokenizerMetrics::new(&registry)),
             resident_memory: registry::gauge(
                 &registry,

@@ -15,6 +15,7 @@ use tonic::{Request, Response, Status};
 use crate::config::ServerConfig;
 use crate::ingest::Publishers;
 use crate::metrics::Metrics;
+use crate::replication::{LogSink, Record};
 use kv_core::{Indexer, ScoreError};
 use kv_tokenize::LoadError;
 use kv_tokenize::{ChatInput, ChatMessage};
@@ -31,6 +32,8 @@ pub struct ScoreService {
     publishers: Arc<Publishers>,
     limits: ServerConfig,
     in_flight: Arc<Semaphore>,
+    /// Replication's append queue: admin clears go to every replica through the log.
+    log: Option<LogSink>,
 }
 
 impl ScoreService {
@@ -41,6 +44,7 @@ impl ScoreService {
         metrics: Arc<Metrics>,
         publishers: Arc<Publishers>,
         limits: ServerConfig,
+        log: Option<LogSink>,
     ) -> Arc<Self> {
         Arc::new(Self {
             in_flight: Arc::new(Semaphore::new(limits.max_concurrent_requests)),
@@ -49,6 +53,7 @@ impl ScoreService {
             metrics,
             publishers,
             limits,
+            log,
         })
     }
 
@@ -300,6 +305,7 @@ impl kvindexer_v1::kv_indexer_server::KvIndexer for KvIndexerApi {
                     hash_mismatches: check.mismatches,
                     messages_lost: publisher.messages_lost,
                     gap_fill_failures: publisher.gap_fill_failures,
+                    received_by: publisher.received_by.to_string(),
                 });
             }
         }
@@ -323,6 +329,12 @@ impl kvindexer_v1::kv_indexer_server::KvIndexer for KvIndexerApi {
         }
         let removed = self.0.indexer.clear_pod(&req.model, &req.pod);
         self.0.publishers.forget_pod(&req.model, &req.pod);
+        if let Some(log) = &self.0.log {
+            log.append(Record::ClearPod {
+                model: req.model.as_str().into(),
+                pod: req.pod.as_str().into(),
+            });
+        }
         tracing::info!(model = %req.model, pod = %req.pod, removed, "pod cleared by admin request");
         Ok(Response::new(kvindexer_v1::ClearPodResponse {
             removed: removed as u64,

@@ -7,6 +7,7 @@ use serde_json::Value;
 
 #[path = "../../crates/kv-core/tests/support/mod.rs"]
 mod core;
+pub mod redis;
 #[allow(unused_imports)]
 pub use core::{captured_payload, fixture, hashes, u32s, unhex, Rng};
 
@@ -150,4 +151,35 @@ pub fn metric(page: &str, name_and_labels: &str) -> f64 {
         .and_then(|l| l.rsplit(' ').next())
         .and_then(|v| v.parse().ok())
         .unwrap_or(0.0)
+}
+
+/// Blocks of `tokens` that `pod` holds, by `ScorePods` over gRPC (0 while `model` is unknown).
+pub async fn matched_blocks(
+    client: &mut kv_proto::kvindexer_v1::kv_indexer_client::KvIndexerClient<
+        tonic::transport::Channel,
+    >,
+    model: &str,
+    tokens: &[u32],
+    pod: &str,
+) -> u32 {
+    use kv_proto::kvindexer_v1::{score_pods_request::Input, ScorePodsRequest, TokenIds};
+    let r = client
+        .score_pods(ScorePodsRequest {
+            model: model.into(),
+            input: Some(Input::Tokens(TokenIds {
+                ids: tokens.to_vec(),
+            })),
+            pods: vec![pod.into()],
+            ..Default::default()
+        })
+        .await;
+    match r {
+        Ok(r) => r
+            .into_inner()
+            .scores
+            .first()
+            .map_or(0, |s| s.matched_blocks),
+        Err(s) if s.code() == tonic::Code::NotFound => 0, // model not seen yet
+        Err(s) => panic!("ScorePods failed: {s}"),
+    }
 }

@@ -1,0 +1,112 @@
+//! The appender: drains the append queue into the log, a pipelined batch per round trip.
+//! While Redis fails it keeps its batch, backs off (100 ms doubling to 5 s) and reconnects;
+//! the queue meanwhile fills up to `appendQueue`, beyond which the workers' appends are
+//! dropped and counted (they never wait).
+
+use std::time::Duration;
+
+use tokio::sync::mpsc;
+
+use super::{store, Record, Replication, BACKOFF_MAX, BACKOFF_START};
+use crate::ingest::LogLimiter;
+
+/// Records per round trip at most.
+const BATCH: usize = 512;
+/// Attempts to flush what is left once the queue has closed (shutdown).
+const FINAL_ATTEMPTS: u32 = 3;
+
+pub(super) async fn run(rep: Replication, mut rx: mpsc::Receiver<Record>) {
+    let inner = &rep.inner;
+    let metrics = &inner.metrics.replication;
+    let log = LogLimiter::default();
+    let mut conn = None;
+    let mut batch: Vec<Record> = Vec::with_capacity(BATCH);
+    let mut backoff = BACKOFF_START;
+    let mut failing = false;
+    let mut closed = false;
+    let mut final_attempts = 0;
+    loop {
+        if batch.is_empty() {
+            if closed {
+                break;
+            }
+            match rx.recv().await {
+                Some(record) => batch.push(record),
+                None => break,
+            }
+        }
+        while !closed && batch.len() < BATCH {
+            match rx.try_recv() {
+                Ok(record) => batch.push(record),
+                Err(mpsc::error::TryRecvError::Empty) => break,
+                Err(mpsc::error::TryRecvError::Disconnected) => closed = true,
+            }
+        }
+        metrics.append_queue(rx.len());
+        if conn.is_none() {
+            match rep.connect().await {
+                Ok(c) => conn = Some(c),
+                Err(e) => {
+                    metrics.redis_error("append");
+                    if let Some(suppressed) = log.allow() {
+                        tracing::warn!(redis = %rep.redacted_url(), error = %e, queued = rx.len() + batch.len(), suppressed, "replication: cannot reach Redis; appends wait in the queue");
+                    }
+                    if closed {
+                        final_attempts += 1;
+                        if final_attempts >= FINAL_ATTEMPTS {
+                            break;
+                        }
+                    }
+                    tokio::time::sleep(backoff).await;
+                    backoff = (backoff * 2).min(BACKOFF_MAX);
+                    failing = true;
+                    continue;
+                }
+            }
+        }
+        let Some(c) = conn.as_mut() else { continue };
+        match store::append(
+            c,
+            &inner.keys,
+            &batch,
+            &inner.replica,
+            &inner.instance,
+            inner.config.max_log_length,
+        )
+        .await
+        {
+            Ok(()) => {
+                metrics.appended(batch.len() as u64);
+                batch.clear();
+                backoff = BACKOFF_START;
+                if failing {
+                    failing = false;
+                    metrics.reconnected();
+                    tracing::info!(queued = rx.len(), "replication: appending again");
+                }
+            }
+            Err(e) => {
+                metrics.redis_error("append");
+                if let Some(suppressed) = log.allow() {
+                    tracing::warn!(error = %e, queued = rx.len() + batch.len(), suppressed, "replication: append failed; retrying");
+                }
+                conn = None;
+                failing = true;
+                if closed {
+                    final_attempts += 1;
+                    if final_attempts >= FINAL_ATTEMPTS {
+                        break;
+                    }
+                }
+                tokio::time::sleep(backoff.min(Duration::from_secs(1))).await;
+                backoff = (backoff * 2).min(BACKOFF_MAX);
+            }
+        }
+    }
+    if !batch.is_empty() {
+        tracing::warn!(
+            lost = batch.len(),
+            "replication: stopped with appends Redis never took"
+        );
+    }
+}

@@ -1,0 +1,294 @@
+//! The follower: reads the log after its position and feeds each entry to the workers, in log
+//! order; once a second checks the log's trim point (reloading from the snapshot when its
+//! position was trimmed away) and its lag; and every `snapshotInterval`, if it wins the
+//! snapshot lock, writes a snapshot as of its position.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use redis::aio::MultiplexedConnection;
+use tokio::sync::watch;
+
+use super::snapshot::SnapshotWriter;
+use super::store::{self, StoreError};
+use super::{Record, Replication, StreamId, BACKOFF_MAX, BACKOFF_START, READ_BLOCK};
+use crate::ingest::{Feeder, LogLimiter};
+
+/// Entries per read at most.
+const READ_COUNT: usize = 1024;
+/// How often the trim point, the lag and the snapshot's age are checked.
+const CHECK_EVERY: Duration = Duration::from_secs(1);
+
+struct Follower {
+    rep: Replication,
+    feeder: Feeder,
+    position: StreamId,
+    ready: Arc<AtomicBool>,
+    /// `entries-added` when the follower was last at the log's end, and entries read since:
+    /// the lag estimate.
+    added_at_end: Option<u64>,
+    read_since_end: u64,
+    last_check: Option<Instant>,
+    next_snapshot: Instant,
+    log: LogLimiter,
+}
+
+pub(super) async fn run(
+    rep: Replication,
+    feeder: Feeder,
+    position: StreamId,
+    ready: Arc<AtomicBool>,
+    mut shutdown: watch::Receiver<bool>,
+) {
+    let interval = rep.inner.config.snapshot_interval.0;
+    let mut f = Follower {
+        rep,
+        feeder,
+        position,
+        ready,
+        added_at_end: None,
+        read_since_end: 0,
+        last_check: None,
+        next_snapshot: Instant::now() + interval,
+        log: LogLimiter::default(),
+    };
+    let mut conn: Option<MultiplexedConnection> = None;
+    let mut backoff = BACKOFF_START;
+    loop {
+        if *shutdown.borrow() {
+            break;
+        }
+        let c = match conn.as_mut() {
+            Some(c) => c,
+            None => {
+                let attempt = tokio::select! {
+                    _ = shutdown.changed() => break,
+                    c = f.rep.connect() => c,
+                };
+                match attempt {
+                    Ok(c) => {
+                        if backoff > BACKOFF_START {
+                            f.rep.inner.metrics.replication.reconnected();
+                            tracing::info!("replication: reading the log again");
+                        }
+                        backoff = BACKOFF_START;
+                        conn.insert(c)
+                    }
+                    Err(e) => {
+                        f.failed(&StoreError::Redis(e));
+                        tokio::select! {
+                            _ = shutdown.changed() => break,
+                            _ = tokio::time::sleep(backoff) => {}
+                        }
+                        backoff = (backoff * 2).min(BACKOFF_MAX);
+                        continue;
+                    }
+                }
+            }
+        };
+        let step = tokio::select! {
+            _ = shutdown.changed() => break,
+            step = f.step(c) => step,
+        };
+        match step {
+            Ok(true) => {}
+            Ok(false) => break, // the workers are gone
+            Err(e) => {
+                f.failed(&e);
+                conn = None;
+                tokio::select! {
+                    _ = shutdown.changed() => break,
+                    _ = tokio::time::sleep(backoff) => {}
+                }
+                backoff = (backoff * 2).min(BACKOFF_MAX);
+            }
+        }
+    }
+    tracing::info!(position = %f.position, "replication: follower stopped");
+}
+
+impl Follower {
+    fn failed(&self, e: &StoreError) {
+        self.rep.inner.metrics.replication.redis_error("follow");
+        if let Some(suppressed) = self.log.allow() {
+            tracing::warn!(redis = %self.rep.redacted_url(), error = %e, position = %self.position, suppressed, "replication: cannot read the log; serving from memory meanwhile");
+        }
+    }
+
+    /// One round: the periodic checks, a snapshot when due, one read. `Ok(false)` when the
+    /// workers are gone.
+    async fn step(&mut self, conn: &mut MultiplexedConnection) -> Result<bool, StoreError> {
+        if self.last_check.is_none_or(|t| t.elapsed() >= CHECK_EVERY) {
+            self.last_check = Some(Instant::now());
+            if !self.check(conn).await? {
+                return Ok(false);
+            }
+        }
+        if Instant::now() >= self.next_snapshot {
+            self.next_snapshot = Instant::now() + self.rep.inner.config.snapshot_interval.0;
+            if !self.snapshot_turn(conn).await? {
+                return Ok(false);
+            }
+        }
+        let entries = store::read(
+            conn,
+            &self.rep.inner.keys,
+            self.position,
+            READ_COUNT,
+            READ_BLOCK,
+        )
+        .await?;
+        let metrics = &self.rep.inner.metrics.replication;
+        let at_end = entries.len() < READ_COUNT;
+        let newest = entries.last().map(|e| e.id);
+        for entry in entries {
+            self.position = entry.id;
+            self.read_since_end += 1;
+            match entry.record {
+                None => metrics.log_entry("undecodable"),
+                // This process applied its own admin clears when it made them.
+                Some(Record::ClearPod { .. })
+                    if entry.instance[..] == *self.rep.inner.instance.as_bytes() =>
+                {
+                    metrics.log_entry("own")
+                }
+                Some(record) => {
+                    if !self.feeder.feed(entry.replica, record).await {
+                        return Ok(false);
+                    }
+                    metrics.log_entry("applied");
+                }
+            }
+        }
+        if let Some(newest) = newest {
+            let age = now_ms().saturating_sub(newest.ms) as f64 / 1e3;
+            metrics.lag_seconds(if at_end { 0.0 } else { age });
+        }
+        if at_end && !self.ready.swap(true, Ordering::Relaxed) {
+            tracing::info!(position = %self.position, "replication: caught up with the log; ready");
+        }
+        Ok(true)
+    }
+
+    /// Trim point, lag and snapshot age; reloads when this replica's position was trimmed.
+    async fn check(&mut self, conn: &mut MultiplexedConnection) -> Result<bool, StoreError> {
+        let keys = &self.rep.inner.keys;
+        let info = store::log_info(conn, keys).await?;
+        let metrics = &self.rep.inner.metrics.replication;
+        if info.last_id <= self.position {
+            self.added_at_end = Some(info.entries_added);
+            self.read_since_end = 0;
+            metrics.lag_messages(0);
+            metrics.lag_seconds(0.0);
+        } else if let Some(base) = self.added_at_end {
+            let behind = info
+                .entries_added
+                .saturating_sub(base + self.read_since_end);
+            metrics.lag_messages(behind);
+        }
+        if let Some(meta) = store::snapshot_meta(conn, keys).await? {
+            metrics.snapshot_age(now_ms().saturating_sub(meta.written_ms) as f64 / 1e3);
+        }
+        if info.max_deleted > self.position {
+            return self.reload(conn, info.max_deleted).await;
+        }
+        Ok(true)
+    }
+
+    /// The log was trimmed past this replica's position: replace the index with the snapshot.
+    async fn reload(
+        &mut self,
+        conn: &mut MultiplexedConnection,
+        trimmed_to: StreamId,
+    ) -> Result<bool, StoreError> {
+        let metrics = &self.rep.inner.metrics.replication;
+        let Some(loaded) = store::load_snapshot(conn, &self.rep.inner.keys).await? else {
+            tracing::error!(position = %self.position, trimmed_to = %trimmed_to, "replication: the log was trimmed past this replica and there is no snapshot; entries are lost for it (raise replication.maxLogLength)");
+            self.position = trimmed_to;
+            return Ok(true);
+        };
+        if loaded.position < trimmed_to {
+            tracing::warn!(snapshot = %loaded.position, trimmed_to = %trimmed_to, "replication: the log was trimmed past the snapshot too; entries between are lost for this replica");
+        }
+        let started = Instant::now();
+        let Some(paused) = self.feeder.pause().await else {
+            return Ok(false);
+        };
+        let cleared = self.feeder.indexer().clear_all();
+        let (publishers, memberships) =
+            store::apply_snapshot(&loaded.bytes, self.feeder.indexer())?;
+        self.feeder.publishers().restore(publishers);
+        drop(paused);
+        metrics.reloaded();
+        metrics.snapshot("load", loaded.bytes.len(), memberships);
+        tracing::warn!(from = %self.position, to = %loaded.position, cleared, memberships, elapsed = ?started.elapsed(), "replication: fell behind the trimmed log; reloaded from the snapshot");
+        self.position = loaded.position.max(trimmed_to);
+        self.added_at_end = None;
+        Ok(true)
+    }
+
+    /// Writes a snapshot if this replica wins the lock for this interval.
+    async fn snapshot_turn(
+        &mut self,
+        conn: &mut MultiplexedConnection,
+    ) -> Result<bool, StoreError> {
+        let inner = &self.rep.inner;
+        let interval = inner.config.snapshot_interval.0;
+        if !store::try_lock(conn, &inner.keys, &inner.instance, interval).await? {
+            return Ok(true);
+        }
+        let started = Instant::now();
+        let Some(paused) = self.feeder.pause().await else {
+            return Ok(false);
+        };
+        let mut writer = SnapshotWriter::new(self.position);
+        self.feeder
+            .indexer()
+            .export_each(|model, key, blocks| writer.blocks(model, key, blocks));
+        for (key, state) in self.feeder.publishers().snapshot() {
+            writer.publisher(&key, &state);
+        }
+        drop(paused);
+        let paused_for = started.elapsed();
+        let (bytes, memberships) = writer.finish();
+        let rep = self.rep.clone();
+        let position = self.position;
+        // Storing runs beside the follower, on its own connection.
+        tokio::spawn(async move {
+            let inner = &rep.inner;
+            let metrics = &inner.metrics.replication;
+            let result = async {
+                let mut conn = rep.connect().await?;
+                store::save_snapshot(
+                    &mut conn,
+                    &inner.keys,
+                    &bytes,
+                    position,
+                    memberships,
+                    &inner.replica,
+                )
+                .await
+            }
+            .await;
+            match result {
+                Ok(meta) => {
+                    metrics.snapshot("write", bytes.len(), memberships);
+                    metrics.snapshot_duration(started.elapsed().as_secs_f64());
+                    tracing::info!(position = %position, bytes = bytes.len(), memberships, chunks = meta.chunks, ?paused_for, elapsed = ?started.elapsed(), "replication: snapshot written");
+                }
+                Err(e) => {
+                    metrics.snapshot_failed("write");
+                    tracing::warn!(error = %e, "replication: snapshot not written");
+                }
+            }
+        });
+        Ok(true)
+    }
+}
+
+fn now_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}

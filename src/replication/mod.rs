@@ -1,0 +1,368 @@
+//! Replication through Redis (or Valkey): several replicas, one index.
+//!
+//! - **The log** (a Redis stream, `<keyPrefix>:log`): every message a replica applies from its
+//!   own ZMQ sockets is appended as received (pod, model, sequence, payload), and so is every
+//!   admin clear. Every replica reads the whole log ([`follower`]) and hands each entry to the
+//!   worker of its pod, where one sequence state per publisher covers both paths: each
+//!   (publisher, sequence) is applied once, whichever path brought it first; older messages
+//!   are stale; a publisher's restart is recognised the same way everywhere (see
+//!   [`crate::ingest::sequence`]). Bind mode (each pod on one replica) and connect mode (every
+//!   replica on every pod) converge alike.
+//! - **Snapshots** (`<keyPrefix>:snapshot` and its chunks): every `snapshotInterval`, the
+//!   replica that takes the snapshot lock pauses its workers, copies the index and the
+//!   publisher states as of the log entry it read last, resumes, and stores the copy in chunks
+//!   and then a meta record naming them (one `SET`: a reader sees the old snapshot or the new
+//!   one, never half). The log is then trimmed behind the previous snapshot's position, so a
+//!   replica a little behind is never forced to reload.
+//! - **Start**: load the newest snapshot, read the log from its position to the end, then
+//!   report ready. A replica whose position was trimmed away (it was down or cut off too long)
+//!   reloads from the snapshot while running.
+//! - **Redis trouble**: appends wait in a bounded queue (overflow is dropped and counted),
+//!   every task reconnects with backoff, and the replica keeps serving and applying its own
+//!   events meanwhile.
+//!
+//! Invariants: nothing here blocks a worker (appends are `try_send`); the follower never
+//! skips a log entry it read (it waits for room in the worker queues); a snapshot is taken
+//! with every worker paused between two log entries, so its index, publisher states and log
+//! position agree.
+
+mod appender;
+mod follower;
+pub mod snapshot;
+mod store;
+
+use std::fmt;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use thiserror::Error;
+use tokio::sync::{mpsc, watch};
+use tokio::task::JoinHandle;
+
+use crate::config::{redact_url, ReplicationConfig};
+use crate::ingest::{Feeder, PublisherKey, PublisherState};
+use crate::metrics::Metrics;
+use kv_core::Indexer;
+
+/// Why replication could not be set up.
+#[derive(Debug, Error)]
+pub enum ReplicationError {
+    /// The Redis URL does not parse (the password is not shown).
+    #[error("replication.redisUrl {url}: {detail}")]
+    Url {
+        /// The URL, password redacted.
+        url: String,
+        /// Why.
+        detail: String,
+    },
+}
+
+/// A Redis stream entry id (`<ms>-<seq>`); log positions are these.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Default)]
+pub struct StreamId {
+    /// Milliseconds part.
+    pub ms: u64,
+    /// Sequence part.
+    pub seq: u64,
+}
+
+impl StreamId {
+    /// Before every entry.
+    pub const ZERO: StreamId = StreamId { ms: 0, seq: 0 };
+
+    /// Parses `<ms>-<seq>`.
+    pub fn parse(text: &str) -> Option<Self> {
+        let (ms, seq) = text.split_once('-')?;
+        Some(Self {
+            ms: ms.parse().ok()?,
+            seq: seq.parse().ok()?,
+        })
+    }
+}
+
+impl fmt::Display for StreamId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}-{}", self.ms, self.seq)
+    }
+}
+
+/// What a replica appends to the log.
+#[derive(Debug, Clone)]
+pub enum Record {
+    /// A message applied from this replica's own socket, as received.
+    Message {
+        /// The pod.
+        pod: Arc<str>,
+        /// The model.
+        model: Arc<str>,
+        /// The publisher's sequence number.
+        seq: u64,
+        /// The payload, as received.
+        payload: Bytes,
+    },
+    /// An admin clear of a pod.
+    ClearPod {
+        /// The model.
+        model: Arc<str>,
+        /// The pod.
+        pod: Arc<str>,
+    },
+}
+
+/// The workers' (and the admin API's) side of the append queue: never waits.
+#[derive(Clone)]
+pub struct LogSink {
+    tx: mpsc::Sender<Record>,
+    metrics: Arc<Metrics>,
+}
+
+impl LogSink {
+    /// Queues `record` for the log; when the queue is full (Redis slow or down) it is dropped
+    /// and counted.
+    pub fn append(&self, record: Record) {
+        match self.tx.try_send(record) {
+            Ok(()) => {}
+            Err(mpsc::error::TrySendError::Full(_)) => self.metrics.replication.append_dropped(),
+            Err(mpsc::error::TrySendError::Closed(_)) => {}
+        }
+    }
+}
+
+/// The names of this deployment's keys.
+#[derive(Debug, Clone)]
+struct Keys {
+    log: String,
+    snapshot: String,
+    lock: String,
+}
+
+impl Keys {
+    fn new(prefix: &str) -> Self {
+        Self {
+            log: format!("{prefix}:log"),
+            snapshot: format!("{prefix}:snapshot"),
+            lock: format!("{prefix}:snapshot:lock"),
+        }
+    }
+
+    fn chunk(&self, generation: &str, i: usize) -> String {
+        format!("{}:{generation}:{i}", self.snapshot)
+    }
+}
+
+/// Replication's shared settings and Redis client.
+#[derive(Clone)]
+pub struct Replication {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    config: ReplicationConfig,
+    client: redis::Client,
+    keys: Keys,
+    /// This replica's name (`replicaId`, or the host name).
+    replica: Arc<str>,
+    /// This process: a replica restarted under the same name is another instance.
+    instance: Arc<str>,
+    metrics: Arc<Metrics>,
+}
+
+/// What a starting replica restored.
+#[derive(Default)]
+pub struct Restored {
+    /// Publisher states from the snapshot.
+    pub publishers: Vec<(PublisherKey, PublisherState)>,
+    /// Where the log is read from.
+    pub position: StreamId,
+    /// Whether Redis answered (else the replica starts cold and catches up later).
+    pub reached: bool,
+}
+
+/// How long one Redis command may take (a blocked read waits [`READ_BLOCK`] on top).
+const COMMAND_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long a log read blocks waiting for new entries.
+const READ_BLOCK: Duration = Duration::from_millis(500);
+/// The first reconnect delay; doubles up to [`BACKOFF_MAX`].
+const BACKOFF_START: Duration = Duration::from_millis(100);
+/// The longest reconnect delay.
+const BACKOFF_MAX: Duration = Duration::from_secs(5);
+
+impl Replication {
+    /// Checks the URL and names this replica; connects lazily.
+    pub fn new(
+        config: &ReplicationConfig,
+        metrics: Arc<Metrics>,
+    ) -> Result<Self, ReplicationError> {
+        let client = redis::Client::open(config.redis_url.as_str()).map_err(|e| {
+            ReplicationError::Url {
+                url: redact_url(&config.redis_url),
+                // The error's category and detail name the part that failed; the URL itself
+                // (with its password) is never repeated.
+                detail: format!("{:?}: {}", e.kind(), e.detail().unwrap_or("invalid URL")),
+            }
+        })?;
+        let replica: Arc<str> = if config.replica_id.is_empty() {
+            host_name().into()
+        } else {
+            config.replica_id.as_str().into()
+        };
+        let instance = format!(
+            "{replica}/{:x}",
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_nanos())
+                ^ u128::from(std::process::id())
+        );
+        Ok(Self {
+            inner: Arc::new(Inner {
+                config: config.clone(),
+                client,
+                keys: Keys::new(&config.key_prefix),
+                replica,
+                instance: instance.into(),
+                metrics,
+            }),
+        })
+    }
+
+    /// This replica's name.
+    pub fn replica(&self) -> Arc<str> {
+        self.inner.replica.clone()
+    }
+
+    /// The Redis URL with its password hidden (for logs).
+    pub fn redacted_url(&self) -> String {
+        redact_url(&self.inner.config.redis_url)
+    }
+
+    async fn connect(&self) -> redis::RedisResult<redis::aio::MultiplexedConnection> {
+        let config = redis::AsyncConnectionConfig::new()
+            .set_connection_timeout(Some(COMMAND_TIMEOUT))
+            .set_response_timeout(Some(COMMAND_TIMEOUT + READ_BLOCK));
+        self.inner
+            .client
+            .get_multiplexed_async_connection_with_config(&config)
+            .await
+    }
+
+    /// Loads the newest snapshot into `indexer` (waiting at most `startupTimeout` for Redis).
+    pub async fn restore(&self, indexer: &Indexer) -> Restored {
+        let timeout = self.inner.config.startup_timeout.0;
+        let attempt = async {
+            let mut backoff = BACKOFF_START;
+            loop {
+                match self.try_restore(indexer).await {
+                    Ok(restored) => return restored,
+                    Err(e) => {
+                        self.inner.metrics.replication.redis_error("restore");
+                        tracing::warn!(redis = %self.redacted_url(), error = %e, retry_in = ?backoff, "replication: cannot load the snapshot yet");
+                        tokio::time::sleep(backoff).await;
+                        backoff = (backoff * 2).min(BACKOFF_MAX);
+                    }
+                }
+            }
+        };
+        match tokio::time::timeout(timeout, attempt).await {
+            Ok(restored) => restored,
+            Err(_) => {
+                tracing::error!(redis = %self.redacted_url(), ?timeout, "replication: Redis unreachable at start; serving from an empty index and catching up when it answers");
+                Restored::default()
+            }
+        }
+    }
+
+    async fn try_restore(&self, indexer: &Indexer) -> Result<Restored, store::StoreError> {
+        let mut conn = self.connect().await?;
+        let started = std::time::Instant::now();
+        let Some(loaded) = store::load_snapshot(&mut conn, &self.inner.keys).await? else {
+            tracing::info!("replication: no snapshot yet; reading the log from its start");
+            return Ok(Restored {
+                reached: true,
+                ..Restored::default()
+            });
+        };
+        let (publishers, memberships) = store::apply_snapshot(&loaded.bytes, indexer)?;
+        self.inner
+            .metrics
+            .replication
+            .snapshot("load", loaded.bytes.len(), memberships);
+        tracing::info!(
+            position = %loaded.position,
+            bytes = loaded.bytes.len(),
+            memberships,
+            publishers = publishers.len(),
+            elapsed = ?started.elapsed(),
+            written_by = %loaded.meta.replica,
+            "replication: snapshot loaded"
+        );
+        Ok(Restored {
+            publishers,
+            position: loaded.position,
+            reached: true,
+        })
+    }
+
+    /// Starts the appender; returns the workers' side of its queue.
+    pub fn start_appender(&self) -> (LogSink, JoinHandle<()>) {
+        let (tx, rx) = mpsc::channel(self.inner.config.append_queue);
+        let sink = LogSink {
+            tx,
+            metrics: self.inner.metrics.clone(),
+        };
+        let task = tokio::spawn(appender::run(self.clone(), rx));
+        (sink, task)
+    }
+
+    /// Starts the follower: reads the log from `restored.position`, feeds the workers, writes
+    /// snapshots in its turn, and sets `ready` once it has caught up with the log (or at once
+    /// when Redis was unreachable at start).
+    pub fn start_follower(
+        &self,
+        feeder: Feeder,
+        restored: &Restored,
+        ready: Arc<AtomicBool>,
+        shutdown: watch::Receiver<bool>,
+    ) -> JoinHandle<()> {
+        if !restored.reached {
+            ready.store(true, Ordering::Relaxed);
+        }
+        tokio::spawn(follower::run(
+            self.clone(),
+            feeder,
+            restored.position,
+            ready,
+            shutdown,
+        ))
+    }
+}
+
+/// The host name (the default replica id): `$HOSTNAME`, else `/etc/hostname`, else "kv-indexer".
+fn host_name() -> String {
+    std::env::var("HOSTNAME")
+        .ok()
+        .filter(|h| !h.is_empty())
+        .or_else(|| {
+            std::fs::read_to_string("/etc/hostname")
+                .ok()
+                .map(|h| h.trim().to_owned())
+                .filter(|h| !h.is_empty())
+        })
+        .unwrap_or_else(|| "kv-indexer".into())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::StreamId;
+
+    #[test]
+    fn stream_ids_parse_print_and_order_numerically() {
+        let a = StreamId::parse("1700000000000-9").expect("id");
+        let b = StreamId::parse("1700000000000-10").expect("id");
+        assert!(a < b);
+        assert_eq!(b.to_string(), "1700000000000-10");
+        assert!(StreamId::parse("nonsense").is_none());
+        assert!(StreamId::parse("1-").is_none());
+    }
+}

@@ -1,0 +1,383 @@
+//! The snapshot format: the index and the publishers' sequence states as of one log position,
+//! as a stream of records, so it is written and read one engine at a time.
+//!
+//! Layout (little-endian): the magic `KVIXSNAP`, a `u32` version, the log position (`u64`
+//! milliseconds, `u64` sequence), then records, each a tag byte:
+//! - `1` blocks: model, pod (`u16`-length strings), `u32` DP rank, `u8` tier, `u32` count,
+//!   then `count` block hashes (`u64`): 8 bytes per membership plus a few dozen per engine;
+//! - `2` publisher: pod, model, received-by (strings), `u32` rank, `u64` last sequence
+//!   (`u64::MAX`: none), `f64` timestamp, `u64` messages, gaps, restarts, lost;
+//! - `0` end.
+//!
+//! Decoding checks every length against what is left, so a truncated or corrupt snapshot is
+//! an error, never a panic or an allocation larger than the input.
+
+use std::sync::Arc;
+
+use kv_core::{BlockHash, EngineKey, Tier};
+use thiserror::Error;
+
+use super::StreamId;
+use crate::ingest::{PublisherKey, PublisherState};
+
+const MAGIC: &[u8; 8] = b"KVIXSNAP";
+const VERSION: u32 = 1;
+const TAG_END: u8 = 0;
+const TAG_BLOCKS: u8 = 1;
+const TAG_PUBLISHER: u8 = 2;
+
+/// Why a snapshot could not be read.
+#[derive(Debug, Error, PartialEq)]
+pub enum SnapshotError {
+    /// Not a snapshot, or one of another version.
+    #[error("not a kv-indexer snapshot (version {0:?})")]
+    Format(Option<u32>),
+    /// The data ends inside a record.
+    #[error("snapshot truncated at byte {0}")]
+    Truncated(usize),
+    /// A record is malformed.
+    #[error("snapshot corrupt at byte {at}: {what}")]
+    Corrupt {
+        /// Where.
+        at: usize,
+        /// What.
+        what: &'static str,
+    },
+}
+
+/// Writes a snapshot record by record.
+pub struct SnapshotWriter {
+    out: Vec<u8>,
+    memberships: u64,
+}
+
+impl SnapshotWriter {
+    /// A snapshot of the state as of log position `position`.
+    pub fn new(position: StreamId) -> Self {
+        let mut out = Vec::with_capacity(1 << 16);
+        out.extend_from_slice(MAGIC);
+        out.extend_from_slice(&VERSION.to_le_bytes());
+        out.extend_from_slice(&position.ms.to_le_bytes());
+        out.extend_from_slice(&position.seq.to_le_bytes());
+        Self {
+            out,
+            memberships: 0,
+        }
+    }
+
+    fn string(&mut self, s: &str) {
+        // Pod and model names are bounded far below 64 KiB by the topic grammar; a longer one
+        // is cut at a character boundary rather than corrupting the record.
+        let mut end = s.len().min(u16::MAX as usize);
+        while !s.is_char_boundary(end) {
+            end -= 1;
+        }
+        self.out.extend_from_slice(&(end as u16).to_le_bytes());
+        self.out.extend_from_slice(&s.as_bytes()[..end]);
+    }
+
+    /// One engine's blocks (any tiers, any order).
+    pub fn blocks(&mut self, model: &str, key: &EngineKey, blocks: &[(BlockHash, Tier)]) {
+        for tier in [Tier::Gpu, Tier::Cpu, Tier::Storage, Tier::Other] {
+            let count = blocks.iter().filter(|(_, t)| *t == tier).count();
+            if count == 0 {
+                continue;
+            }
+            self.out.push(TAG_BLOCKS);
+            self.string(model);
+            self.string(&key.pod);
+            self.out.extend_from_slice(&key.dp_rank.to_le_bytes());
+            self.out.push(tier as u8);
+            self.out.extend_from_slice(&(count as u32).to_le_bytes());
+            self.out.reserve(count * 8);
+            for (hash, _) in blocks.iter().filter(|(_, t)| *t == tier) {
+                self.out.extend_from_slice(&hash.get().to_le_bytes());
+            }
+            self.memberships += count as u64;
+        }
+    }
+
+    /// One publisher's sequence state.
+    pub fn publisher(&mut self, key: &PublisherKey, state: &PublisherState) {
+        self.out.push(TAG_PUBLISHER);
+        self.string(&key.pod);
+        self.string(&key.model);
+        self.string(&state.received_by);
+        self.out.extend_from_slice(&key.rank.to_le_bytes());
+        let seq = state.last_seq.unwrap_or(u64::MAX);
+        self.out.extend_from_slice(&seq.to_le_bytes());
+        self.out.extend_from_slice(&state.last_ts.to_le_bytes());
+        for n in [
+            state.messages,
+            state.gaps,
+            state.restarts,
+            state.messages_lost,
+        ] {
+            self.out.extend_from_slice(&n.to_le_bytes());
+        }
+    }
+
+    /// The finished snapshot and the memberships it holds.
+    pub fn finish(mut self) -> (Vec<u8>, u64) {
+        self.out.push(TAG_END);
+        (self.out, self.memberships)
+    }
+}
+
+/// One record read back.
+#[derive(Debug, PartialEq)]
+pub enum SnapshotRecord<'a> {
+    /// An engine's blocks in one tier.
+    Blocks {
+        /// The model.
+        model: &'a str,
+        /// The engine.
+        key: EngineKey,
+        /// The tier.
+        tier: Tier,
+        /// The block hashes.
+        hashes: Vec<BlockHash>,
+    },
+    /// A publisher's state.
+    Publisher(PublisherKey, PublisherState),
+}
+
+/// Reads a snapshot record by record.
+pub struct SnapshotReader<'a> {
+    data: &'a [u8],
+    at: usize,
+    /// The log position the snapshot covers.
+    pub position: StreamId,
+    done: bool,
+}
+
+impl<'a> SnapshotReader<'a> {
+    /// Checks the header.
+    pub fn new(data: &'a [u8]) -> Result<Self, SnapshotError> {
+        if data.len() < 28 || &data[..8] != MAGIC {
+            return Err(SnapshotError::Format(None));
+        }
+        let mut r = Self {
+            data,
+            at: 8,
+            position: StreamId::ZERO,
+            done: false,
+        };
+        let version = r.u32()?;
+        if version != VERSION {
+            return Err(SnapshotError::Format(Some(version)));
+        }
+        r.position = StreamId {
+            ms: r.u64()?,
+            seq: r.u64()?,
+        };
+        Ok(r)
+    }
+
+    fn take(&mut self, n: usize) -> Result<&'a [u8], SnapshotError> {
+        let end = self
+            .at
+            .checked_add(n)
+            .filter(|&e| e <= self.data.len())
+            .ok_or(SnapshotError::Truncated(self.at))?;
+        let bytes = &self.data[self.at..end];
+        self.at = end;
+        Ok(bytes)
+    }
+
+    fn u8(&mut self) -> Result<u8, SnapshotError> {
+        Ok(self.take(1)?[0])
+    }
+
+    fn u32(&mut self) -> Result<u32, SnapshotError> {
+        let mut b = [0; 4];
+        b.copy_from_slice(self.take(4)?);
+        Ok(u32::from_le_bytes(b))
+    }
+
+    fn u64(&mut self) -> Result<u64, SnapshotError> {
+        let mut b = [0; 8];
+        b.copy_from_slice(self.take(8)?);
+        Ok(u64::from_le_bytes(b))
+    }
+
+    fn string(&mut self) -> Result<&'a str, SnapshotError> {
+        let mut b = [0; 2];
+        b.copy_from_slice(self.take(2)?);
+        let at = self.at;
+        std::str::from_utf8(self.take(u16::from_le_bytes(b) as usize)?).map_err(|_| {
+            SnapshotError::Corrupt {
+                at,
+                what: "a name is not UTF-8",
+            }
+        })
+    }
+
+    /// The next record, `None` at the end marker.
+    pub fn next_record(&mut self) -> Result<Option<SnapshotRecord<'a>>, SnapshotError> {
+        if self.done {
+            return Ok(None);
+        }
+        let at = self.at;
+        match self.u8()? {
+            TAG_END => {
+                self.done = true;
+                Ok(None)
+            }
+            TAG_BLOCKS => {
+                let model = self.string()?;
+                let pod = self.string()?;
+                let rank = self.u32()?;
+                let tier = match self.u8()? {
+                    0 => Tier::Gpu,
+                    1 => Tier::Cpu,
+                    2 => Tier::Storage,
+                    3 => Tier::Other,
+                    _ => {
+                        return Err(SnapshotError::Corrupt {
+                            at,
+                            what: "unknown tier",
+                        })
+                    }
+                };
+                let count = self.u32()? as usize;
+                let bytes = self.take(count.checked_mul(8).ok_or(SnapshotError::Truncated(at))?)?;
+                let hashes = bytes
+                    .chunks_exact(8)
+                    .map(|c| {
+                        let mut b = [0; 8];
+                        b.copy_from_slice(c);
+                        BlockHash::from(u64::from_le_bytes(b))
+                    })
+                    .collect();
+                Ok(Some(SnapshotRecord::Blocks {
+                    model,
+                    key: EngineKey::new(pod, rank),
+                    tier,
+                    hashes,
+                }))
+            }
+            TAG_PUBLISHER => {
+                let pod: Arc<str> = self.string()?.into();
+                let model: Arc<str> = self.string()?.into();
+                let received_by: Arc<str> = self.string()?.into();
+                let rank = self.u32()?;
+                let seq = self.u64()?;
+                let ts = f64::from_bits(self.u64()?);
+                let state = PublisherState {
+                    last_seq: (seq != u64::MAX).then_some(seq),
+                    last_ts: ts,
+                    received_by,
+                    messages: self.u64()?,
+                    gaps: self.u64()?,
+                    restarts: self.u64()?,
+                    messages_lost: self.u64()?,
+                    ..PublisherState::default()
+                };
+                Ok(Some(SnapshotRecord::Publisher(
+                    PublisherKey { pod, model, rank },
+                    state,
+                )))
+            }
+            _ => Err(SnapshotError::Corrupt {
+                at,
+                what: "unknown record tag",
+            }),
+        }
+    }
+}
+
+/// FNV-1a over the snapshot's bytes: the meta record carries it, so a reader that got chunks
+/// of two different snapshots (one replaced meanwhile) notices.
+pub fn checksum(parts: &[impl AsRef<[u8]>]) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for part in parts {
+        for &b in part.as_ref() {
+            h ^= b as u64;
+            h = h.wrapping_mul(0x0000_0100_0000_01b3);
+        }
+    }
+    h
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sample() -> (Vec<u8>, u64) {
+        let mut w = SnapshotWriter::new(StreamId { ms: 17, seq: 3 });
+        let blocks: Vec<(BlockHash, Tier)> = vec![
+            (BlockHash::from(1), Tier::Gpu),
+            (BlockHash::from(2), Tier::Cpu),
+            (BlockHash::from(u64::MAX - 1), Tier::Gpu),
+        ];
+        w.blocks("m", &EngineKey::new("10.0.0.1:8000", 2), &blocks);
+        let state = PublisherState {
+            last_seq: Some(41),
+            last_ts: 1.5e9,
+            received_by: "replica-a".into(),
+            messages: 42,
+            gaps: 1,
+            restarts: 0,
+            messages_lost: 3,
+            ..PublisherState::default()
+        };
+        let key = PublisherKey {
+            pod: "10.0.0.1:8000".into(),
+            model: "m".into(),
+            rank: 2,
+        };
+        w.publisher(&key, &state);
+        w.finish()
+    }
+
+    #[test]
+    fn records_read_back_as_written() {
+        let (bytes, memberships) = sample();
+        assert_eq!(memberships, 3);
+        let mut r = SnapshotReader::new(&bytes).expect("header");
+        assert_eq!(r.position, StreamId { ms: 17, seq: 3 });
+        let mut got = Vec::new();
+        while let Some(rec) = r.next_record().expect("record") {
+            got.push(format!("{rec:?}"));
+        }
+        assert_eq!(got.len(), 3, "{got:?}");
+        assert!(
+            got[0].contains("Gpu") && got[0].contains("0xfffffffffffffffe"),
+            "{got:?}"
+        );
+        assert!(got[1].contains("Cpu"), "{got:?}");
+        assert!(
+            got[2].contains("Some(41)") && got[2].contains("replica-a"),
+            "{got:?}"
+        );
+    }
+
+    #[test]
+    fn every_truncation_and_a_bad_header_are_errors_not_panics() {
+        let (bytes, _) = sample();
+        for cut in 0..bytes.len() {
+            let result = SnapshotReader::new(&bytes[..cut]).and_then(|mut r| {
+                while r.next_record()?.is_some() {}
+                Ok(())
+            });
+            assert!(result.is_err(), "a snapshot cut at {cut} read as complete");
+        }
+        let mut bad = bytes.clone();
+        bad[8] = 9;
+        assert!(matches!(
+            SnapshotReader::new(&bad).err(),
+            Some(SnapshotError::Format(Some(_)))
+        ));
+    }
+
+    #[test]
+    fn the_checksum_sees_one_flipped_bit() {
+        let (bytes, _) = sample();
+        let mut flipped = bytes.clone();
+        flipped[30] ^= 1;
+        assert_ne!(checksum(&[&bytes]), checksum(&[&flipped]));
+        let (a, b) = bytes.split_at(10);
+        assert_eq!(checksum(&[&bytes]), checksum(&[a, b]));
+    }
+}

@@ -1,0 +1,486 @@
+//! Redis operations: the log (append, read, info, trim) and the snapshot (store, load).
+//! Replies are parsed from `redis::Value` here, RESP2 or RESP3 alike.
+
+use std::collections::HashMap;
+
+use bytes::Bytes;
+use redis::aio::MultiplexedConnection;
+use redis::Value;
+use serde::{Deserialize, Serialize};
+use thiserror::Error;
+
+use super::snapshot::{checksum, SnapshotError, SnapshotReader, SnapshotRecord};
+use super::{Keys, Record, StreamId};
+use crate::ingest::{PublisherKey, PublisherState};
+use kv_core::Indexer;
+
+/// Snapshot chunk size: large values are split so no single Redis value gets huge.
+const CHUNK_BYTES: usize = 4 << 20;
+/// How long a replaced snapshot's chunks stay readable (for a reader that started on them).
+const OLD_CHUNKS_TTL_SECS: u64 = 120;
+
+/// A failed Redis operation.
+#[derive(Debug, Error)]
+pub enum StoreError {
+    /// Redis answered with an error or not at all.
+    #[error("redis: {0}")]
+    Redis(#[from] redis::RedisError),
+    /// The snapshot did not decode.
+    #[error(transparent)]
+    Snapshot(#[from] SnapshotError),
+    /// The snapshot's meta record or chunks are inconsistent.
+    #[error("snapshot: {0}")]
+    Inconsistent(String),
+}
+
+/// The meta record: which chunks make the current snapshot, and what it covers.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct SnapshotMeta {
+    /// Names the chunk keys.
+    pub generation: String,
+    /// Number of chunks.
+    pub chunks: usize,
+    /// Total bytes.
+    pub bytes: usize,
+    /// FNV-1a of the bytes.
+    pub checksum: u64,
+    /// The log position covered (entries up to and including it).
+    pub position: String,
+    /// The position of the snapshot this one replaced (the log is kept from there).
+    pub previous_position: String,
+    /// Memberships held.
+    pub memberships: u64,
+    /// When it was written (ms since the epoch).
+    pub written_ms: u64,
+    /// Who wrote it.
+    pub replica: String,
+}
+
+/// A snapshot read back.
+pub struct Loaded {
+    /// Its meta record.
+    pub meta: SnapshotMeta,
+    /// Its bytes.
+    pub bytes: Vec<u8>,
+    /// The log position it covers.
+    pub position: StreamId,
+}
+
+fn now_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}
+
+/// The current snapshot's meta record, if any.
+pub async fn snapshot_meta(
+    conn: &mut MultiplexedConnection,
+    keys: &Keys,
+) -> Result<Option<SnapshotMeta>, StoreError> {
+    let raw: Option<Vec<u8>> = redis::cmd("GET")
+        .arg(&keys.snapshot)
+        .query_async(conn)
+        .await?;
+    match raw {
+        None => Ok(None),
+        Some(raw) => serde_json::from_slice(&raw)
+            .map(Some)
+            .map_err(|e| StoreError::Inconsistent(format!("meta record: {e}"))),
+    }
+}
+
+/// Reads the current snapshot (retrying when it is replaced while being read).
+pub async fn load_snapshot(
+    conn: &mut MultiplexedConnection,
+    keys: &Keys,
+) -> Result<Option<Loaded>, StoreError> {
+    let mut last_problem = String::new();
+    for _ in 0..3 {
+        let Some(meta) = snapshot_meta(conn, keys).await? else {
+            return Ok(None);
+        };
+        let position = StreamId::parse(&meta.position)
+            .ok_or_else(|| StoreError::Inconsistent(format!("position {:?}", meta.position)))?;
+        let mut bytes = Vec::with_capacity(meta.bytes.min(1 << 30));
+        let mut complete = true;
+        for i in 0..meta.chunks {
+            let chunk: Option<Vec<u8>> = redis::cmd("GET")
+                .arg(keys.chunk(&meta.generation, i))
+                .query_async(conn)
+                .await?;
+            match chunk {
+                Some(chunk) => bytes.extend_from_slice(&chunk),
+                None => {
+                    complete = false;
+                    break;
+                }
+            }
+        }
+        if complete && bytes.len() == meta.bytes && checksum(&[&bytes]) == meta.checksum {
+            return Ok(Some(Loaded {
+                meta,
+                bytes,
+                position,
+            }));
+        }
+        last_problem = format!(
+            "generation {} incomplete or changed while read ({} of {} bytes)",
+            meta.generation,
+            bytes.len(),
+            meta.bytes
+        );
+    }
+    Err(StoreError::Inconsistent(last_problem))
+}
+
+/// Loads a snapshot's blocks into `indexer`; returns its publisher states and memberships.
+pub fn apply_snapshot(
+    bytes: &[u8],
+    indexer: &Indexer,
+) -> Result<(Vec<(PublisherKey, PublisherState)>, u64), StoreError> {
+    let mut reader = SnapshotReader::new(bytes)?;
+    let mut publishers = Vec::new();
+    let mut memberships = 0u64;
+    while let Some(record) = reader.next_record()? {
+        match record {
+            SnapshotRecord::Blocks {
+                model,
+                key,
+                tier,
+                hashes,
+            } => match indexer.import(model, &key, tier, &hashes) {
+                Ok(added) => memberships += added as u64,
+                Err(e) => {
+                    tracing::warn!(model, error = %e, "snapshot: a model's blocks were not loaded")
+                }
+            },
+            SnapshotRecord::Publisher(key, state) => publishers.push((key, state)),
+        }
+    }
+    Ok((publishers, memberships))
+}
+
+/// Stores `bytes` as the current snapshot: chunks first, then the meta record (one `SET`),
+/// then the replaced snapshot's chunks expire and the log is trimmed behind its position.
+pub async fn save_snapshot(
+    conn: &mut MultiplexedConnection,
+    keys: &Keys,
+    bytes: &[u8],
+    position: StreamId,
+    memberships: u64,
+    replica: &str,
+) -> Result<SnapshotMeta, StoreError> {
+    let previous = snapshot_meta(conn, keys).await?;
+    let written_ms = now_ms();
+    let generation = format!("{position}.{written_ms}");
+    let chunks: Vec<&[u8]> = bytes.chunks(CHUNK_BYTES).collect();
+    for (i, chunk) in chunks.iter().enumerate() {
+        redis::cmd("SET")
+            .arg(keys.chunk(&generation, i))
+            .arg(*chunk)
+            .query_async::<()>(conn)
+            .await?;
+    }
+    let meta = SnapshotMeta {
+        generation,
+        chunks: chunks.len(),
+        bytes: bytes.len(),
+        checksum: checksum(&[bytes]),
+        position: position.to_string(),
+        previous_position: previous
+            .as_ref()
+            .map_or_else(|| StreamId::ZERO.to_string(), |p| p.position.clone()),
+        memberships,
+        written_ms,
+        replica: replica.to_owned(),
+    };
+    let text = serde_json::to_vec(&meta)
+        .map_err(|e| StoreError::Inconsistent(format!("meta record: {e}")))?;
+    redis::cmd("SET")
+        .arg(&keys.snapshot)
+        .arg(text)
+        .query_async::<()>(conn)
+        .await?;
+    if let Some(previous) = previous {
+        let mut pipe = redis::pipe();
+        for i in 0..previous.chunks {
+            pipe.cmd("EXPIRE")
+                .arg(keys.chunk(&previous.generation, i))
+                .arg(OLD_CHUNKS_TTL_SECS)
+                .ignore();
+        }
+        // Keep one interval of log behind the new snapshot: replicas slightly behind it go
+        // on reading instead of reloading.
+        pipe.cmd("XTRIM")
+            .arg(&keys.log)
+            .arg("MINID")
+            .arg("~")
+            .arg(&previous.position)
+            .ignore();
+        pipe.query_async::<()>(conn).await?;
+    }
+    Ok(meta)
+}
+
+/// Takes the snapshot lock for `ttl` if nobody holds it.
+pub async fn try_lock(
+    conn: &mut MultiplexedConnection,
+    keys: &Keys,
+    holder: &str,
+    ttl: std::time::Duration,
+) -> Result<bool, StoreError> {
+    let reply: Option<String> = redis::cmd("SET")
+        .arg(&keys.lock)
+        .arg(holder)
+        .arg("NX")
+        .arg("PX")
+        .arg(ttl.as_millis().max(1) as u64)
+        .query_async(conn)
+        .await?;
+    Ok(reply.is_some())
+}
+
+/// Appends records with one pipelined round trip.
+pub async fn append(
+    conn: &mut MultiplexedConnection,
+    keys: &Keys,
+    records: &[Record],
+    replica: &str,
+    instance: &str,
+    max_len: u64,
+) -> Result<(), StoreError> {
+    let mut pipe = redis::pipe();
+    for record in records {
+        let cmd = pipe
+            .cmd("XADD")
+            .arg(&keys.log)
+            .arg("MAXLEN")
+            .arg("~")
+            .arg(max_len)
+            .arg("*")
+            .arg("r")
+            .arg(replica)
+            .arg("i")
+            .arg(instance);
+        match record {
+            Record::Message {
+                pod,
+                model,
+                seq,
+                payload,
+            } => cmd
+                .arg("k")
+                .arg("m")
+                .arg("p")
+                .arg(&**pod)
+                .arg("o")
+                .arg(&**model)
+                .arg("s")
+                .arg(*seq)
+                .arg("d")
+                .arg(&payload[..]),
+            Record::ClearPod { model, pod } => cmd
+                .arg("k")
+                .arg("c")
+                .arg("p")
+                .arg(&**pod)
+                .arg("o")
+                .arg(&**model),
+        }
+        .ignore();
+    }
+    pipe.query_async::<()>(conn).await?;
+    Ok(())
+}
+
+/// One log entry read.
+pub struct Entry {
+    /// Its id.
+    pub id: StreamId,
+    /// The process that appended it.
+    pub instance: Bytes,
+    /// The replica that appended it.
+    pub replica: std::sync::Arc<str>,
+    /// What it says; `None` when it does not decode (counted, skipped).
+    pub record: Option<Record>,
+}
+
+/// Reads up to `count` entries after `after`, blocking up to `block` for new ones.
+pub async fn read(
+    conn: &mut MultiplexedConnection,
+    keys: &Keys,
+    after: StreamId,
+    count: usize,
+    block: std::time::Duration,
+) -> Result<Vec<Entry>, StoreError> {
+    let reply: Value = redis::cmd("XREAD")
+        .arg("COUNT")
+        .arg(count)
+        .arg("BLOCK")
+        .arg(block.as_millis() as u64)
+        .arg("STREAMS")
+        .arg(&keys.log)
+        .arg(after.to_string())
+        .query_async(conn)
+        .await?;
+    let mut out = Vec::new();
+    // [[key, [[id, [field, value, ...]], ...]]] (RESP2) or {key: [...]} (RESP3); Nil on timeout.
+    let streams: Vec<Value> = match reply {
+        Value::Nil => return Ok(out),
+        Value::Array(items) => items,
+        Value::Map(pairs) => pairs
+            .into_iter()
+            .map(|(k, v)| Value::Array(vec![k, v]))
+            .collect(),
+        other => {
+            return Err(StoreError::Inconsistent(format!(
+                "unexpected XREAD reply {other:?}"
+            )))
+        }
+    };
+    for stream in streams {
+        let Value::Array(mut parts) = stream else {
+            continue;
+        };
+        let Some(Value::Array(entries)) = parts.pop() else {
+            continue;
+        };
+        for entry in entries {
+            let Value::Array(mut pair) = entry else {
+                continue;
+            };
+            if pair.len() != 2 {
+                continue;
+            }
+            let fields = pair.pop().unwrap_or(Value::Nil);
+            let Some(id) = pair
+                .pop()
+                .and_then(|v| text(&v))
+                .and_then(|t| StreamId::parse(&t))
+            else {
+                continue;
+            };
+            let fields = field_map(fields);
+            out.push(Entry {
+                id,
+                instance: fields.get("i").cloned().unwrap_or_default(),
+                replica: std::str::from_utf8(fields.get("r").map_or(&[][..], |r| &r[..]))
+                    .unwrap_or("")
+                    .into(),
+                record: record(&fields),
+            });
+        }
+    }
+    Ok(out)
+}
+
+fn text(v: &Value) -> Option<String> {
+    match v {
+        Value::BulkString(b) => String::from_utf8(b.clone()).ok(),
+        Value::SimpleString(s) => Some(s.clone()),
+        Value::Int(i) => Some(i.to_string()),
+        _ => None,
+    }
+}
+
+/// A flat `[k, v, k, v...]` array (RESP2) or a map (RESP3) as pairs.
+fn pairs(value: Value) -> Vec<(Value, Value)> {
+    match value {
+        Value::Array(items) => {
+            let mut it = items.into_iter();
+            let mut pairs = Vec::new();
+            while let (Some(k), Some(v)) = (it.next(), it.next()) {
+                pairs.push((k, v));
+            }
+            pairs
+        }
+        Value::Map(pairs) => pairs,
+        _ => Vec::new(),
+    }
+}
+
+fn field_map(fields: Value) -> HashMap<String, Bytes> {
+    pairs(fields)
+        .into_iter()
+        .filter_map(|(k, v)| {
+            let k = text(&k)?;
+            let v = match v {
+                Value::BulkString(b) => Bytes::from(b),
+                Value::SimpleString(s) => Bytes::from(s.into_bytes()),
+                _ => return None,
+            };
+            Some((k, v))
+        })
+        .collect()
+}
+
+fn record(fields: &HashMap<String, Bytes>) -> Option<Record> {
+    let s = |name: &str| -> Option<std::sync::Arc<str>> {
+        std::str::from_utf8(fields.get(name)?).ok().map(Into::into)
+    };
+    let pod = s("p").filter(|p| !p.is_empty())?;
+    let model = s("o").filter(|m| !m.is_empty())?;
+    match fields.get("k").map(|k| &k[..]) {
+        Some(b"m") => Some(Record::Message {
+            pod,
+            model,
+            seq: s("s")?.parse().ok()?,
+            payload: fields.get("d")?.clone(),
+        }),
+        Some(b"c") => Some(Record::ClearPod { model, pod }),
+        _ => None,
+    }
+}
+
+/// What `XINFO STREAM` says of the log.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct LogInfo {
+    /// The newest entry's id.
+    pub last_id: StreamId,
+    /// Entries ever added.
+    pub entries_added: u64,
+    /// The newest id trimmed away (a reader before it missed entries).
+    pub max_deleted: StreamId,
+}
+
+/// The log's state; an absent log is an empty one.
+pub async fn log_info(
+    conn: &mut MultiplexedConnection,
+    keys: &Keys,
+) -> Result<LogInfo, StoreError> {
+    let reply: redis::RedisResult<Value> = redis::cmd("XINFO")
+        .arg("STREAM")
+        .arg(&keys.log)
+        .query_async(conn)
+        .await;
+    let reply = match reply {
+        Ok(v) => v,
+        Err(e) if e.to_string().to_ascii_lowercase().contains("no such key") => {
+            return Ok(LogInfo::default())
+        }
+        Err(e) => return Err(e.into()),
+    };
+    let mut info = LogInfo::default();
+    for (k, v) in pairs(reply) {
+        match text(&k).as_deref() {
+            Some("last-generated-id") => {
+                info.last_id = text(&v)
+                    .and_then(|t| StreamId::parse(&t))
+                    .unwrap_or_default()
+            }
+            Some("max-deleted-entry-id") => {
+                info.max_deleted = text(&v)
+                    .and_then(|t| StreamId::parse(&t))
+                    .unwrap_or_default()
+            }
+            Some("entries-added") => {
+                info.entries_added = match v {
+                    Value::Int(i) => i.max(0) as u64,
+                    other => text(&other).and_then(|t| t.parse().ok()).unwrap_or(0),
+                }
+            }
+            _ => {}
+        }
+    }
+    Ok(info)
+}

@@ -1,0 +1,743 @@
+//! Replication end to end, against a real `redis-server` (started by the test on a free port in
+//! a temporary directory): several kv-indexer replicas over real sockets, vLLM-shaped
+//! publishers (ZMQ PUB, msgpack batches with vLLM's block hashes), gRPC `ScorePods` and
+//! `ListPods`.
+//!
+//! - bind mode, publishers on different replicas: every replica's ScorePods agrees within
+//!   250 ms of an event (p99 over thousands), and the indexes end identical;
+//! - SIGKILL of a replica process holding ~1M memberships, then a restart: ready and agreeing
+//!   within 5 s, blocks stored before the kill (and never again) included;
+//! - Redis killed for 10 s under load: every replica keeps serving, and all agree within 10 s
+//!   of Redis coming back;
+//! - connect mode (every replica hears every publisher): each message is applied once.
+//!
+//! Without `redis-server` on PATH these tests say they were skipped (and fail under CI=true).
+
+mod support;
+
+use std::collections::BTreeSet;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use kv_core::{
+    encode_batch, BlockHash, BlockRemoved, BlockStored, EventBatch, KvEvent, Medium, RequestExtras,
+    TokenProcessor, TokenProcessorConfig,
+};
+use kv_indexer::config::{Config, ConfigDuration, ConnectEndpoint};
+use kv_indexer::daemon::{self, RunningDaemon};
+use kv_proto::kvindexer_v1::{kv_indexer_client::KvIndexerClient, ListPodsRequest};
+use support::redis::{free_port, RedisServer};
+use zeromq::{PubSocket, Socket, SocketSend, ZmqMessage};
+
+const MODEL: &str = "repl/model";
+
+/// One test at a time: each runs several replicas and a Redis, and the first measures latency,
+/// which the others' load on these two cores would distort.
+static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+const SEED: &str = "12345";
+const BLOCK: usize = 16;
+const PROMPT_BLOCKS: usize = 4;
+
+fn replica_config(redis: &str, prefix: &str, id: &str) -> Config {
+    let mut c = support::loopback_config();
+    c.kv_events_config.concurrency = 2;
+    c.indexer_config.token_processor_config.hash_seed = Some(SEED.into());
+    c.replication.enabled = true;
+    c.replication.redis_url = redis.into();
+    c.replication.key_prefix = prefix.into();
+    c.replication.replica_id = id.into();
+    c.replication.snapshot_interval = ConfigDuration::secs(1);
+    c
+}
+
+async fn start_replicas(redis: &RedisServer, prefix: &str, n: usize) -> Vec<RunningDaemon> {
+    let mut out = Vec::new();
+    for i in 0..n {
+        let d = daemon::start(replica_config(&redis.url(), prefix, &format!("r{i}")))
+            .await
+            .expect("replica starts");
+        out.push(d);
+    }
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !out.iter().all(RunningDaemon::is_ready) {
+        assert!(Instant::now() < deadline, "replicas never became ready");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    out
+}
+
+fn now_ts() -> f64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0.0, |d| d.as_secs_f64())
+}
+
+/// Prompt `n` of publisher `p`: distinct tokens, so distinct blocks.
+fn prompt(p: usize, n: usize) -> Vec<u32> {
+    (0..PROMPT_BLOCKS * BLOCK)
+        .map(|i| 1_000 + ((p * 7_919 + n * 104_729 + i * 31) % 90_000) as u32)
+        .collect()
+}
+
+fn processor() -> TokenProcessor {
+    TokenProcessor::new(&TokenProcessorConfig {
+        hash_seed: Some(SEED.into()),
+        block_size: BLOCK,
+        ..Default::default()
+    })
+    .expect("processor")
+}
+
+fn stored(hashes: &[BlockHash], parent: Option<BlockHash>, tokens: Vec<u32>) -> KvEvent {
+    KvEvent::BlockStored(Box::new(BlockStored {
+        block_hashes: hashes.to_vec(),
+        parent_block_hash: parent,
+        token_ids: tokens,
+        block_size: BLOCK as u32,
+        medium: Some(Medium::Gpu),
+        ..Default::default()
+    }))
+}
+
+fn payload(events: Vec<KvEvent>) -> Vec<u8> {
+    encode_batch(&EventBatch {
+        ts: now_ts(),
+        events,
+        data_parallel_rank: Some(0),
+    })
+}
+
+/// A vLLM-shaped publisher: one PUB socket, one sequence counter.
+struct Publisher {
+    socket: PubSocket,
+    topic: String,
+    pod: String,
+    seq: u64,
+}
+
+impl Publisher {
+    /// Connects to a replica's bind-mode endpoint.
+    async fn connect(endpoint: &str, pod: &str) -> Self {
+        let mut socket = PubSocket::new();
+        socket.connect(endpoint).await.expect("PUB connects");
+        Self {
+            socket,
+            topic: format!("kv@{pod}@{MODEL}"),
+            pod: pod.into(),
+            seq: 0,
+        }
+    }
+
+    /// Binds (connect mode: replicas dial it).
+    async fn bind(pod: &str) -> (Self, String) {
+        let mut socket = PubSocket::new();
+        let bound = socket
+            .bind("tcp://127.0.0.1:0")
+            .await
+            .expect("PUB binds")
+            .to_string();
+        let p = Self {
+            socket,
+            topic: format!("kv@{pod}@{MODEL}"),
+            pod: pod.into(),
+            seq: 0,
+        };
+        (p, bound)
+    }
+
+    async fn send_seq(&mut self, seq: u64, payload: &[u8]) {
+        let msg = ZmqMessage::try_from(vec![
+            Bytes::copy_from_slice(self.topic.as_bytes()),
+            Bytes::copy_from_slice(&seq.to_be_bytes()),
+            Bytes::copy_from_slice(payload),
+        ])
+        .expect("frames");
+        self.socket.send(msg).await.expect("PUB send");
+    }
+
+    async fn send(&mut self, payload: &[u8]) {
+        self.send_seq(self.seq, payload).await;
+        self.seq += 1;
+    }
+
+    /// Sends message 0 (a prompt) until every replica in `replicas` scores it: past ZeroMQ's
+    /// slow-joiner window.
+    async fn warm_up(&mut self, tokens: &[u32], replicas: &[&RunningDaemon]) {
+        let hashes = processor().block_hashes(tokens, &RequestExtras::default());
+        let first = payload(vec![stored(&hashes, None, tokens.to_vec())]);
+        for _ in 0..200 {
+            self.send_seq(0, &first).await;
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            let mut all = true;
+            for r in replicas {
+                all &= matched(r, tokens, &self.pod).await == PROMPT_BLOCKS as u32;
+            }
+            if all {
+                self.seq = 1;
+                return;
+            }
+        }
+        panic!("{} never reached the replicas", self.pod);
+    }
+}
+
+async fn client(d: &RunningDaemon) -> KvIndexerClient<tonic::transport::Channel> {
+    KvIndexerClient::connect(format!("http://{}", d.grpc_addr))
+        .await
+        .expect("gRPC connects")
+}
+
+async fn matched_on(
+    client: &mut KvIndexerClient<tonic::transport::Channel>,
+    tokens: &[u32],
+    pod: &str,
+) -> u32 {
+    support::matched_blocks(client, MODEL, tokens, pod).await
+}
+
+async fn matched(d: &RunningDaemon, tokens: &[u32], pod: &str) -> u32 {
+    matched_on(&mut client(d).await, tokens, pod).await
+}
+
+/// Every membership of a replica's index, sorted: (model, pod, rank, tier, hash).
+fn digest(d: &RunningDaemon) -> BTreeSet<(String, String, u32, u8, u64)> {
+    let mut out = BTreeSet::new();
+    d.indexer.export_each(|model, key, blocks| {
+        for (hash, tier) in blocks {
+            out.insert((
+                model.to_owned(),
+                key.pod.to_string(),
+                key.dp_rank,
+                *tier as u8,
+                hash.get(),
+            ));
+        }
+    });
+    out
+}
+
+/// Waits until every replica's index is identical (and not empty); returns how long it took.
+async fn converge(replicas: &[&RunningDaemon], within: Duration) -> Duration {
+    let started = Instant::now();
+    loop {
+        let digests: Vec<_> = replicas.iter().map(|r| digest(r)).collect();
+        if !digests[0].is_empty() && digests.iter().all(|d| *d == digests[0]) {
+            return started.elapsed();
+        }
+        assert!(
+            started.elapsed() < within,
+            "replicas disagree after {within:?}: sizes {:?}",
+            digests.iter().map(BTreeSet::len).collect::<Vec<_>>()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+fn percentile(sorted: &[Duration], p: f64) -> Duration {
+    sorted[((sorted.len() as f64 - 1.0) * p).round() as usize]
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bind_mode_replicas_agree_within_250ms_of_each_event() {
+    let _serial = SERIAL.lock().await;
+    let Some(redis) = RedisServer::start("bind_mode_replicas_agree") else {
+        return;
+    };
+    let replicas = start_replicas(&redis, "agree", 3).await;
+    let refs: Vec<&RunningDaemon> = replicas.iter().collect();
+    let processor = processor();
+    let mut publishers = Vec::new();
+    for p in 0..6 {
+        let endpoint = replicas[p % 3].zmq_endpoint.clone().expect("bind mode");
+        let mut publisher = Publisher::connect(&endpoint, &format!("10.0.0.{p}:8000")).await;
+        publisher.warm_up(&prompt(p, 0), &refs).await;
+        publishers.push(publisher);
+    }
+    const EVENTS: usize = 1_500;
+    let (sent_tx, sent_rx) = tokio::sync::watch::channel(Vec::<(usize, usize, Instant)>::new());
+    let mut checkers = Vec::new();
+    for r in &replicas {
+        let mut c = client(r).await;
+        let mut sent_rx = sent_rx.clone();
+        checkers.push(tokio::spawn(async move {
+            let mut latencies = Vec::with_capacity(EVENTS);
+            let mut next = 0;
+            while next < EVENTS {
+                let batch: Vec<_> = sent_rx.borrow_and_update()[next..].to_vec();
+                if batch.is_empty() {
+                    let _ = sent_rx.changed().await;
+                    continue;
+                }
+                for (p, n, at) in batch {
+                    let tokens = prompt(p, n);
+                    let pod = format!("10.0.0.{p}:8000");
+                    let deadline = at + Duration::from_secs(10);
+                    while matched_on(&mut c, &tokens, &pod).await != PROMPT_BLOCKS as u32 {
+                        assert!(
+                            Instant::now() < deadline,
+                            "event {n} of {pod} never arrived"
+                        );
+                        tokio::time::sleep(Duration::from_millis(2)).await;
+                    }
+                    latencies.push(at.elapsed());
+                    next += 1;
+                }
+            }
+            latencies
+        }));
+    }
+    for e in 0..EVENTS {
+        let p = e % publishers.len();
+        let n = 1 + e / publishers.len();
+        let tokens = prompt(p, n);
+        let hashes = processor.block_hashes(&tokens, &RequestExtras::default());
+        publishers[p]
+            .send(&payload(vec![stored(&hashes, None, tokens)]))
+            .await;
+        sent_tx.send_modify(|v| v.push((p, n, Instant::now())));
+        tokio::time::sleep(Duration::from_millis(3)).await;
+    }
+    let mut latencies = Vec::new();
+    for c in checkers {
+        latencies.extend(c.await.expect("checker"));
+    }
+    latencies.sort();
+    let (p50, p99) = (percentile(&latencies, 0.5), percentile(&latencies, 0.99));
+    eprintln!(
+        "{} observations (3 replicas x {EVENTS} events): p50 {p50:?}, p99 {p99:?}, max {:?}",
+        latencies.len(),
+        latencies.last().copied().unwrap_or_default()
+    );
+    assert!(p99 < Duration::from_millis(250), "p99 {p99:?}");
+    converge(&refs, Duration::from_secs(5)).await;
+    // Each replica saw the other replicas' messages through the log, and its own come back
+    // there too, dropped as duplicates.
+    for r in &replicas {
+        let page = r.metrics_text();
+        assert!(
+            support::metric(
+                &page,
+                "kvindexer_replication_log_entries_total{outcome=\"applied\"}"
+            ) >= EVENTS as f64,
+            "{page}"
+        );
+    }
+    let pods = client(&replicas[1])
+        .await
+        .list_pods(ListPodsRequest {
+            model: MODEL.into(),
+        })
+        .await
+        .expect("ListPods")
+        .into_inner()
+        .pods;
+    assert_eq!(pods.len(), 6);
+    for pod in pods {
+        let p: usize = pod.pod[7..8].parse().expect("pod index");
+        assert_eq!(pod.received_by, format!("r{}", p % 3), "{pod:?}");
+    }
+    for r in replicas {
+        r.shutdown().await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connect_mode_applies_each_message_once_though_every_replica_appends_it() {
+    let _serial = SERIAL.lock().await;
+    let Some(redis) = RedisServer::start("connect_mode_applies_once") else {
+        return;
+    };
+    let mut publishers = Vec::new();
+    let mut endpoints = Vec::new();
+    for p in 0..2 {
+        let pod = format!("10.1.0.{p}:8000");
+        let (publisher, bound) = Publisher::bind(&pod).await;
+        endpoints.push(ConnectEndpoint {
+            endpoint: bound,
+            pod: pod.clone(),
+            model: MODEL.into(),
+            replay_endpoint: String::new(),
+        });
+        publishers.push(publisher);
+    }
+    let mut replicas = Vec::new();
+    for i in 0..3 {
+        let mut c = replica_config(&redis.url(), "connect", &format!("c{i}"));
+        c.kv_events_config.zmq_endpoint = String::new();
+        c.kv_events_config.endpoints = endpoints.clone();
+        replicas.push(daemon::start(c).await.expect("replica starts"));
+    }
+    let refs: Vec<&RunningDaemon> = replicas.iter().collect();
+    let processor = processor();
+    for (p, publisher) in publishers.iter_mut().enumerate() {
+        publisher.warm_up(&prompt(p, 0), &refs).await;
+    }
+    // Each publisher stores 40 prompts, then evicts the even ones: a message applied twice
+    // (a store again after its removal) would bring evicted blocks back.
+    let mut sent = [1u64; 2];
+    for n in 1..=40 {
+        for (p, publisher) in publishers.iter_mut().enumerate() {
+            let tokens = prompt(p, n);
+            let hashes = processor.block_hashes(&tokens, &RequestExtras::default());
+            publisher
+                .send(&payload(vec![stored(&hashes, None, tokens)]))
+                .await;
+            sent[p] += 1;
+        }
+    }
+    for n in (2..=40).step_by(2) {
+        for (p, publisher) in publishers.iter_mut().enumerate() {
+            let hashes = processor.block_hashes(&prompt(p, n), &RequestExtras::default());
+            publisher
+                .send(&payload(vec![KvEvent::BlockRemoved(BlockRemoved {
+                    block_hashes: hashes,
+                    medium: Some(Medium::Gpu),
+                    ..Default::default()
+                })]))
+                .await;
+            sent[p] += 1;
+        }
+    }
+    converge(&refs, Duration::from_secs(10)).await;
+    // Let every replica read the log's copies of everything.
+    tokio::time::sleep(Duration::from_millis(1_500)).await;
+    converge(&refs, Duration::from_secs(5)).await;
+    for r in &replicas {
+        for (p, sent) in sent.iter().enumerate() {
+            let pod = format!("10.1.0.{p}:8000");
+            for n in 1..=40 {
+                let want = if n % 2 == 0 { 0 } else { PROMPT_BLOCKS as u32 };
+                assert_eq!(
+                    matched(r, &prompt(p, n), &pod).await,
+                    want,
+                    "{pod} prompt {n}"
+                );
+            }
+            let states = r.publishers().snapshot();
+            let (_, state) = states
+                .iter()
+                .find(|(k, _)| *k.pod == *pod)
+                .expect("publisher known");
+            assert_eq!(state.messages, *sent, "{pod}: messages applied once each");
+            assert_eq!(state.last_seq, Some(sent - 1));
+        }
+        let page = r.metrics_text();
+        let dropped =
+            support::metric(
+                &page,
+                "kvindexer_events_skipped_total{reason=\"duplicate\"}",
+            ) + support::metric(&page, "kvindexer_events_skipped_total{reason=\"stale\"}");
+        assert!(
+            dropped >= sent.iter().sum::<u64>() as f64,
+            "the log's copies were dropped, not applied: {dropped}"
+        );
+    }
+    for r in replicas {
+        r.shutdown().await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replicas_keep_serving_through_a_redis_outage_and_agree_after_it() {
+    let _serial = SERIAL.lock().await;
+    let Some(mut redis) = RedisServer::start("redis_outage") else {
+        return;
+    };
+    let replicas = start_replicas(&redis, "outage", 3).await;
+    let refs: Vec<&RunningDaemon> = replicas.iter().collect();
+    let mut publishers = Vec::new();
+    for (p, replica) in replicas.iter().enumerate() {
+        let endpoint = replica.zmq_endpoint.clone().expect("bind mode");
+        let mut publisher = Publisher::connect(&endpoint, &format!("10.2.0.{p}:8000")).await;
+        publisher.warm_up(&prompt(p, 0), &refs).await;
+        publishers.push(publisher);
+    }
+    let processor = processor();
+    let mut n = 0;
+    let mut load = |publishers: &mut Vec<Publisher>| {
+        n += 1;
+        let mut msgs = Vec::new();
+        for p in 0..publishers.len() {
+            let tokens = prompt(p, n);
+            let hashes = processor.block_hashes(&tokens, &RequestExtras::default());
+            msgs.push((p, payload(vec![stored(&hashes, None, tokens)])));
+        }
+        (n, msgs)
+    };
+    // Two seconds of load, then Redis dies for ten.
+    for _ in 0..100 {
+        let (_, msgs) = load(&mut publishers);
+        for (p, m) in msgs {
+            publishers[p].send(&m).await;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    redis.kill();
+    let outage = Instant::now();
+    while outage.elapsed() < Duration::from_secs(10) {
+        let (n, msgs) = load(&mut publishers);
+        for (p, m) in msgs {
+            publishers[p].send(&m).await;
+        }
+        if n % 25 == 0 {
+            // Each replica keeps applying its own publisher's events and answering.
+            for (p, r) in replicas.iter().enumerate() {
+                let pod = format!("10.2.0.{p}:8000");
+                let tokens = prompt(p, n);
+                let mut ok = false;
+                for _ in 0..50 {
+                    if matched(r, &tokens, &pod).await == PROMPT_BLOCKS as u32 {
+                        ok = true;
+                        break;
+                    }
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                }
+                assert!(
+                    ok,
+                    "replica {p} stopped applying its own events during the outage"
+                );
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    redis.restart();
+    let back = Instant::now();
+    for _ in 0..50 {
+        let (_, msgs) = load(&mut publishers);
+        for (p, m) in msgs {
+            publishers[p].send(&m).await;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    converge(
+        &refs,
+        Duration::from_secs(10).saturating_sub(back.elapsed()),
+    )
+    .await;
+    eprintln!("agreed {:?} after Redis came back", back.elapsed());
+    for r in &replicas {
+        let page = r.metrics_text();
+        // The outage was seen (commands failed) and survived (the tasks reconnected).
+        assert!(
+            page.contains("kvindexer_replication_redis_errors_total{task="),
+            "{page}"
+        );
+        assert!(
+            support::metric(&page, "kvindexer_replication_reconnects_total") >= 1.0,
+            "{page}"
+        );
+        assert_eq!(
+            support::metric(&page, "kvindexer_replication_append_dropped_total"),
+            0.0
+        );
+    }
+    for r in replicas {
+        r.shutdown().await;
+    }
+}
+
+/// A config file for a replica process.
+fn write_process_config(
+    dir: &std::path::Path,
+    name: &str,
+    redis: &str,
+    ports: (u16, u16, u16),
+) -> std::path::PathBuf {
+    let path = dir.join(format!("{name}.yaml"));
+    let text = format!(
+        "indexerConfig:\n  tokenProcessorConfig: {{blockSize: {BLOCK}, hashSeed: \"{SEED}\"}}\n\
+         kvEventsConfig: {{zmqEndpoint: \"tcp://127.0.0.1:{}\", concurrency: 2, queueDepth: 8192}}\n\
+         server: {{grpcAddr: \"127.0.0.1:{}\", metricsAddr: \"127.0.0.1:{}\"}}\n\
+         replication: {{enabled: true, redisUrl: \"{redis}\", keyPrefix: kill, replicaId: {name}, snapshotInterval: 1s}}\n",
+        ports.0, ports.1, ports.2
+    );
+    std::fs::write(&path, text).expect("config written");
+    path
+}
+
+struct Process {
+    child: std::process::Child,
+    grpc: String,
+    metrics: u16,
+}
+
+impl Process {
+    fn spawn(config: &std::path::Path, ports: (u16, u16, u16)) -> Self {
+        let child = std::process::Command::new(env!("CARGO_BIN_EXE_kv-indexer"))
+            .args(["serve", "--config"])
+            .arg(config)
+            .env("RUST_LOG", "warn")
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .expect("kv-indexer starts");
+        Self {
+            child,
+            grpc: format!("http://127.0.0.1:{}", ports.1),
+            metrics: ports.2,
+        }
+    }
+
+    async fn ready(&self) -> bool {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let Ok(mut s) = tokio::net::TcpStream::connect(("127.0.0.1", self.metrics)).await else {
+            return false;
+        };
+        if s.write_all(b"GET /readyz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            .await
+            .is_err()
+        {
+            return false;
+        }
+        let mut body = String::new();
+        let _ = s.read_to_string(&mut body).await;
+        body.starts_with("HTTP/1.1 200")
+    }
+
+    /// Blocks per (pod, rank), from ListPods.
+    async fn pods(&self) -> Vec<(String, u32, u64)> {
+        let Ok(mut c) = KvIndexerClient::connect(self.grpc.clone()).await else {
+            return Vec::new();
+        };
+        match c
+            .list_pods(ListPodsRequest {
+                model: MODEL.into(),
+            })
+            .await
+        {
+            Ok(r) => r
+                .into_inner()
+                .pods
+                .into_iter()
+                .map(|p| (p.pod, p.data_parallel_rank, p.blocks))
+                .collect(),
+            Err(_) => Vec::new(),
+        }
+    }
+
+    async fn matched(&self, tokens: &[u32], pod: &str) -> u32 {
+        match KvIndexerClient::connect(self.grpc.clone()).await {
+            Ok(mut c) => matched_on(&mut c, tokens, pod).await,
+            Err(_) => 0,
+        }
+    }
+}
+
+impl Drop for Process {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sigkilled_replica_with_a_million_memberships_comes_back_warm_within_5s() {
+    let _serial = SERIAL.lock().await;
+    let Some(redis) = RedisServer::start("sigkill_warm_restart") else {
+        return;
+    };
+    let dir = support::temp_dir("sigkill");
+    let ports_a = (free_port(), free_port(), free_port());
+    let ports_b = (free_port(), free_port(), free_port());
+    let config_a = write_process_config(&dir, "a", &redis.url(), ports_a);
+    let config_b = write_process_config(&dir, "b", &redis.url(), ports_b);
+    let a = Process::spawn(&config_a, ports_a);
+    let mut b = Process::spawn(&config_b, ports_b);
+    for p in [&a, &b] {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while !p.ready().await {
+            assert!(Instant::now() < deadline, "a replica never became ready");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+    // 50 pods publish to replica A: a real prompt each (scored by tokens later), then 20,000
+    // blocks each in runs of 250 (continuations, as vLLM sends a long prompt's later runs).
+    const PODS: usize = 50;
+    const BLOCKS_PER_POD: usize = 20_000;
+    let processor = processor();
+    let endpoint = format!("tcp://127.0.0.1:{}", ports_a.0);
+    let mut rng = support::Rng::new(0x5eed_2026);
+    let mut publishers = Vec::new();
+    for p in 0..PODS {
+        let pod = format!("10.3.0.{p}:8000");
+        let mut publisher = Publisher::connect(&endpoint, &pod).await;
+        let tokens = prompt(p, 0);
+        let hashes = processor.block_hashes(&tokens, &RequestExtras::default());
+        let first = payload(vec![stored(&hashes, None, tokens.clone())]);
+        for _ in 0..200 {
+            publisher.send_seq(0, &first).await;
+            tokio::time::sleep(Duration::from_millis(20)).await;
+            if a.matched(&tokens, &pod).await == PROMPT_BLOCKS as u32 {
+                break;
+            }
+        }
+        publisher.seq = 1;
+        publishers.push(publisher);
+    }
+    for round in 0..BLOCKS_PER_POD / 250 {
+        for publisher in publishers.iter_mut() {
+            let hashes: Vec<BlockHash> =
+                (0..250).map(|_| BlockHash::from(rng.next_u64())).collect();
+            let parent = Some(BlockHash::from(rng.next_u64()));
+            publisher
+                .send(&payload(vec![stored(&hashes, parent, Vec::new())]))
+                .await;
+        }
+        if round % 8 == 7 {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    }
+    let expected: u64 = (PODS * (BLOCKS_PER_POD + PROMPT_BLOCKS)) as u64;
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let (pa, pb) = (a.pods().await, b.pods().await);
+        let total: u64 = pa.iter().map(|p| p.2).sum();
+        if total == expected && pa == pb {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "replicas never held all {expected} memberships: A {total}, A==B {}",
+            pa == pb
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    // A snapshot covering everything (interval 1 s), then SIGKILL and a restart.
+    tokio::time::sleep(Duration::from_millis(2_500)).await;
+    let _ = b.child.kill();
+    let _ = b.child.wait();
+    let restarted = Instant::now();
+    b = Process::spawn(&config_b, ports_b);
+    while !b.ready().await {
+        assert!(
+            restarted.elapsed() < Duration::from_secs(5),
+            "not ready within 5 s"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let ready_after = restarted.elapsed();
+    let want = a.pods().await;
+    loop {
+        if b.pods().await == want {
+            break;
+        }
+        assert!(
+            restarted.elapsed() < Duration::from_secs(5),
+            "not agreeing within 5 s of the restart"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let agreed_after = restarted.elapsed();
+    for p in 0..PODS {
+        let pod = format!("10.3.0.{p}:8000");
+        assert_eq!(
+            b.matched(&prompt(p, 0), &pod).await,
+            PROMPT_BLOCKS as u32,
+            "{pod}"
+        );
+    }
+    eprintln!("{expected} memberships: restarted replica ready after {ready_after:?}, agreeing after {agreed_after:?}");
+    drop(b);
+    drop(a);
+    let _ = std::fs::remove_dir_all(&dir);
+}
