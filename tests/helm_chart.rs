@@ -162,6 +162,14 @@ fn required(args: &[Value]) -> Result<Value, FuncError> {
     }
 }
 
+/// Helm's `fail MSG`: a render error with the message.
+fn fail(args: &[Value]) -> Result<Value, FuncError> {
+    match args {
+        [Value::String(message)] => Err(FuncError::Generic(message.clone())),
+        _ => Err(FuncError::ExactlyXArgs("fail".into(), 1)),
+    }
+}
+
 fn template(source: &str) -> gtmpl::Template {
     let mut t = gtmpl::Template::default();
     t.add_funcs(&[
@@ -173,6 +181,7 @@ fn template(source: &str) -> gtmpl::Template {
         ("until", until as gtmpl::Func),
         ("int", int as gtmpl::Func),
         ("required", required as gtmpl::Func),
+        ("fail", fail as gtmpl::Func),
     ]);
     t.parse(source)
         .unwrap_or_else(|e| panic!("template parse: {e}"));
@@ -287,10 +296,15 @@ fn embedded_config(by_kind: &HashMap<String, serde_json::Value>) -> Config {
         .expect("config text");
     let mut c = Config::from_yaml(text, "ConfigMap").unwrap_or_else(|e| panic!("{e}\n{text}"));
     // The environment the Deployment gives the container (a Secret's value stands in).
-    let from_secret = by_kind
+    let env = by_kind
         .get("Deployment")
-        .is_some_and(|d| d.to_string().contains("KVINDEXER_ADMIN_TOKEN"));
-    c.apply_env(|k| (from_secret && k == "KVINDEXER_ADMIN_TOKEN").then(|| "x".repeat(32)));
+        .map(|d| d.to_string())
+        .unwrap_or_default();
+    c.apply_env(|k| match k {
+        "KVINDEXER_ADMIN_TOKEN" if env.contains(k) => Some("x".repeat(32)),
+        "KVINDEXER_REDIS_URL" if env.contains(k) => Some("redis://:pw@redis:6379".into()),
+        _ => None,
+    });
     c.validate().unwrap_or_else(|e| panic!("{e}\n{text}"));
     c
 }
@@ -544,4 +558,69 @@ fn the_sidecar_patch_and_vllm_examples_are_valid_and_configured_for_kv_indexer()
             }
         }
     }
+}
+
+/// The panic message of a render that must be refused.
+fn refusal(overrides: serde_json::Value) -> String {
+    let refused = std::panic::catch_unwind(|| render(overrides));
+    let Err(payload) = refused else {
+        panic!("rendered, but must be refused");
+    };
+    payload
+        .downcast_ref::<String>()
+        .cloned()
+        .or_else(|| payload.downcast_ref::<&str>().map(|s| s.to_string()))
+        .unwrap_or_default()
+}
+
+#[test]
+fn several_replicas_in_bind_mode_need_replication_and_get_redis_a_pdb_and_spreading() {
+    let why = refusal(json!({"replicaCount": 3}));
+    assert!(why.contains("needs replication.enabled"), "{why}");
+    let why = refusal(json!({"mode": "sidecar", "sidecar": {"eppReplicas": 2}}));
+    assert!(why.contains("needs replication.enabled"), "{why}");
+    let why = refusal(json!({"replicaCount": 3, "replication": {"enabled": true}}));
+    assert!(why.contains("REDIS_URL"), "{why}");
+
+    let by_kind = check_types(&render(json!({
+        "replicaCount": 3,
+        "replication": {"enabled": true, "existingSecret": "redis-auth"},
+    })));
+    let spec = &by_kind["Deployment"]["spec"]["template"]["spec"];
+    let env = &spec["containers"][0]["env"];
+    let redis = env
+        .as_array()
+        .expect("env")
+        .iter()
+        .find(|e| e["name"] == "KVINDEXER_REDIS_URL")
+        .expect("the Redis URL comes from the Secret");
+    assert_eq!(redis["valueFrom"]["secretKeyRef"]["name"], "redis-auth");
+    assert_eq!(redis["valueFrom"]["secretKeyRef"]["key"], "REDIS_URL");
+    let keys: Vec<&str> = spec["topologySpreadConstraints"]
+        .as_array()
+        .expect("spread")
+        .iter()
+        .filter_map(|c| c["topologyKey"].as_str())
+        .collect();
+    assert_eq!(keys, ["topology.kubernetes.io/zone", "kubernetes.io/hostname"]);
+    assert_eq!(by_kind["PodDisruptionBudget"]["spec"]["minAvailable"], 1);
+    let c = embedded_config(&by_kind);
+    assert!(c.replication.enabled);
+    assert_eq!(c.replication.key_prefix, "kvi-kv-indexer");
+    assert_eq!(c.replication.redis_url, "redis://:pw@redis:6379");
+    let text = by_kind["ConfigMap"]["data"]["kv-indexer.yaml"].to_string();
+    assert!(!text.contains("redisUrl"), "the URL stays in the Secret: {text}");
+
+    // A URL without a password may be a plain value; connect mode may run several replicas
+    // without replication (every replica dials every pod).
+    let by_kind = check_types(&render(json!({
+        "replicaCount": 2,
+        "replication": {"enabled": true, "redisUrl": "redis://redis:6379"},
+    })));
+    assert_eq!(embedded_config(&by_kind).replication.redis_url, "redis://redis:6379");
+    let by_kind = check_types(&render(json!({
+        "replicaCount": 2,
+        "events": {"mode": "connect", "endpoints": [{"endpoint": "tcp://10.0.0.7:5557"}]},
+    })));
+    assert!(!embedded_config(&by_kind).replication.enabled);
 }

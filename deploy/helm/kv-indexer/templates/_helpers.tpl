@@ -8,3 +8,13 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 app.kubernetes.io/name: kv-indexer
 app.kubernetes.io/instance: {{ .Release.Name }}
 {{- end }}
+{{- define "kv-indexer.replicationCheck" -}}
+{{- if and (eq .Values.events.mode "bind") (not .Values.replication.enabled) -}}
+{{- if and (eq .Values.mode "standalone") (gt (int .Values.replicaCount) 1) -}}
+{{- fail "replicaCount > 1 in bind mode needs replication.enabled: each vLLM pod publishes to one replica, so without the shared log every replica scores with part of the fleet" -}}
+{{- end -}}
+{{- if and (eq .Values.mode "sidecar") (gt (int .Values.sidecar.eppReplicas) 1) -}}
+{{- fail "sidecar.eppReplicas > 1 in bind mode needs replication.enabled: each vLLM pod publishes to one EPP pod's kv-indexer, so without the shared log every replica scores with part of the fleet" -}}
+{{- end -}}
+{{- end -}}
+{{- end }}
