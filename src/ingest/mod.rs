@@ -53,7 +53,7 @@ use zeromq::{Socket, SubSocket};
 
 use crate::config::KvEventsConfig;
 use crate::metrics::Metrics;
-use crate::replication::Record;
+use crate::replication::{Record, Stamp};
 
 /// Why ingestion could not start.
 #[derive(Debug, Error)]
@@ -290,6 +290,7 @@ impl Feeder {
                 model,
                 seq,
                 payload,
+                ..
             } => (
                 pod.clone(),
                 Job::Message(Message {
@@ -309,6 +310,33 @@ impl Feeder {
             self.dispatch.shared.metrics.ingest.dequeued();
         }
         sent
+    }
+
+    /// Whether the message `seq` of publisher (`pod`, `model`, `stamp.rank`) is one the
+    /// workers would drop (already applied, or stale): then the follower need not decode it.
+    /// Safe to ask early: a publisher's state only moves forward, so a message that is
+    /// behind it now stays behind.
+    pub fn already_applied(
+        &self,
+        pod: &Arc<str>,
+        model: &Arc<str>,
+        seq: u64,
+        stamp: Stamp,
+    ) -> bool {
+        let key = PublisherKey {
+            pod: pod.clone(),
+            model: model.clone(),
+            rank: stamp.rank,
+        };
+        let shard = worker_of(pod, self.dispatch.workers.len());
+        let last = self.dispatch.shared.publishers.shards[shard]
+            .lock()
+            .get(&key)
+            .and_then(|s| s.last_seq.map(|seq| (seq, s.last_ts)));
+        matches!(
+            sequence::SeqOutcome::classify_timed(last, seq, stamp.ts),
+            sequence::SeqOutcome::Duplicate | sequence::SeqOutcome::Stale
+        )
     }
 
     /// Pauses every worker after what is queued before; returns once all have stopped.

@@ -20,8 +20,8 @@
 //! and the shared log, where another replica put them), so a message can come after a newer
 //! one, and messages of an engine's previous incarnation can come after its restart.
 //! [`SeqOutcome::classify_timed`] tells these apart by the batch's timestamp (vLLM's wall
-//! clock, `ts`): a lower sequence with an older timestamp is **stale** (dropped), with a newer
-//! one a restart; a higher sequence more than [`INCARNATION_SKEW_SECS`] older than the last
+//! clock, `ts`): a lower sequence with an older or equal timestamp is **stale** (dropped), with
+//! a newer one a restart; a higher sequence more than [`INCARNATION_SKEW_SECS`] older than the last
 //! applied is a message of the previous incarnation, also stale. A restarted engine takes
 //! seconds to load its model, far more than any skew of one node's clock. Without replication
 //! there is one path and the daemon uses [`SeqOutcome::classify`].
@@ -81,11 +81,13 @@ impl SeqOutcome {
     }
 
     /// As [`classify`](Self::classify), with the batches' timestamps: a sequence that went
-    /// backwards with an older timestamp than the last applied is [`Stale`](Self::Stale), not a
-    /// restart. `last` is `(sequence, ts)` of the last message applied.
+    /// backwards without a newer timestamp than the last applied is [`Stale`](Self::Stale), not
+    /// a restart; a higher one far older is stale too (an earlier incarnation's). `last` is `(sequence, ts)` of the last message applied.
     pub fn classify_timed(last: Option<(u64, f64)>, seq: u64, ts: f64) -> Self {
         match last {
-            Some((last_seq, last_ts)) if seq < last_seq && ts < last_ts => SeqOutcome::Stale,
+            // Not newer than the last applied: a copy that came the long way. (Equal timestamps
+            // count as older: a real restart's clock has moved on by the model's load time.)
+            Some((last_seq, last_ts)) if seq < last_seq && ts <= last_ts => SeqOutcome::Stale,
             Some((last_seq, last_ts)) if seq > last_seq && ts < last_ts - INCARNATION_SKEW_SECS => {
                 SeqOutcome::Stale
             }
@@ -156,11 +158,9 @@ mod tests {
             SeqOutcome::classify_timed(Some((9, 50.0)), 0, 80.0),
             Restart { missed: None }
         );
-        // Equal timestamps (synthetic publishers) keep the single-stream meaning.
-        assert_eq!(
-            SeqOutcome::classify_timed(Some((9, 0.0)), 0, 0.0),
-            Restart { missed: None }
-        );
+        // Equal timestamps (a publisher that never advances its clock) cannot be a restart:
+        // with two paths the lower sequence is the stale copy.
+        assert_eq!(SeqOutcome::classify_timed(Some((9, 0.0)), 0, 0.0), Stale);
         assert_eq!(
             SeqOutcome::classify_timed(Some((9, 50.0)), 9, 50.0),
             Duplicate

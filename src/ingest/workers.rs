@@ -25,7 +25,7 @@ use tokio::sync::mpsc;
 use super::gap_fill::{self, GapFillError};
 use super::sequence::SeqOutcome;
 use super::{GapFillRoute, Job, Message, PublisherKey, PublisherState, Shared, Via};
-use crate::replication::Record;
+use crate::replication::{Record, Stamp};
 
 /// Messages a publisher may park while its gap is being filled; beyond, the fill is given up.
 pub(super) const MAX_PARKED: usize = 4096;
@@ -434,6 +434,10 @@ impl Worker<'_> {
                 pod: key.pod.clone(),
                 model: key.model.clone(),
                 seq: message.seq,
+                stamp: Some(Stamp {
+                    rank: key.rank,
+                    ts: message.batch.ts,
+                }),
                 payload: message.payload,
             });
         }

@@ -153,6 +153,17 @@ impl Follower {
                 {
                     metrics.log_entry("own")
                 }
+                // Already applied (this replica's own message, or one its socket brought
+                // first): no decoding, no queue hop.
+                Some(Record::Message {
+                    ref pod,
+                    ref model,
+                    seq,
+                    stamp: Some(stamp),
+                    ..
+                }) if self.feeder.already_applied(pod, model, seq, stamp) => {
+                    metrics.log_entry("already_applied")
+                }
                 Some(record) => {
                     if !self.feeder.feed(entry.replica, record).await {
                         return Ok(false);
@@ -242,10 +253,10 @@ impl Follower {
         let Some(paused) = self.feeder.pause().await else {
             return Ok(false);
         };
-        let mut writer = SnapshotWriter::new(self.position);
-        self.feeder
-            .indexer()
-            .export_each(|model, key, blocks| writer.blocks(model, key, blocks));
+        let indexer = self.feeder.indexer();
+        let held: u64 = indexer.stats().iter().map(|(_, s)| s.memberships).sum();
+        let mut writer = SnapshotWriter::new(self.position, held);
+        indexer.export_each(|model, key, blocks| writer.blocks(model, key, blocks));
         for (key, state) in self.feeder.publishers().snapshot() {
             writer.publisher(&key, &state);
         }

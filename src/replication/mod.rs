@@ -99,6 +99,10 @@ pub enum Record {
         model: Arc<str>,
         /// The publisher's sequence number.
         seq: u64,
+        /// The batch's data-parallel rank and timestamp, copied out of the payload so a
+        /// replica can tell it already applied the message without decoding it (`None` when
+        /// an entry lacks them).
+        stamp: Option<Stamp>,
         /// The payload, as received.
         payload: Bytes,
     },
@@ -109,6 +113,15 @@ pub enum Record {
         /// The pod.
         pod: Arc<str>,
     },
+}
+
+/// What identifies a message in its publisher's stream beside the sequence number.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Stamp {
+    /// The data-parallel rank (0 without DP).
+    pub rank: u32,
+    /// The batch's timestamp (vLLM's wall clock).
+    pub ts: f64,
 }
 
 /// The workers' (and the admin API's) side of the append queue: never waits.

@@ -52,9 +52,14 @@ pub struct SnapshotWriter {
 }
 
 impl SnapshotWriter {
-    /// A snapshot of the state as of log position `position`.
-    pub fn new(position: StreamId) -> Self {
-        let mut out = Vec::with_capacity(1 << 16);
+    /// A snapshot of the state as of log position `position`, for about `memberships`
+    /// memberships (the buffer is sized once: growing it by doubling would need twice the
+    /// snapshot's size at the moment of a copy).
+    pub fn new(position: StreamId, memberships: u64) -> Self {
+        let capacity = (memberships as usize)
+            .saturating_mul(8)
+            .saturating_add(1 << 16);
+        let mut out = Vec::with_capacity(capacity);
         out.extend_from_slice(MAGIC);
         out.extend_from_slice(&VERSION.to_le_bytes());
         out.extend_from_slice(&position.ms.to_le_bytes());
@@ -305,7 +310,7 @@ mod tests {
     use super::*;
 
     fn sample() -> (Vec<u8>, u64) {
-        let mut w = SnapshotWriter::new(StreamId { ms: 17, seq: 3 });
+        let mut w = SnapshotWriter::new(StreamId { ms: 17, seq: 3 }, 3);
         let blocks: Vec<(BlockHash, Tier)> = vec![
             (BlockHash::from(1), Tier::Gpu),
             (BlockHash::from(2), Tier::Cpu),

@@ -10,7 +10,7 @@ use serde::{Deserialize, Serialize};
 use thiserror::Error;
 
 use super::snapshot::{checksum, SnapshotError, SnapshotReader, SnapshotRecord};
-use super::{Keys, Record, StreamId};
+use super::{Keys, Record, Stamp, StreamId};
 use crate::ingest::{PublisherKey, PublisherState};
 use kv_core::Indexer;
 
@@ -267,18 +267,26 @@ pub async fn append(
                 pod,
                 model,
                 seq,
+                stamp,
                 payload,
-            } => cmd
-                .arg("k")
-                .arg("m")
-                .arg("p")
-                .arg(&**pod)
-                .arg("o")
-                .arg(&**model)
-                .arg("s")
-                .arg(*seq)
-                .arg("d")
-                .arg(&payload[..]),
+            } => {
+                cmd.arg("k")
+                    .arg("m")
+                    .arg("p")
+                    .arg(&**pod)
+                    .arg("o")
+                    .arg(&**model)
+                    .arg("s")
+                    .arg(*seq);
+                if let Some(stamp) = stamp {
+                    // The timestamp's bits, exactly (a decimal rendering could round).
+                    cmd.arg("n")
+                        .arg(stamp.rank)
+                        .arg("t")
+                        .arg(stamp.ts.to_bits());
+                }
+                cmd.arg("d").arg(&payload[..])
+            }
             Record::ClearPod { model, pod } => cmd
                 .arg("k")
                 .arg("c")
@@ -425,6 +433,13 @@ fn record(fields: &HashMap<String, Bytes>) -> Option<Record> {
             pod,
             model,
             seq: s("s")?.parse().ok()?,
+            stamp: match (s("n"), s("t")) {
+                (Some(rank), Some(ts)) => Some(Stamp {
+                    rank: rank.parse().ok()?,
+                    ts: f64::from_bits(ts.parse().ok()?),
+                }),
+                _ => None,
+            },
             payload: fields.get("d")?.clone(),
         }),
         Some(b"c") => Some(Record::ClearPod { model, pod }),
