@@ -602,14 +602,20 @@ fn several_replicas_in_bind_mode_need_replication_and_get_redis_a_pdb_and_spread
         .iter()
         .filter_map(|c| c["topologyKey"].as_str())
         .collect();
-    assert_eq!(keys, ["topology.kubernetes.io/zone", "kubernetes.io/hostname"]);
+    assert_eq!(
+        keys,
+        ["topology.kubernetes.io/zone", "kubernetes.io/hostname"]
+    );
     assert_eq!(by_kind["PodDisruptionBudget"]["spec"]["minAvailable"], 1);
     let c = embedded_config(&by_kind);
     assert!(c.replication.enabled);
     assert_eq!(c.replication.key_prefix, "kvi-kv-indexer");
     assert_eq!(c.replication.redis_url, "redis://:pw@redis:6379");
     let text = by_kind["ConfigMap"]["data"]["kv-indexer.yaml"].to_string();
-    assert!(!text.contains("redisUrl"), "the URL stays in the Secret: {text}");
+    assert!(
+        !text.contains("redisUrl"),
+        "the URL stays in the Secret: {text}"
+    );
 
     // A URL without a password may be a plain value; connect mode may run several replicas
     // without replication (every replica dials every pod).
@@ -617,7 +623,10 @@ fn several_replicas_in_bind_mode_need_replication_and_get_redis_a_pdb_and_spread
         "replicaCount": 2,
         "replication": {"enabled": true, "redisUrl": "redis://redis:6379"},
     })));
-    assert_eq!(embedded_config(&by_kind).replication.redis_url, "redis://redis:6379");
+    assert_eq!(
+        embedded_config(&by_kind).replication.redis_url,
+        "redis://redis:6379"
+    );
     let by_kind = check_types(&render(json!({
         "replicaCount": 2,
         "events": {"mode": "connect", "endpoints": [{"endpoint": "tcp://10.0.0.7:5557"}]},

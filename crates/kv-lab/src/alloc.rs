@@ -16,17 +16,34 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 pub struct CountingAllocator;
 
 static LIVE_HEAP_BYTES: AtomicUsize = AtomicUsize::new(0);
+static PEAK_HEAP_BYTES: AtomicUsize = AtomicUsize::new(0);
 
 /// Bytes currently allocated through [`CountingAllocator`] (0 where it is not installed).
 pub fn live_heap_bytes() -> usize {
     LIVE_HEAP_BYTES.load(Ordering::Relaxed)
 }
 
+/// The most bytes live at once since the last [`reset_peak_heap_bytes`]: what an operation
+/// needed at its worst, not only what it kept.
+pub fn peak_heap_bytes() -> usize {
+    PEAK_HEAP_BYTES.load(Ordering::Relaxed)
+}
+
+/// Starts a new peak measurement from the bytes live now.
+pub fn reset_peak_heap_bytes() {
+    PEAK_HEAP_BYTES.store(live_heap_bytes(), Ordering::Relaxed);
+}
+
+fn grew(by: usize) {
+    let live = LIVE_HEAP_BYTES.fetch_add(by, Ordering::Relaxed) + by;
+    PEAK_HEAP_BYTES.fetch_max(live, Ordering::Relaxed);
+}
+
 // SAFETY: every call is forwarded unchanged to the system allocator, which upholds
 // `GlobalAlloc`'s contract; only a counter is added, and counting never allocates.
 unsafe impl GlobalAlloc for CountingAllocator {
     unsafe fn alloc(&self, l: Layout) -> *mut u8 {
-        LIVE_HEAP_BYTES.fetch_add(l.size(), Ordering::Relaxed);
+        grew(l.size());
         // SAFETY: the caller's `l` meets `alloc`'s contract (non-zero size), passed on as is.
         unsafe { System.alloc(l) }
     }
@@ -36,12 +53,12 @@ unsafe impl GlobalAlloc for CountingAllocator {
         unsafe { System.dealloc(p, l) }
     }
     unsafe fn alloc_zeroed(&self, l: Layout) -> *mut u8 {
-        LIVE_HEAP_BYTES.fetch_add(l.size(), Ordering::Relaxed);
+        grew(l.size());
         // SAFETY: as for `alloc`.
         unsafe { System.alloc_zeroed(l) }
     }
     unsafe fn realloc(&self, p: *mut u8, l: Layout, new: usize) -> *mut u8 {
-        LIVE_HEAP_BYTES.fetch_add(new, Ordering::Relaxed);
+        grew(new);
         LIVE_HEAP_BYTES.fetch_sub(l.size(), Ordering::Relaxed);
         // SAFETY: `p` came from `System` with layout `l`; `new` is the caller's valid new size.
         unsafe { System.realloc(p, l, new) }

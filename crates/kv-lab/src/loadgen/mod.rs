@@ -13,7 +13,9 @@
 //!
 //! It reports messages and blocks sent, blocks and events the daemon applied (from its
 //! `/metrics`, before and after), sequence gaps, and ScorePods latency under load beside the
-//! same call measured on an idle daemon first (the baseline, same run).
+//! same call measured on an idle daemon first (the baseline, same run). With
+//! `--replica-metrics`, it also waits for the other replicas of a replicated deployment to
+//! apply the same blocks through the shared log, and reports their end-to-end rate.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
@@ -26,7 +28,7 @@ use thiserror::Error;
 mod report;
 
 use report::metric_sum;
-pub use report::{LoadgenReport, ScorePhase, SoakReport, SoakSample};
+pub use report::{LoadgenReport, ReplicaReport, ScorePhase, SoakReport, SoakSample};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use zeromq::{PubSocket, Socket, SocketSend, ZmqMessage};
 
@@ -143,6 +145,11 @@ pub struct LoadgenArgs {
     /// and report whether anything grew after the first half (run with `--duration` of hours).
     #[arg(long, default_value_t = 0)]
     pub soak_sample: u64,
+    /// Other replicas of a replicated deployment (their metrics address, host:port;
+    /// repeatable): after the load, wait until each has applied what the daemon under load
+    /// applied (through the shared log) and report the rate it got there at.
+    #[arg(long = "replica-metrics")]
+    pub replica_metrics: Vec<String>,
 }
 
 /// A prepared prompt: tokens, block hashes, and its payloads.
@@ -438,12 +445,17 @@ async fn run_async(args: LoadgenArgs) -> Result<LoadgenReport, LoadgenError> {
         score_idle,
         score_under_load: None,
         soak: None,
+        replicas: Vec::new(),
     };
     if args.duration == 0 {
         // Warm-up only: every pod holds its first prompt (what --dump-request describes).
         return Ok(report);
     }
     let before = http_get(&args.metrics, "/metrics").await?;
+    let mut replicas_before = Vec::new();
+    for addr in &args.replica_metrics {
+        replicas_before.push(http_get(addr, "/metrics").await?);
+    }
     let counters = Arc::new(Counters::default());
     let stop = Arc::new(AtomicBool::new(false));
     let publish = {
@@ -525,7 +537,46 @@ async fn run_async(args: LoadgenArgs) -> Result<LoadgenReport, LoadgenError> {
     if !samples.is_empty() {
         report.soak = Some(SoakReport::of(samples));
     }
+    let applied = delta("kvindexer_blocks_applied_total");
+    for (addr, before) in args.replica_metrics.iter().zip(&replicas_before) {
+        report
+            .replicas
+            .push(follow_replica(addr, before, applied, started).await?);
+    }
     Ok(report)
+}
+
+/// Waits (at most 60 s after the load) until the replica at `addr` has applied `applied`
+/// blocks since `before`, or stops progressing for 5 s; reports its rate from the load's start.
+async fn follow_replica(
+    addr: &str,
+    before: &str,
+    applied: f64,
+    started: Instant,
+) -> Result<ReplicaReport, LoadgenError> {
+    let base = metric_sum(before, "kvindexer_blocks_applied_total");
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let (mut last, mut last_change) = (-1.0, Instant::now());
+    loop {
+        let page = http_get(addr, "/metrics").await?;
+        let done = metric_sum(&page, "kvindexer_blocks_applied_total") - base;
+        let now = Instant::now();
+        if done != last {
+            (last, last_change) = (done, now);
+        }
+        if done >= applied || now >= deadline || now - last_change > Duration::from_secs(5) {
+            let at = if done >= applied { now } else { last_change };
+            let seconds = (at - started).as_secs_f64();
+            return Ok(ReplicaReport {
+                metrics: addr.to_owned(),
+                applied_blocks: done,
+                caught_up: done >= applied,
+                caught_up_after_s: seconds,
+                applied_blocks_per_s: done / seconds.max(1e-9),
+            });
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
 }
 
 /// The PUB socket the simulated pods publish through.

@@ -81,6 +81,24 @@ pub struct LoadgenReport {
     /// Soak mode: the memory samples and the verdict.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub soak: Option<SoakReport>,
+    /// `--replica-metrics`: how the other replicas followed.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub replicas: Vec<ReplicaReport>,
+}
+
+/// How another replica of a replicated deployment followed the load (through the log).
+#[derive(Debug, Clone, Serialize)]
+pub struct ReplicaReport {
+    /// Its metrics address.
+    pub metrics: String,
+    /// Blocks it applied since the load started.
+    pub applied_blocks: f64,
+    /// Whether it applied as many blocks as the daemon under load.
+    pub caught_up: bool,
+    /// Seconds from the load's start until it caught up (or last progressed).
+    pub caught_up_after_s: f64,
+    /// `applied_blocks / caught_up_after_s`: the end-to-end replication rate.
+    pub applied_blocks_per_s: f64,
 }
 
 /// One soak sample of the daemon's own gauges.
@@ -175,7 +193,21 @@ impl LoadgenReport {
                 if s.bounded { "bounded" } else { "GROWING" }
             )
         });
-        self.to_text_without_soak() + &soak
+        let replicas: String = self
+            .replicas
+            .iter()
+            .map(|r| {
+                format!(
+                    "\nreplica {}: applied {:.0} blocks through the log, {} after {:.1}s: {:.0} blocks/s end to end",
+                    r.metrics,
+                    r.applied_blocks,
+                    if r.caught_up { "caught up" } else { "NOT caught up" },
+                    r.caught_up_after_s,
+                    r.applied_blocks_per_s
+                )
+            })
+            .collect();
+        self.to_text_without_soak() + &soak + &replicas
     }
 
     fn to_text_without_soak(&self) -> String {
