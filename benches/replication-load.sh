@@ -7,12 +7,16 @@
 #             there, and replica 2 following through the log;
 #   throughput  two replicas, events as fast as replica 1 takes them: the rate at which
 #             replica 2 applies them end to end (ZMQ -> replica 1 -> Redis -> replica 2).
+# PIN=1 pins the daemon under test and loadgen to CPU 0, the second replica and Redis to CPU 1
+# (taskset), so the scored replica competes for its core with the same processes in both
+# setups; without it everything shares both cores.
 # Usage: benches/replication-load.sh [rounds]   (needs redis-server on PATH; builds --release)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 rounds="${1:-3}"
 RATE_SCORE="${RATE_SCORE:-100000}"
 DURATION="${DURATION:-10}"
+if [ "${PIN:-0}" = 1 ]; then near=(taskset -c 0); far=(taskset -c 1); else near=(); far=(); fi
 cargo build --release --quiet
 bin=target/release/kv-indexer
 work="$(mktemp -d)"
@@ -20,7 +24,7 @@ pids=()
 cleanup() { for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; rm -rf "$work"; }
 trap cleanup EXIT
 
-redis-server --port 6390 --bind 127.0.0.1 --save "" --appendonly no --dir "$work" --daemonize no >/dev/null &
+${far[@]+"${far[@]}"} redis-server --port 6390 --bind 127.0.0.1 --save "" --appendonly no --dir "$work" --daemonize no >/dev/null &
 pids+=($!)
 sleep 0.5
 
@@ -32,8 +36,9 @@ server: {grpcAddr: "127.0.0.1:$3", metricsAddr: "127.0.0.1:$4"}
 replication: {enabled: $5, redisUrl: "redis://127.0.0.1:6390", keyPrefix: "$6", replicaId: "$1", snapshotInterval: 30s}
 YAML
 }
-start() { # name
-  RUST_LOG=warn "$bin" serve --config "$work/$1.yaml" >"$work/$1.log" 2>&1 &
+start() { # name [pin...]
+  local name=$1; shift
+  RUST_LOG=warn "$@" "$bin" serve --config "$work/$name.yaml" >"$work/$name.log" 2>&1 &
   pids+=($!)
   echo $!
 }
@@ -47,7 +52,7 @@ ready() { # metrics port
 stop() { kill "$1"; wait "$1" 2>/dev/null || true; }
 loadgen() { # zmq grpc metrics rate [extra...]
   local zmq=$1 grpc=$2 metrics=$3 rate=$4; shift 4
-  "$bin" loadgen --zmq-endpoint "tcp://127.0.0.1:$zmq" --grpc "http://127.0.0.1:$grpc" \
+  ${near[@]+"${near[@]}"} "$bin" loadgen --zmq-endpoint "tcp://127.0.0.1:$zmq" --grpc "http://127.0.0.1:$grpc" \
     --metrics "127.0.0.1:$metrics" --rate "$rate" --duration "$DURATION" --json "$@" 2>/dev/null
 }
 
@@ -55,19 +60,19 @@ for round in $(seq "$rounds"); do
   prefix="bench-$round-$RANDOM"
   # single
   config solo 15557 15051 15090 false "$prefix-solo"
-  p=$(start solo); ready 15090
+  p=$(start solo ${near[@]+"${near[@]}"}); ready 15090
   loadgen 15557 15051 15090 "$RATE_SCORE" >"$work/single-$round.json"
   stop "$p"
   # replicated: the same load on replica 1, replica 2 following
   config r1 15557 15051 15090 true "$prefix-a"
   config r2 15558 15052 15091 true "$prefix-a"
-  p1=$(start r1); p2=$(start r2); ready 15090; ready 15091
+  p1=$(start r1 ${near[@]+"${near[@]}"}); p2=$(start r2 ${far[@]+"${far[@]}"}); ready 15090; ready 15091
   loadgen 15557 15051 15090 "$RATE_SCORE" --replica-metrics 127.0.0.1:15091 >"$work/replicated-$round.json"
   stop "$p1"; stop "$p2"
   # throughput: as fast as replica 1 takes events
   config r1 15557 15051 15090 true "$prefix-b"
   config r2 15558 15052 15091 true "$prefix-b"
-  p1=$(start r1); p2=$(start r2); ready 15090; ready 15091
+  p1=$(start r1 ${near[@]+"${near[@]}"}); p2=$(start r2 ${far[@]+"${far[@]}"}); ready 15090; ready 15091
   loadgen 15557 15051 15090 1200000 --score-concurrency 1 --replica-metrics 127.0.0.1:15091 >"$work/throughput-$round.json"
   stop "$p1"; stop "$p2"
   echo "round $round done" >&2
@@ -82,6 +87,7 @@ single = [load("single", r) for r in range(1, rounds + 1)]
 repl = [load("replicated", r) for r in range(1, rounds + 1)]
 thr = [load("throughput", r) for r in range(1, rounds + 1)]
 p = lambda runs, k: med([x["score_under_load"][k] for x in runs])
+print(f"pinned: {__import__('os').environ.get('PIN', '0') == '1'}")
 print(f"ScorePods under {rate} blocks/s of events ({duration}s, 64 pods, 500-block prompts, 4 callers); medians of {rounds} rounds")
 print("| setup | applied blocks/s during the load | gaps | ScorePods p50 us | p99 us |")
 print("| --- | --- | --- | --- | --- |")

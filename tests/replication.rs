@@ -747,3 +747,199 @@ async fn a_sigkilled_replica_with_a_million_memberships_comes_back_warm_within_5
     drop(a);
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A payload storing `tokens` as one root run, stamped `ts`.
+fn stored_at(tokens: &[u32], ts: f64) -> Vec<u8> {
+    let hashes = processor().block_hashes(tokens, &RequestExtras::default());
+    encode_batch(&EventBatch {
+        ts,
+        events: vec![stored(&hashes, None, tokens.to_vec())],
+        data_parallel_rank: Some(0),
+    })
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gap_is_filled_from_the_log_before_vllm_is_asked() {
+    let _serial = SERIAL.lock().await;
+    let Some(redis) = RedisServer::start("gap_filled_from_the_log") else {
+        return;
+    };
+    // One vLLM publisher seen through two sockets: replica A dials one, replica B the other,
+    // so a message can reach B and not A. A's replay endpoint records every request.
+    let pod = "10.4.0.1:8000";
+    let (mut to_a, endpoint_a) = Publisher::bind(pod).await;
+    let (mut to_b, endpoint_b) = Publisher::bind(pod).await;
+    let mut router = zeromq::RouterSocket::new();
+    let replay = router
+        .bind("tcp://127.0.0.1:0")
+        .await
+        .expect("ROUTER binds")
+        .to_string();
+    let requests = tokio::spawn(async move {
+        use zeromq::SocketRecv;
+        let mut n = 0;
+        while let Ok(Ok(_)) = tokio::time::timeout(Duration::from_secs(8), router.recv()).await {
+            n += 1;
+        }
+        n
+    });
+    let mut replicas = Vec::new();
+    for (id, endpoint, replay) in [("a", endpoint_a, replay), ("b", endpoint_b, String::new())] {
+        let mut c = replica_config(&redis.url(), "gapfill", id);
+        c.kv_events_config.zmq_endpoint = String::new();
+        c.kv_events_config.endpoints = vec![ConnectEndpoint {
+            endpoint,
+            pod: pod.into(),
+            model: MODEL.into(),
+            replay_endpoint: replay,
+        }];
+        replicas.push(daemon::start(c).await.expect("replica starts"));
+    }
+    let t0 = now_ts();
+    let payloads: Vec<Vec<u8>> = (0..7)
+        .map(|n| stored_at(&prompt(9, n), t0 + n as f64 * 0.01))
+        .collect();
+    // Message 0 through both sockets until both replicas have it (slow joiners).
+    for attempt in 0.. {
+        assert!(attempt < 200, "message 0 never reached both replicas");
+        to_a.send_seq(0, &payloads[0]).await;
+        to_b.send_seq(0, &payloads[0]).await;
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        let mut both = true;
+        for r in &replicas {
+            both &= matched(r, &prompt(9, 0), pod).await == PROMPT_BLOCKS as u32;
+        }
+        if both {
+            break;
+        }
+    }
+    for seq in 1..=3u64 {
+        to_a.send_seq(seq, &payloads[seq as usize]).await;
+        to_b.send_seq(seq, &payloads[seq as usize]).await;
+    }
+    // Message 4 is lost on A's socket: A sees 5 first (a gap), B brings 4 through the log.
+    to_a.send_seq(5, &payloads[5]).await;
+    tokio::time::sleep(Duration::from_millis(10)).await;
+    to_b.send_seq(4, &payloads[4]).await;
+    to_b.send_seq(5, &payloads[5]).await;
+    for n in 0..=5 {
+        for r in &replicas {
+            let started = Instant::now();
+            while matched(r, &prompt(9, n), pod).await != PROMPT_BLOCKS as u32 {
+                assert!(
+                    started.elapsed() < Duration::from_secs(5),
+                    "prompt {n} missing"
+                );
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        }
+    }
+    let page = replicas[0].metrics_text();
+    assert_eq!(
+        support::metric(&page, "kvindexer_replays_total{result=\"from_log\"}"),
+        1.0,
+        "{page}"
+    );
+    assert_eq!(support::metric(&page, "kvindexer_messages_lost_total"), 0.0);
+    let state = replicas[0].publishers().snapshot();
+    assert_eq!(state[0].1.last_seq, Some(5));
+    assert_eq!(requests.await.expect("router task"), 0, "vLLM was asked");
+    for r in replicas {
+        r.shutdown().await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn restarts_and_admin_clears_take_effect_once_on_every_replica() {
+    let _serial = SERIAL.lock().await;
+    let Some(redis) = RedisServer::start("restarts_and_clears") else {
+        return;
+    };
+    const TOKEN: &str = "replicated-admin-token-0123456789";
+    let mut replicas = Vec::new();
+    for i in 0..2 {
+        let mut c = replica_config(&redis.url(), "clears", &format!("r{i}"));
+        c.server.enable_admin_rpcs = true;
+        c.server.admin_token = TOKEN.into();
+        replicas.push(daemon::start(c).await.expect("replica starts"));
+    }
+    let refs: Vec<&RunningDaemon> = replicas.iter().collect();
+    let (p_pod, q_pod) = ("10.5.0.1:8000", "10.5.0.2:8000");
+    let mut p = Publisher::connect(&replicas[0].zmq_endpoint.clone().expect("bind"), p_pod).await;
+    let mut q = Publisher::connect(&replicas[1].zmq_endpoint.clone().expect("bind"), q_pod).await;
+    p.warm_up(&prompt(1, 0), &refs).await;
+    q.warm_up(&prompt(2, 0), &refs).await;
+    for n in 1..=3 {
+        p.send(&stored_at(&prompt(1, n), now_ts())).await;
+        q.send(&stored_at(&prompt(2, n), now_ts())).await;
+    }
+    converge(&refs, Duration::from_secs(5)).await;
+    let holds = |r: &RunningDaemon, tokens: Vec<u32>, pod: &'static str| {
+        let mut c = KvIndexerClient::connect(format!("http://{}", r.grpc_addr));
+        async move {
+            let mut c = c.await.expect("gRPC connects");
+            support::matched_blocks(&mut c, MODEL, &tokens, pod).await == PROMPT_BLOCKS as u32
+        }
+    };
+    for r in &replicas {
+        assert!(holds(r, prompt(1, 3), p_pod).await);
+    }
+
+    // P's vLLM restarts: sequence 0 again, a newer clock. Both replicas drop its old blocks.
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    p.send_seq(0, &stored_at(&prompt(1, 10), now_ts())).await;
+    for r in &replicas {
+        let started = Instant::now();
+        while !holds(r, prompt(1, 10), p_pod).await || holds(r, prompt(1, 3), p_pod).await {
+            assert!(
+                started.elapsed() < Duration::from_secs(5),
+                "restart not applied"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    // An admin clears Q on replica 1: both replicas drop it, replica 1 only once.
+    let mut admin = client(&replicas[1]).await;
+    let mut request = tonic::Request::new(kv_proto::kvindexer_v1::ClearPodRequest {
+        model: MODEL.into(),
+        pod: q_pod.into(),
+    });
+    request.metadata_mut().insert(
+        "authorization",
+        format!("Bearer {TOKEN}").parse().expect("ascii"),
+    );
+    let removed = admin
+        .clear_pod(request)
+        .await
+        .expect("ClearPod")
+        .into_inner()
+        .removed;
+    assert_eq!(removed, (4 * PROMPT_BLOCKS) as u64);
+    converge(&refs, Duration::from_secs(5)).await;
+    for r in &replicas {
+        assert!(!holds(r, prompt(2, 3), q_pod).await);
+        assert!(holds(r, prompt(1, 10), p_pod).await);
+    }
+    // Q's next message starts its stream afresh everywhere.
+    q.send(&stored_at(&prompt(2, 20), now_ts())).await;
+    for r in &replicas {
+        let started = Instant::now();
+        while !holds(r, prompt(2, 20), q_pod).await {
+            assert!(
+                started.elapsed() < Duration::from_secs(5),
+                "Q's next message missing"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+    converge(&refs, Duration::from_secs(5)).await;
+    let own = support::metric(
+        &replicas[1].metrics_text(),
+        "kvindexer_replication_log_entries_total{outcome=\"own\"}",
+    );
+    assert_eq!(own, 1.0, "replica 1 skipped its own clear coming back");
+    for r in replicas {
+        r.shutdown().await;
+    }
+}
