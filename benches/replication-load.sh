@@ -49,6 +49,9 @@ ready() { # metrics port
   done
   echo "not ready: $1" >&2; return 1
 }
+cpu() { # pid -> CPU seconds used so far (user + system)
+  awk -v hz="$(getconf CLK_TCK)" '{ printf "%.2f\n", ($14 + $15) / hz }' "/proc/$1/stat"
+}
 stop() { kill "$1"; wait "$1" 2>/dev/null || true; }
 loadgen() { # zmq grpc metrics rate [extra...]
   local zmq=$1 grpc=$2 metrics=$3 rate=$4; shift 4
@@ -62,12 +65,14 @@ for round in $(seq "$rounds"); do
   config solo 15557 15051 15090 false "$prefix-solo"
   p=$(start solo ${near[@]+"${near[@]}"}); ready 15090
   loadgen 15557 15051 15090 "$RATE_SCORE" >"$work/single-$round.json"
+  cpu "$p" >"$work/single-$round.cpu"
   stop "$p"
   # replicated: the same load on replica 1, replica 2 following
   config r1 15557 15051 15090 true "$prefix-a"
   config r2 15558 15052 15091 true "$prefix-a"
   p1=$(start r1 ${near[@]+"${near[@]}"}); p2=$(start r2 ${far[@]+"${far[@]}"}); ready 15090; ready 15091
   loadgen 15557 15051 15090 "$RATE_SCORE" --replica-metrics 127.0.0.1:15091 >"$work/replicated-$round.json"
+  cpu "$p1" >"$work/replicated-$round.cpu"; cpu "$p2" >"$work/follower-$round.cpu"
   stop "$p1"; stop "$p2"
   # throughput: as fast as replica 1 takes events
   config r1 15557 15051 15090 true "$prefix-b"
@@ -93,6 +98,8 @@ print("| setup | applied blocks/s during the load | gaps | ScorePods p50 us | p9
 print("| --- | --- | --- | --- | --- |")
 for name, runs in [("one daemon, replication off (baseline)", single), ("replica 1 of 2, replication on", repl)]:
     print(f"| {name} | {med([x['applied_blocks_per_s'] for x in runs]):.0f} | {sum(x['sequence_gaps'] for x in runs):.0f} | {p(runs, 'p50_us'):.0f} | {p(runs, 'p99_us'):.0f} |")
+cpu = lambda name: med([float(open(f"{work}/{name}-{r}.cpu").read()) for r in range(1, rounds + 1)])
+print(f"CPU seconds over the whole run (start, warm-up, idle baseline, load): one daemon {cpu('single'):.1f}; replica 1 {cpu('replicated'):.1f} ({cpu('replicated') / cpu('single'):.2f}x); replica 2 {cpu('follower'):.1f}")
 print(f"ratio (replicated / single): p50 {p(repl, 'p50_us') / p(single, 'p50_us'):.2f}x, p99 {p(repl, 'p99_us') / p(single, 'p99_us'):.2f}x")
 print(f"replica 2 followed at {med([x['replicas'][0]['applied_blocks_per_s'] for x in repl]):.0f} blocks/s (caught up: {[x['replicas'][0]['caught_up'] for x in repl]})")
 print()

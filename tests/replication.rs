@@ -16,6 +16,7 @@
 mod support;
 
 use std::collections::BTreeSet;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -875,7 +876,7 @@ async fn restarts_and_admin_clears_take_effect_once_on_every_replica() {
     }
     converge(&refs, Duration::from_secs(5)).await;
     let holds = |r: &RunningDaemon, tokens: Vec<u32>, pod: &'static str| {
-        let mut c = KvIndexerClient::connect(format!("http://{}", r.grpc_addr));
+        let c = KvIndexerClient::connect(format!("http://{}", r.grpc_addr));
         async move {
             let mut c = c.await.expect("gRPC connects");
             support::matched_blocks(&mut c, MODEL, &tokens, pod).await == PROMPT_BLOCKS as u32
@@ -942,4 +943,122 @@ async fn restarts_and_admin_clears_take_effect_once_on_every_replica() {
     for r in replicas {
         r.shutdown().await;
     }
+}
+
+/// A TCP proxy in front of Redis that the test can cut (every connection dropped, new ones
+/// refused) and restore: a replica cut off from Redis while the others go on.
+struct Cuttable {
+    addr: std::net::SocketAddr,
+    open: Arc<std::sync::atomic::AtomicBool>,
+    generation: Arc<std::sync::atomic::AtomicU64>,
+}
+
+impl Cuttable {
+    async fn start(upstream: String) -> Self {
+        use std::sync::atomic::Ordering;
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("proxy binds");
+        let addr = listener.local_addr().expect("proxy address");
+        let open = Arc::new(std::sync::atomic::AtomicBool::new(true));
+        let generation = Arc::new(std::sync::atomic::AtomicU64::new(0));
+        let (o, g) = (open.clone(), generation.clone());
+        tokio::spawn(async move {
+            while let Ok((mut client, _)) = listener.accept().await {
+                if !o.load(Ordering::SeqCst) {
+                    continue; // refused: dropped at once
+                }
+                let born = g.load(Ordering::SeqCst);
+                let (o, g, upstream) = (o.clone(), g.clone(), upstream.clone());
+                tokio::spawn(async move {
+                    let Ok(mut server) = tokio::net::TcpStream::connect(&upstream).await else {
+                        return;
+                    };
+                    let cut = async {
+                        while o.load(Ordering::SeqCst) && g.load(Ordering::SeqCst) == born {
+                            tokio::time::sleep(Duration::from_millis(10)).await;
+                        }
+                    };
+                    tokio::select! {
+                        _ = tokio::io::copy_bidirectional(&mut client, &mut server) => {}
+                        _ = cut => {}
+                    }
+                });
+            }
+        });
+        Self {
+            addr,
+            open,
+            generation,
+        }
+    }
+
+    fn url(&self) -> String {
+        format!("redis://{}", self.addr)
+    }
+
+    fn cut(&self) {
+        self.open.store(false, std::sync::atomic::Ordering::SeqCst);
+        self.generation
+            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    fn restore(&self) {
+        self.open.store(true, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_cut_off_past_the_trimmed_log_reloads_from_the_snapshot() {
+    let _serial = SERIAL.lock().await;
+    let Some(redis) = RedisServer::start("reload_past_the_trimmed_log") else {
+        return;
+    };
+    let proxy = Cuttable::start(redis.url().trim_start_matches("redis://").to_owned()).await;
+    let mut a_config = replica_config(&redis.url(), "reload", "a");
+    a_config.replication.snapshot_interval = ConfigDuration::millis(200);
+    let mut b_config = replica_config(&proxy.url(), "reload", "b");
+    b_config.replication.snapshot_interval = ConfigDuration::millis(200);
+    let a = daemon::start(a_config).await.expect("a starts");
+    let b = daemon::start(b_config).await.expect("b starts");
+    let refs = [&a, &b];
+    let mut p = Publisher::connect(&a.zmq_endpoint.clone().expect("bind"), "10.6.0.1:8000").await;
+    p.warm_up(&prompt(6, 0), &refs).await;
+    proxy.cut();
+    // While b is cut off, a goes on: thousands of messages, snapshots every 200 ms, each
+    // trimming the log behind the one before.
+    let processor = processor();
+    for n in 1..=3_000 {
+        let tokens = prompt(6, n);
+        let hashes = processor.block_hashes(&tokens, &RequestExtras::default());
+        p.send(&payload(vec![stored(&hashes, None, tokens)])).await;
+        if n % 100 == 0 {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+    tokio::time::sleep(Duration::from_millis(1_000)).await;
+    assert!(
+        matched(&b, &prompt(6, 3_000), "10.6.0.1:8000").await == 0,
+        "b was not cut off"
+    );
+    proxy.restore();
+    if std::env::var("DEBUG_RELOAD").is_ok() {
+        tokio::time::sleep(Duration::from_secs(8)).await;
+        for l in b
+            .metrics_text()
+            .lines()
+            .filter(|l| l.starts_with("kvindexer_replication"))
+        {
+            eprintln!("{l}");
+        }
+    }
+    let took = converge(&refs, Duration::from_secs(15)).await;
+    let page = b.metrics_text();
+    assert!(
+        support::metric(&page, "kvindexer_replication_reloads_total") >= 1.0,
+        "b caught up without reloading: the log was not trimmed past it\n{page}"
+    );
+    eprintln!("b reloaded and agreed {took:?} after the cut ended");
+    a.shutdown().await;
+    b.shutdown().await;
 }

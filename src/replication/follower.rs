@@ -1,7 +1,8 @@
 //! The follower: reads the log after its position and feeds each entry to the workers, in log
-//! order; once a second checks the log's trim point (reloading from the snapshot when its
-//! position was trimmed away) and its lag; and every `snapshotInterval`, if it wins the
-//! snapshot lock, writes a snapshot as of its position.
+//! order. Before each read it checks the log's trim point (reloading from the snapshot when its
+//! position was trimmed away); once a second it updates its lag; and every `snapshotInterval`,
+//! when it is at the log's end and wins the snapshot lock, it writes a snapshot as of its
+//! position.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -24,20 +25,21 @@ struct Follower {
     rep: Replication,
     feeder: Feeder,
     position: StreamId,
+    /// Entries ever added to the log up to and including `position` (its logical offset),
+    /// when known: tells a trim past `position` and gives the lag.
+    offset: Option<u64>,
     ready: Arc<AtomicBool>,
-    /// `entries-added` when the follower was last at the log's end, and entries read since:
-    /// the lag estimate.
-    added_at_end: Option<u64>,
-    read_since_end: u64,
     last_check: Option<Instant>,
     next_snapshot: Instant,
+    /// The last read reached the log's end.
+    at_end: bool,
     log: LogLimiter,
 }
 
 pub(super) async fn run(
     rep: Replication,
     feeder: Feeder,
-    position: StreamId,
+    (position, offset): (StreamId, Option<u64>),
     ready: Arc<AtomicBool>,
     mut shutdown: watch::Receiver<bool>,
 ) {
@@ -46,11 +48,11 @@ pub(super) async fn run(
         rep,
         feeder,
         position,
+        offset,
         ready,
-        added_at_end: None,
-        read_since_end: 0,
         last_check: None,
         next_snapshot: Instant::now() + interval,
+        at_end: false,
         log: LogLimiter::default(),
     };
     let mut conn: Option<MultiplexedConnection> = None;
@@ -119,32 +121,46 @@ impl Follower {
     /// One round: the periodic checks, a snapshot when due, one read. `Ok(false)` when the
     /// workers are gone.
     async fn step(&mut self, conn: &mut MultiplexedConnection) -> Result<bool, StoreError> {
-        if self.last_check.is_none_or(|t| t.elapsed() >= CHECK_EVERY) {
-            self.last_check = Some(Instant::now());
-            if !self.check(conn).await? {
-                return Ok(false);
+        let rep = self.rep.clone();
+        let keys = &rep.inner.keys;
+        // Before every read: has the log been trimmed past this replica's position? (A read
+        // would silently start after the hole.)
+        let info = store::log_info(conn, keys).await?;
+        if let Some(offset) = self.offset {
+            if info.entries_added < offset {
+                // The log is younger than this replica's position (Redis came back empty):
+                // everything in it is new.
+                tracing::warn!(position = %self.position, "replication: the log was recreated (Redis restarted without its data); reading it from its start");
+                self.offset = Some(info.entries_added.saturating_sub(info.length));
+            } else if info.entries_added - offset > info.length {
+                return self.reload(conn).await;
             }
         }
-        if Instant::now() >= self.next_snapshot {
+        if info.last_id <= self.position {
+            self.offset = Some(info.entries_added);
+        }
+        if self.last_check.is_none_or(|t| t.elapsed() >= CHECK_EVERY) {
+            self.last_check = Some(Instant::now());
+            self.check(conn, info).await?;
+        }
+        // Only a replica at the log's end writes snapshots: one that is behind would store
+        // an old state (and the store refuses to replace a newer snapshot anyway).
+        if Instant::now() >= self.next_snapshot && self.at_end {
             self.next_snapshot = Instant::now() + self.rep.inner.config.snapshot_interval.0;
             if !self.snapshot_turn(conn).await? {
                 return Ok(false);
             }
         }
-        let entries = store::read(
-            conn,
-            &self.rep.inner.keys,
-            self.position,
-            READ_COUNT,
-            READ_BLOCK,
-        )
-        .await?;
+        // Block for new entries only when there are none to read.
+        let block = (info.last_id <= self.position).then_some(READ_BLOCK);
+        let entries = store::read(conn, keys, self.position, READ_COUNT, block).await?;
         let metrics = &self.rep.inner.metrics.replication;
         let at_end = entries.len() < READ_COUNT;
+        self.at_end = at_end;
         let newest = entries.last().map(|e| e.id);
         for entry in entries {
             self.position = entry.id;
-            self.read_since_end += 1;
+            self.offset = self.offset.map(|o| o + 1);
             match entry.record {
                 None => metrics.log_entry("undecodable"),
                 // This process applied its own admin clears when it made them.
@@ -182,46 +198,33 @@ impl Follower {
         Ok(true)
     }
 
-    /// Trim point, lag and snapshot age; reloads when this replica's position was trimmed.
-    async fn check(&mut self, conn: &mut MultiplexedConnection) -> Result<bool, StoreError> {
-        let keys = &self.rep.inner.keys;
-        let info = store::log_info(conn, keys).await?;
+    /// Lag and snapshot age, once a second.
+    async fn check(
+        &mut self,
+        conn: &mut MultiplexedConnection,
+        info: store::LogInfo,
+    ) -> Result<(), StoreError> {
         let metrics = &self.rep.inner.metrics.replication;
         if info.last_id <= self.position {
-            self.added_at_end = Some(info.entries_added);
-            self.read_since_end = 0;
-            metrics.lag_messages(0);
             metrics.lag_seconds(0.0);
-        } else if let Some(base) = self.added_at_end {
-            let behind = info
-                .entries_added
-                .saturating_sub(base + self.read_since_end);
-            metrics.lag_messages(behind);
         }
-        if let Some(meta) = store::snapshot_meta(conn, keys).await? {
+        if let Some(offset) = self.offset {
+            metrics.lag_messages(info.entries_added.saturating_sub(offset));
+        }
+        if let Some(meta) = store::snapshot_meta(conn, &self.rep.inner.keys).await? {
             metrics.snapshot_age(now_ms().saturating_sub(meta.written_ms) as f64 / 1e3);
         }
-        if info.max_deleted > self.position {
-            return self.reload(conn, info.max_deleted).await;
-        }
-        Ok(true)
+        Ok(())
     }
 
     /// The log was trimmed past this replica's position: replace the index with the snapshot.
-    async fn reload(
-        &mut self,
-        conn: &mut MultiplexedConnection,
-        trimmed_to: StreamId,
-    ) -> Result<bool, StoreError> {
+    async fn reload(&mut self, conn: &mut MultiplexedConnection) -> Result<bool, StoreError> {
         let metrics = &self.rep.inner.metrics.replication;
         let Some(loaded) = store::load_snapshot(conn, &self.rep.inner.keys).await? else {
-            tracing::error!(position = %self.position, trimmed_to = %trimmed_to, "replication: the log was trimmed past this replica and there is no snapshot; entries are lost for it (raise replication.maxLogLength)");
-            self.position = trimmed_to;
+            tracing::error!(position = %self.position, "replication: the log was trimmed past this replica and there is no snapshot; the entries trimmed are lost for it (raise replication.maxLogLength)");
+            self.offset = None;
             return Ok(true);
         };
-        if loaded.position < trimmed_to {
-            tracing::warn!(snapshot = %loaded.position, trimmed_to = %trimmed_to, "replication: the log was trimmed past the snapshot too; entries between are lost for this replica");
-        }
         let started = Instant::now();
         let Some(paused) = self.feeder.pause().await else {
             return Ok(false);
@@ -234,8 +237,17 @@ impl Follower {
         metrics.reloaded();
         metrics.snapshot("load", loaded.bytes.len(), memberships);
         tracing::warn!(from = %self.position, to = %loaded.position, cleared, memberships, elapsed = ?started.elapsed(), "replication: fell behind the trimmed log; reloaded from the snapshot");
-        self.position = loaded.position.max(trimmed_to);
-        self.added_at_end = None;
+        self.position = loaded.position;
+        self.offset = loaded.meta.offset;
+        // A snapshot older than the trim point too (the log's length cap cut it while
+        // snapshots stalled) cannot be helped: go on from it rather than reload again.
+        let info = store::log_info(conn, &self.rep.inner.keys).await?;
+        if let Some(offset) = self.offset {
+            if info.entries_added >= offset && info.entries_added - offset > info.length {
+                tracing::error!(snapshot = %loaded.position, lost = info.entries_added - offset - info.length, "replication: the log was trimmed past the newest snapshot too; those entries are lost for this replica (raise replication.maxLogLength)");
+                self.offset = None;
+            }
+        }
         Ok(true)
     }
 
@@ -264,7 +276,7 @@ impl Follower {
         let paused_for = started.elapsed();
         let (bytes, memberships) = writer.finish();
         let rep = self.rep.clone();
-        let position = self.position;
+        let (position, offset) = (self.position, self.offset);
         // Storing runs beside the follower, on its own connection.
         tokio::spawn(async move {
             let inner = &rep.inner;
@@ -276,6 +288,7 @@ impl Follower {
                     &inner.keys,
                     &bytes,
                     position,
+                    offset,
                     memberships,
                     &inner.replica,
                 )

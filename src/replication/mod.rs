@@ -189,6 +189,8 @@ pub struct Restored {
     pub publishers: Vec<(PublisherKey, PublisherState)>,
     /// Where the log is read from.
     pub position: StreamId,
+    /// Entries added to the log up to `position`, when known.
+    pub offset: Option<u64>,
     /// Whether Redis answered (else the replica starts cold and catches up later).
     pub reached: bool,
 }
@@ -293,6 +295,7 @@ impl Replication {
             tracing::info!("replication: no snapshot yet; reading the log from its start");
             return Ok(Restored {
                 reached: true,
+                offset: Some(0),
                 ..Restored::default()
             });
         };
@@ -313,6 +316,7 @@ impl Replication {
         Ok(Restored {
             publishers,
             position: loaded.position,
+            offset: loaded.meta.offset,
             reached: true,
         })
     }
@@ -344,7 +348,7 @@ impl Replication {
         tokio::spawn(follower::run(
             self.clone(),
             feeder,
-            restored.position,
+            (restored.position, restored.offset),
             ready,
             shutdown,
         ))

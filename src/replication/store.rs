@@ -50,6 +50,11 @@ pub struct SnapshotMeta {
     pub previous_position: String,
     /// Memberships held.
     pub memberships: u64,
+    /// Entries ever added to the log up to and including `position` (the log's
+    /// `entries-added` then), when the writer knew it: lets a replica that loads this snapshot
+    /// tell whether entries after it were trimmed away.
+    #[serde(default)]
+    pub offset: Option<u64>,
     /// When it was written (ms since the epoch).
     pub written_ms: u64,
     /// Who wrote it.
@@ -162,15 +167,25 @@ pub fn apply_snapshot(
 
 /// Stores `bytes` as the current snapshot: chunks first, then the meta record (one `SET`),
 /// then the replaced snapshot's chunks expire and the log is trimmed behind its position.
+/// Refuses to replace a snapshot of a later position.
 pub async fn save_snapshot(
     conn: &mut MultiplexedConnection,
     keys: &Keys,
     bytes: &[u8],
     position: StreamId,
+    offset: Option<u64>,
     memberships: u64,
     replica: &str,
 ) -> Result<SnapshotMeta, StoreError> {
     let previous = snapshot_meta(conn, keys).await?;
+    if let Some(p) = &previous {
+        if StreamId::parse(&p.position).is_some_and(|p| p > position) {
+            return Err(StoreError::Inconsistent(format!(
+                "a newer snapshot (position {}) is already stored; this one ({position}) is not",
+                p.position
+            )));
+        }
+    }
     let written_ms = now_ms();
     let generation = format!("{position}.{written_ms}");
     let chunks: Vec<&[u8]> = bytes.chunks(CHUNK_BYTES).collect();
@@ -191,6 +206,7 @@ pub async fn save_snapshot(
             .as_ref()
             .map_or_else(|| StreamId::ZERO.to_string(), |p| p.position.clone()),
         memberships,
+        offset,
         written_ms,
         replica: replica.to_owned(),
     };
@@ -210,7 +226,8 @@ pub async fn save_snapshot(
                 .ignore();
         }
         // Keep one interval of log behind the new snapshot: replicas slightly behind it go
-        // on reading instead of reloading.
+        // on reading instead of reloading. (Followers notice a trim past their position by
+        // counting entries: see `LogInfo`.)
         pipe.cmd("XTRIM")
             .arg(&keys.log)
             .arg("MINID")
@@ -313,19 +330,20 @@ pub struct Entry {
     pub record: Option<Record>,
 }
 
-/// Reads up to `count` entries after `after`, blocking up to `block` for new ones.
+/// Reads up to `count` entries after `after`; with `block`, waits up to that long for new ones.
 pub async fn read(
     conn: &mut MultiplexedConnection,
     keys: &Keys,
     after: StreamId,
     count: usize,
-    block: std::time::Duration,
+    block: Option<std::time::Duration>,
 ) -> Result<Vec<Entry>, StoreError> {
-    let reply: Value = redis::cmd("XREAD")
-        .arg("COUNT")
-        .arg(count)
-        .arg("BLOCK")
-        .arg(block.as_millis() as u64)
+    let mut cmd = redis::cmd("XREAD");
+    cmd.arg("COUNT").arg(count);
+    if let Some(block) = block {
+        cmd.arg("BLOCK").arg(block.as_millis() as u64);
+    }
+    let reply: Value = cmd
         .arg("STREAMS")
         .arg(&keys.log)
         .arg(after.to_string())
@@ -391,6 +409,13 @@ fn text(v: &Value) -> Option<String> {
     }
 }
 
+fn count(v: Value) -> u64 {
+    match v {
+        Value::Int(i) => i.max(0) as u64,
+        other => text(&other).and_then(|t| t.parse().ok()).unwrap_or(0),
+    }
+}
+
 /// A flat `[k, v, k, v...]` array (RESP2) or a map (RESP3) as pairs.
 fn pairs(value: Value) -> Vec<(Value, Value)> {
     match value {
@@ -452,10 +477,13 @@ fn record(fields: &HashMap<String, Bytes>) -> Option<Record> {
 pub struct LogInfo {
     /// The newest entry's id.
     pub last_id: StreamId,
-    /// Entries ever added.
+    /// Entries ever added (nothing is ever deleted but by trimming from the front).
     pub entries_added: u64,
-    /// The newest id trimmed away (a reader before it missed entries).
-    pub max_deleted: StreamId,
+    /// Entries in the log now. A reader that has seen `k` of the `entries_added` knows that
+    /// `entries_added - k` entries follow its position; fewer than that in the log means
+    /// some were trimmed away. (Redis 7.0 does not record trimmed ids in
+    /// `max-deleted-entry-id`, so the count is the signal.)
+    pub length: u64,
 }
 
 /// The log's state; an absent log is an empty one.
@@ -483,17 +511,8 @@ pub async fn log_info(
                     .and_then(|t| StreamId::parse(&t))
                     .unwrap_or_default()
             }
-            Some("max-deleted-entry-id") => {
-                info.max_deleted = text(&v)
-                    .and_then(|t| StreamId::parse(&t))
-                    .unwrap_or_default()
-            }
-            Some("entries-added") => {
-                info.entries_added = match v {
-                    Value::Int(i) => i.max(0) as u64,
-                    other => text(&other).and_then(|t| t.parse().ok()).unwrap_or(0),
-                }
-            }
+            Some("length") => info.length = count(v),
+            Some("entries-added") => info.entries_added = count(v),
             _ => {}
         }
     }
