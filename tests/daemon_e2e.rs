@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use kv_indexer::config::{Config, ConnectEndpoint};
-use kv_indexer::daemon::{self, RunningDaemon};
+use kv_indexer::daemon;
 use kv_proto::kvindexer_v1::{
     kv_indexer_client::KvIndexerClient, score_pods_request::Input, ListPodsRequest,
     ScorePodsRequest, TokenIds,
@@ -91,11 +91,7 @@ fn base_config() -> Config {
     c
 }
 
-async fn client(d: &RunningDaemon) -> KvIndexerClient<tonic::transport::Channel> {
-    KvIndexerClient::connect(format!("http://{}", d.grpc_addr))
-        .await
-        .expect("gRPC connects")
-}
+use support::client;
 
 async fn matched(
     client: &mut KvIndexerClient<tonic::transport::Channel>,

@@ -182,11 +182,7 @@ impl Publisher {
     }
 }
 
-async fn client(d: &RunningDaemon) -> KvIndexerClient<tonic::transport::Channel> {
-    KvIndexerClient::connect(format!("http://{}", d.grpc_addr))
-        .await
-        .expect("gRPC connects")
-}
+use support::client;
 
 async fn matched_on(
     client: &mut KvIndexerClient<tonic::transport::Channel>,
@@ -194,6 +190,11 @@ async fn matched_on(
     pod: &str,
 ) -> u32 {
     support::matched_blocks(client, MODEL, tokens, pod).await
+}
+
+/// Whether `pod` holds every block of `tokens` on `d`.
+async fn holds(d: &RunningDaemon, tokens: Vec<u32>, pod: &str) -> bool {
+    matched(d, &tokens, pod).await == PROMPT_BLOCKS as u32
 }
 
 async fn matched(d: &RunningDaemon, tokens: &[u32], pod: &str) -> u32 {
@@ -875,13 +876,6 @@ async fn restarts_and_admin_clears_take_effect_once_on_every_replica() {
         q.send(&stored_at(&prompt(2, n), now_ts())).await;
     }
     converge(&refs, Duration::from_secs(5)).await;
-    let holds = |r: &RunningDaemon, tokens: Vec<u32>, pod: &'static str| {
-        let c = KvIndexerClient::connect(format!("http://{}", r.grpc_addr));
-        async move {
-            let mut c = c.await.expect("gRPC connects");
-            support::matched_blocks(&mut c, MODEL, &tokens, pod).await == PROMPT_BLOCKS as u32
-        }
-    };
     for r in &replicas {
         assert!(holds(r, prompt(1, 3), p_pod).await);
     }

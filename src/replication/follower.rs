@@ -13,7 +13,7 @@ use tokio::sync::watch;
 
 use super::snapshot::SnapshotWriter;
 use super::store::{self, StoreError};
-use super::{Record, Replication, StreamId, BACKOFF_MAX, BACKOFF_START, READ_BLOCK};
+use super::{now_ms, Record, Replication, StreamId, BACKOFF_MAX, BACKOFF_START, READ_BLOCK};
 use crate::ingest::{Feeder, LogLimiter};
 
 /// Entries per read at most.
@@ -309,10 +309,4 @@ impl Follower {
         });
         Ok(true)
     }
-}
-
-fn now_ms() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis() as u64)
 }

@@ -355,6 +355,13 @@ impl Replication {
     }
 }
 
+/// Wall-clock milliseconds since the epoch (stream ids and snapshot times are in these).
+fn now_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}
+
 /// The host name (the default replica id): `$HOSTNAME`, else `/etc/hostname`, else "kv-indexer".
 fn host_name() -> String {
     std::env::var("HOSTNAME")

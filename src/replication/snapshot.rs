@@ -83,8 +83,12 @@ impl SnapshotWriter {
 
     /// One engine's blocks (any tiers, any order).
     pub fn blocks(&mut self, model: &str, key: &EngineKey, blocks: &[(BlockHash, Tier)]) {
+        let mut counts = [0usize; 4];
+        for (_, tier) in blocks {
+            counts[*tier as usize] += 1;
+        }
         for tier in [Tier::Gpu, Tier::Cpu, Tier::Storage, Tier::Other] {
-            let count = blocks.iter().filter(|(_, t)| *t == tier).count();
+            let count = counts[tier as usize];
             if count == 0 {
                 continue;
             }

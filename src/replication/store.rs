@@ -1,8 +1,6 @@
 //! Redis operations: the log (append, read, info, trim) and the snapshot (store, load).
 //! Replies are parsed from `redis::Value` here, RESP2 or RESP3 alike.
 
-use std::collections::HashMap;
-
 use bytes::Bytes;
 use redis::aio::MultiplexedConnection;
 use redis::Value;
@@ -10,7 +8,7 @@ use serde::{Deserialize, Serialize};
 use thiserror::Error;
 
 use super::snapshot::{checksum, SnapshotError, SnapshotReader, SnapshotRecord};
-use super::{Keys, Record, Stamp, StreamId};
+use super::{now_ms, Keys, Record, Stamp, StreamId};
 use crate::ingest::{PublisherKey, PublisherState};
 use kv_core::Indexer;
 
@@ -69,12 +67,6 @@ pub struct Loaded {
     pub bytes: Vec<u8>,
     /// The log position it covers.
     pub position: StreamId,
-}
-
-fn now_ms() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis() as u64)
 }
 
 /// The current snapshot's meta record, if any.
@@ -386,14 +378,12 @@ pub async fn read(
             else {
                 continue;
             };
-            let fields = field_map(fields);
+            let fields = Fields::of(fields);
             out.push(Entry {
                 id,
-                instance: fields.get("i").cloned().unwrap_or_default(),
-                replica: std::str::from_utf8(fields.get("r").map_or(&[][..], |r| &r[..]))
-                    .unwrap_or("")
-                    .into(),
-                record: record(&fields),
+                instance: fields.instance.clone().unwrap_or_default(),
+                replica: fields.text(&fields.replica).unwrap_or("").into(),
+                record: fields.record(),
             });
         }
     }
@@ -432,43 +422,76 @@ fn pairs(value: Value) -> Vec<(Value, Value)> {
     }
 }
 
-fn field_map(fields: Value) -> HashMap<String, Bytes> {
-    pairs(fields)
-        .into_iter()
-        .filter_map(|(k, v)| {
-            let k = text(&k)?;
+/// An entry's fields, by the one-letter names `append` writes; unknown fields are ignored.
+#[derive(Default)]
+struct Fields {
+    instance: Option<Bytes>,
+    replica: Option<Bytes>,
+    kind: Option<Bytes>,
+    pod: Option<Bytes>,
+    model: Option<Bytes>,
+    seq: Option<Bytes>,
+    rank: Option<Bytes>,
+    ts: Option<Bytes>,
+    payload: Option<Bytes>,
+}
+
+impl Fields {
+    fn of(value: Value) -> Self {
+        let mut f = Self::default();
+        for (k, v) in pairs(value) {
             let v = match v {
                 Value::BulkString(b) => Bytes::from(b),
                 Value::SimpleString(s) => Bytes::from(s.into_bytes()),
-                _ => return None,
+                _ => continue,
             };
-            Some((k, v))
-        })
-        .collect()
-}
+            let slot = match &k {
+                Value::BulkString(name) => match name.as_slice() {
+                    b"i" => &mut f.instance,
+                    b"r" => &mut f.replica,
+                    b"k" => &mut f.kind,
+                    b"p" => &mut f.pod,
+                    b"o" => &mut f.model,
+                    b"s" => &mut f.seq,
+                    b"n" => &mut f.rank,
+                    b"t" => &mut f.ts,
+                    b"d" => &mut f.payload,
+                    _ => continue,
+                },
+                _ => continue,
+            };
+            *slot = Some(v);
+        }
+        f
+    }
 
-fn record(fields: &HashMap<String, Bytes>) -> Option<Record> {
-    let s = |name: &str| -> Option<std::sync::Arc<str>> {
-        std::str::from_utf8(fields.get(name)?).ok().map(Into::into)
-    };
-    let pod = s("p").filter(|p| !p.is_empty())?;
-    let model = s("o").filter(|m| !m.is_empty())?;
-    match fields.get("k").map(|k| &k[..]) {
-        Some(b"m") => Some(Record::Message {
-            pod,
-            model,
-            seq: s("s")?.parse().ok()?,
-            stamp: match (s("n"), s("t")) {
-                (Some(rank), Some(ts)) => Some(Stamp {
-                    rank: rank.parse().ok()?,
-                    ts: f64::from_bits(ts.parse().ok()?),
-                }),
-                _ => None,
-            },
-            payload: fields.get("d")?.clone(),
-        }),
-        Some(b"c") => Some(Record::ClearPod { model, pod }),
-        _ => None,
+    fn text<'a>(&self, field: &'a Option<Bytes>) -> Option<&'a str> {
+        std::str::from_utf8(field.as_deref()?).ok()
+    }
+
+    fn record(&self) -> Option<Record> {
+        let name = |field: &Option<Bytes>| -> Option<std::sync::Arc<str>> {
+            self.text(field).filter(|t| !t.is_empty()).map(Into::into)
+        };
+        let pod = name(&self.pod)?;
+        let model = name(&self.model)?;
+        match self.kind.as_deref() {
+            Some(b"m") => Some(Record::Message {
+                pod,
+                model,
+                seq: self.text(&self.seq)?.parse().ok()?,
+                stamp: match (self.text(&self.rank), self.text(&self.ts)) {
+                    (Some(rank), Some(ts)) => Some(Stamp {
+                        rank: rank.parse().ok()?,
+                        ts: f64::from_bits(ts.parse().ok()?),
+                    }),
+                    _ => None,
+                },
+                payload: self.payload.clone()?,
+            }),
+            Some(b"c") => Some(Record::ClearPod { model, pod }),
+            _ => None,
+        }
     }
 }
 

@@ -183,3 +183,15 @@ pub async fn matched_blocks(
         Err(s) => panic!("ScorePods failed: {s}"),
     }
 }
+
+/// A gRPC client of a daemon started in the test.
+pub async fn client(
+    d: &kv_indexer::daemon::RunningDaemon,
+) -> kv_proto::kvindexer_v1::kv_indexer_client::KvIndexerClient<tonic::transport::Channel> {
+    kv_proto::kvindexer_v1::kv_indexer_client::KvIndexerClient::connect(format!(
+        "http://{}",
+        d.grpc_addr
+    ))
+    .await
+    .expect("gRPC connects")
+}
