@@ -485,8 +485,8 @@ impl IndexBackend for IndexerFacadeBackend {
             .score_hashes_into(BENCH_MODEL, hashes, kv_core::ALL_PODS, &mut self.result)
             .is_ok()
         {
-            // Pod index -> pod number, rebuilt when the directory changes (pod indexes shift
-            // as pods register); pod names are `pod-<n>`.
+            // Pod index -> pod number, rebuilt when the directory changes (pod indexes are
+            // reused as pods come and go); pod names are `pod-<n>`.
             let directory = self
                 .result
                 .directory()
@@ -495,9 +495,9 @@ impl IndexBackend for IndexerFacadeBackend {
                 self.numbers_for = directory;
                 self.numbers.clear();
                 if let Some(d) = self.result.directory() {
-                    self.numbers.extend((0..d.pod_count() as u32).map(|p| {
+                    self.numbers.extend((0..d.pod_slots() as u32).map(|p| {
                         d.pod(p)
-                            .and_then(|(name, _)| name.strip_prefix("pod-")?.parse().ok())
+                            .and_then(|name| name.strip_prefix("pod-")?.parse().ok())
                             .unwrap_or(u32::MAX)
                     }));
                 }

@@ -54,6 +54,7 @@ mod memory;
 mod slab;
 mod table;
 
+mod directory;
 mod read;
 mod seqlock;
 mod types;
@@ -65,11 +66,13 @@ use arc_swap::ArcSwap;
 use parking_lot::Mutex;
 
 use crate::BlockHash;
+use directory::DirectoryBuilder;
+pub use directory::EngineDirectory;
 use slab::Slab;
 use table::Table;
 pub use types::{
-    EngineDirectory, EngineId, EngineKey, EngineScore, IndexConfig, IndexConfigError, IndexStats,
-    KeyBudget, Tier, TierWeights, MAX_ENGINES, MAX_WRITER_LANES,
+    EngineId, EngineKey, EngineScore, IndexConfig, IndexConfigError, IndexStats, KeyBudget, Tier,
+    TierWeights, MAX_ENGINES, MAX_WRITER_LANES,
 };
 use write::{random_seed, Counters, Writer};
 pub use write::{IndexWriter, StoreOutcome};
@@ -107,9 +110,12 @@ struct Registry {
     ids: std::collections::HashMap<EngineKey, EngineId>,
     /// Key of each global engine id (`None`: free).
     keys: Vec<Option<EngineKey>>,
-    /// Per lane: freed slots, and the next never-used slot.
-    free: Vec<Vec<u32>>,
+    /// Per lane: freed slots below `next_slot` (reused lowest first, so ids stay dense), and
+    /// the slot after the highest in use.
+    free: Vec<std::collections::BTreeSet<u32>>,
     next_slot: Vec<u32>,
+    /// The master copy of what readers see; published (an O(1) clone) after every change.
+    directory: DirectoryBuilder,
 }
 
 /// Maps the one hash value the slab reserves (0 = free node) to another value; a real block
@@ -175,7 +181,7 @@ impl ModelIndex {
             lanes: lanes_built,
             directory: ArcSwap::from_pointee(EngineDirectory::default()),
             registry: Mutex::new(Registry {
-                free: vec![Vec::new(); lanes as usize],
+                free: vec![Default::default(); lanes as usize],
                 next_slot: vec![0; lanes as usize],
                 ..Default::default()
             }),
@@ -218,20 +224,16 @@ impl ModelIndex {
     /// `None` when `MAX_ENGINES` engines are registered.
     pub fn engine(&self, key: &EngineKey) -> Option<EngineId> {
         // Known engines are found in the published directory, without the registry's lock.
-        let directory = self.directory.load();
-        for &id in directory.engines_of(&key.pod) {
-            if directory.key(id).is_some_and(|k| k.dp_rank == key.dp_rank) {
-                return Some(id);
-            }
+        if let Some(id) = self.directory.load().engine(&key.pod, key.dp_rank) {
+            return Some(id);
         }
-        drop(directory);
         let mut registry = self.registry.lock();
         if let Some(&id) = registry.ids.get(key) {
             return Some(id);
         }
         let lanes = self.lanes.len() as u32;
         let lane = (mix_name(&key.pod) % lanes as u64) as u32;
-        let slot = match registry.free[lane as usize].pop() {
+        let slot = match registry.free[lane as usize].pop_first() {
             Some(slot) => slot,
             None => {
                 let slot = registry.next_slot[lane as usize];
@@ -250,7 +252,8 @@ impl ModelIndex {
         registry.keys[id as usize] = Some(key.clone());
         registry.ids.insert(key.clone(), id);
         self.lanes[lane as usize].write(|w| w.register(id));
-        self.publish_directory(&registry);
+        registry.directory.add(id, key);
+        self.directory.store(Arc::new(registry.directory.publish()));
         Some(id)
     }
 
@@ -267,17 +270,41 @@ impl ModelIndex {
         });
         let lanes = self.lanes.len() as u32;
         registry.keys[id as usize] = None;
-        registry.free[(id % lanes) as usize].push(id / lanes);
-        self.publish_directory(&registry);
+        // Free the slot; slots at the end of the lane are given back, so the per-engine
+        // arrays follow the engines known now, not the most ever known.
+        let lane = (id % lanes) as usize;
+        registry.free[lane].insert(id / lanes);
+        while let Some(last) = registry.next_slot[lane].checked_sub(1) {
+            if !registry.free[lane].remove(&last) {
+                break;
+            }
+            registry.next_slot[lane] = last;
+        }
+        while matches!(registry.keys.last(), Some(None)) {
+            registry.keys.pop();
+        }
+        if registry.keys.capacity() > 64 && registry.keys.len() < registry.keys.capacity() / 4 {
+            registry.keys.shrink_to_fit();
+        }
+        if registry.ids.capacity() > 64 && registry.ids.len() < registry.ids.capacity() / 4 {
+            // A fleet that shrank (pods forgotten) gives the map's memory back.
+            registry.ids.shrink_to_fit();
+        }
+        registry.directory.remove(id);
+        self.directory.store(Arc::new(registry.directory.publish()));
         removed
     }
 
-    fn publish_directory(&self, registry: &Registry) {
-        let engines = registry.keys.iter().enumerate();
-        let dir = EngineDirectory::build(
-            engines.filter_map(|(id, k)| k.as_ref().map(|k| (id as EngineId, k))),
-        );
-        self.directory.store(Arc::new(dir));
+    /// Removes every engine (DP rank) of `pod`, blocks and ids: a pod that is gone. Returns
+    /// memberships removed.
+    pub fn remove_pod(&self, pod: &str) -> usize {
+        let directory = self.directory.load_full();
+        let keys: Vec<EngineKey> = directory
+            .engines_of(pod)
+            .iter()
+            .filter_map(|&e| directory.key(e))
+            .collect();
+        keys.iter().map(|key| self.remove_engine(key)).sum()
     }
 
     /// Runs `f` as the single writer of `engine`'s lane (hold it for a whole event batch of

@@ -1,7 +1,6 @@
 //! The index's public vocabulary: who holds a block (engines, tiers), capacity settings,
 //! scores and statistics. Plain data; no index state.
 
-use std::collections::HashMap;
 use std::sync::Arc;
 
 use thiserror::Error;
@@ -250,104 +249,5 @@ impl IndexStats {
         self.orphan_runs += other.orphan_runs;
         self.dropped_full += other.dropped_full;
         self.memory_bytes += other.memory_bytes;
-    }
-}
-
-/// The readers' map of engines: pods by name (each with a dense pod index, in name order),
-/// the engines of each pod, and each engine's key and pod.
-#[derive(Debug, Default, Clone)]
-pub struct EngineDirectory {
-    /// Pod name -> pod index.
-    pub(super) pod_index: HashMap<Arc<str>, u32>,
-    /// Per pod index, sorted by name: the name and its engines (DP ranks).
-    pub(super) pods: Vec<(Arc<str>, Vec<EngineId>)>,
-    /// Per engine id: its key and pod index (`None` for a free id).
-    pub(super) engines: Vec<Option<(EngineKey, u32)>>,
-    /// Per engine id: its pod index (`u32::MAX` for a free id); dense, for the scoring hot
-    /// path (4 bytes per engine, not the 40 of `engines`).
-    pub(super) pod_of: Vec<u32>,
-}
-
-impl EngineDirectory {
-    /// Builds the directory of `engines` (indexed by engine id).
-    pub(super) fn build<'a>(engines: impl Iterator<Item = (EngineId, &'a EngineKey)>) -> Self {
-        let mut dir = Self::default();
-        let mut by_name: Vec<(&'a EngineKey, EngineId)> = Vec::new();
-        for (id, key) in engines {
-            by_name.push((key, id));
-        }
-        by_name.sort_unstable();
-        for (key, id) in by_name {
-            let pod = match dir.pods.last_mut() {
-                Some((name, ids)) if **name == *key.pod => {
-                    ids.push(id);
-                    dir.pods.len() - 1
-                }
-                _ => {
-                    dir.pods.push((key.pod.clone(), vec![id]));
-                    dir.pod_index
-                        .insert(key.pod.clone(), (dir.pods.len() - 1) as u32);
-                    dir.pods.len() - 1
-                }
-            };
-            let slot = id as usize;
-            if slot >= dir.engines.len() {
-                dir.engines.resize(slot + 1, None);
-            }
-            dir.engines[slot] = Some((key.clone(), pod as u32));
-        }
-        dir.pod_of = dir
-            .engines
-            .iter()
-            .map(|e| e.as_ref().map_or(u32::MAX, |(_, p)| *p))
-            .collect();
-        dir
-    }
-
-    /// The engines (DP ranks) of a pod.
-    pub fn engines_of(&self, pod: &str) -> &[EngineId] {
-        self.pod_index
-            .get(pod)
-            .and_then(|&p| self.pods.get(p as usize))
-            .map_or(&[], |(_, ids)| ids.as_slice())
-    }
-
-    /// The pod index of a pod name (dense, `0..pod_count()`, in name order).
-    pub fn pod_index(&self, pod: &str) -> Option<u32> {
-        self.pod_index.get(pod).copied()
-    }
-
-    /// The name and engines of pod index `p`.
-    pub fn pod(&self, p: u32) -> Option<(&Arc<str>, &[EngineId])> {
-        self.pods
-            .get(p as usize)
-            .map(|(name, ids)| (name, ids.as_slice()))
-    }
-
-    /// How many pods the index knows.
-    pub fn pod_count(&self) -> usize {
-        self.pods.len()
-    }
-
-    /// The pod index of an engine.
-    #[inline]
-    pub fn pod_of(&self, engine: EngineId) -> Option<u32> {
-        self.pod_of
-            .get(engine as usize)
-            .copied()
-            .filter(|&p| p != u32::MAX)
-    }
-
-    /// The key of an engine id.
-    pub fn key(&self, engine: EngineId) -> Option<&EngineKey> {
-        self.engines
-            .get(engine as usize)
-            .and_then(Option::as_ref)
-            .map(|(k, _)| k)
-    }
-
-    /// Every pod known to the index, in name order.
-    pub fn pods(&self) -> impl Iterator<Item = &Arc<str>> {
-        self.pods.iter().map(|(name, _)| name)
     }
 }

@@ -61,11 +61,7 @@ impl Indexer {
             entry.mismatches += 1;
             if entry.diagnosis.is_none() {
                 let diagnosis = diagnose(processor, s, &extras);
-                tracing::warn!(
-                    model = %state.name,
-                    pod = %pod,
-                    "block hash mismatch: every score for this pod will be 0. {diagnosis}"
-                );
+                report.first_mismatch = true;
                 entry.diagnosis = Some(diagnosis);
             }
         }

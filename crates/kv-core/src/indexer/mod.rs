@@ -140,7 +140,7 @@ impl ScoreResult {
                 .directory
                 .as_ref()
                 .and_then(|d| d.pod(p))
-                .map_or("", |(name, _)| name),
+                .map_or("", |name| name),
             PodRef::Unknown(i) => self.unknown.get(i as usize).map_or("", |n| n),
         }
     }
@@ -180,6 +180,10 @@ pub struct ApplyReport {
     pub hash_matches: u32,
     /// Root runs whose recomputed block-0 hash differed.
     pub hash_mismatches: u32,
+    /// This batch brought the pod's first mismatch: its diagnosis is now in
+    /// [`ModelState::hash_check`] (the embedder decides how loudly to report it; the core does
+    /// not log).
+    pub first_mismatch: bool,
     /// The engine could not be registered (too many engines): nothing applied.
     pub engine_rejected: bool,
 }
@@ -226,6 +230,18 @@ impl ModelState {
     /// Hash-check tallies per pod.
     pub fn hash_checks(&self) -> HashMap<Arc<str>, HashCheckStats> {
         self.hash_checks.lock().clone()
+    }
+
+    /// Hash-check tallies of one pod.
+    pub fn hash_check(&self, pod: &str) -> Option<HashCheckStats> {
+        self.hash_checks.lock().get(pod).cloned()
+    }
+}
+
+/// Gives a map's memory back once it is mostly empty (a fleet that shrank).
+fn shrink_if_sparse<K: std::hash::Hash + Eq, V>(map: &mut HashMap<K, V>) {
+    if map.capacity() > 64 && map.len() < map.capacity() / 4 {
+        map.shrink_to_fit();
     }
 }
 
@@ -380,15 +396,15 @@ impl Indexer {
         let mut report = ApplyReport::default();
         self.make_room(&state, batch);
         self.check_hashes(&state, &key.pod, batch, &mut report);
+        // Only engines that published a non-indexable group have an entry.
         let mut skipped = state.skipped_groups.lock();
-        let engine_skips = skipped.entry(key.clone()).or_default();
         let applied = state.index.write_engine(&key, |w, engine| {
             for event in &batch.events {
                 match event {
                     KvEvent::BlockStored(s) => {
                         if !indexable_kind(s.kv_cache_spec_kind.as_deref()) {
                             if let Some(g) = s.group_idx {
-                                engine_skips.insert(g);
+                                skipped.entry(key.clone()).or_default().insert(g);
                             }
                             report.skipped_group_events += 1;
                             continue;
@@ -400,7 +416,10 @@ impl Indexer {
                         report.orphan_runs += u32::from(outcome.orphan);
                     }
                     KvEvent::BlockRemoved(r) => {
-                        if r.group_idx.is_some_and(|g| engine_skips.contains(&g)) {
+                        let skips = skipped.get(&key);
+                        if r.group_idx
+                            .is_some_and(|g| skips.is_some_and(|set| set.contains(&g)))
+                        {
                             report.skipped_group_events += 1;
                             continue;
                         }
@@ -469,6 +488,29 @@ impl Indexer {
             .sum()
     }
 
+    /// Forgets `pod` in `model` entirely: its blocks, its engines (ids and directory entries)
+    /// and its per-pod tallies, so a fleet whose pods come and go under new names holds only
+    /// the pods it has now. Returns memberships removed.
+    pub fn remove_pod(&self, model: &str, pod: &str) -> usize {
+        let Some(state) = self.model(model) else {
+            return 0;
+        };
+        let directory = state.index.directory();
+        let mut skipped = state.skipped_groups.lock();
+        for &e in directory.engines_of(pod) {
+            if let Some(key) = directory.key(e) {
+                skipped.remove(&key);
+            }
+        }
+        shrink_if_sparse(&mut skipped);
+        drop(skipped);
+        let mut checks = state.hash_checks.lock();
+        checks.remove(pod);
+        shrink_if_sparse(&mut checks);
+        drop(checks);
+        state.index.remove_pod(pod)
+    }
+
     /// Calls `f` with every model's engines and the blocks they hold, with their tiers (a
     /// snapshot's content), one engine at a time. Consistent only while nothing writes (the
     /// caller pauses its writers).
@@ -502,9 +544,8 @@ impl Indexer {
         let mut removed = 0;
         for state in self.models.load().values() {
             let directory = state.index.directory();
-            let pods: Vec<Arc<str>> = directory.pods().cloned().collect();
-            for pod in pods {
-                for &e in directory.engines_of(&pod) {
+            for (pod, _) in directory.pods() {
+                for &e in directory.engines_of(pod) {
                     removed += state.index.write(e, |w| w.clear_engine(e));
                 }
             }
@@ -681,8 +722,8 @@ impl Indexer {
             .score_engines(hashes, restrict, &self.settings.weights, &mut s.engines);
         // Best engine per pod (DP ranks), by pod index.
         s.holding.next_round();
-        if s.best.len() < directory.pod_count() {
-            s.best.resize(directory.pod_count(), (0.0, 0));
+        if s.best.len() < directory.pod_slots() {
+            s.best.resize(directory.pod_slots(), (0.0, 0));
         }
         for e in &s.engines {
             let Some(p) = directory.pod_of(e.engine) else {
@@ -702,7 +743,7 @@ impl Indexer {
         // their order (name order, or the caller's).
         for holders in [true, false] {
             if pods.is_empty() {
-                for p in 0..directory.pod_count() as u32 {
+                for (_, p) in directory.pods() {
                     let (score, matched_blocks) = score_of(p);
                     if (matched_blocks > 0) != holders {
                         continue;
@@ -745,16 +786,16 @@ impl Indexer {
                 }
             }
             if holders {
-                // Pod indexes are in name order: ties by name without reading a name.
-                let index = |p: &PodScore| match p.pod {
-                    PodRef::Known(i) => i,
-                    PodRef::Unknown(_) => u32::MAX,
+                // Ties by name (holders are always known pods).
+                let name = |p: &PodScore| match p.pod {
+                    PodRef::Known(i) => directory.pod(i).map_or("", |n| n),
+                    PodRef::Unknown(_) => "",
                 };
                 out.scores.sort_unstable_by(|a, b| {
                     b.score
                         .total_cmp(&a.score)
                         .then(b.matched_blocks.cmp(&a.matched_blocks))
-                        .then(index(a).cmp(&index(b)))
+                        .then_with(|| name(a).cmp(name(b)))
                 });
             }
         }

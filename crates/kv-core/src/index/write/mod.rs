@@ -262,6 +262,13 @@ impl IndexWriter<'_> {
             if let Some(e) = self.state.engines.get_mut(slot) {
                 *e = None;
             }
+            let engines = &mut self.state.engines;
+            while matches!(engines.last(), Some(None)) {
+                engines.pop();
+            }
+            if engines.capacity() > 64 && engines.len() < engines.capacity() / 4 {
+                engines.shrink_to_fit();
+            }
         }
     }
 
