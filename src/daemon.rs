@@ -178,7 +178,7 @@ pub async fn start(config: Config) -> Result<RunningDaemon, DaemonError> {
         indexer.clone(),
         tokenizers,
         metrics.clone(),
-        ingest.publishers.clone(),
+        ingest.pods.clone(),
         config.server.clone(),
         log,
     );

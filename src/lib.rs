@@ -26,3 +26,6 @@ mod server;
 
 /// Topic and endpoint grammar (public for the fuzz targets and tools).
 pub use ingest::topic;
+/// The process's resident memory (public for the benchmarks and tests that run a daemon in
+/// their own process).
+pub use metrics::resident_memory_bytes;

@@ -327,6 +327,14 @@ pub struct KvEventsConfig {
     /// Pod address patterns whose events are accepted (`*` matches any run of characters,
     /// e.g. `10.42.*:8000`); empty accepts any pod a topic names.
     pub allowed_pods: Vec<String>,
+    /// How long a pod may be gone (bind mode: its last connection closed; connect mode: this
+    /// replica's socket to it down, or the pod left discovery) before its blocks are dropped
+    /// and it is forgotten. A reconnect within it keeps everything.
+    pub publisher_grace_period: ConfigDuration,
+    /// How long a pod may stay silent, connected or not, before it is forgotten; `0s` (the
+    /// default) never forgets a pod for silence alone. The fallback for pods whose id names no
+    /// address the daemon sees connections from.
+    pub publisher_idle_timeout: ConfigDuration,
 }
 
 impl Default for KvEventsConfig {
@@ -342,6 +350,8 @@ impl Default for KvEventsConfig {
             endpoints: Vec::new(),
             allowed_models: Vec::new(),
             allowed_pods: Vec::new(),
+            publisher_grace_period: ConfigDuration::secs(60),
+            publisher_idle_timeout: ConfigDuration::secs(0),
         }
     }
 }

@@ -7,7 +7,10 @@
 //!   a pod that is down never blocks the daemon); frames are checked and dispatched by pod;
 //! - [`sequence`]: the pure per-publisher state machine (first, next, duplicate, restart, gap);
 //! - [`workers`]: decode, sequence, gap fill, apply;
-//! - [`gap_fill`]: the client of vLLM's replay socket; [`topic`]: topic and endpoint grammar.
+//! - [`gap_fill`]: the client of vLLM's replay socket; [`topic`]: topic and endpoint grammar;
+//! - [`lifecycle`]: noticing that a pod left, and forgetting it after a grace period;
+//!   [`publishers`]: every publisher's stream state, by pod; [`log_budget`]: one budget for the
+//!   log lines that name a publisher.
 //!
 //! Invariants:
 //! - a message with a bad frame count, a short sequence or an unparsable topic is dropped,
@@ -33,19 +36,22 @@
 //!   brought it first (an older message after a newer one is stale, see [`sequence`]).
 
 pub mod gap_fill;
+pub mod lifecycle;
+pub mod log_budget;
+mod publishers;
 pub mod sequence;
 mod sockets;
 pub mod topic;
 mod workers;
 
-use std::collections::HashMap;
+pub use publishers::Publishers;
+
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use bytes::Bytes;
 use kv_core::Indexer;
-use parking_lot::Mutex;
 use thiserror::Error;
 use tokio::sync::{mpsc, watch};
 use tokio::task::JoinHandle;
@@ -113,54 +119,30 @@ pub struct PublisherState {
     pub backoff_until: Option<std::time::Instant>,
 }
 
-/// Publisher states, one map per worker (a pod always maps to the same worker, so each map has
-/// one writer; the admin API reads them).
-#[derive(Default)]
-pub struct Publishers {
-    shards: Vec<Mutex<HashMap<PublisherKey, PublisherState>>>,
+/// The publishers with what tells whether their pods are there: what ListPods reports.
+#[derive(Clone)]
+pub struct Pods {
+    /// Publisher states.
+    pub publishers: Arc<Publishers>,
+    links: Arc<lifecycle::Links>,
+    lifecycle: lifecycle::LifecycleSettings,
 }
 
-impl Publishers {
-    pub(crate) fn new(n: usize) -> Self {
-        Self {
-            shards: (0..n).map(|_| Mutex::new(HashMap::new())).collect(),
+impl Pods {
+    /// Every pod known, with its presence and when it last spoke.
+    pub fn presence(
+        &self,
+    ) -> std::collections::HashMap<Arc<str>, (lifecycle::Presence, std::time::Instant)> {
+        let mut out = std::collections::HashMap::new();
+        for shard in &self.publishers.shards {
+            for (pod, entry) in shard.lock().iter() {
+                let presence =
+                    self.lifecycle
+                        .presence(&self.links, entry.link.as_ref(), entry.last_message);
+                out.insert(pod.clone(), (presence, entry.last_message));
+            }
         }
-    }
-
-    /// Every publisher seen, sorted.
-    pub fn snapshot(&self) -> Vec<(PublisherKey, PublisherState)> {
-        let mut all: Vec<_> = self
-            .shards
-            .iter()
-            .flat_map(|s| {
-                s.lock()
-                    .iter()
-                    .map(|(k, v)| (k.clone(), v.clone()))
-                    .collect::<Vec<_>>()
-            })
-            .collect();
-        all.sort_by(|a, b| a.0.cmp(&b.0));
-        all
-    }
-
-    /// Puts back publisher states from a snapshot (replacing what is there).
-    pub(crate) fn restore(&self, states: Vec<(PublisherKey, PublisherState)>) {
-        for shard in &self.shards {
-            shard.lock().clear();
-        }
-        for (key, state) in states {
-            let shard = worker_of(&key.pod, self.shards.len());
-            self.shards[shard].lock().insert(key, state);
-        }
-    }
-
-    /// Forgets a pod's publishers (after an admin clear), so its next message starts afresh.
-    pub fn forget_pod(&self, model: &str, pod: &str) {
-        for shard in &self.shards {
-            shard
-                .lock()
-                .retain(|k, _| !(&*k.pod == pod && &*k.model == model));
-        }
+        out
     }
 }
 
@@ -223,8 +205,9 @@ impl GapFillRoute {
 /// How a message reached this replica.
 #[derive(Debug, Clone)]
 enum Via {
-    /// Its own socket; a gap may be filled through the route.
-    Socket(GapFillRoute),
+    /// Its own socket; a gap may be filled through the route; the link (when known) tells
+    /// when the pod left.
+    Socket(GapFillRoute, Option<lifecycle::Link>),
     /// The replication log, appended by the named replica.
     Log(Arc<str>),
 }
@@ -242,12 +225,20 @@ struct Message {
 enum Job {
     /// Sequence and apply a message.
     Message(Message),
-    /// Clear a pod and forget its publishers (an admin clear, replayed from the log).
+    /// Forget a pod of a model: its blocks, engines and publishers (an admin clear or another
+    /// replica's forgetting, replayed from the log).
     ClearPod {
         /// The model.
         model: Arc<str>,
         /// The pod.
         pod: Arc<str>,
+    },
+    /// Forget a pod (every model) if it is still gone or idle (the sweeper's proposal).
+    Forget {
+        /// The pod.
+        pod: Arc<str>,
+        /// Why it was proposed.
+        reason: lifecycle::ForgetReason,
     },
     /// Stop until the gate opens (a consistent snapshot of index and publishers).
     Pause(PauseGate),
@@ -328,11 +319,7 @@ impl Feeder {
             model: model.clone(),
             rank: stamp.rank,
         };
-        let shard = worker_of(pod, self.dispatch.workers.len());
-        let last = self.dispatch.shared.publishers.shards[shard]
-            .lock()
-            .get(&key)
-            .and_then(|s| s.last_seq.map(|seq| (seq, s.last_ts)));
+        let last = self.dispatch.shared.publishers.last_applied(&key);
         matches!(
             sequence::SeqOutcome::classify_timed(last, seq, stamp.ts),
             sequence::SeqOutcome::Duplicate | sequence::SeqOutcome::Stale
@@ -387,6 +374,12 @@ struct Shared {
     decode_log: LogLimiter,
     gap_fill_log: LogLimiter,
     shed_log: LogLimiter,
+    /// The budget of the log lines that name a publisher.
+    log_budget: log_budget::LogBudget,
+    /// The links (connections, sockets) that tell whether a pod is there.
+    links: Arc<lifecycle::Links>,
+    /// Grace period and idle timeout.
+    lifecycle: lifecycle::LifecycleSettings,
     /// Where messages from this replica's sockets are appended (replication on).
     log: Option<crate::replication::LogSink>,
     /// This replica's id (`received_by` of what its sockets bring).
@@ -406,6 +399,8 @@ pub struct IngestHandle {
     pub bound_endpoint: Option<String>,
     /// Publisher states (for the admin API).
     pub publishers: Arc<Publishers>,
+    /// Publishers with their presence (for the admin API).
+    pub pods: Pods,
     receivers: Vec<JoinHandle<()>>,
     workers: Vec<JoinHandle<()>>,
     dispatch: Option<Arc<Dispatch>>,
@@ -476,6 +471,11 @@ pub async fn start(
         senders.push(tx);
         receivers_of_workers.push(rx);
     }
+    let links = Arc::new(lifecycle::Links::default());
+    let lifecycle = lifecycle::LifecycleSettings {
+        grace_period: config.publisher_grace_period.0,
+        idle_timeout: Some(config.publisher_idle_timeout.0).filter(|t| !t.is_zero()),
+    };
     let shared = Arc::new(Shared {
         indexer,
         metrics,
@@ -491,6 +491,9 @@ pub async fn start(
         decode_log: LogLimiter::default(),
         gap_fill_log: LogLimiter::default(),
         shed_log: LogLimiter::default(),
+        log_budget: log_budget::LogBudget::default(),
+        links: links.clone(),
+        lifecycle,
         log,
         replica,
     });
@@ -509,6 +512,11 @@ pub async fn start(
     if !config.zmq_endpoint.is_empty() {
         let endpoint = topic::bindable(&config.zmq_endpoint);
         let mut socket = SubSocket::new();
+        receivers.push(tokio::spawn(lifecycle::follow_bind_monitor(
+            socket.monitor(),
+            links.clone(),
+            shutdown.clone(),
+        )));
         let bound = socket
             .bind(&endpoint)
             .await
@@ -535,10 +543,12 @@ pub async fn start(
             model: "".into(),
             gap_fill,
             label: bound.to_string().into(),
+            link: None,
         };
         receivers.push(tokio::spawn(sockets::receive(
             socket,
             source,
+            None,
             dispatch.clone(),
             shutdown.clone(),
         )));
@@ -551,8 +561,18 @@ pub async fn start(
             shutdown.clone(),
         )));
     }
+    receivers.push(tokio::spawn(lifecycle::sweep(
+        dispatch.clone(),
+        lifecycle,
+        shutdown.clone(),
+    )));
     Ok(IngestHandle {
         bound_endpoint,
+        pods: Pods {
+            publishers: publishers.clone(),
+            links,
+            lifecycle,
+        },
         publishers,
         receivers,
         workers,

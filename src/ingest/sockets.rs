@@ -7,6 +7,7 @@ use std::time::Duration;
 use tokio::sync::{mpsc, watch};
 use zeromq::{Socket, SocketRecv, SubSocket, ZmqMessage};
 
+use super::lifecycle::{ConnectMonitor, Link};
 use super::{topic, worker_of, Dispatch, GapFillRoute, Job, Message, Shared, Via};
 use crate::config::ConnectEndpoint;
 
@@ -21,6 +22,9 @@ pub(super) struct Source {
     pub(super) gap_fill: GapFillRoute,
     /// The socket's endpoint, for logs.
     pub(super) label: Arc<str>,
+    /// Connect mode: the link of every pod this socket brings (this socket). `None` in bind
+    /// mode: each pod's link is the address its id names.
+    pub(super) link: Option<Link>,
 }
 
 /// Connect mode: dials the pod until it answers (with backoff), then receives.
@@ -31,10 +35,11 @@ pub(super) async fn connect_and_receive(
     mut shutdown: watch::Receiver<bool>,
 ) {
     let mut backoff = Duration::from_millis(200);
-    let socket = loop {
+    let (socket, events) = loop {
         let mut options = zeromq::SocketOptions::default();
         options.connect_timeout(Duration::from_secs(5));
         let mut socket = SubSocket::with_options(options);
+        let events = socket.monitor();
         let attempt = async {
             socket.connect(&ep.endpoint).await?;
             socket.subscribe(&filter).await?;
@@ -43,7 +48,7 @@ pub(super) async fn connect_and_receive(
         tokio::select! {
             _ = shutdown.changed() => return,
             result = attempt => match result {
-                Ok(()) => break socket,
+                Ok(()) => break (socket, events),
                 Err(e) => {
                     tracing::warn!(endpoint = %ep.endpoint, error = %e, retry_in = ?backoff, "connect mode: cannot reach the pod's publisher yet");
                     tokio::select! {
@@ -61,25 +66,41 @@ pub(super) async fn connect_and_receive(
     } else {
         GapFillRoute::Fixed(ep.replay_endpoint.as_str().into())
     };
+    let link = Link::Endpoint(ep.endpoint.as_str().into());
+    let monitor = ConnectMonitor::connected(events, link.clone(), dispatch.shared.links.clone());
     let source = Source {
         pod: ep.pod.as_str().into(),
         model: ep.model.as_str().into(),
         gap_fill,
         label: ep.endpoint.as_str().into(),
+        link: Some(link),
     };
-    receive(socket, source, dispatch, shutdown).await;
+    receive(socket, source, Some(monitor), dispatch, shutdown).await;
 }
 
-/// Receives until shutdown, routing every well-formed message to its pod's worker.
+/// Receives until shutdown, routing every well-formed message to its pod's worker; in connect
+/// mode, follows the socket's monitor too (the pod's link).
 pub(super) async fn receive(
     mut socket: SubSocket,
     source: Source,
+    mut monitor: Option<ConnectMonitor>,
     dispatch: Arc<Dispatch>,
     mut shutdown: watch::Receiver<bool>,
 ) {
+    use futures::StreamExt;
     loop {
         tokio::select! {
             _ = shutdown.changed() => break,
+            Some(event) = async {
+                match monitor.as_mut() {
+                    Some(m) => m.events.next().await,
+                    None => std::future::pending().await,
+                }
+            } => {
+                if let Some(m) = monitor.as_mut() {
+                    m.on(event);
+                }
+            }
             message = socket.recv() => match message {
                 Ok(message) => dispatch_message(message, &source, &dispatch),
                 Err(e) => {
@@ -166,12 +187,16 @@ fn dispatch_message(message: ZmqMessage, source: &Source, dispatch: &Dispatch) {
     shared.metrics.ingest.received(&pod);
     let worker = worker_of(&pod, dispatch.workers.len());
     shared.metrics.ingest.queued();
+    let link = match &source.link {
+        Some(link) => Some(link.clone()),
+        None => Link::of_pod_id(&pod),
+    };
     let job = Job::Message(Message {
         pod,
         model,
         seq,
         payload: payload.clone(),
-        via: Via::Socket(source.gap_fill.clone()),
+        via: Via::Socket(source.gap_fill.clone(), link),
     });
     // Never wait on one worker: a full queue sheds this message (its publisher sees a gap,
     // filled from vLLM's buffer when possible) instead of holding back every other pod.

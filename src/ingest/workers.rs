@@ -23,6 +23,8 @@ use kv_core::{decode_batch, EventBatch};
 use tokio::sync::mpsc;
 
 use super::gap_fill::{self, GapFillError};
+use super::lifecycle::{ForgetReason, Link};
+use super::log_budget::LineKind;
 use super::sequence::SeqOutcome;
 use super::{GapFillRoute, Job, Message, PublisherKey, PublisherState, Shared, Via};
 use crate::replication::{Record, Stamp};
@@ -61,6 +63,8 @@ struct Pending {
     batch: EventBatch,
     /// `None`: this replica's socket; `Some(replica)`: the replication log.
     from_log: Option<Arc<str>>,
+    /// What tells whether the pod is there (messages from this replica's socket).
+    link: Option<Link>,
 }
 
 /// A gap-fill task's report.
@@ -101,9 +105,11 @@ pub(super) async fn run(index: usize, mut rx: mpsc::Receiver<Job>, shared: Arc<S
                 }
                 Some(Job::ClearPod { model, pod }) => {
                     shared.metrics.ingest.dequeued();
-                    let removed = shared.indexer.clear_pod(&model, &pod);
-                    shared.publishers.forget_pod(&model, &pod);
-                    tracing::info!(%model, %pod, removed, "pod cleared (replicated admin request)");
+                    worker.forget(&pod, &[model], "cleared", None);
+                }
+                Some(Job::Forget { pod, reason }) => {
+                    shared.metrics.ingest.dequeued();
+                    worker.forget_if_still(&pod, reason);
                 }
                 Some(Job::Pause(gate)) => gate.hold().await,
                 None => break,
@@ -121,8 +127,72 @@ pub(super) async fn run(index: usize, mut rx: mpsc::Receiver<Job>, shared: Arc<S
 
 impl Worker<'_> {
     fn state<R>(&self, key: &PublisherKey, f: impl FnOnce(&mut PublisherState) -> R) -> R {
-        let mut shard = self.shared.publishers.shards[self.index].lock();
-        f(shard.entry(key.clone()).or_default())
+        self.shared.publishers.with_state(key, f)
+    }
+
+    /// The sweeper proposes to forget `pod`: done if it is still gone (or idle) now, in order
+    /// with its messages; with replication, every replica is told through the log.
+    fn forget_if_still(&mut self, pod: &Arc<str>, reason: ForgetReason) {
+        let shared = self.shared;
+        let still = {
+            let shard = shared.publishers.shards[self.index].lock();
+            shard.get(pod).is_some_and(|entry| {
+                let presence = shared.lifecycle.presence(
+                    &shared.links,
+                    entry.link.as_ref(),
+                    entry.last_message,
+                );
+                shared.lifecycle.verdict(presence, entry.last_message) == Some(reason)
+            })
+        };
+        if !still {
+            return;
+        }
+        let models = shared.publishers.models_of(pod);
+        if let Some(log) = &shared.log {
+            for model in &models {
+                log.append(Record::ClearPod {
+                    model: model.clone(),
+                    pod: pod.clone(),
+                });
+            }
+        }
+        self.forget(pod, &models, reason.label(), Some(reason));
+    }
+
+    /// Forgets `pod` in `models`: blocks, engines, publisher states, per-pod series; one log
+    /// line (under the budget).
+    fn forget(
+        &mut self,
+        pod: &Arc<str>,
+        models: &[Arc<str>],
+        label: &'static str,
+        reason: Option<ForgetReason>,
+    ) {
+        let shared = self.shared;
+        // A fill in flight for the pod reports to nobody.
+        self.parked
+            .retain(|key, _| !(key.pod == *pod && models.contains(&key.model)));
+        let mut removed = 0;
+        for model in models {
+            removed += shared.indexer.remove_pod(model, pod);
+            shared.publishers.forget_pod(model, pod);
+        }
+        shared.metrics.ingest.forgotten(pod, models, label);
+        if shared.log_budget.allow(LineKind::Forgotten) {
+            let grace = shared.lifecycle.grace_period;
+            match reason {
+                Some(ForgetReason::Gone) => {
+                    tracing::info!(%pod, removed, ?grace, "pod forgotten: gone for the grace period (publisherGracePeriod)")
+                }
+                Some(ForgetReason::Idle) => {
+                    tracing::info!(%pod, removed, idle_timeout = ?shared.lifecycle.idle_timeout, "pod forgotten: silent for the idle timeout (publisherIdleTimeout)")
+                }
+                None => {
+                    tracing::info!(%pod, removed, "pod cleared (an admin request or another replica, through the log)")
+                }
+            }
+        }
     }
 
     fn handle(&mut self, job: Message) {
@@ -142,15 +212,16 @@ impl Worker<'_> {
             model: job.model.clone(),
             rank: rank_of(&batch),
         };
-        let (gap_fill, from_log) = match job.via {
-            Via::Socket(route) => (Some(route), None),
-            Via::Log(replica) => (None, Some(replica)),
+        let (gap_fill, from_log, link) = match job.via {
+            Via::Socket(route, link) => (Some(route), None, link),
+            Via::Log(replica) => (None, Some(replica), None),
         };
         let message = Pending {
             seq: job.seq,
             payload: job.payload,
             batch,
             from_log,
+            link,
         };
         if let Some(parked) = self.parked.get_mut(&key) {
             if message.from_log.is_some() && message.seq == parked.wanted.start {
@@ -341,6 +412,7 @@ impl Worker<'_> {
                                 payload,
                                 batch,
                                 from_log: None,
+                                link: None,
                             };
                             self.apply(&key, message);
                             applied += 1;
@@ -348,7 +420,9 @@ impl Worker<'_> {
                         Err(e) => metrics.decode_error(e.reason()),
                     }
                 }
-                tracing::info!(pod = %key.pod, model = %key.model, rank = key.rank, from = parked.wanted.start, to = parked.wanted.end, applied, elapsed = ?report.elapsed, "filled a gap from the publisher's replay buffer");
+                if self.shared.log_budget.allow(LineKind::GapFilled) {
+                    tracing::info!(pod = %key.pod, model = %key.model, rank = key.rank, from = parked.wanted.start, to = parked.wanted.end, applied, elapsed = ?report.elapsed, "filled a gap from the publisher's replay buffer");
+                }
                 if parked.count_lost {
                     let wanted = parked.wanted.end - parked.wanted.start;
                     self.lost(&key, wanted.saturating_sub(applied));
@@ -401,7 +475,9 @@ impl Worker<'_> {
             .shared
             .indexer
             .clear_engine(&key.model, &key.pod, key.rank);
-        tracing::warn!(pod = %key.pod, model = %key.model, rank = key.rank, last_seq = ?last, seq, removed, "{why}");
+        if self.shared.log_budget.allow(LineKind::Restart) {
+            tracing::warn!(pod = %key.pod, model = %key.model, rank = key.rank, last_seq = ?last, seq, removed, "{why}");
+        }
         self.state(key, |s| s.restarts += 1);
     }
 
@@ -429,6 +505,7 @@ impl Worker<'_> {
                 s.received_by = received_by;
             }
         });
+        shared.publishers.spoke(&key.pod, message.link.as_ref());
         if let (Some(log), None) = (&shared.log, &message.from_log) {
             log.append(Record::Message {
                 pod: key.pod.clone(),
@@ -463,6 +540,15 @@ impl Worker<'_> {
         };
         shared.metrics.ingest.applied(&key.pod, &key.model, &report);
         shared.metrics.index.applied(&report);
+        if report.first_mismatch && shared.log_budget.allow(LineKind::HashMismatch) {
+            let diagnosis = shared
+                .indexer
+                .model(&key.model)
+                .and_then(|m| m.hash_check(&key.pod))
+                .and_then(|c| c.diagnosis)
+                .unwrap_or_default();
+            tracing::warn!(model = %key.model, pod = %key.pod, "block hash mismatch: every score for this pod will be 0. {diagnosis}");
+        }
     }
 }
 

@@ -3,9 +3,9 @@
 use std::sync::Arc;
 
 use kv_core::ApplyReport;
-use prometheus::{IntCounterVec, IntGauge, Registry};
+use prometheus::{IntCounterVec, IntGauge, IntGaugeVec, Registry};
 
-use super::registry::{counter_vec, gauge, Labels};
+use super::registry::{counter_vec, gauge, gauge_vec, Labels};
 
 /// Event intake and application.
 pub struct IngestMetrics {
@@ -23,6 +23,8 @@ pub struct IngestMetrics {
     events_skipped: IntCounterVec,
     messages_shed: IntCounterVec,
     queue_depth: IntGauge,
+    publishers: IntGaugeVec,
+    pods_forgotten: IntCounterVec,
 }
 
 impl IngestMetrics {
@@ -107,6 +109,53 @@ impl IngestMetrics {
                 "kvindexer_event_queue_depth",
                 "Event messages waiting in worker queues",
             ),
+            publishers: gauge_vec(
+                r,
+                "kvindexer_pods",
+                "Pods known to this replica's ingest, by presence (live, idle, gone)",
+                &["state"],
+            ),
+            pods_forgotten: counter_vec(
+                r,
+                "kvindexer_pods_forgotten_total",
+                "Pods forgotten (blocks, engines and publisher states dropped), by reason",
+                &["reason"],
+            ),
+        }
+    }
+
+    /// The pods known now: `[live, idle, gone]`.
+    pub fn publishers(&self, counts: [u64; 3]) {
+        for (state, n) in ["live", "idle", "gone"].into_iter().zip(counts) {
+            self.publishers.with_label_values(&[state]).set(n as i64);
+        }
+    }
+
+    /// A pod was forgotten (`reason`: gone, idle, cleared). Its per-pod series are removed
+    /// and its label slot freed for the pods that come after it.
+    pub fn forgotten(&self, pod: &str, models: &[std::sync::Arc<str>], reason: &'static str) {
+        self.pods_forgotten.with_label_values(&[reason]).inc();
+        let Some(label) = self.labels.release_pod(pod) else {
+            return; // reported as "_other": nothing of its own to remove
+        };
+        for vec in [
+            &self.messages_received,
+            &self.sequence_gaps,
+            &self.messages_lost,
+            &self.pod_restarts,
+        ] {
+            let _ = vec.remove_label_values(&[&label]);
+        }
+        for ty in ["BlockStored", "BlockRemoved", "AllBlocksCleared", "unknown"] {
+            let _ = self.events_received.remove_label_values(&[&label, ty]);
+        }
+        for model in models {
+            let model = self.labels.model(model);
+            for result in ["match", "mismatch"] {
+                let _ = self
+                    .hash_checks
+                    .remove_label_values(&[&label, &model, result]);
+            }
         }
     }
 

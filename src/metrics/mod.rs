@@ -83,8 +83,9 @@ impl Metrics {
     }
 }
 
-/// The process's resident set size from `/proc/self/status` (`None` off Linux).
-fn resident_memory_bytes() -> Option<u64> {
+/// The process's resident set size from `/proc/self/status` (`None` off Linux); also what the
+/// benchmarks and tests that run a daemon in their own process read.
+pub fn resident_memory_bytes() -> Option<u64> {
     let status = std::fs::read_to_string("/proc/self/status").ok()?;
     let kb = status
         .lines()

@@ -28,6 +28,11 @@ impl BoundedLabels {
         }
     }
 
+    /// Frees `value`'s slot; `Some(value)` when it had one.
+    fn release(&self, value: &str) -> Option<String> {
+        self.seen.lock().take(value)
+    }
+
     /// `value` if it has (or can get) its own series, else `"_other"`.
     fn get(&self, value: &str) -> String {
         let mut seen = self.seen.lock();
@@ -62,6 +67,12 @@ impl Labels {
     /// The label value for a pod (bounded).
     pub fn pod(&self, pod: &str) -> String {
         self.pods.get(pod)
+    }
+
+    /// Frees a forgotten pod's label slot (its series must be removed by the caller); `Some`
+    /// with the label when it had its own.
+    pub fn release_pod(&self, pod: &str) -> Option<String> {
+        self.pods.release(pod)
     }
 
     /// The label value for a model (bounded).

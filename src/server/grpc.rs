@@ -13,7 +13,8 @@ use tokio::sync::Semaphore;
 use tonic::{Request, Response, Status};
 
 use crate::config::ServerConfig;
-use crate::ingest::Publishers;
+use crate::ingest::lifecycle::{unix_ms, Presence};
+use crate::ingest::{Pods, PublisherKey};
 use crate::metrics::Metrics;
 use crate::replication::{LogSink, Record};
 use kv_core::{Indexer, ScoreError};
@@ -29,7 +30,7 @@ pub struct ScoreService {
     indexer: Arc<Indexer>,
     tokenizers: Arc<TokenizerService>,
     metrics: Arc<Metrics>,
-    publishers: Arc<Publishers>,
+    pods: Pods,
     limits: ServerConfig,
     in_flight: Arc<Semaphore>,
     /// Replication's append queue: admin clears go to every replica through the log.
@@ -42,7 +43,7 @@ impl ScoreService {
         indexer: Arc<Indexer>,
         tokenizers: Arc<TokenizerService>,
         metrics: Arc<Metrics>,
-        publishers: Arc<Publishers>,
+        pods: Pods,
         limits: ServerConfig,
         log: Option<LogSink>,
     ) -> Arc<Self> {
@@ -51,7 +52,7 @@ impl ScoreService {
             indexer,
             tokenizers,
             metrics,
-            publishers,
+            pods,
             limits,
             log,
         })
@@ -278,23 +279,38 @@ impl kvindexer_v1::kv_indexer_server::KvIndexer for KvIndexerApi {
     ) -> Result<Response<kvindexer_v1::ListPodsResponse>, Status> {
         let want = request.into_inner().model;
         let svc = &self.0;
-        let publishers = svc.publishers.snapshot();
+        let publishers: std::collections::HashMap<_, _> =
+            svc.pods.publishers.snapshot().into_iter().collect();
+        let presence = svc.pods.presence();
         let mut pods = Vec::new();
         for model in svc.indexer.models() {
             if !want.is_empty() && model.name() != want {
                 continue;
             }
             let checks = model.hash_checks();
+            let model_name: Arc<str> = model.name().into();
             for (key, blocks) in model.index().engine_blocks() {
                 let publisher = publishers
-                    .iter()
-                    .find(|(p, _)| {
-                        *p.pod == *key.pod && &*p.model == model.name() && p.rank == key.dp_rank
+                    .get(&PublisherKey {
+                        pod: key.pod.clone(),
+                        model: model_name.clone(),
+                        rank: key.dp_rank,
                     })
-                    .map(|(_, s)| s.clone())
+                    .cloned()
                     .unwrap_or_default();
                 let last_sequence = publisher.last_seq.map_or(-1, |s| s as i64);
                 let check = checks.get(&key.pod).cloned().unwrap_or_default();
+                let (state, state_since, last_message) = match presence.get(&key.pod) {
+                    Some(&(p, last)) => {
+                        let (state, since) = match p {
+                            Presence::Live => (kvindexer_v1::PodState::Live, None),
+                            Presence::Idle(t) => (kvindexer_v1::PodState::Idle, Some(t)),
+                            Presence::Gone(t) => (kvindexer_v1::PodState::Gone, Some(t)),
+                        };
+                        (state, since.map_or(0, unix_ms), unix_ms(last))
+                    }
+                    None => (kvindexer_v1::PodState::Unspecified, 0, 0),
+                };
                 pods.push(kvindexer_v1::PodInfo {
                     model: model.name().to_owned(),
                     pod: key.pod.to_string(),
@@ -306,6 +322,9 @@ impl kvindexer_v1::kv_indexer_server::KvIndexer for KvIndexerApi {
                     messages_lost: publisher.messages_lost,
                     gap_fill_failures: publisher.gap_fill_failures,
                     received_by: publisher.received_by.to_string(),
+                    state: state as i32,
+                    state_since_unix_ms: state_since,
+                    last_message_unix_ms: last_message,
                 });
             }
         }
@@ -327,8 +346,12 @@ impl kvindexer_v1::kv_indexer_server::KvIndexer for KvIndexerApi {
         if self.0.indexer.model(&req.model).is_none() {
             return Err(Status::not_found(format!("unknown model {:?}", req.model)));
         }
-        let removed = self.0.indexer.clear_pod(&req.model, &req.pod);
-        self.0.publishers.forget_pod(&req.model, &req.pod);
+        let removed = self.0.indexer.remove_pod(&req.model, &req.pod);
+        self.0.pods.publishers.forget_pod(&req.model, &req.pod);
+        self.0
+            .metrics
+            .ingest
+            .forgotten(&req.pod, &[req.model.as_str().into()], "cleared");
         if let Some(log) = &self.0.log {
             log.append(Record::ClearPod {
                 model: req.model.as_str().into(),

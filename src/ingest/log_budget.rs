@@ -1,0 +1,134 @@
+//! One budget for the log lines that name a publisher (a restart, a hash mismatch, a filled
+//! gap, a forgotten pod), so a fleet of 20,000 pods with the same problem prints a handful of
+//! lines and a count, not 20,000 lines.
+//!
+//! Each line is first limited where it is produced (a hash mismatch is diagnosed once per pod;
+//! a frame error once per reason every 10 s, by [`super::LogLimiter`]). On top of that, at most
+//! [`LINES_PER_WINDOW`] publisher lines per kind are printed per [`WINDOW`]; the rest are
+//! counted, and [`LogBudget::summarize`] (called every window) prints one line per kind: "N
+//! more like this suppressed". Metrics count every occurrence regardless.
+
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+/// The budget's window.
+pub const WINDOW: Duration = Duration::from_secs(10);
+
+/// Publisher lines of one kind printed per window at most.
+pub const LINES_PER_WINDOW: u32 = 10;
+
+/// The kinds of publisher lines, each with its own share of the budget and its own summary.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(usize)]
+pub enum LineKind {
+    /// A publisher restarted (its blocks cleared).
+    Restart,
+    /// A pod's block hashes do not match kv-indexer's (with the diagnosis).
+    HashMismatch,
+    /// A gap was filled from the publisher's replay buffer.
+    GapFilled,
+    /// A pod was forgotten (gone, idle, or cleared).
+    Forgotten,
+}
+
+const KINDS: usize = 4;
+
+impl LineKind {
+    const ALL: [LineKind; KINDS] = [
+        LineKind::Restart,
+        LineKind::HashMismatch,
+        LineKind::GapFilled,
+        LineKind::Forgotten,
+    ];
+
+    /// What the summary line calls these lines.
+    fn describe(self) -> &'static str {
+        match self {
+            LineKind::Restart => "publisher restarts",
+            LineKind::HashMismatch => "pods with mismatched block hashes",
+            LineKind::GapFilled => "gaps filled from a replay buffer",
+            LineKind::Forgotten => "pods forgotten",
+        }
+    }
+}
+
+/// The shared budget (cheap atomics; no lock on the logging path).
+#[derive(Default)]
+pub struct LogBudget {
+    /// The window the counts below belong to (seconds since the epoch / window length).
+    window: AtomicU64,
+    printed: [AtomicU32; KINDS],
+    suppressed: [AtomicU64; KINDS],
+}
+
+impl LogBudget {
+    /// Whether a line of `kind` may be printed now; when not, it is counted for the summary.
+    pub fn allow(&self, kind: LineKind) -> bool {
+        self.roll();
+        let i = kind as usize;
+        if self.printed[i].fetch_add(1, Ordering::Relaxed) < LINES_PER_WINDOW {
+            return true;
+        }
+        self.suppressed[i].fetch_add(1, Ordering::Relaxed);
+        false
+    }
+
+    /// Prints one line per kind that had lines suppressed since the last summary, and resets
+    /// the counts. Returns the lines suppressed.
+    pub fn summarize(&self) -> u64 {
+        let mut total = 0;
+        for kind in LineKind::ALL {
+            let n = self.suppressed[kind as usize].swap(0, Ordering::Relaxed);
+            if n > 0 {
+                total += n;
+                tracing::warn!(
+                    suppressed = n,
+                    "{n} more like this suppressed ({}; at most {LINES_PER_WINDOW} lines each per {WINDOW:?}; metrics count them all)",
+                    kind.describe()
+                );
+            }
+        }
+        total
+    }
+
+    /// Starts a new window when the clock has moved past the current one.
+    fn roll(&self) {
+        let now = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs() / WINDOW.as_secs());
+        let window = self.window.load(Ordering::Relaxed);
+        if now != window
+            && self
+                .window
+                .compare_exchange(window, now, Ordering::Relaxed, Ordering::Relaxed)
+                .is_ok()
+        {
+            for printed in &self.printed {
+                printed.store(0, Ordering::Relaxed);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_burst_prints_the_budget_and_counts_the_rest_per_kind() {
+        let budget = LogBudget::default();
+        // 20,000 pods with a mismatch, 3 restarts, within one window (a window boundary in
+        // the middle would only allow more lines, never fewer).
+        let printed = (0..20_000)
+            .filter(|_| budget.allow(LineKind::HashMismatch))
+            .count() as u32;
+        let restarts = (0..3).filter(|_| budget.allow(LineKind::Restart)).count();
+        assert!(
+            (LINES_PER_WINDOW..=2 * LINES_PER_WINDOW).contains(&printed),
+            "{printed}"
+        );
+        assert_eq!(restarts, 3, "kinds have their own share");
+        assert_eq!(budget.summarize(), 20_000 - printed as u64);
+        assert_eq!(budget.summarize(), 0, "the summary resets the counts");
+    }
+}

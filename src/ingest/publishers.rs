@@ -1,0 +1,171 @@
+//! Every publisher's stream state, grouped by pod: one entry per pod holds its publishers
+//! (model, DP rank), the link that tells whether it is still there, and when it last spoke.
+//!
+//! Invariants: a pod's entry lives in the shard of its worker ([`super::worker_of`]), so the
+//! worker is its only writer; finding, adding or forgetting a pod is O(1) (a fleet of 100,000
+//! pods costs no more per pod than a fleet of ten).
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Instant;
+
+use parking_lot::Mutex;
+
+use super::lifecycle::Link;
+use super::{worker_of, PublisherKey, PublisherState};
+
+/// One pod: its publishers and its presence.
+#[derive(Debug)]
+pub(crate) struct PodEntry {
+    /// What tells this replica the pod left: its connection (bind mode) or this replica's
+    /// socket to it (connect mode). `None` when its messages come only through the
+    /// replication log, or its id names no address: then only silence (the idle timeout) can.
+    pub(crate) link: Option<Link>,
+    /// When a message of the pod was last applied (or the pod was restored from a snapshot).
+    pub(crate) last_message: Instant,
+    /// Its publishers: (model, DP rank, state).
+    pub(crate) publishers: Vec<(Arc<str>, u32, PublisherState)>,
+}
+
+impl PodEntry {
+    fn new() -> Self {
+        Self {
+            link: None,
+            last_message: Instant::now(),
+            publishers: Vec::new(),
+        }
+    }
+}
+
+/// Publisher states, one map per worker, keyed by pod.
+#[derive(Default)]
+pub struct Publishers {
+    pub(crate) shards: Vec<Mutex<HashMap<Arc<str>, PodEntry>>>,
+}
+
+impl Publishers {
+    pub(crate) fn new(n: usize) -> Self {
+        Self {
+            shards: (0..n).map(|_| Mutex::new(HashMap::new())).collect(),
+        }
+    }
+
+    fn shard(&self, pod: &str) -> &Mutex<HashMap<Arc<str>, PodEntry>> {
+        &self.shards[worker_of(pod, self.shards.len())]
+    }
+
+    /// Every publisher known, sorted.
+    pub fn snapshot(&self) -> Vec<(PublisherKey, PublisherState)> {
+        let mut all = Vec::new();
+        for shard in &self.shards {
+            for (pod, entry) in shard.lock().iter() {
+                for (model, rank, state) in &entry.publishers {
+                    all.push((
+                        PublisherKey {
+                            pod: pod.clone(),
+                            model: model.clone(),
+                            rank: *rank,
+                        },
+                        state.clone(),
+                    ));
+                }
+            }
+        }
+        all.sort_by(|a, b| a.0.cmp(&b.0));
+        all
+    }
+
+    /// How many pods are known.
+    pub fn pod_count(&self) -> usize {
+        self.shards.iter().map(|s| s.lock().len()).sum()
+    }
+
+    /// Puts back publisher states from a snapshot (replacing what is there). Restored pods
+    /// count as having spoken now.
+    pub(crate) fn restore(&self, states: Vec<(PublisherKey, PublisherState)>) {
+        for shard in &self.shards {
+            shard.lock().clear();
+        }
+        for (key, state) in states {
+            self.shard(&key.pod)
+                .lock()
+                .entry(key.pod.clone())
+                .or_insert_with(PodEntry::new)
+                .publishers
+                .push((key.model, key.rank, state));
+        }
+    }
+
+    /// Runs `f` on `key`'s state, creating it (and its pod's entry) on first use.
+    pub(crate) fn with_state<R>(
+        &self,
+        key: &PublisherKey,
+        f: impl FnOnce(&mut PublisherState) -> R,
+    ) -> R {
+        let mut shard = self.shard(&key.pod).lock();
+        let entry = shard.entry(key.pod.clone()).or_insert_with(PodEntry::new);
+        let at = entry
+            .publishers
+            .iter()
+            .position(|(model, rank, _)| *model == key.model && *rank == key.rank);
+        let at = at.unwrap_or_else(|| {
+            entry
+                .publishers
+                .push((key.model.clone(), key.rank, PublisherState::default()));
+            entry.publishers.len() - 1
+        });
+        f(&mut entry.publishers[at].2)
+    }
+
+    /// The last sequence applied for `key`, with its batch timestamp.
+    pub(crate) fn last_applied(&self, key: &PublisherKey) -> Option<(u64, f64)> {
+        let shard = self.shard(&key.pod).lock();
+        let entry = shard.get(&key.pod)?;
+        entry
+            .publishers
+            .iter()
+            .find(|(model, rank, _)| *model == key.model && *rank == key.rank)
+            .and_then(|(_, _, s)| s.last_seq.map(|seq| (seq, s.last_ts)))
+    }
+
+    /// A message of `pod` was applied now; `link` (when the message came from this replica's
+    /// socket) is what will tell that the pod left.
+    pub(crate) fn spoke(&self, pod: &Arc<str>, link: Option<&Link>) {
+        let mut shard = self.shard(pod).lock();
+        let entry = shard.entry(pod.clone()).or_insert_with(PodEntry::new);
+        entry.last_message = Instant::now();
+        if let Some(link) = link {
+            if entry.link.as_ref() != Some(link) {
+                entry.link = Some(link.clone());
+            }
+        }
+    }
+
+    /// Forgets `pod`'s publishers of `model` (the pod's entry goes with its last publisher),
+    /// so its next message starts afresh.
+    pub fn forget_pod(&self, model: &str, pod: &str) {
+        let mut shard = self.shard(pod).lock();
+        let Some(entry) = shard.get_mut(pod) else {
+            return;
+        };
+        entry.publishers.retain(|(m, _, _)| &**m != model);
+        if entry.publishers.is_empty() {
+            shard.remove(pod);
+            if shard.capacity() > 64 && shard.len() < shard.capacity() / 4 {
+                shard.shrink_to_fit();
+            }
+        }
+    }
+
+    /// The models `pod` publishes for.
+    pub(crate) fn models_of(&self, pod: &str) -> Vec<Arc<str>> {
+        let shard = self.shard(pod).lock();
+        let mut models: Vec<Arc<str>> = shard
+            .get(pod)
+            .map(|e| e.publishers.iter().map(|(m, _, _)| m.clone()).collect())
+            .unwrap_or_default();
+        models.sort();
+        models.dedup();
+        models
+    }
+}
