@@ -288,21 +288,18 @@ pub(super) async fn sweep(
         }
         let mut counts = [0u64; 3];
         let mut proposals = Vec::new();
-        for shard in &shared.publishers.shards {
-            let shard = shard.lock();
-            for (pod, entry) in shard.iter() {
-                let presence =
-                    settings.presence(&shared.links, entry.link.as_ref(), entry.last_message);
+        shared
+            .publishers
+            .each_presence(&settings, &shared.links, |pod, presence, last| {
                 counts[match presence {
                     Presence::Live => 0,
                     Presence::Idle(_) => 1,
                     Presence::Gone(_) => 2,
                 }] += 1;
-                if let Some(reason) = settings.verdict(presence, entry.last_message) {
+                if let Some(reason) = settings.verdict(presence, last) {
                     proposals.push((pod.clone(), reason));
                 }
-            }
-        }
+            });
         shared.metrics.ingest.publishers(counts);
         for (pod, reason) in proposals {
             let worker = worker_of(&pod, dispatch.workers.len());

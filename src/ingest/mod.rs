@@ -134,14 +134,10 @@ impl Pods {
         &self,
     ) -> std::collections::HashMap<Arc<str>, (lifecycle::Presence, std::time::Instant)> {
         let mut out = std::collections::HashMap::new();
-        for shard in &self.publishers.shards {
-            for (pod, entry) in shard.lock().iter() {
-                let presence =
-                    self.lifecycle
-                        .presence(&self.links, entry.link.as_ref(), entry.last_message);
-                out.insert(pod.clone(), (presence, entry.last_message));
-            }
-        }
+        self.publishers
+            .each_presence(&self.lifecycle, &self.links, |pod, presence, last| {
+                out.insert(pod.clone(), (presence, last));
+            });
         out
     }
 }

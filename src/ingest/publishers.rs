@@ -11,7 +11,7 @@ use std::time::Instant;
 
 use parking_lot::Mutex;
 
-use super::lifecycle::Link;
+use super::lifecycle::{LifecycleSettings, Link, Links, Presence};
 use super::{worker_of, PublisherKey, PublisherState};
 
 /// One pod: its publishers and its presence.
@@ -34,6 +34,20 @@ impl PodEntry {
             last_message: Instant::now(),
             publishers: Vec::new(),
         }
+    }
+
+    /// `key`'s state (this entry being `key.pod`'s), created on first use.
+    fn state(&mut self, key: &PublisherKey) -> &mut PublisherState {
+        let at = self
+            .publishers
+            .iter()
+            .position(|(model, rank, _)| *model == key.model && *rank == key.rank);
+        let at = at.unwrap_or_else(|| {
+            self.publishers
+                .push((key.model.clone(), key.rank, PublisherState::default()));
+            self.publishers.len() - 1
+        });
+        &mut self.publishers[at].2
     }
 }
 
@@ -104,17 +118,23 @@ impl Publishers {
     ) -> R {
         let mut shard = self.shard(&key.pod).lock();
         let entry = shard.entry(key.pod.clone()).or_insert_with(PodEntry::new);
-        let at = entry
-            .publishers
-            .iter()
-            .position(|(model, rank, _)| *model == key.model && *rank == key.rank);
-        let at = at.unwrap_or_else(|| {
-            entry
-                .publishers
-                .push((key.model.clone(), key.rank, PublisherState::default()));
-            entry.publishers.len() - 1
-        });
-        f(&mut entry.publishers[at].2)
+        f(entry.state(key))
+    }
+
+    /// Calls `f` with every pod known, its presence and when it last spoke (one shard locked
+    /// at a time).
+    pub(crate) fn each_presence(
+        &self,
+        settings: &LifecycleSettings,
+        links: &Links,
+        mut f: impl FnMut(&Arc<str>, Presence, Instant),
+    ) {
+        for shard in &self.shards {
+            for (pod, entry) in shard.lock().iter() {
+                let presence = settings.presence(links, entry.link.as_ref(), entry.last_message);
+                f(pod, presence, entry.last_message);
+            }
+        }
     }
 
     /// The last sequence applied for `key`, with its batch timestamp.
@@ -128,17 +148,24 @@ impl Publishers {
             .and_then(|(_, _, s)| s.last_seq.map(|seq| (seq, s.last_ts)))
     }
 
-    /// A message of `pod` was applied now; `link` (when the message came from this replica's
-    /// socket) is what will tell that the pod left.
-    pub(crate) fn spoke(&self, pod: &Arc<str>, link: Option<&Link>) {
-        let mut shard = self.shard(pod).lock();
-        let entry = shard.entry(pod.clone()).or_insert_with(PodEntry::new);
+    /// A message of `key` was applied now: `f` updates its state, under the same lock as the
+    /// pod's presence; `link` (when the message came from this replica's socket) is what will
+    /// tell that the pod left.
+    pub(crate) fn applied(
+        &self,
+        key: &PublisherKey,
+        link: Option<&Link>,
+        f: impl FnOnce(&mut PublisherState),
+    ) {
+        let mut shard = self.shard(&key.pod).lock();
+        let entry = shard.entry(key.pod.clone()).or_insert_with(PodEntry::new);
         entry.last_message = Instant::now();
         if let Some(link) = link {
             if entry.link.as_ref() != Some(link) {
                 entry.link = Some(link.clone());
             }
         }
+        f(entry.state(key));
     }
 
     /// Forgets `pod`'s publishers of `model` (the pod's entry goes with its last publisher),

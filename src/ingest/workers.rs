@@ -497,7 +497,7 @@ impl Worker<'_> {
             .from_log
             .clone()
             .unwrap_or_else(|| shared.replica.clone());
-        self.state(key, |s| {
+        shared.publishers.applied(key, message.link.as_ref(), |s| {
             s.last_seq = Some(message.seq);
             s.last_ts = message.batch.ts;
             s.messages += 1;
@@ -505,7 +505,6 @@ impl Worker<'_> {
                 s.received_by = received_by;
             }
         });
-        shared.publishers.spoke(&key.pod, message.link.as_ref());
         if let (Some(log), None) = (&shared.log, &message.from_log) {
             log.append(Record::Message {
                 pod: key.pod.clone(),
