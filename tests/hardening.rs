@@ -16,22 +16,7 @@ const MODEL: &str = "hard/model";
 const POD: &str = "10.1.0.1:8000";
 
 fn message(seq: u64, block: u64) -> ZmqMessage {
-    let payload = encode_batch(&EventBatch {
-        ts: 1.7e9,
-        events: vec![KvEvent::BlockStored(Box::new(BlockStored {
-            block_hashes: vec![BlockHash::new(block)],
-            block_size: 16,
-            medium: Some(Medium::Gpu),
-            ..Default::default()
-        }))],
-        data_parallel_rank: Some(0),
-    });
-    ZmqMessage::try_from(vec![
-        Bytes::from(format!("kv@{POD}@{MODEL}")),
-        Bytes::copy_from_slice(&seq.to_be_bytes()),
-        Bytes::from(payload),
-    ])
-    .expect("non-empty")
+    support::pods::model_message(MODEL, POD, seq, block)
 }
 
 fn holds(d: &RunningDaemon, block: u64) -> bool {
