@@ -6,8 +6,8 @@
 //!   ([`encode_batch`]);
 //! - `index`: the block -> (engine, tier) index and the prefix-scoring walk ([`ModelIndex`]);
 //! - `indexer`: per-model indexes and token processors, batch application, hash-mismatch
-//!   detection and pod scores ([`Indexer`]): what a transport (the daemon, a gateway, a
-//!   benchmark) calls.
+//!   detection, pod scores and speculative entries (recorded routings not yet confirmed by
+//!   events) ([`Indexer`]): what a transport (the daemon, a gateway, a benchmark) calls.
 //!
 //! Every block is named by a [`BlockHash`]. The facts about vLLM this crate relies on (wire
 //! format, hashing, per-version differences) are in `docs/vllm-compatibility.md`.
@@ -50,7 +50,8 @@ pub use index::{
 /// The facade transports call (`indexer`).
 pub use indexer::{
     ApplyReport, HashCheckStats, Indexer, IndexerSettings, ModelSettings, ModelState, PodRef,
-    PodScore, ScoreError, ScoreResult, SettingsError, ALL_PODS, DEFAULT_MAX_MODELS,
+    PodScore, PodSpeculation, RecordEnd, ScoreError, ScoreResult, SettingsError,
+    SpeculationSettings, SpeculationStats, ALL_PODS, DEFAULT_MAX_MODELS, MAX_TTL_FACTOR,
 };
 
 /// 64-bit mixing and the project's one PRNG (`mix`).

@@ -505,7 +505,7 @@ impl IndexBackend for IndexerFacadeBackend {
             for s in self.result.scores.iter().filter(|s| s.matched_blocks > 0) {
                 let number = match s.pod {
                     kv_core::PodRef::Known(p) => self.numbers.get(p as usize).copied(),
-                    kv_core::PodRef::Unknown(_) => None,
+                    kv_core::PodRef::Unknown(_) | kv_core::PodRef::Speculative(_) => None,
                 };
                 answer.add(number.unwrap_or(u32::MAX), s.matched_blocks);
             }

@@ -16,6 +16,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 mod hash_check;
+mod speculation;
 
 use arc_swap::ArcSwap;
 use parking_lot::Mutex;
@@ -32,6 +33,10 @@ use crate::index::{
 };
 use crate::marks::RoundMarks;
 use crate::BlockHash;
+use speculation::Speculation;
+pub use speculation::{
+    PodSpeculation, RecordEnd, SpeculationSettings, SpeculationStats, MAX_TTL_FACTOR,
+};
 
 /// How one model's hashes are computed (must equal its vLLM deployment's settings).
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
@@ -56,6 +61,8 @@ pub struct IndexerSettings {
     pub models: HashMap<String, ModelSettings>,
     /// Tier weights for scoring.
     pub weights: TierWeights,
+    /// Speculative entries (recorded routings): lifetime, weight, bounds.
+    pub speculation: SpeculationSettings,
 }
 
 /// Invalid settings.
@@ -103,8 +110,11 @@ pub struct PodScore {
     pub pod: PodRef,
     /// Tier-weighted consecutive blocks from the prompt's start.
     pub score: f64,
-    /// Consecutive blocks from the prompt's start the pod holds.
+    /// Consecutive blocks from the prompt's start the pod holds (speculative ones included).
     pub matched_blocks: u32,
+    /// Of `matched_blocks`, those held only by speculative entries (recorded routings not yet
+    /// confirmed by the pod's events), at the end of the run.
+    pub speculative_blocks: u32,
 }
 
 /// A pod named in a [`ScoreResult`], without copying or reference-counting its name (listing
@@ -115,6 +125,9 @@ pub enum PodRef {
     Known(u32),
     /// A candidate the index has never heard of: its index among the result's unknown names.
     Unknown(u32),
+    /// A pod known only by its speculative entries (routings recorded for a pod that
+    /// publishes no events): its index in the speculative directory.
+    Speculative(u32),
 }
 
 /// The answer to a score request.
@@ -130,6 +143,8 @@ pub struct ScoreResult {
     directory: Option<Arc<EngineDirectory>>,
     /// Names of [`PodRef::Unknown`] candidates.
     unknown: Vec<Box<str>>,
+    /// The speculative entries' directory (names of [`PodRef::Speculative`]).
+    speculative: Option<Arc<EngineDirectory>>,
 }
 
 impl ScoreResult {
@@ -142,6 +157,11 @@ impl ScoreResult {
                 .and_then(|d| d.pod(p))
                 .map_or("", |name| name),
             PodRef::Unknown(i) => self.unknown.get(i as usize).map_or("", |n| n),
+            PodRef::Speculative(p) => self
+                .speculative
+                .as_ref()
+                .and_then(|d| d.pod(p))
+                .map_or("", |name| name),
         }
     }
 
@@ -209,6 +229,8 @@ pub struct ModelState {
     hash_checks: Mutex<HashMap<Arc<str>, HashCheckStats>>,
     /// Per engine, the group ids its events marked as not indexable.
     skipped_groups: Mutex<HashMap<EngineKey, HashSet<i64>>>,
+    /// Recorded routings not yet confirmed by events.
+    speculation: Speculation,
 }
 
 impl ModelState {
@@ -235,6 +257,38 @@ impl ModelState {
     /// Hash-check tallies of one pod.
     pub fn hash_check(&self, pod: &str) -> Option<HashCheckStats> {
         self.hash_checks.lock().get(pod).cloned()
+    }
+
+    /// Whether recorded routings are all the index has for `pod`: it publishes no events for
+    /// this model (no engine), or every hash check of its events mismatched.
+    pub fn speculation_fallback(&self, pod: &str) -> bool {
+        self.index.directory().engines_of(pod).is_empty()
+            || self
+                .hash_checks
+                .lock()
+                .get(pod)
+                .is_some_and(|c| c.mismatches > 0 && c.matches == 0)
+    }
+
+    /// `pod`'s speculative entries, if it has had records.
+    pub fn speculation_of(&self, pod: &str) -> Option<PodSpeculation> {
+        self.speculation.pod(pod)
+    }
+
+    /// Pods with live speculative records, in name order.
+    pub fn speculative_pods(&self) -> Vec<Arc<str>> {
+        self.speculation.pods()
+    }
+
+    /// The speculative entries' size.
+    pub fn speculation_stats(&self) -> SpeculationStats {
+        self.speculation.stats()
+    }
+
+    /// Speculative records ended so far, by [`RecordEnd`] (confirmed, expired, evicted,
+    /// superseded, cleared).
+    pub fn speculation_ends(&self) -> [u64; 5] {
+        self.speculation.ends()
     }
 }
 
@@ -274,8 +328,19 @@ struct PodScratch {
     engines: Vec<EngineScore>,
     /// The pods holding the prompt's first block in this call...
     holding: RoundMarks,
-    /// ...and, per pod index, its best engine's (score, matched blocks).
-    best: Vec<(f64, u32)>,
+    /// ...and, per pod index, its best engine's (score, matched blocks), then with its
+    /// speculative blocks added (score, matched, speculative).
+    best: Vec<(f64, u32, u32)>,
+    /// The candidates' speculative engine ids.
+    spec_candidates: Vec<EngineId>,
+    /// The speculative walk's per-engine result.
+    spec_engines: Vec<EngineScore>,
+    /// Pods known only by their speculative entries that hold the prompt's first block...
+    spec_holding: RoundMarks,
+    /// ...and, per speculative pod index, how many blocks.
+    spec_len: Vec<u32>,
+    /// Speculative-only pods listed in this pass.
+    spec_listed: RoundMarks,
     /// The pods listed in this pass (a candidate named twice is listed once).
     listed: RoundMarks,
     /// Candidates unknown to the index already listed in this call.
@@ -372,6 +437,7 @@ impl Indexer {
             lora_paths: settings.lora_paths.clone(),
             hash_checks: Mutex::new(HashMap::new()),
             skipped_groups: Mutex::new(HashMap::new()),
+            speculation: Speculation::new(self.settings.speculation.clone())?,
         });
         let mut next = HashMap::clone(&self.models.load());
         next.insert(name.into(), state.clone());
@@ -439,6 +505,19 @@ impl Indexer {
             report.engine_rejected = true;
         }
         drop(skipped);
+        if !state.speculation.is_empty() {
+            let stored: Vec<&[BlockHash]> = batch
+                .events
+                .iter()
+                .filter_map(|e| match e {
+                    KvEvent::BlockStored(s) => Some(&s.block_hashes[..]),
+                    _ => None,
+                })
+                .collect();
+            state
+                .speculation
+                .confirm(pod, &stored, std::time::Instant::now());
+        }
         self.totals
             .unknown_events
             .fetch_add(report.unknown_events as u64, Ordering::Relaxed);
@@ -481,6 +560,7 @@ impl Indexer {
         let Some(state) = self.model(model) else {
             return 0;
         };
+        state.speculation.clear_pod(pod);
         let engines: Vec<EngineId> = state.index.directory().engines_of(pod).to_vec();
         engines
             .iter()
@@ -508,7 +588,47 @@ impl Indexer {
         checks.remove(pod);
         shrink_if_sparse(&mut checks);
         drop(checks);
+        state.speculation.clear_pod(pod);
         state.index.remove_pod(pod)
+    }
+
+    /// Records that the gateway routed a prompt (its block `hashes`) to `pod`: until the
+    /// pod's `BlockStored` confirms it, or it expires, the pod scores as holding those blocks
+    /// (speculative entries; see [`SpeculationSettings`]). Returns the blocks speculated: the
+    /// prompt's blocks after those the pod already holds for real (0: nothing recorded).
+    pub fn record_routing(
+        &self,
+        model: &str,
+        pod: &str,
+        hashes: Arc<[BlockHash]>,
+        now: std::time::Instant,
+    ) -> Result<usize, ScoreError> {
+        let state = self
+            .model(model)
+            .ok_or_else(|| ScoreError::UnknownModel(model.to_owned()))?;
+        let mut real = Vec::new();
+        let directory = state.index.directory();
+        let engines = directory.engines_of(pod);
+        if !engines.is_empty() {
+            state
+                .index
+                .score_engines(&hashes, Some(engines), &self.settings.weights, &mut real);
+        }
+        let real_blocks = real.iter().map(|e| e.matched_blocks).max().unwrap_or(0) as usize;
+        let fallback = state.speculation_fallback(pod);
+        Ok(state
+            .speculation
+            .record(pod, hashes, real_blocks, fallback, now))
+    }
+
+    /// Ends the speculative records whose deadline passed (every model), re-deciding which
+    /// pods are in fallback. Called periodically by the embedder. Returns records expired.
+    pub fn expire_speculation(&self, now: std::time::Instant) -> u64 {
+        self.models
+            .load()
+            .values()
+            .map(|m| m.speculation.expire(now, |pod| m.speculation_fallback(pod)))
+            .sum()
     }
 
     /// Calls `f` with every model's engines and the blocks they hold, with their tiers (a
@@ -617,6 +737,29 @@ impl Indexer {
         Ok(())
     }
 
+    /// The prompt's block hashes as `model`'s vLLM computes them (what [`Indexer::score_hashes`]
+    /// and [`Indexer::record_routing`] take).
+    pub fn block_hashes(
+        &self,
+        model: &str,
+        tokens: &[u32],
+        lora_name: Option<&str>,
+        cache_salt: Option<&str>,
+    ) -> Result<Vec<BlockHash>, ScoreError> {
+        let state = self
+            .model(model)
+            .ok_or_else(|| ScoreError::UnknownModel(model.to_owned()))?;
+        let extras = self.request_extras(&state, lora_name, cache_salt)?;
+        let mut hashes = Vec::with_capacity(tokens.len() / state.processor.block_size().max(1));
+        state.processor.block_hashes_into(
+            tokens,
+            &extras,
+            &mut HashScratch::default(),
+            &mut hashes,
+        );
+        Ok(hashes)
+    }
+
     /// Scores pods for a prompt given as its block hashes (event form).
     pub fn score_hashes<S: AsRef<str>>(
         &self,
@@ -723,65 +866,81 @@ impl Indexer {
         // Best engine per pod (DP ranks), by pod index.
         s.holding.next_round();
         if s.best.len() < directory.pod_slots() {
-            s.best.resize(directory.pod_slots(), (0.0, 0));
+            s.best.resize(directory.pod_slots(), (0.0, 0, 0));
         }
         for e in &s.engines {
             let Some(p) = directory.pod_of(e.engine) else {
                 continue;
             };
             let slot = &mut s.best[p as usize];
-            if s.holding.mark(p as usize) || (e.score, e.matched_blocks) > *slot {
-                *slot = (e.score, e.matched_blocks);
+            if s.holding.mark(p as usize) || (e.score, e.matched_blocks) > (slot.0, slot.1) {
+                *slot = (e.score, e.matched_blocks, 0);
             }
         }
+        let speculative = self.score_speculative(state, &directory, hashes, pods, s);
         let (holding, best) = (&s.holding, &s.best);
         let score_of = |p: u32| match best.get(p as usize) {
-            Some(&pair) if holding.is_marked(p as usize) => pair,
-            _ => (0.0, 0),
+            Some(&triple) if holding.is_marked(p as usize) => triple,
+            _ => (0.0, 0, 0),
+        };
+        let (spec_holding, spec_len) = (&s.spec_holding, &s.spec_len);
+        let weight = self.settings.speculation.weight;
+        // A pod known only by its speculative entries.
+        let spec_only = |sp: u32| match spec_len.get(sp as usize) {
+            Some(&n) if spec_holding.is_marked(sp as usize) => (weight * n as f64, n, n),
+            _ => (0.0, 0, 0),
+        };
+        let push = |out: &mut ScoreResult, pod, (score, matched_blocks, speculative_blocks)| {
+            out.scores.push(PodScore {
+                pod,
+                score,
+                matched_blocks,
+                speculative_blocks,
+            })
         };
         // Two passes, holders then the rest, so only holders need sorting and the rest keep
         // their order (name order, or the caller's).
         for holders in [true, false] {
             if pods.is_empty() {
                 for (_, p) in directory.pods() {
-                    let (score, matched_blocks) = score_of(p);
-                    if (matched_blocks > 0) != holders {
-                        continue;
+                    let triple = score_of(p);
+                    if (triple.1 > 0) == holders {
+                        push(out, PodRef::Known(p), triple);
                     }
-                    out.scores.push(PodScore {
-                        pod: PodRef::Known(p),
-                        score,
-                        matched_blocks,
-                    });
+                }
+                if let Some(sdir) = &speculative {
+                    for (name, sp) in sdir.pods() {
+                        let triple = spec_only(sp);
+                        if directory.pod_index(name).is_none() && (triple.1 > 0) == holders {
+                            push(out, PodRef::Speculative(sp), triple);
+                        }
+                    }
                 }
             } else {
                 // Each candidate once, in the caller's order (a pod named twice is listed once).
                 s.listed.next_round();
+                s.spec_listed.next_round();
                 s.unknown.clear();
                 for pod in pods {
                     let name = pod.as_ref();
-                    match directory.pod_index(name) {
-                        Some(p) => {
-                            let (score, matched_blocks) = score_of(p);
-                            if (matched_blocks > 0) != holders || !s.listed.mark(p as usize) {
-                                continue;
-                            }
-                            out.scores.push(PodScore {
-                                pod: PodRef::Known(p),
-                                score,
-                                matched_blocks,
-                            });
+                    if let Some(p) = directory.pod_index(name) {
+                        let triple = score_of(p);
+                        if (triple.1 > 0) == holders && s.listed.mark(p as usize) {
+                            push(out, PodRef::Known(p), triple);
                         }
-                        // Unknown to the index: listed with 0, once.
-                        None if !holders && s.unknown.insert(name.into()) => {
-                            out.scores.push(PodScore {
-                                pod: PodRef::Unknown(out.unknown.len() as u32),
-                                score: 0.0,
-                                matched_blocks: 0,
-                            });
-                            out.unknown.push(name.into());
+                        continue;
+                    }
+                    if let Some(sp) = speculative.as_ref().and_then(|d| d.pod_index(name)) {
+                        let triple = spec_only(sp);
+                        if (triple.1 > 0) == holders && s.spec_listed.mark(sp as usize) {
+                            push(out, PodRef::Speculative(sp), triple);
                         }
-                        None => {}
+                        continue;
+                    }
+                    // Unknown to the index: listed with 0, once.
+                    if !holders && s.unknown.insert(name.into()) {
+                        push(out, PodRef::Unknown(out.unknown.len() as u32), (0.0, 0, 0));
+                        out.unknown.push(name.into());
                     }
                 }
             }
@@ -789,6 +948,10 @@ impl Indexer {
                 // Ties by name (holders are always known pods).
                 let name = |p: &PodScore| match p.pod {
                     PodRef::Known(i) => directory.pod(i).map_or("", |n| n),
+                    PodRef::Speculative(i) => speculative
+                        .as_ref()
+                        .and_then(|d| d.pod(i))
+                        .map_or("", |n| n),
                     PodRef::Unknown(_) => "",
                 };
                 out.scores.sort_unstable_by(|a, b| {
@@ -800,6 +963,70 @@ impl Indexer {
             }
         }
         out.directory = Some(directory);
+        out.speculative = speculative;
+    }
+
+    /// The speculative walk (only while the model has speculative entries): a pod whose
+    /// recorded routings reach further than its real blocks scores the difference at the
+    /// speculative weight. Pods the index knows get it in `s.best`; pods known only by their
+    /// records, in `s.spec_len` by speculative pod index. Returns the speculative directory.
+    fn score_speculative<S: AsRef<str>>(
+        &self,
+        state: &ModelState,
+        directory: &EngineDirectory,
+        hashes: &[BlockHash],
+        pods: &[S],
+        s: &mut PodScratch,
+    ) -> Option<Arc<EngineDirectory>> {
+        s.spec_holding.next_round();
+        if state.speculation.is_empty() {
+            return None;
+        }
+        let index = state.speculation.index();
+        let sdir = index.directory();
+        s.spec_candidates.clear();
+        for pod in pods {
+            s.spec_candidates
+                .extend_from_slice(sdir.engines_of(pod.as_ref()));
+        }
+        let restrict = (!pods.is_empty()).then_some(s.spec_candidates.as_slice());
+        // Every speculative block weighs the same; the weight is applied below.
+        index.score_engines(
+            hashes,
+            restrict,
+            &TierWeights([1.0; 4]),
+            &mut s.spec_engines,
+        );
+        if s.spec_len.len() < sdir.pod_slots() {
+            s.spec_len.resize(sdir.pod_slots(), 0);
+        }
+        let weight = self.settings.speculation.weight;
+        for e in &s.spec_engines {
+            let Some(sp) = sdir.pod_of(e.engine) else {
+                continue;
+            };
+            let Some(name) = sdir.pod(sp) else {
+                continue;
+            };
+            let n = e.matched_blocks;
+            match directory.pod_index(name) {
+                Some(p) => {
+                    let slot = &mut s.best[p as usize];
+                    if s.holding.mark(p as usize) {
+                        *slot = (0.0, 0, 0);
+                    }
+                    if n > slot.1 {
+                        let extra = n - slot.1;
+                        *slot = (slot.0 + weight * extra as f64, n, extra);
+                    }
+                }
+                None => {
+                    s.spec_holding.mark(sp as usize);
+                    s.spec_len[sp as usize] = n;
+                }
+            }
+        }
+        Some(sdir)
     }
 
     /// Per-model index statistics.
