@@ -171,6 +171,10 @@ pub async fn start(config: Config) -> Result<RunningDaemon, DaemonError> {
     if let (Some(r), Some(feeder)) = (&replication, ingest.feeder()) {
         ingest.attach(r.start_follower(feeder, &restored, ready.clone(), shutdown_rx.clone()));
     }
+    ingest.attach(tokio::spawn(expire_speculation(
+        indexer.clone(),
+        shutdown_rx.clone(),
+    )));
 
     let tokenizers =
         kv_tokenize::TokenizerService::new(config.tokenizer_settings(), metrics.tokenizer.clone());
@@ -281,6 +285,24 @@ pub async fn start(config: Config) -> Result<RunningDaemon, DaemonError> {
         http,
         grace: Duration::from_millis(config.server.shutdown_grace_ms),
     })
+}
+
+/// How often recorded routings past their deadline are ended (a tenth of the smallest
+/// `speculativeTtl` worth configuring).
+const SPECULATION_TICK: Duration = Duration::from_millis(50);
+
+/// Ends recorded routings whose deadline passed, until shutdown.
+async fn expire_speculation(indexer: Arc<Indexer>, mut shutdown: watch::Receiver<bool>) {
+    let mut tick = tokio::time::interval(SPECULATION_TICK);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = tick.tick() => {
+                indexer.expire_speculation(std::time::Instant::now());
+            }
+            _ = shutdown.changed() => return,
+        }
+    }
 }
 
 impl RunningDaemon {

@@ -1061,3 +1061,55 @@ async fn a_replica_cut_off_past_the_trimmed_log_reloads_from_the_snapshot() {
     a.shutdown().await;
     b.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_routing_recorded_on_one_replica_scores_on_the_others() {
+    use kv_proto::kvindexer_v1::{RecordRoutingRequest, TokenIds};
+    let _serial = SERIAL.lock().await;
+    let Some(redis) = RedisServer::start("speculate") else {
+        return;
+    };
+    let mut replicas = Vec::new();
+    for i in 0..2 {
+        let mut c = replica_config(&redis.url(), "speculate", &format!("r{i}"));
+        c.server.enable_record_routing = true;
+        c.scoring.speculative_ttl = ConfigDuration::secs(30);
+        replicas.push(daemon::start(c).await.expect("replica starts"));
+    }
+    let refs: Vec<&RunningDaemon> = replicas.iter().collect();
+    let pod = "10.6.0.1:8000";
+    let mut p = Publisher::connect(&replicas[0].zmq_endpoint.clone().expect("bind"), pod).await;
+    p.warm_up(&prompt(1, 0), &refs).await;
+    converge(&refs, Duration::from_secs(5)).await;
+    // The gateway beside replica 1 routes a new prompt to the pod (which publishes to replica 0).
+    let tokens = prompt(7, PROMPT_BLOCKS);
+    assert_eq!(matched(&replicas[0], &tokens, pod).await, 0);
+    let blocks = client(&replicas[1])
+        .await
+        .record_routing(RecordRoutingRequest {
+            model: MODEL.into(),
+            tokens: Some(TokenIds {
+                ids: tokens.clone(),
+            }),
+            pod: pod.into(),
+            ..Default::default()
+        })
+        .await
+        .expect("RecordRouting")
+        .into_inner()
+        .blocks;
+    assert_eq!(blocks, PROMPT_BLOCKS as u32);
+    // Replica 0 (through the log) scores the pod as holding it, speculatively.
+    for r in &replicas {
+        eventually_holds(r, tokens.clone(), pod, true).await;
+    }
+    let model = replicas[0].indexer.model(MODEL).expect("model");
+    assert_eq!(model.speculation_of(pod).map(|s| s.records), Some(1));
+    // Replica 1 does not apply its own entry twice.
+    let model = replicas[1].indexer.model(MODEL).expect("model");
+    assert_eq!(model.speculation_stats().records, 1);
+    drop(p);
+    for r in replicas {
+        r.shutdown().await;
+    }
+}

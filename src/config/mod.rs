@@ -392,6 +392,9 @@ pub struct ServerConfig {
     pub max_candidate_pods: usize,
     /// On SIGTERM, how long in-flight work may take before exit.
     pub shutdown_grace_ms: u64,
+    /// Serve `RecordRouting` (recorded routings change scores: speculative entries). Off, it
+    /// answers PERMISSION_DENIED naming this setting.
+    pub enable_record_routing: bool,
     /// Whether RPCs that change the index (`ClearPod`) are served. Off: they answer
     /// PERMISSION_DENIED naming this setting.
     pub enable_admin_rpcs: bool,
@@ -443,6 +446,7 @@ impl Default for ServerConfig {
             max_chat_messages: 4096,
             max_candidate_pods: 10_000,
             shutdown_grace_ms: 5_000,
+            enable_record_routing: false,
             enable_admin_rpcs: false,
             admin_token: String::new(),
             tls: TlsConfig::default(),
@@ -451,11 +455,31 @@ impl Default for ServerConfig {
 }
 
 /// Scoring settings.
-#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 #[serde(rename_all = "camelCase", deny_unknown_fields, default)]
 pub struct ScoringConfig {
     /// Weight of a block per tier.
     pub tier_weights: TierWeightsConfig,
+    /// How long a recorded routing (`RecordRouting`) counts while the pod's events confirm
+    /// routings promptly; a pod whose events lag gets up to 8 times longer.
+    pub speculative_ttl: ConfigDuration,
+    /// Most prompt blocks one pod's recorded routings hold (the oldest dropped beyond): the
+    /// bound of the fallback for pods that publish no events.
+    pub speculative_pod_blocks: usize,
+    /// Most prompt blocks all recorded routings of a model hold.
+    pub speculative_max_blocks: usize,
+}
+
+impl Default for ScoringConfig {
+    fn default() -> Self {
+        let s = kv_core::SpeculationSettings::default();
+        Self {
+            tier_weights: TierWeightsConfig::default(),
+            speculative_ttl: ConfigDuration(s.ttl),
+            speculative_pod_blocks: s.pod_blocks,
+            speculative_max_blocks: s.max_blocks,
+        }
+    }
 }
 
 /// Per-tier block weights.
@@ -470,6 +494,9 @@ pub struct TierWeightsConfig {
     pub storage: f64,
     /// Any other medium.
     pub other: f64,
+    /// A block the pod holds only by a recorded routing (`RecordRouting`), not yet confirmed
+    /// by its events.
+    pub speculative: f64,
 }
 
 impl Default for TierWeightsConfig {
@@ -480,6 +507,7 @@ impl Default for TierWeightsConfig {
             cpu: w[1],
             storage: w[2],
             other: w[3],
+            speculative: kv_core::SpeculationSettings::default().weight,
         }
     }
 }

@@ -3,7 +3,7 @@
 
 use kv_core::TokenProcessorConfig;
 use kv_core::{IndexConfig, TierWeights};
-use kv_core::{IndexerSettings, ModelSettings};
+use kv_core::{IndexerSettings, ModelSettings, SpeculationSettings};
 
 use super::Config;
 
@@ -48,6 +48,12 @@ impl Config {
             },
             models,
             weights: TierWeights([w.gpu, w.cpu, w.storage, w.other]),
+            speculation: SpeculationSettings {
+                ttl: self.scoring.speculative_ttl.0,
+                weight: w.speculative,
+                pod_blocks: self.scoring.speculative_pod_blocks,
+                max_blocks: self.scoring.speculative_max_blocks,
+            },
         }
     }
 

@@ -168,11 +168,30 @@ impl Config {
             ("cpu", w.cpu),
             ("storage", w.storage),
             ("other", w.other),
+            ("speculative", w.speculative),
         ] {
             if !v.is_finite() || v < 0.0 {
                 return Err(invalid(
                     format!("scoring.tierWeights.{name}"),
                     "must be a finite number >= 0",
+                ));
+            }
+        }
+        let sc = &self.scoring;
+        if sc.speculative_ttl.0.is_zero() {
+            return Err(invalid(
+                "scoring.speculativeTtl",
+                "must be longer than 0 (a recorded routing would never count)",
+            ));
+        }
+        for (name, v) in [
+            ("speculativePodBlocks", sc.speculative_pod_blocks),
+            ("speculativeMaxBlocks", sc.speculative_max_blocks),
+        ] {
+            if v == 0 || v > u32::MAX as usize - 2 {
+                return Err(invalid(
+                    format!("scoring.{name}"),
+                    format!("must be between 1 and {}", u32::MAX - 2),
                 ));
             }
         }

@@ -289,6 +289,21 @@ impl Feeder {
                 }),
             ),
             Record::ClearPod { model, pod } => (pod.clone(), Job::ClearPod { model, pod }),
+            // Recorded routings touch no publisher state: made here, as RecordRouting does.
+            Record::Speculate { model, pod, hashes } => {
+                let shared = &self.dispatch.shared;
+                match shared
+                    .indexer
+                    .record_routing(&model, &pod, hashes, std::time::Instant::now())
+                {
+                    Ok(blocks) => shared.metrics.speculation.routing_recorded(blocks > 0),
+                    // The model is not indexed here (e.g. maxModels): nothing to speculate on.
+                    Err(e) => {
+                        tracing::debug!(%model, %pod, error = %e, "recorded routing from the log not applied")
+                    }
+                }
+                return true;
+            }
         };
         let worker = worker_of(&pod, self.dispatch.workers.len());
         self.dispatch.shared.metrics.ingest.queued();

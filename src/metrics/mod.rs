@@ -15,6 +15,7 @@ mod ingest;
 mod registry;
 mod replication;
 mod scoring;
+mod speculation;
 mod tokenizer;
 
 use std::sync::Arc;
@@ -27,6 +28,7 @@ pub use ingest::IngestMetrics;
 pub use registry::Labels;
 pub use replication::ReplicationMetrics;
 pub use scoring::ScoringMetrics;
+pub use speculation::SpeculationMetrics;
 pub use tokenizer::TokenizerMetrics;
 
 /// Every metric the daemon exports, by area.
@@ -40,6 +42,8 @@ pub struct Metrics {
     pub index: IndexMetrics,
     /// Score requests.
     pub scoring: ScoringMetrics,
+    /// Recorded routings and speculative entries.
+    pub speculation: SpeculationMetrics,
     /// The replication log, snapshots and Redis (zero while replication is off).
     pub replication: ReplicationMetrics,
     /// Tokenization (the tokenizer service's observer).
@@ -57,6 +61,7 @@ impl Metrics {
             ingest: IngestMetrics::new(&registry, labels.clone()),
             index: IndexMetrics::new(&registry, labels.clone()),
             scoring: ScoringMetrics::new(&registry),
+            speculation: SpeculationMetrics::new(&registry, labels.clone()),
             replication: ReplicationMetrics::new(&registry),
             tokenizer: Arc::new(TokenizerMetrics::new(&registry)),
             resident_memory: registry::gauge(
@@ -72,6 +77,7 @@ impl Metrics {
     /// Refreshes the index gauges from the indexer, then renders the text exposition.
     pub fn render(&self, indexer: &Indexer) -> String {
         self.index.refresh(indexer);
+        self.speculation.refresh(indexer);
         if let Some(rss) = resident_memory_bytes() {
             self.resident_memory.set(rss as i64);
         }

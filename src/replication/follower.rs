@@ -163,8 +163,9 @@ impl Follower {
             self.offset = self.offset.map(|o| o + 1);
             match entry.record {
                 None => metrics.log_entry("undecodable"),
-                // This process applied its own admin clears when it made them.
-                Some(Record::ClearPod { .. })
+                // This process applied its own admin clears and recorded routings when it
+                // made them.
+                Some(Record::ClearPod { .. } | Record::Speculate { .. })
                     if entry.instance[..] == *self.rep.inner.instance.as_bytes() =>
                 {
                     metrics.log_entry("own")

@@ -113,6 +113,16 @@ pub enum Record {
         /// The pod.
         pod: Arc<str>,
     },
+    /// A routing recorded by `RecordRouting`: every replica makes the same speculative
+    /// entries (each with its own clock and its own view of the pod's events).
+    Speculate {
+        /// The model.
+        model: Arc<str>,
+        /// The pod the gateway chose.
+        pod: Arc<str>,
+        /// The prompt's block hashes.
+        hashes: Arc<[kv_core::BlockHash]>,
+    },
 }
 
 /// What identifies a message in its publisher's stream beside the sequence number.

@@ -303,6 +303,17 @@ pub async fn append(
                 .arg(&**pod)
                 .arg("o")
                 .arg(&**model),
+            Record::Speculate { model, pod, hashes } => {
+                let bytes: Vec<u8> = hashes.iter().flat_map(|h| h.get().to_be_bytes()).collect();
+                cmd.arg("k")
+                    .arg("x")
+                    .arg("p")
+                    .arg(&**pod)
+                    .arg("o")
+                    .arg(&**model)
+                    .arg("h")
+                    .arg(bytes)
+            }
         }
         .ignore();
     }
@@ -434,6 +445,7 @@ struct Fields {
     rank: Option<Bytes>,
     ts: Option<Bytes>,
     payload: Option<Bytes>,
+    hashes: Option<Bytes>,
 }
 
 impl Fields {
@@ -456,6 +468,7 @@ impl Fields {
                     b"n" => &mut f.rank,
                     b"t" => &mut f.ts,
                     b"d" => &mut f.payload,
+                    b"h" => &mut f.hashes,
                     _ => continue,
                 },
                 _ => continue,
@@ -490,6 +503,21 @@ impl Fields {
                 payload: self.payload.clone()?,
             }),
             Some(b"c") => Some(Record::ClearPod { model, pod }),
+            Some(b"x") => {
+                let bytes = self.hashes.as_deref()?;
+                if bytes.is_empty() || bytes.len() % 8 != 0 {
+                    return None;
+                }
+                let hashes = bytes
+                    .chunks_exact(8)
+                    .map(|c| {
+                        let mut word = [0u8; 8];
+                        word.copy_from_slice(c);
+                        kv_core::BlockHash::new(u64::from_be_bytes(word))
+                    })
+                    .collect();
+                Some(Record::Speculate { model, pod, hashes })
+            }
             _ => None,
         }
     }

@@ -17,6 +17,7 @@ use crate::ingest::lifecycle::{unix_ms, Presence};
 use crate::ingest::{Pods, PublisherKey};
 use crate::metrics::Metrics;
 use crate::replication::{LogSink, Record};
+use crate::server::routing::{self, PromptKeys, ScoredPrompt};
 use kv_core::{Indexer, ScoreError};
 use kv_tokenize::LoadError;
 use kv_tokenize::{ChatInput, ChatMessage};
@@ -33,8 +34,11 @@ pub struct ScoreService {
     pods: Pods,
     limits: ServerConfig,
     in_flight: Arc<Semaphore>,
-    /// Replication's append queue: admin clears go to every replica through the log.
+    /// Replication's append queue: admin clears and recorded routings go to every replica
+    /// through the log.
     log: Option<LogSink>,
+    /// The prompt keys ScorePods handed out (for RecordRouting).
+    prompt_keys: PromptKeys,
 }
 
 impl ScoreService {
@@ -55,6 +59,7 @@ impl ScoreService {
             pods,
             limits,
             log,
+            prompt_keys: PromptKeys::default(),
         })
     }
 
@@ -220,35 +225,48 @@ impl ScoreService {
             )));
         }
         let walk_started = Instant::now();
-        let result = self
+        let unknown_model = |e: ScoreError| match e {
+            ScoreError::UnknownModel(_) => Status::not_found(e.to_string()),
+            ScoreError::UnknownLora(_) => Status::invalid_argument(e.to_string()),
+        };
+        let hashes = self
             .indexer
-            .score_tokens(
+            .block_hashes(
                 &req.model,
                 &tokens,
-                &req.pods,
                 Some(req.lora_name.as_str()),
                 Some(req.cache_salt.as_str()),
             )
-            .map_err(|e| match e {
-                ScoreError::UnknownModel(_) => Status::not_found(e.to_string()),
-                ScoreError::UnknownLora(_) => Status::invalid_argument(e.to_string()),
-            })?;
+            .map_err(unknown_model)?;
+        let mut result = self
+            .indexer
+            .score_hashes(&req.model, &hashes, &req.pods)
+            .map_err(unknown_model)?;
+        result.prompt_tokens = tokens.len() as u32;
         self.metrics.scoring.lookup(
             result.scores.iter().any(|s| s.matched_blocks > 0),
             walk_started.elapsed(),
         );
+        let scores = result
+            .named()
+            .map(|(pod, s)| kvindexer_v1::PodScore {
+                pod: pod.to_owned(),
+                score: s.score,
+                matched_blocks: s.matched_blocks,
+                speculative_blocks: s.speculative_blocks,
+            })
+            .collect();
+        let prompt_key = self.prompt_keys.issue(ScoredPrompt {
+            model: req.model.as_str().into(),
+            hashes: hashes.into(),
+            candidates: req.pods,
+        });
         self.metrics.scoring.served(input_kind, started.elapsed());
         Ok(kvindexer_v1::ScorePodsResponse {
-            scores: result
-                .named()
-                .map(|(pod, s)| kvindexer_v1::PodScore {
-                    pod: pod.to_owned(),
-                    score: s.score,
-                    matched_blocks: s.matched_blocks,
-                })
-                .collect(),
+            scores,
             total_blocks: result.total_blocks,
             prompt_tokens: result.prompt_tokens,
+            prompt_key,
         })
     }
 }
@@ -270,6 +288,35 @@ impl kvindexer_v1::kv_indexer_server::KvIndexer for KvIndexerApi {
             Err(s) => Err(s),
         };
         svc.record("ScorePods", &result.as_ref().map(|_| ()));
+        result.map(Response::new)
+    }
+
+    async fn record_routing(
+        &self,
+        request: Request<kvindexer_v1::RecordRoutingRequest>,
+    ) -> Result<Response<kvindexer_v1::RecordRoutingResponse>, Status> {
+        let svc = &self.0;
+        if !svc.limits.enable_record_routing {
+            svc.metrics
+                .scoring
+                .request("RecordRouting", "PermissionDenied");
+            return Err(Status::permission_denied(
+                "RecordRouting changes scores (speculative entries) and is disabled; enable it \
+                 with server.enableRecordRouting",
+            ));
+        }
+        let result = match svc.admit() {
+            Ok(_permit) => routing::record_routing(
+                &svc.indexer,
+                &svc.prompt_keys,
+                &svc.metrics,
+                svc.log.as_ref(),
+                svc.limits.max_prompt_tokens,
+                request.into_inner(),
+            ),
+            Err(s) => Err(s),
+        };
+        svc.record("RecordRouting", &result.as_ref().map(|_| ()));
         result.map(Response::new)
     }
 
@@ -311,7 +358,18 @@ impl kvindexer_v1::kv_indexer_server::KvIndexer for KvIndexerApi {
                     }
                     None => (kvindexer_v1::PodState::Unspecified, 0, 0),
                 };
+                // The pod's speculation, on its lowest rank (engines come in pod, rank order).
+                let first_rank = pods.last().is_none_or(|p: &kvindexer_v1::PodInfo| {
+                    p.model != model.name() || *p.pod != *key.pod
+                });
+                let spec = first_rank
+                    .then(|| model.speculation_of(&key.pod))
+                    .flatten()
+                    .unwrap_or_default();
                 pods.push(kvindexer_v1::PodInfo {
+                    speculative_records: spec.records,
+                    speculative_blocks: spec.blocks,
+                    speculative_fallback: spec.fallback,
                     model: model.name().to_owned(),
                     pod: key.pod.to_string(),
                     data_parallel_rank: key.dp_rank,
@@ -325,6 +383,23 @@ impl kvindexer_v1::kv_indexer_server::KvIndexer for KvIndexerApi {
                     state: state as i32,
                     state_since_unix_ms: state_since,
                     last_message_unix_ms: last_message,
+                });
+            }
+            // Pods known only by their recorded routings (no events for this model).
+            let directory = model.index().directory();
+            for pod in model.speculative_pods() {
+                if !directory.engines_of(&pod).is_empty() {
+                    continue;
+                }
+                let spec = model.speculation_of(&pod).unwrap_or_default();
+                pods.push(kvindexer_v1::PodInfo {
+                    model: model.name().to_owned(),
+                    pod: pod.to_string(),
+                    last_sequence: -1,
+                    speculative_records: spec.records,
+                    speculative_blocks: spec.blocks,
+                    speculative_fallback: spec.fallback,
+                    ..Default::default()
                 });
             }
         }

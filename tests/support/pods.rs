@@ -20,10 +20,16 @@ pub fn message(pod: &str, seq: u64, block: u64) -> ZmqMessage {
 
 /// Message `seq` of `pod` for `model`, as vLLM frames it: one `BlockStored` of `block`.
 pub fn model_message(model: &str, pod: &str, seq: u64, block: u64) -> ZmqMessage {
+    stored_message(model, pod, seq, &[BlockHash::new(block)])
+}
+
+/// Message `seq` of `pod` for `model`, as vLLM frames it: one `BlockStored` run of `hashes`
+/// (GPU, rank 0).
+pub fn stored_message(model: &str, pod: &str, seq: u64, hashes: &[BlockHash]) -> ZmqMessage {
     let payload = encode_batch(&EventBatch {
         ts: 1.7e9,
         events: vec![KvEvent::BlockStored(Box::new(BlockStored {
-            block_hashes: vec![BlockHash::new(block)],
+            block_hashes: hashes.to_vec(),
             block_size: 16,
             medium: Some(Medium::Gpu),
             ..Default::default()

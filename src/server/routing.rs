@@ -1,0 +1,196 @@
+//! Routing runs ahead of events: the prompt keys `ScorePods` hands out, and `RecordRouting`,
+//! which turns "the gateway sent this prompt to that pod" into speculative entries (kv-core's
+//! `Indexer::record_routing`) on this replica and, through the replication log, on the others.
+//!
+//! Invariants: a prompt key names one prompt's block hashes, its model and the candidates it
+//! was scored for, for [`PROMPT_KEY_TTL`] on this replica; keys are 16 bytes, a per-process
+//! nonce then a counter, so a key from another process (or a restart) never names a prompt
+//! here; the keys' memory is bounded by [`PROMPT_KEY_MAX_HASHES`] (the oldest go first).
+
+use std::hash::{BuildHasher, Hasher};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use kv_core::{BlockHash, Indexer, ScoreError};
+use tonic::Status;
+
+use super::grpc::kvindexer_v1;
+use crate::metrics::Metrics;
+use crate::replication::{LogSink, Record};
+
+/// How long a prompt key names its prompt (a gateway calls `RecordRouting` milliseconds after
+/// `ScorePods`).
+pub const PROMPT_KEY_TTL: Duration = Duration::from_secs(30);
+
+/// Most block hashes all live prompt keys hold together (8 bytes each: 64 MiB).
+pub const PROMPT_KEY_MAX_HASHES: u64 = 8 << 20;
+
+/// A scored prompt, as a prompt key names it.
+pub struct ScoredPrompt {
+    /// Its model.
+    pub model: Arc<str>,
+    /// Its block hashes.
+    pub hashes: Arc<[BlockHash]>,
+    /// The candidates it was scored for (empty: every pod the model knows).
+    pub candidates: Vec<String>,
+}
+
+/// The prompt keys this replica handed out.
+pub struct PromptKeys {
+    cache: moka::sync::Cache<[u8; 16], Arc<ScoredPrompt>>,
+    nonce: u64,
+    next: AtomicU64,
+}
+
+impl Default for PromptKeys {
+    fn default() -> Self {
+        Self {
+            cache: moka::sync::Cache::builder()
+                .time_to_live(PROMPT_KEY_TTL)
+                .weigher(|_, p: &Arc<ScoredPrompt>| {
+                    u32::try_from(p.hashes.len()).unwrap_or(u32::MAX).max(1)
+                })
+                .max_capacity(PROMPT_KEY_MAX_HASHES)
+                .build(),
+            nonce: std::collections::hash_map::RandomState::new()
+                .build_hasher()
+                .finish(),
+            next: AtomicU64::new(0),
+        }
+    }
+}
+
+impl PromptKeys {
+    /// A key naming `prompt` (empty when it has no full block: nothing to record).
+    pub fn issue(&self, prompt: ScoredPrompt) -> Vec<u8> {
+        if prompt.hashes.is_empty() {
+            return Vec::new();
+        }
+        let mut key = [0u8; 16];
+        key[..8].copy_from_slice(&self.nonce.to_be_bytes());
+        key[8..].copy_from_slice(&self.next.fetch_add(1, Ordering::Relaxed).to_be_bytes());
+        self.cache.insert(key, Arc::new(prompt));
+        key.to_vec()
+    }
+
+    /// The prompt `key` names; `None` when unknown or expired. A key that is not 16 bytes is
+    /// the caller's error.
+    pub fn get(&self, key: &[u8]) -> Result<Option<Arc<ScoredPrompt>>, Status> {
+        let key: [u8; 16] = key.try_into().map_err(|_| {
+            Status::invalid_argument(format!(
+                "prompt_key has {} bytes; keys from ScorePods have 16",
+                key.len()
+            ))
+        })?;
+        Ok(self.cache.get(&key))
+    }
+}
+
+/// `RecordRouting`: validates, finds the prompt's hashes (by key, else from the tokens), checks
+/// the pod, records, and tells the other replicas.
+pub fn record_routing(
+    indexer: &Indexer,
+    keys: &PromptKeys,
+    metrics: &Metrics,
+    log: Option<&LogSink>,
+    max_prompt_tokens: usize,
+    req: kvindexer_v1::RecordRoutingRequest,
+) -> Result<kvindexer_v1::RecordRoutingResponse, Status> {
+    if req.model.is_empty() {
+        return Err(Status::invalid_argument("model is required"));
+    }
+    if req.pod.is_empty() {
+        return Err(Status::invalid_argument(
+            "pod is required: the pod the gateway chose",
+        ));
+    }
+    let Some(model) = indexer.model(&req.model) else {
+        return Err(Status::not_found(
+            ScoreError::UnknownModel(req.model).to_string(),
+        ));
+    };
+    let scored = match req.prompt_key.is_empty() {
+        true => None,
+        false => keys.get(&req.prompt_key)?,
+    };
+    metrics
+        .speculation
+        .prompt_key(match (req.prompt_key.is_empty(), scored.is_some()) {
+            (true, _) => "absent",
+            (false, true) => "found",
+            (false, false) => "unknown",
+        });
+    let (hashes, candidates) = match (scored, req.tokens) {
+        (Some(p), _) if *p.model != *req.model => {
+            return Err(Status::invalid_argument(format!(
+                "prompt_key was issued for model {:?}, not {:?}",
+                p.model, req.model
+            )))
+        }
+        (Some(p), _) => (p.hashes.clone(), Some(p)),
+        (None, Some(tokens)) => {
+            if tokens.ids.is_empty() {
+                return Err(Status::invalid_argument("the prompt has no tokens"));
+            }
+            if tokens.ids.len() > max_prompt_tokens {
+                return Err(Status::invalid_argument(format!(
+                    "the prompt has {} tokens; at most {max_prompt_tokens} (server.maxPromptTokens)",
+                    tokens.ids.len()
+                )));
+            }
+            let hashes = indexer
+                .block_hashes(
+                    &req.model,
+                    &tokens.ids,
+                    Some(req.lora_name.as_str()),
+                    Some(req.cache_salt.as_str()),
+                )
+                .map_err(|e| match e {
+                    ScoreError::UnknownModel(_) => Status::not_found(e.to_string()),
+                    ScoreError::UnknownLora(_) => Status::invalid_argument(e.to_string()),
+                })?;
+            (Arc::from(hashes), None)
+        }
+        (None, None) if req.prompt_key.is_empty() => {
+            return Err(Status::invalid_argument(
+                "prompt_key (from ScorePods) or tokens is required",
+            ))
+        }
+        (None, None) => {
+            return Err(Status::not_found(format!(
+                "prompt_key is unknown or expired (keys live {}s on the replica that scored \
+                 the prompt); send tokens instead",
+                PROMPT_KEY_TTL.as_secs()
+            )))
+        }
+    };
+    // The pod must be one the index knows for the model, or a candidate the prompt was scored
+    // for (a pod that publishes no events is known only that way).
+    let known = !model.index().directory().engines_of(&req.pod).is_empty()
+        || model.speculation_of(&req.pod).is_some()
+        || candidates.is_some_and(|p| p.candidates.contains(&req.pod));
+    if !known {
+        return Err(Status::not_found(format!(
+            "unknown pod {:?} for model {:?}: neither publishing events for it nor among the \
+             candidates the prompt was scored for",
+            req.pod, req.model
+        )));
+    }
+    let blocks = indexer
+        .record_routing(&req.model, &req.pod, hashes.clone(), Instant::now())
+        .map_err(|e| Status::not_found(e.to_string()))?;
+    metrics.speculation.routing_recorded(blocks > 0);
+    if blocks > 0 {
+        if let Some(log) = log {
+            log.append(Record::Speculate {
+                model: req.model.as_str().into(),
+                pod: req.pod.as_str().into(),
+                hashes,
+            });
+        }
+    }
+    Ok(kvindexer_v1::RecordRoutingResponse {
+        blocks: u32::try_from(blocks).unwrap_or(u32::MAX),
+    })
+}
