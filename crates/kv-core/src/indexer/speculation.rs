@@ -159,6 +159,8 @@ struct State {
     /// Hashes held by every record.
     held: usize,
     next_id: u64,
+    /// `order`'s length when the live records were last counted.
+    order_counted: usize,
 }
 
 /// A model's speculative entries (see the module docs).
@@ -311,14 +313,19 @@ impl Speculation {
             }
         }
         self.count(RecordEnd::Evicted, evicted);
-        // Stale pairs (records that ended otherwise) are dropped once they dominate.
-        let live: usize = state.pods.values().map(|p| p.records.len()).sum();
-        if state.order.len() > 2 * live + 64 {
-            let pods = &state.pods;
-            state.order.retain(|(pod, id)| {
-                pods.get(pod)
-                    .is_some_and(|p| p.records.iter().any(|r| r.id == *id))
-            });
+        // Stale pairs (records that ended otherwise) are dropped once they dominate. Counting
+        // the live records walks every pod, so it is done only when the pairs have doubled
+        // since the last count: amortised O(1) per record.
+        if state.order.len() > 2 * state.order_counted + 64 {
+            let live: usize = state.pods.values().map(|p| p.records.len()).sum();
+            if state.order.len() > 2 * live {
+                let pods = &state.pods;
+                state.order.retain(|(pod, id)| {
+                    pods.get(pod)
+                        .is_some_and(|p| p.records.iter().any(|r| r.id == *id))
+                });
+            }
+            state.order_counted = state.order.len();
         }
         self.settle(state, pod);
     }
@@ -414,6 +421,7 @@ impl Speculation {
         let mut state = self.state.lock();
         let state = &mut *state;
         let mut expired = 0;
+        let mut touched = Vec::new();
         for (pod, entry) in state.pods.iter_mut() {
             let was = entry.fallback;
             entry.fallback = fallback(pod);
@@ -436,14 +444,14 @@ impl Speculation {
                 }
                 state.held -= self.drop_record(pod, entry, i);
                 expired += 1;
+                if touched.last() != Some(pod) {
+                    touched.push(pod.clone());
+                }
             }
         }
         self.count(RecordEnd::Expired, expired);
-        if expired > 0 {
-            let pods: Vec<Arc<str>> = state.pods.keys().cloned().collect();
-            for pod in pods {
-                self.settle(state, &pod);
-            }
+        for pod in touched {
+            self.settle(state, &pod);
         }
         expired
     }
