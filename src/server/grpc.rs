@@ -229,19 +229,27 @@ impl ScoreService {
             ScoreError::UnknownModel(_) => Status::not_found(e.to_string()),
             ScoreError::UnknownLora(_) => Status::invalid_argument(e.to_string()),
         };
-        let hashes = self
-            .indexer
-            .block_hashes(
-                &req.model,
-                &tokens,
-                Some(req.lora_name.as_str()),
-                Some(req.cache_salt.as_str()),
-            )
-            .map_err(unknown_model)?;
-        let mut result = self
-            .indexer
-            .score_hashes(&req.model, &hashes, &req.pods)
-            .map_err(unknown_model)?;
+        let lora = Some(req.lora_name.as_str());
+        let salt = Some(req.cache_salt.as_str());
+        // The hashes are kept only when a prompt key can be used (RecordRouting enabled);
+        // otherwise the indexer hashes in its per-thread scratch and nothing is kept.
+        let (mut result, hashes) = if self.limits.enable_record_routing {
+            let hashes = self
+                .indexer
+                .block_hashes(&req.model, &tokens, lora, salt)
+                .map_err(unknown_model)?;
+            let result = self
+                .indexer
+                .score_hashes(&req.model, &hashes, &req.pods)
+                .map_err(unknown_model)?;
+            (result, Some(hashes))
+        } else {
+            let result = self
+                .indexer
+                .score_tokens(&req.model, &tokens, &req.pods, lora, salt)
+                .map_err(unknown_model)?;
+            (result, None)
+        };
         result.prompt_tokens = tokens.len() as u32;
         self.metrics.scoring.lookup(
             result.scores.iter().any(|s| s.matched_blocks > 0),
@@ -256,10 +264,12 @@ impl ScoreService {
                 speculative_blocks: s.speculative_blocks,
             })
             .collect();
-        let prompt_key = self.prompt_keys.issue(ScoredPrompt {
-            model: req.model.as_str().into(),
-            hashes: hashes.into(),
-            candidates: req.pods,
+        let prompt_key = hashes.map_or_else(Vec::new, |hashes| {
+            self.prompt_keys.issue(ScoredPrompt {
+                model: req.model.as_str().into(),
+                hashes: hashes.into(),
+                candidates: req.pods,
+            })
         });
         self.metrics.scoring.served(input_kind, started.elapsed());
         Ok(kvindexer_v1::ScorePodsResponse {
@@ -358,18 +368,7 @@ impl kvindexer_v1::kv_indexer_server::KvIndexer for KvIndexerApi {
                     }
                     None => (kvindexer_v1::PodState::Unspecified, 0, 0),
                 };
-                // The pod's speculation, on its lowest rank (engines come in pod, rank order).
-                let first_rank = pods.last().is_none_or(|p: &kvindexer_v1::PodInfo| {
-                    p.model != model.name() || *p.pod != *key.pod
-                });
-                let spec = first_rank
-                    .then(|| model.speculation_of(&key.pod))
-                    .flatten()
-                    .unwrap_or_default();
                 pods.push(kvindexer_v1::PodInfo {
-                    speculative_records: spec.records,
-                    speculative_blocks: spec.blocks,
-                    speculative_fallback: spec.fallback,
                     model: model.name().to_owned(),
                     pod: key.pod.to_string(),
                     data_parallel_rank: key.dp_rank,
@@ -383,6 +382,8 @@ impl kvindexer_v1::kv_indexer_server::KvIndexer for KvIndexerApi {
                     state: state as i32,
                     state_since_unix_ms: state_since,
                     last_message_unix_ms: last_message,
+                    // Filled below, once per pod.
+                    ..Default::default()
                 });
             }
             // Pods known only by their recorded routings (no events for this model).
@@ -406,6 +407,23 @@ impl kvindexer_v1::kv_indexer_server::KvIndexer for KvIndexerApi {
         pods.sort_by(|a, b| {
             (&a.model, &a.pod, a.data_parallel_rank).cmp(&(&b.model, &b.pod, b.data_parallel_rank))
         });
+        // A pod's speculation (per pod, not per engine) goes on its lowest rank's entry.
+        for i in 0..pods.len() {
+            let first_rank =
+                i == 0 || (&pods[i - 1].model, &pods[i - 1].pod) != (&pods[i].model, &pods[i].pod);
+            if !first_rank || pods[i].speculative_records > 0 {
+                continue;
+            }
+            let spec = svc
+                .indexer
+                .model(&pods[i].model)
+                .and_then(|m| m.speculation_of(&pods[i].pod));
+            if let Some(spec) = spec {
+                pods[i].speculative_records = spec.records;
+                pods[i].speculative_blocks = spec.blocks;
+                pods[i].speculative_fallback = spec.fallback;
+            }
+        }
         Ok(Response::new(kvindexer_v1::ListPodsResponse { pods }))
     }
 
