@@ -322,6 +322,9 @@ pub struct KvEventsConfig {
     pub queue_depth: usize,
     /// Connect mode: pods that bind their PUB socket, dialled by every kv-indexer replica.
     pub endpoints: Vec<ConnectEndpoint>,
+    /// Connect mode by DNS: the pods behind headless Service names, re-resolved every
+    /// `refreshInterval` and dialled like `endpoints`.
+    pub discovery: DiscoveryConfig,
     /// Models whose events are accepted (exact names); empty accepts any model a topic names.
     pub allowed_models: Vec<String>,
     /// Pod address patterns whose events are accepted (`*` matches any run of characters,
@@ -348,6 +351,7 @@ impl Default for KvEventsConfig {
             max_gap_fills_in_flight: 16,
             queue_depth: 1024,
             endpoints: Vec::new(),
+            discovery: DiscoveryConfig::default(),
             allowed_models: Vec::new(),
             allowed_pods: Vec::new(),
             publisher_grace_period: ConfigDuration::secs(60),
@@ -368,6 +372,67 @@ pub struct ConnectEndpoint {
     pub model: String,
     /// The pod's replay (ROUTER) endpoint, e.g. `tcp://10.0.0.7:5558`; empty = no replay.
     pub replay_endpoint: String,
+}
+
+/// Connect mode by DNS: a Deployment's pods have no stable names, so their addresses come from
+/// a headless Service (A and AAAA records), resolved again every `refreshInterval`.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase", deny_unknown_fields, default)]
+pub struct DiscoveryConfig {
+    /// How often every name is resolved again.
+    pub refresh_interval: ConfigDuration,
+    /// DNS servers to ask (`ip` or `ip:port`, UDP with TCP for long answers); empty: the
+    /// system's (`/etc/resolv.conf`, with its search domains). With servers given, names are
+    /// asked as written (give them fully qualified).
+    pub nameservers: Vec<String>,
+    /// The names to resolve, each a set of vLLM pods serving the same way.
+    pub services: Vec<DiscoveredService>,
+}
+
+impl Default for DiscoveryConfig {
+    fn default() -> Self {
+        Self {
+            refresh_interval: ConfigDuration::secs(5),
+            nameservers: Vec::new(),
+            services: Vec::new(),
+        }
+    }
+}
+
+/// One DNS name whose addresses are vLLM pods that bind their publisher.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase", deny_unknown_fields, default)]
+pub struct DiscoveredService {
+    /// The name, e.g. `vllm-headless.llm.svc.cluster.local`.
+    pub name: String,
+    /// The port of data-parallel rank 0's PUB socket; rank r publishes on `publisherPort + r`.
+    pub publisher_port: u16,
+    /// The port of rank 0's replay socket (rank r: `replayPort + r`); 0: no gap fill.
+    pub replay_port: u16,
+    /// Data-parallel ranks per pod (one publisher each).
+    pub data_parallel_size: u16,
+    /// The pod id the gateway uses, from the address: `{ip}` is replaced (IPv6 in brackets),
+    /// e.g. `{ip}:8000`. Empty: from the topic.
+    pub pod: String,
+    /// The model; empty: from the topic.
+    pub model: String,
+    /// Addresses taken from one answer at most (the rest are ignored, counted and logged), so
+    /// a bad answer cannot open unbounded sockets.
+    pub max_addresses: usize,
+}
+
+impl Default for DiscoveredService {
+    fn default() -> Self {
+        Self {
+            name: String::new(),
+            publisher_port: 5557,
+            replay_port: 0,
+            data_parallel_size: 1,
+            pod: String::new(),
+            model: String::new(),
+            max_addresses: 1024,
+        }
+    }
 }
 
 /// Listen addresses and limits.
@@ -662,6 +727,51 @@ kvEventsConfig: {zmqEndpoint: "tcp://*:5557", topicFilter: "kv@", concurrency: 1
             .expect_err("ipc")
             .to_string()
             .contains("zmqEndpoint"));
+    }
+
+    #[test]
+    fn discovery_settings_are_checked_and_the_error_names_the_field() {
+        let check = |services: &str, expect: &str| {
+            let yaml = format!("kvEventsConfig:\n  discovery:\n{services}");
+            let c = Config::from_yaml(&yaml, "f").expect("parses");
+            match c.validate() {
+                Ok(()) => assert!(expect.is_empty(), "{yaml} accepted"),
+                Err(e) => assert!(
+                    !expect.is_empty() && e.to_string().contains(expect),
+                    "{yaml}: {e}"
+                ),
+            }
+        };
+        check(
+            "    services: [{name: vllm.ns.svc.cluster.local, dataParallelSize: 4, pod: \"{ip}:8000\"}]\n",
+            "",
+        );
+        check("    services: [{name: \"\"}]\n", "services[0].name");
+        check(
+            "    services: [{name: v, publisherPort: 65535, dataParallelSize: 2}]\n",
+            "services[0].publisherPort",
+        );
+        check(
+            "    services: [{name: v, replayPort: 65535, dataParallelSize: 2}]\n",
+            "services[0].replayPort",
+        );
+        check(
+            "    services: [{name: v, dataParallelSize: 0}]\n",
+            "dataParallelSize",
+        );
+        check(
+            "    services: [{name: v, pod: \"{host}:8000\"}]\n",
+            "services[0].pod",
+        );
+        check("    nameservers: [kube-dns]\n", "nameservers[0]");
+        check("    nameservers: [\"10.96.0.10\", \"[fd00::a]:53\"]\n", "");
+        check("    refreshInterval: 10ms\n", "refreshInterval");
+        let e = Config::from_yaml(
+            "kvEventsConfig:\n  discovery:\n    services: [{name: v, port: 1}]\n",
+            "f",
+        )
+        .expect_err("typo");
+        assert!(e.to_string().contains("port"), "{e}");
     }
 
     #[test]

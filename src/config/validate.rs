@@ -2,6 +2,7 @@
 //! field's path.
 
 use std::net::SocketAddr;
+use std::time::Duration;
 
 use super::{invalid, Config, ConfigError};
 
@@ -91,9 +92,11 @@ impl Config {
                 )?;
             }
         }
-        if ev.zmq_endpoint.is_empty() && ev.endpoints.is_empty() {
+        self.validate_discovery()?;
+        if ev.zmq_endpoint.is_empty() && ev.endpoints.is_empty() && ev.discovery.services.is_empty()
+        {
             tracing::warn!(
-                "no event source: kvEventsConfig.zmqEndpoint is empty and no endpoints are listed"
+                "no event source: kvEventsConfig.zmqEndpoint is empty, and no endpoints or discovery services are listed"
             );
         }
         for (field, addr) in [
@@ -204,6 +207,66 @@ impl Config {
             check_block_sizes(&format!("models.{model}"), block, unit)?;
         }
         self.validate_replication()
+    }
+
+    fn validate_discovery(&self) -> Result<(), ConfigError> {
+        let discovery = &self.kv_events_config.discovery;
+        let interval = discovery.refresh_interval.0;
+        if interval < Duration::from_millis(100) || interval > Duration::from_secs(3_600) {
+            return Err(invalid(
+                "kvEventsConfig.discovery.refreshInterval",
+                "must be between 100ms and 1h",
+            ));
+        }
+        for (i, server) in discovery.nameservers.iter().enumerate() {
+            if crate::ingest::discovery::nameserver_address(server).is_none() {
+                return Err(invalid(
+                    format!("kvEventsConfig.discovery.nameservers[{i}]"),
+                    format!("{server:?} is not an IP address or ip:port"),
+                ));
+            }
+        }
+        for (i, service) in discovery.services.iter().enumerate() {
+            let field = |name: &str| format!("kvEventsConfig.discovery.services[{i}].{name}");
+            if service.name.trim().is_empty() {
+                return Err(invalid(field("name"), "must name a DNS name"));
+            }
+            if service.data_parallel_size == 0 || service.data_parallel_size > 1024 {
+                return Err(invalid(
+                    field("dataParallelSize"),
+                    "must be between 1 and 1024",
+                ));
+            }
+            let last_rank = service.data_parallel_size - 1;
+            if service.publisher_port == 0
+                || service.publisher_port.checked_add(last_rank).is_none()
+            {
+                return Err(invalid(
+                    field("publisherPort"),
+                    "must be a port, with room for every data-parallel rank (port + rank <= 65535)",
+                ));
+            }
+            if service.replay_port != 0 && service.replay_port.checked_add(last_rank).is_none() {
+                return Err(invalid(
+                    field("replayPort"),
+                    "must leave room for every data-parallel rank (port + rank <= 65535); 0 for no gap fill",
+                ));
+            }
+            let placeholders = service.pod.replace("{ip}", "");
+            if placeholders.contains('{') || placeholders.contains('}') {
+                return Err(invalid(
+                    field("pod"),
+                    "the only placeholder is {ip} (e.g. {ip}:8000)",
+                ));
+            }
+            if service.max_addresses == 0 || service.max_addresses > 65_536 {
+                return Err(invalid(
+                    field("maxAddresses"),
+                    "must be between 1 and 65536",
+                ));
+            }
+        }
+        Ok(())
     }
 
     fn validate_replication(&self) -> Result<(), ConfigError> {

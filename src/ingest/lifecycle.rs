@@ -6,7 +6,10 @@
 //!   the events' topic and the gateway both use) is linked to the connections from `ip`. The
 //!   pod is *gone* once the last connection from its address closed;
 //! - connect mode: this replica's socket to the pod's endpoint, *gone* while that socket is
-//!   disconnected (the pod failed, or it left discovery and the socket was dropped).
+//!   disconnected (the pod failed);
+//! - discovery: this replica's sockets to the pod's address (one per data-parallel rank),
+//!   *gone* once none is connected: the pod failed, or it left the DNS answer and its sockets
+//!   were dropped.
 //!
 //! A pod gone for `publisherGracePeriod` is forgotten: its blocks and engines leave the index,
 //! its publishers' states are dropped (with replication, the forgetting is appended to the
@@ -33,9 +36,10 @@ use super::{worker_of, Dispatch, Job};
 /// What tells this replica that a pod left.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub enum Link {
-    /// Bind mode: the connections from this address.
+    /// The pod at this address: bind-mode connections from it, and discovered sockets to it
+    /// (every rank's).
     Address(IpAddr),
-    /// Connect mode: this replica's socket to this endpoint.
+    /// Connect mode, a listed endpoint: this replica's socket to it.
     Endpoint(Arc<str>),
 }
 

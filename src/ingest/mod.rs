@@ -5,6 +5,8 @@
 //! - [`sockets`]: bind mode (one SUB socket binds `zmqEndpoint`; vLLM pods connect to it) and
 //!   connect mode (one SUB socket per listed pod endpoint, each retrying in the background, so
 //!   a pod that is down never blocks the daemon); frames are checked and dispatched by pod;
+//! - [`discovery`]: connect mode by DNS (the pods behind a headless Service, dialled as they
+//!   come and dropped as they go);
 //! - [`sequence`]: the pure per-publisher state machine (first, next, duplicate, restart, gap);
 //! - [`workers`]: decode, sequence, gap fill, apply;
 //! - [`gap_fill`]: the client of vLLM's replay socket; [`topic`]: topic and endpoint grammar;
@@ -35,6 +37,7 @@
 //!   publisher covers both paths, so each (publisher, sequence) is applied once, whichever path
 //!   brought it first (an older message after a newer one is stale, see [`sequence`]).
 
+pub mod discovery;
 pub mod gap_fill;
 pub mod lifecycle;
 pub mod log_budget;
@@ -80,6 +83,9 @@ pub enum IngestError {
         /// Why.
         source: zeromq::ZmqError,
     },
+    /// DNS discovery could not set up its resolver.
+    #[error("connect-mode discovery: {0}")]
+    Discovery(#[from] discovery::DiscoveryError),
 }
 
 /// A publisher: one vLLM engine process (its own sequence counter).
@@ -567,10 +573,25 @@ pub async fn start(
     for ep in &config.endpoints {
         receivers.push(tokio::spawn(sockets::connect_and_receive(
             ep.clone(),
+            lifecycle::Link::Endpoint(ep.endpoint.as_str().into()),
             config.topic_filter.clone(),
             dispatch.clone(),
             shutdown.clone(),
         )));
+    }
+    if !config.discovery.services.is_empty() {
+        let resolver = Arc::new(discovery::Resolver::new(&config.discovery)?);
+        for service in &config.discovery.services {
+            tracing::info!(service = %service.name, interval = %config.discovery.refresh_interval, ranks = service.data_parallel_size, "connect mode: discovering pods by DNS");
+            receivers.push(tokio::spawn(discovery::follow(
+                service.clone(),
+                resolver.clone(),
+                config.discovery.refresh_interval.0,
+                config.topic_filter.clone(),
+                dispatch.clone(),
+                shutdown.clone(),
+            )));
+        }
     }
     receivers.push(tokio::spawn(lifecycle::sweep(
         dispatch.clone(),

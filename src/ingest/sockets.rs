@@ -27,9 +27,12 @@ pub(super) struct Source {
     pub(super) link: Option<Link>,
 }
 
-/// Connect mode: dials the pod until it answers (with backoff), then receives.
+/// Connect mode: dials the pod until it answers (with backoff), then receives. `link` is
+/// what tells that the pod left: this socket's endpoint for a listed pod, the pod's address
+/// for a discovered one (all its ranks' sockets).
 pub(super) async fn connect_and_receive(
     ep: ConnectEndpoint,
+    link: Link,
     filter: String,
     dispatch: Arc<Dispatch>,
     mut shutdown: watch::Receiver<bool>,
@@ -66,7 +69,6 @@ pub(super) async fn connect_and_receive(
     } else {
         GapFillRoute::Fixed(ep.replay_endpoint.as_str().into())
     };
-    let link = Link::Endpoint(ep.endpoint.as_str().into());
     let monitor = ConnectMonitor::connected(events, link.clone(), dispatch.shared.links.clone());
     let source = Source {
         pod: ep.pod.as_str().into(),

@@ -10,6 +10,7 @@
 //! `"_other"`), so a fleet whose pods restart under new addresses cannot grow the series count
 //! without bound; model labels are bounded the same way.
 
+mod discovery;
 mod index;
 mod ingest;
 mod registry;
@@ -23,6 +24,7 @@ use std::sync::Arc;
 use kv_core::Indexer;
 use prometheus::{Encoder, IntGauge, Registry, TextEncoder};
 
+pub use discovery::DiscoveryMetrics;
 pub use index::IndexMetrics;
 pub use ingest::IngestMetrics;
 pub use registry::Labels;
@@ -38,6 +40,8 @@ pub struct Metrics {
     pub labels: Arc<Labels>,
     /// ZMQ intake, sequencing, gap fill and batch application.
     pub ingest: IngestMetrics,
+    /// Connect mode's DNS discovery.
+    pub discovery: DiscoveryMetrics,
     /// The index's size gauges and admission counters.
     pub index: IndexMetrics,
     /// Score requests.
@@ -59,6 +63,7 @@ impl Metrics {
         let labels = Arc::new(Labels::default());
         Arc::new(Self {
             ingest: IngestMetrics::new(&registry, labels.clone()),
+            discovery: DiscoveryMetrics::new(&registry),
             index: IndexMetrics::new(&registry, labels.clone()),
             scoring: ScoringMetrics::new(&registry),
             speculation: SpeculationMetrics::new(&registry, labels.clone()),
