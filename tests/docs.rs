@@ -20,6 +20,12 @@ fn keys(v: &serde_json::Value, prefix: &str, out: &mut Vec<String>) {
             keys(v, &path, out);
         }
     }
+    // A list's entries: their fields are named `list[].field`.
+    if let serde_json::Value::Array(items) = v {
+        for item in items {
+            keys(item, &format!("{prefix}[]"), out);
+        }
+    }
 }
 
 #[test]
@@ -28,6 +34,11 @@ fn every_config_field_is_documented() {
     let mut c = Config::default();
     c.indexer_config.token_processor_config.hash_seed = Some("x".into());
     c.indexer_config.token_processor_config.hash_block_size = Some(16);
+    // One entry of each list of settings, so their fields are checked too.
+    c.kv_events_config
+        .discovery
+        .services
+        .push(kv_indexer::config::DiscoveredService::default());
     let v = serde_json::to_value(&c).expect("serializes");
     let mut all = Vec::new();
     keys(&v, "", &mut all);

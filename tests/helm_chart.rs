@@ -510,6 +510,42 @@ fn connect_mode_dials_every_pod_of_a_statefulset_and_a_static_list() {
 }
 
 #[test]
+fn connect_mode_discovers_a_deployment_by_its_headless_service() {
+    let by_kind = check_types(&render(json!({
+        "replicaCount": 3,
+        "events": {
+            "mode": "connect",
+            "discovery": {
+                "service": "vllm-headless.llm.svc.cluster.local",
+                "dataParallelSize": 2,
+                "pod": "{ip}:8000",
+            },
+        },
+    })));
+    let config = embedded_config(&by_kind);
+    let events = &config.kv_events_config;
+    assert_eq!(events.zmq_endpoint, "");
+    assert!(events.endpoints.is_empty(), "{:?}", events.endpoints);
+    assert_eq!(events.discovery.refresh_interval.to_string(), "5s");
+    let [service] = events.discovery.services.as_slice() else {
+        panic!("one discovered service: {:?}", events.discovery.services);
+    };
+    assert_eq!(service.name, "vllm-headless.llm.svc.cluster.local");
+    assert_eq!(
+        (
+            service.publisher_port,
+            service.replay_port,
+            service.data_parallel_size
+        ),
+        (5557, 5558, 2)
+    );
+    assert_eq!(service.pod, "{ip}:8000");
+    assert_eq!(service.model, "", "the model from the topic");
+    config.validate().expect("the rendered config is valid");
+    assert_eq!(by_kind["Deployment"]["spec"]["replicas"], 3);
+}
+
+#[test]
 fn the_sidecar_patch_and_vllm_examples_are_valid_and_configured_for_kv_indexer() {
     let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("deploy");
     let patch: serde_json::Value = serde_yaml::from_str(
@@ -522,6 +558,7 @@ fn the_sidecar_patch_and_vllm_examples_are_valid_and_configured_for_kv_indexer()
     for file in [
         "examples/vllm-deployment.yaml",
         "examples/vllm-statefulset-connect.yaml",
+        "examples/vllm-deployment-connect.yaml",
     ] {
         let text = std::fs::read_to_string(root.join(file)).expect("example");
         for doc in serde_yaml::Deserializer::from_str(&text) {

@@ -1,6 +1,7 @@
 //! Pods that come and go, over real sockets: a pod whose connection closes is forgotten after
 //! the grace period and kept when it reconnects within it; a silent pod is forgotten after the
-//! idle timeout. (100,000 publishers: `churn.rs`, a binary of its own so that its heap count
+//! idle timeout; a listed connect-mode pod whose publisher stops is gone, then forgotten (DNS
+//! discovery: `discovery.rs`). (100,000 publishers: `churn.rs`, a binary of its own so that its heap count
 //! sees no other test.)
 
 mod support;
@@ -12,7 +13,7 @@ use kv_proto::kvindexer_v1::PodState;
 use support::pods::{
     connect, eventually, holds, lifecycle_config, list, message, send_until_held, state_of,
 };
-use zeromq::SocketSend;
+use zeromq::{PubSocket, Socket, SocketSend};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_pod_gone_past_the_grace_period_is_forgotten_and_one_back_within_it_is_kept() {
@@ -143,4 +144,66 @@ fn unix_ms() -> u64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map_or(0, |d| d.as_millis() as u64)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_listed_pod_whose_publisher_stops_is_gone_then_forgotten_and_kept_if_back_in_time() {
+    // Connect mode, a listed endpoint: this replica's socket to the pod is its link.
+    let grace = Duration::from_millis(1_500);
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("a free port")
+        .port();
+    let endpoint = format!("tcp://127.0.0.1:{port}");
+    let mut c = lifecycle_config(grace, Duration::ZERO);
+    c.kv_events_config.zmq_endpoint = String::new();
+    c.kv_events_config.endpoints = vec![kv_indexer::config::ConnectEndpoint {
+        endpoint: endpoint.clone(),
+        ..Default::default()
+    }];
+    let d = daemon::start(c).await.expect("daemon starts");
+    let pod = "vllm-0.vllm:8000";
+    let bind = || async {
+        let mut p = PubSocket::new();
+        p.bind(&endpoint).await.expect("PUB binds");
+        p
+    };
+    let mut p = bind().await;
+    send_until_held(&mut p, &d, pod, 0, 1).await;
+    assert_eq!(state_of(&d, pod).await, Some(PodState::Live));
+
+    // The publisher stops (its socket closes) and comes back within the grace period: the
+    // daemon's socket reconnects and the pod keeps everything.
+    drop(p);
+    eventually(
+        Duration::from_secs(5),
+        "the pod never showed as gone after its publisher stopped",
+        || async { state_of(&d, pod).await == Some(PodState::Gone) },
+    )
+    .await;
+    let mut p = bind().await;
+    send_until_held(&mut p, &d, pod, 1, 2).await;
+    assert_eq!(state_of(&d, pod).await, Some(PodState::Live));
+    tokio::time::sleep(grace + Duration::from_millis(400)).await;
+    assert!(holds(&d, pod, 1), "back within the grace period: kept");
+
+    // It stops for good: forgotten once the grace period has passed.
+    let left = Instant::now();
+    drop(p);
+    eventually(
+        Duration::from_secs(10),
+        "the pod was never forgotten",
+        || async { !holds(&d, pod, 1) },
+    )
+    .await;
+    assert!(left.elapsed() >= grace, "forgotten before the grace period");
+    assert!(list(&d).await.is_empty(), "ListPods still shows the pod");
+    assert_eq!(
+        support::metric(
+            &d.metrics_text(),
+            "kvindexer_pods_forgotten_total{reason=\"gone\"}"
+        ),
+        1.0
+    );
+    d.shutdown().await;
 }

@@ -7,6 +7,7 @@ use serde_json::Value;
 
 #[path = "../../crates/kv-core/tests/support/mod.rs"]
 mod core;
+pub mod dns;
 pub mod pods;
 pub mod redis;
 #[allow(unused_imports)]

@@ -26,6 +26,18 @@ pub fn model_message(model: &str, pod: &str, seq: u64, block: u64) -> ZmqMessage
 /// Message `seq` of `pod` for `model`, as vLLM frames it: one `BlockStored` run of `hashes`
 /// (GPU, rank 0).
 pub fn stored_message(model: &str, pod: &str, seq: u64, hashes: &[BlockHash]) -> ZmqMessage {
+    ranked_message(model, pod, 0, seq, hashes)
+}
+
+/// Message `seq` of data-parallel rank `rank` of `pod` for `model`: one `BlockStored` run of
+/// `hashes` (GPU), the rank in the batch as vLLM's publisher fills it in.
+pub fn ranked_message(
+    model: &str,
+    pod: &str,
+    rank: i64,
+    seq: u64,
+    hashes: &[BlockHash],
+) -> ZmqMessage {
     let payload = encode_batch(&EventBatch {
         ts: 1.7e9,
         events: vec![KvEvent::BlockStored(Box::new(BlockStored {
@@ -34,7 +46,7 @@ pub fn stored_message(model: &str, pod: &str, seq: u64, hashes: &[BlockHash]) ->
             medium: Some(Medium::Gpu),
             ..Default::default()
         }))],
-        data_parallel_rank: Some(0),
+        data_parallel_rank: Some(rank),
     });
     ZmqMessage::try_from(vec![
         Bytes::from(format!("kv@{pod}@{model}")),
