@@ -28,7 +28,7 @@ fn an_unbounded_cache_reproduces_the_traces_infinite_cache_hit_rate() {
             .expect("figure");
         let unique = stats[trace]["unique_blocks"].as_u64().expect("figure");
         let path = dir.join(trace);
-        for policy in ["lru", "lfu", "fifo", "s3fifo"] {
+        for policy in ["lru", "lfu", "fifo", "s3fifo", "s3fifo-paper"] {
             let r = replay(&[
                 "--trace",
                 path.to_str().expect("utf8"),
@@ -58,7 +58,7 @@ fn invariants_hold_for_every_policy_at_a_tight_capacity() {
     };
     let path = dir.join("synthetic_trace.jsonl");
     let mut rates = Vec::new();
-    for policy in ["lru", "lfu", "fifo", "s3fifo"] {
+    for policy in ["lru", "lfu", "fifo", "s3fifo", "s3fifo-paper"] {
         let r = replay(&[
             "--trace",
             path.to_str().expect("utf8"),

@@ -14,7 +14,8 @@ pub struct ReplayArgs {
     /// The trace: Mooncake JSONL (`hash_ids`) or token-id JSONL (`token_ids`), detected per file.
     #[arg(long)]
     pub trace: PathBuf,
-    /// lru, lfu, fifo or s3fifo.
+    /// lru, lfu, fifo, s3fifo (the published replay semantics: each queue kept to its share)
+    /// or s3fifo-paper (Yang et al., SOSP'23, Algorithm 1).
     #[arg(long)]
     pub policy: String,
     /// Cache size in blocks.

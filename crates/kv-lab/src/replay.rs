@@ -6,14 +6,22 @@
 //! request, hit or miss, is accessed against the eviction policy, in order.
 //!
 //! Policies: LRU; LFU (least frequently used while resident, ties broken by least recent use);
-//! FIFO (a hit changes nothing); S3-FIFO exactly as Yang et al. (SOSP'23, Algorithm 1): a small
-//! FIFO `S` of `round(capacity * small_ratio)` entries (Python's round: half to even), a main
-//! FIFO `M` with the rest, a ghost FIFO `G` of ids only, as large as `M`'s capacity (a ghost hit
-//! is a miss); a saturating frequency (at most `max_freq`) per resident entry; eviction from `S`
-//! when it holds at least its share, else from `M`; an `S` tail with frequency > 1 moves to `M`
-//! keeping its frequency, otherwise it goes to `G`; an `M` tail with frequency > 0 is requeued
-//! with frequency - 1 (second chance), otherwise evicted; a miss whose id is in `G` enters `M`
-//! with frequency 0, any other miss enters `S` with frequency 0.
+//! FIFO (a hit changes nothing); and S3-FIFO in two variants. Both have a small FIFO `S` of
+//! `round(capacity * small_ratio)` entries (Python's round: half to even), a main FIFO `M` with
+//! the rest, a ghost FIFO `G` of ids only, as large as `M`'s share (a ghost hit is a miss that
+//! enters `M` with frequency 0; any other miss enters `S` with frequency 0), a saturating
+//! frequency (at most `max_freq`) per resident entry, incremented on a hit, and second chance in
+//! `M` (an `M` entry with frequency > 0 is requeued with frequency - 1, else it is the victim).
+//! - `s3fifo`, the published replay semantics (what independent simulators of KV-cache traces
+//!   run): each queue keeps to its own share. Before an entry enters `S`, `S` is drained while
+//!   it holds at least its share: its oldest entry moves to `M` if its frequency is >= 1
+//!   (keeping it), else it goes to `G`. Before an entry enters `M` (a ghost hit or a promotion),
+//!   `M` evicts one victim with second chance while it holds at least its share, and that
+//!   victim goes to `G`. So the cache often holds fewer entries than its capacity (`S` is kept
+//!   to its share even while `M` has room). Both shares must be at least 1;
+//! - `s3fifo-paper`, Yang et al. (SOSP'23), Algorithm 1: nothing is evicted until the whole
+//!   cache is full; then the eviction is from `S` when it holds at least its share, else from
+//!   `M`; an `S` tail moves to `M` only with frequency > 1; `M`'s victims are not ghosted.
 //!
 //! Invariant: resident entries never exceed the capacity (the ghost holds ids only).
 
@@ -200,9 +208,19 @@ enum Queue {
     Main,
 }
 
-/// S3-FIFO (Yang et al., SOSP'23).
+/// Which S3-FIFO (see the module docs).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum S3FifoVariant {
+    /// The published replay semantics (`s3fifo`): each queue kept to its share.
+    Published,
+    /// Yang et al., SOSP'23, Algorithm 1 (`s3fifo-paper`).
+    Paper,
+}
+
+/// S3-FIFO, in the published replay semantics or the paper's.
 #[derive(Debug)]
 pub struct S3Fifo {
+    variant: S3FifoVariant,
     capacity: usize,
     small_capacity: usize,
     main_capacity: usize,
@@ -218,9 +236,10 @@ pub struct S3Fifo {
 
 impl S3Fifo {
     /// An empty cache of `capacity` blocks with a small queue of `round(capacity * small_ratio)`.
-    pub fn new(capacity: usize, small_ratio: f64, max_freq: u8) -> Self {
+    pub fn new(variant: S3FifoVariant, capacity: usize, small_ratio: f64, max_freq: u8) -> Self {
         let small_capacity = round_half_even(capacity as f64 * small_ratio).min(capacity);
         Self {
+            variant,
             capacity,
             small_capacity,
             main_capacity: capacity - small_capacity,
@@ -262,6 +281,54 @@ impl S3Fifo {
         }
     }
 
+    /// Published: admits `id` to `S`, draining `S` to below its share first.
+    fn admit_small(&mut self, id: BlockId) {
+        while self.small.len() >= self.small_capacity {
+            let Some(oldest) = self.small.pop_front() else {
+                break;
+            };
+            let freq = self.resident.get(&oldest).map_or(0, |e| e.1);
+            if freq >= 1 {
+                self.admit_main(oldest, freq);
+            } else {
+                self.resident.remove(&oldest);
+                self.ghost_insert(oldest);
+            }
+        }
+        self.resident.insert(id, (Queue::Small, 0));
+        self.small.push_back(id);
+    }
+
+    /// Published: admits `id` to `M` with `freq`, first evicting one victim (second chance)
+    /// to `G` while `M` holds at least its share.
+    fn admit_main(&mut self, id: BlockId, freq: u8) {
+        while self.main.len() >= self.main_capacity {
+            let Some(victim) = self.second_chance_victim() else {
+                break;
+            };
+            self.resident.remove(&victim);
+            self.ghost_insert(victim);
+        }
+        self.resident.insert(id, (Queue::Main, freq));
+        self.main.push_back(id);
+    }
+
+    /// Takes `M`'s next victim out of `M`: oldest first, an entry with frequency > 0 requeued
+    /// with one less. `None` when `M` is empty. Terminates: every requeue lowers a frequency.
+    fn second_chance_victim(&mut self) -> Option<BlockId> {
+        while let Some(oldest) = self.main.pop_front() {
+            match self.resident.get_mut(&oldest) {
+                Some((_, freq)) if *freq > 0 => {
+                    *freq -= 1;
+                    self.main.push_back(oldest);
+                }
+                Some(_) => return Some(oldest),
+                None => {}
+            }
+        }
+        None
+    }
+
     fn evict_small(&mut self) {
         while let Some(t) = self.small.pop_front() {
             let Some(&(_, freq)) = self.resident.get(&t) else {
@@ -282,17 +349,8 @@ impl S3Fifo {
     }
 
     fn evict_main(&mut self) {
-        while let Some(t) = self.main.pop_front() {
-            let Some(&(_, freq)) = self.resident.get(&t) else {
-                continue;
-            };
-            if freq > 0 {
-                self.resident.insert(t, (Queue::Main, freq - 1));
-                self.main.push_back(t);
-            } else {
-                self.resident.remove(&t);
-                return;
-            }
+        if let Some(victim) = self.second_chance_victim() {
+            self.resident.remove(&victim);
         }
     }
 
@@ -318,6 +376,14 @@ impl Policy for S3Fifo {
         }
         if let Some(entry) = self.resident.get_mut(&id) {
             entry.1 = (entry.1 + 1).min(self.max_freq);
+            return;
+        }
+        if self.variant == S3FifoVariant::Published {
+            if self.ghost_live.remove(&id).is_some() {
+                self.admit_main(id, 0);
+            } else {
+                self.admit_small(id);
+            }
             return;
         }
         while self.resident.len() >= self.capacity {
@@ -473,11 +539,27 @@ pub fn load_requests(
 #[derive(Debug, Error, PartialEq)]
 pub enum PolicyError {
     /// Unknown name.
-    #[error("unknown policy {0:?} (lru, lfu, fifo, s3fifo)")]
+    #[error("unknown policy {0:?} (lru, lfu, fifo, s3fifo, s3fifo-paper)")]
     Unknown(String),
     /// `small_ratio` outside [0, 1].
     #[error("small ratio must be between 0 and 1, got {0}")]
     SmallRatio(f64),
+    /// `s3fifo` needs both queues: a share of at least one entry each.
+    #[error(
+        "s3fifo keeps each queue to its share: with capacity {capacity} and small ratio \
+         {small_ratio}, the small queue gets {small} entries and the main queue {main}; both \
+         need at least 1"
+    )]
+    S3FifoShares {
+        /// The capacity.
+        capacity: usize,
+        /// The ratio.
+        small_ratio: f64,
+        /// `S`'s share.
+        small: usize,
+        /// `M`'s share.
+        main: usize,
+    },
 }
 
 /// A policy by name.
@@ -494,7 +576,24 @@ pub fn policy(
         "lru" => Box::new(Lru::new(capacity)),
         "lfu" => Box::new(Lfu::new(capacity)),
         "fifo" => Box::new(Fifo::new(capacity)),
-        "s3fifo" => Box::new(S3Fifo::new(capacity, small_ratio, max_freq)),
+        "s3fifo" => {
+            let p = S3Fifo::new(S3FifoVariant::Published, capacity, small_ratio, max_freq);
+            if p.small_capacity == 0 || p.main_capacity == 0 {
+                return Err(PolicyError::S3FifoShares {
+                    capacity,
+                    small_ratio,
+                    small: p.small_capacity,
+                    main: p.main_capacity,
+                });
+            }
+            Box::new(p)
+        }
+        "s3fifo-paper" => Box::new(S3Fifo::new(
+            S3FifoVariant::Paper,
+            capacity,
+            small_ratio,
+            max_freq,
+        )),
         other => return Err(PolicyError::Unknown(other.to_owned())),
     })
 }
@@ -516,9 +615,18 @@ mod tests {
         assert_eq!(round_half_even(1.5), 2);
         assert_eq!(round_half_even(0.5), 0);
         assert_eq!(round_half_even(2.6), 3);
-        assert_eq!(S3Fifo::new(25, 0.1, 3).small_capacity(), 2);
-        assert_eq!(S3Fifo::new(15, 0.1, 3).small_capacity(), 2);
-        assert_eq!(S3Fifo::new(100, 0.1, 3).small_capacity(), 10);
+        assert_eq!(
+            S3Fifo::new(S3FifoVariant::Paper, 25, 0.1, 3).small_capacity(),
+            2
+        );
+        assert_eq!(
+            S3Fifo::new(S3FifoVariant::Paper, 15, 0.1, 3).small_capacity(),
+            2
+        );
+        assert_eq!(
+            S3Fifo::new(S3FifoVariant::Paper, 100, 0.1, 3).small_capacity(),
+            10
+        );
     }
 
     #[test]
@@ -561,9 +669,9 @@ mod tests {
     }
 
     #[test]
-    fn s3fifo_filters_one_hit_wonders_and_readmits_ghosts_to_main() {
+    fn the_papers_s3fifo_filters_one_hit_wonders_and_readmits_ghosts_to_main() {
         // Capacity 10: small 1, main 9, ghost up to 9.
-        let mut p = S3Fifo::new(10, 0.1, 3);
+        let mut p = S3Fifo::new(S3FifoVariant::Paper, 10, 0.1, 3);
         // A hot block accessed repeatedly, then a scan of one-hit wonders.
         for _ in 0..3 {
             p.access(100);
@@ -595,10 +703,110 @@ mod tests {
         assert_eq!(p.resident.get(&40).map(|e| e.1), Some(3));
     }
 
+    /// The published `s3fifo` with capacity `capacity`, ratio `ratio`, after `trace`.
+    fn published(capacity: usize, ratio: f64, trace: &[u64]) -> S3Fifo {
+        let mut p = S3Fifo::new(S3FifoVariant::Published, capacity, ratio, 3);
+        for &b in trace {
+            p.access(b);
+        }
+        p
+    }
+
+    fn queue(q: &VecDeque<BlockId>) -> Vec<BlockId> {
+        q.iter().copied().collect()
+    }
+
+    fn ghost(p: &S3Fifo) -> Vec<BlockId> {
+        p.ghost
+            .iter()
+            .filter(|(id, g)| p.ghost_live.get(id) == Some(g))
+            .map(|(id, _)| *id)
+            .collect()
+    }
+
+    // Hand-worked traces. Capacity 10, ratio 0.1: S holds 1, M 9, G 9.
+
+    #[test]
+    fn published_s3fifo_keeps_s_to_its_share_so_the_cache_stays_below_capacity() {
+        // 1: S=[1]. 2: S is at its share, 1 (freq 0) goes to G; S=[2]. 3: 2 to G; S=[3].
+        let p = published(10, 0.1, &[1, 2, 3]);
+        assert_eq!(queue(&p.small), [3]);
+        assert!(p.main.is_empty());
+        assert_eq!(ghost(&p), [1, 2]);
+        assert_eq!(p.len(), 1, "one of ten slots used: M had room, S did not");
+        // The paper's variant evicts nothing until the cache is full.
+        let mut paper = S3Fifo::new(S3FifoVariant::Paper, 10, 0.1, 3);
+        for b in [1, 2, 3] {
+            paper.access(b);
+        }
+        assert_eq!(paper.len(), 3);
+    }
+
+    #[test]
+    fn published_s3fifo_promotes_from_s_after_one_hit_and_readmits_ghosts_to_m() {
+        // 1, 1: S=[1] freq 1. 2: 1 has freq >= 1, so it moves to M keeping freq 1; S=[2].
+        // 3: 2 (freq 0) to G; S=[3]. (The paper's variant needs freq > 1 to promote.)
+        let p = published(10, 0.1, &[1, 1, 2, 3]);
+        assert_eq!(queue(&p.small), [3]);
+        assert_eq!(queue(&p.main), [1]);
+        assert_eq!(p.resident.get(&1), Some(&(Queue::Main, 1)));
+        assert_eq!(ghost(&p), [2]);
+        // 2 again: a ghost hit, a miss that enters M with freq 0 and leaves G; S unchanged.
+        let p = published(10, 0.1, &[1, 1, 2, 3, 2]);
+        assert_eq!(queue(&p.main), [1, 2]);
+        assert_eq!(p.resident.get(&2), Some(&(Queue::Main, 0)));
+        assert_eq!(queue(&p.small), [3]);
+        assert!(ghost(&p).is_empty());
+    }
+
+    #[test]
+    fn published_s3fifo_admits_to_a_full_m_after_one_second_chance_eviction_to_the_ghost() {
+        // Capacity 4, ratio 0.25: S holds 1, M 3, G 3. Each of a, b, c, d is hit once in S
+        // and promoted (freq 1) when the next one arrives:
+        //   a a b b c c d d -> M=[a1, b1, c1], S=[d1].
+        // e: d is promoted, but M is at its share: second chance requeues a, b, c with freq 0
+        // and evicts a (to G); d enters M with freq 1; e enters S.
+        let (a, b, c, d, e) = (1, 2, 3, 4, 5);
+        let p = published(4, 0.25, &[a, a, b, b, c, c, d, d, e]);
+        assert_eq!(queue(&p.main), [b, c, d]);
+        assert_eq!(p.resident.get(&b), Some(&(Queue::Main, 0)));
+        assert_eq!(p.resident.get(&d), Some(&(Queue::Main, 1)));
+        assert_eq!(queue(&p.small), [e]);
+        assert_eq!(ghost(&p), [a], "M's victim goes to the ghost");
+        assert_eq!(p.len(), 4);
+        // a again: a ghost hit enters M; exactly one victim (b, freq 0) leaves M, to G.
+        let p = published(4, 0.25, &[a, a, b, b, c, c, d, d, e, a]);
+        assert_eq!(queue(&p.main), [c, d, a]);
+        assert_eq!(ghost(&p), [b]);
+        assert_eq!(queue(&p.small), [e]);
+        // The ghost holds as many ids as M's share (3): f, g, h, i pass through S with no
+        // hit; the oldest ghost ids leave first.
+        let p = published(4, 0.25, &[a, a, b, b, c, c, d, d, e, 6, 7, 8, 9]);
+        assert_eq!(ghost(&p), [6, 7, 8]);
+        assert_eq!(queue(&p.small), [9]);
+    }
+
+    #[test]
+    fn published_s3fifo_needs_both_queues() {
+        assert!(matches!(
+            policy("s3fifo", 5, 0.0, 3),
+            Err(PolicyError::S3FifoShares { small: 0, .. })
+        ));
+        assert!(matches!(
+            policy("s3fifo", 5, 1.0, 3),
+            Err(PolicyError::S3FifoShares { main: 0, .. })
+        ));
+        assert!(policy("s3fifo-paper", 5, 0.0, 3).is_ok());
+        assert!(matches!(
+            policy("s3-fifo", 5, 0.1, 3),
+            Err(PolicyError::Unknown(_))
+        ));
+    }
+
     #[test]
     fn capacity_is_never_exceeded() {
         let mut x = 12345u64;
-        for name in ["lru", "lfu", "fifo", "s3fifo"] {
+        for name in ["lru", "lfu", "fifo", "s3fifo", "s3fifo-paper"] {
             let mut p = policy(name, 37, 0.1, 3).expect("known");
             for _ in 0..5000 {
                 x = x.wrapping_mul(6364136223846793005).wrapping_add(1);
