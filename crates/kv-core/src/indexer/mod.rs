@@ -453,6 +453,19 @@ impl Indexer {
         pod: &str,
         batch: &EventBatch,
     ) -> Result<ApplyReport, SettingsError> {
+        self.apply_batch_at(model, pod, batch, std::time::Instant::now())
+    }
+
+    /// [`Indexer::apply_batch`] at a given instant: `now` is when the batch arrived, what a
+    /// recorded routing it confirms measures its delay against (a simulation's own clock, or
+    /// the wall clock).
+    pub fn apply_batch_at(
+        &self,
+        model: &str,
+        pod: &str,
+        batch: &EventBatch,
+        now: std::time::Instant,
+    ) -> Result<ApplyReport, SettingsError> {
         let state = self.model_or_create(model)?;
         let rank = batch
             .data_parallel_rank
@@ -514,9 +527,7 @@ impl Indexer {
                     _ => None,
                 })
                 .collect();
-            state
-                .speculation
-                .confirm(pod, &stored, std::time::Instant::now());
+            state.speculation.confirm(pod, &stored, now);
         }
         self.totals
             .unknown_events
