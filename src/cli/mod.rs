@@ -11,3 +11,5 @@ pub mod score;
 pub mod serve;
 #[cfg(feature = "lab")]
 pub mod simulate;
+#[cfg(feature = "lab")]
+pub mod simulate_report;

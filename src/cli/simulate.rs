@@ -1,185 +1,266 @@
-//! `kv-indexer simulate`: routing policies on simulated vLLM pods (see `kv_lab::simulate`).
+//! `kv-indexer simulate`: routing policies on simulated vLLM pods (see `kv_lab::simulate`):
+//! one run per policy, or a load ladder (`--rates`) over several seeds with a verdict per
+//! policy (the highest rate that meets a TTFT SLO), as tables, JSON and charts.
 
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Mutex;
 
 use anyhow::{bail, Context};
 use clap::Args;
 
-use kv_lab::simulate::routers::{self, Router};
+use kv_lab::simulate::engine::EngineConfig;
+use kv_lab::simulate::routers::{self, CapacityGuess, Router, Weights};
 use kv_lab::simulate::workloads::{mooncake, MultiTurn, SharedPrefix};
-use kv_lab::simulate::{rng, run, PolicyReport, SimRequest, SimSettings};
+use kv_lab::simulate::{rng, run, PolicyReport, SimRequest, SimSettings, ANCHOR_KV_TOKENS};
 use kv_lab::trace::load_mooncake;
+
+use super::simulate_report::{self, LadderRun};
 
 /// Flags of `kv-indexer simulate`.
 #[derive(Debug, Args)]
 pub struct SimulateArgs {
-    /// shared-prefix (the published 230 x 5 benchmark), chat (multi-turn) or mooncake.
-    #[arg(long, default_value = "shared-prefix")]
+    /// anchor (llm-d's published precise-vs-approximate benchmark: 150 groups x 5 users,
+    /// 6,000 + 1,200 tokens in, 1,000 out, prompts drawn at random for 60 s), shared-prefix
+    /// (230 groups x 5, each prompt once), chat (multi-turn) or mooncake (a trace).
+    #[arg(long, default_value = "anchor")]
     pub workload: String,
     /// Mooncake trace file (with --workload mooncake).
     #[arg(long)]
     pub trace: Option<PathBuf>,
-    /// Comma-separated policies, or all: random, round-robin, least-loaded, approx-prefix,
-    /// aibrix, localai, precise.
+    /// Comma-separated policies, or all: random, round-robin, least-loaded, approx,
+    /// approx-autotune, aibrix, localai, dynamo, precise-nospec, precise.
     #[arg(long, default_value = "all")]
     pub policies: String,
     /// Pods.
     #[arg(long, default_value_t = 8)]
     pub pods: usize,
-    /// KV-cache blocks per pod (16 tokens each).
-    #[arg(long, default_value_t = 20_000)]
+    /// KV blocks per pod (16 tokens each); the default is the anchor's 307,328 KV tokens.
+    #[arg(long, default_value_t = ANCHOR_KV_TOKENS / 16)]
     pub capacity_blocks: usize,
-    /// Give every other pod half the capacity (a router cannot see capacities).
+    /// Give every other pod half the capacity (no router is told).
     #[arg(long)]
     pub heterogeneous: bool,
-    /// Share of requests that reach a random pod without passing the router.
+    /// Engine: tokens one step may schedule (vLLM's max_num_batched_tokens).
+    #[arg(long, default_value_t = EngineConfig::default().max_num_batched_tokens)]
+    pub max_num_batched_tokens: u64,
+    /// Engine: sequences running at once at most (vLLM's max_num_seqs).
+    #[arg(long, default_value_t = EngineConfig::default().max_num_seqs)]
+    pub max_num_seqs: usize,
+    /// Engine: fixed cost of a step, ms (default: Qwen3-32B on 2 x H100, see
+    /// docs/simulation.md).
+    #[arg(long, default_value_t = EngineConfig::default().step_base_ms)]
+    pub step_base_ms: f64,
+    /// Engine: cost per scheduled token, ms.
+    #[arg(long, default_value_t = EngineConfig::default().ms_per_token)]
+    pub ms_per_token: f64,
+    /// Engine: cost per token already in the scheduled sequences' KV, ms.
+    #[arg(long, default_value_t = EngineConfig::default().ms_per_context_token)]
+    pub ms_per_context_token: f64,
+    /// Share of requests that reach a random pod without passing a router.
     #[arg(long, default_value_t = 0.0)]
     pub bypass: f64,
     /// Prefix-cache resets, spread over the run.
     #[arg(long, default_value_t = 0)]
     pub resets: usize,
     /// Pod restarts, spread over the run (the pod is down, loses its cache, publishes
-    /// AllBlocksCleared; its queued requests are retried).
+    /// AllBlocksCleared; requests without a token yet are retried).
     #[arg(long, default_value_t = 0)]
     pub restarts: usize,
     /// How long a restarting pod is down, seconds.
     #[arg(long, default_value_t = 60.0)]
     pub restart_downtime_s: f64,
-    /// Prefix weight of the scoring policies (approx-prefix, precise), like an EPP scorer weight.
-    #[arg(long, default_value_t = 1.0)]
-    pub prefix_weight: f64,
-    /// Load weight of the scoring policies (approx-prefix, precise): in-flight / max in-flight.
-    #[arg(long, default_value_t = 0.5)]
-    pub load_weight: f64,
+    /// Gateway replicas: each routes a share of the arrivals with its own state (approximate
+    /// replicas do not see each other's routings; precise replicas share the index).
+    #[arg(long, default_value_t = 1)]
+    pub routers: usize,
+    /// Scorer weights, prefix:queue:kv-utilisation: `equal` (1:1:1 for every scoring
+    /// policy, the head-to-head), `llm-d` (as published: approximate 1:1:1, precise 3:2:2), or
+    /// three numbers (e.g. 2:1:1) for every scoring policy.
+    #[arg(long, default_value = "equal")]
+    pub weights: String,
+    /// The approximate scorer's capacity guess per pod, in its blocks (lruCapacityPerServer).
+    #[arg(long, default_value_t = routers::APPROX_CAPACITY_GUESS)]
+    pub approx_capacity: usize,
     /// Delay before the index sees a cache change, ms.
     #[arg(long, default_value_t = 50.0)]
     pub event_delay_ms: f64,
-    /// Arrival rate for shared-prefix, requests per second.
+    /// How often the gateways scrape pod metrics (queue, KV usage), ms.
+    #[arg(long, default_value_t = 50.0)]
+    pub scrape_interval_ms: f64,
+    /// Arrival rate, requests per second (anchor, shared-prefix).
     #[arg(long)]
     pub rate: Option<f64>,
+    /// A load ladder: comma-separated rates (requests per second), each run for every
+    /// policy and seed (anchor, shared-prefix).
+    #[arg(long, value_delimiter = ',')]
+    pub rates: Vec<f64>,
+    /// Ladder: seeds per rate and policy (seed, seed + 1, ...); figures are means with a 95%
+    /// interval.
+    #[arg(long, default_value_t = 1)]
+    pub seeds: u64,
+    /// Ladder: the TTFT p90 a rate must meet (mean over seeds) to be sustainable, ms.
+    #[arg(long, default_value_t = 1_000.0)]
+    pub slo_ttft_p90_ms: f64,
+    /// Workload knobs (anchor, shared-prefix): distinct system prompts.
+    #[arg(long)]
+    pub groups: Option<usize>,
+    /// Questions (users) per system prompt.
+    #[arg(long)]
+    pub prompts_per_group: Option<usize>,
+    /// System prompt tokens.
+    #[arg(long)]
+    pub system_tokens: Option<u64>,
+    /// Question tokens.
+    #[arg(long)]
+    pub question_tokens: Option<u64>,
+    /// Output tokens.
+    #[arg(long)]
+    pub output_tokens: Option<u64>,
+    /// Seconds of arrivals (anchor: prompts drawn at random for this long).
+    #[arg(long)]
+    pub duration_s: Option<f64>,
+    /// Requests arriving together, all of one group (a burst).
+    #[arg(long)]
+    pub burst: Option<usize>,
     /// Mooncake: first N requests only (0 = all).
     #[arg(long, default_value_t = 0)]
     pub limit: usize,
-    /// Seed (the run is deterministic for it).
+    /// Seed (a run is deterministic for it).
     #[arg(long, default_value_t = 42)]
     pub seed: u64,
-    /// Print JSON instead of a table.
+    /// Print JSON instead of tables.
     #[arg(long)]
     pub json: bool,
-    /// Write an SVG chart of TTFT and hit rate per policy.
+    /// Write SVG charts: one run, TTFT and hit rate per policy; a ladder, TTFT p90 against
+    /// offered load per policy (FILE) and hit rate per policy and rate (FILE with `-hits`).
     #[arg(long)]
     pub svg: Option<PathBuf>,
+    /// No progress bar on stderr.
+    #[arg(long)]
+    pub quiet: bool,
 }
 
-const ALL: [&str; 8] = [
+const ALL: [&str; 10] = [
     "random",
     "round-robin",
     "least-loaded",
-    "approx-prefix",
+    "approx",
+    "approx-autotune",
     "aibrix",
     "localai",
+    "dynamo",
     "precise-nospec",
     "precise",
 ];
 
-fn router(
-    name: &str,
-    capacities: &[usize],
-    args: &SimulateArgs,
-) -> anyhow::Result<Box<dyn Router>> {
-    let seed = args.seed;
-    let precise = |ttl: f64| {
-        let mut r = routers::Precise::new(ttl);
-        r.prefix_weight = args.prefix_weight;
-        r.load_weight = args.load_weight;
-        Box::new(r)
-    };
+/// The weights of approximate and precise scoring policies.
+fn weights(text: &str) -> anyhow::Result<(Weights, Weights)> {
+    Ok(match text {
+        "equal" => (Weights::EQUAL, Weights::EQUAL),
+        "llm-d" => (Weights::EQUAL, Weights::LLM_D_PRECISE),
+        other => {
+            let parts: Vec<f64> = other
+                .split(':')
+                .map(|p| p.trim().parse::<f64>())
+                .collect::<Result<_, _>>()
+                .ok()
+                .filter(|v: &Vec<f64>| v.len() == 3 && v.iter().all(|x| *x >= 0.0 && x.is_finite()))
+                .with_context(|| {
+                    format!("--weights {other:?}: equal, llm-d, or prefix:queue:kv (e.g. 2:1:1)")
+                })?;
+            let w = Weights {
+                prefix: parts[0],
+                queue: parts[1],
+                kv: parts[2],
+            };
+            (w, w)
+        }
+    })
+}
+
+fn router(name: &str, args: &SimulateArgs, seed: u64) -> anyhow::Result<Box<dyn Router>> {
+    let (approx_w, precise_w) = weights(&args.weights)?;
     Ok(match name {
         "random" => Box::new(routers::Random(rng(seed ^ 0xABCD))),
         "round-robin" => Box::new(routers::RoundRobin::default()),
         "least-loaded" => Box::new(routers::LeastLoaded),
-        "approx-prefix" => {
-            let mut r = routers::ApproxPrefix::new(capacities);
-            r.prefix_weight = args.prefix_weight;
-            r.load_weight = args.load_weight;
-            Box::new(r)
-        }
-        "aibrix" => Box::new(routers::Aibrix::new(capacities)),
+        "approx" => Box::new(routers::ApproxPrefix::new(
+            CapacityGuess::Fixed(args.approx_capacity),
+            approx_w,
+            seed,
+        )),
+        "approx-autotune" => Box::new(routers::ApproxPrefix::new(
+            CapacityGuess::AutoTune,
+            approx_w,
+            seed,
+        )),
+        "aibrix" => Box::new(routers::Aibrix::default()),
         "localai" => Box::new(routers::LocalAi::default()),
-        "precise" => precise(60_000.0),
-        "precise-nospec" => precise(0.0),
+        "dynamo" => Box::new(routers::Dynamo::new(seed)),
+        "precise" => Box::new(routers::Precise::new(precise_w, true, seed)),
+        "precise-nospec" => Box::new(routers::Precise::new(precise_w, false, seed)),
         other => bail!("unknown policy {other:?} (one of {})", ALL.join(", ")),
     })
 }
 
-fn svg(reports: &[PolicyReport]) -> String {
-    let w = 900.0;
-    let row = 34.0;
-    let h = 80.0 + row * reports.len() as f64;
-    let max_ttft = reports.iter().map(|r| r.ttft_p90_ms).fold(1.0, f64::max);
-    let mut s = format!(
-        "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{w}\" height=\"{h}\" font-family=\"sans-serif\" font-size=\"12\">\n\
-         <rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n\
-         <text x=\"10\" y=\"20\" font-size=\"14\">TTFT p50 / p90 (ms, left) and token prefix-hit rate (right) per routing policy</text>\n"
-    );
-    for (i, r) in reports.iter().enumerate() {
-        let y = 50.0 + row * i as f64;
-        let p90 = 380.0 * r.ttft_p90_ms / max_ttft;
-        let p50 = 380.0 * r.ttft_p50_ms / max_ttft;
-        let hit = 250.0 * r.token_hit_rate;
-        s += &format!(
-            "<text x=\"10\" y=\"{:.0}\">{}</text>\n\
-             <rect x=\"170\" y=\"{:.0}\" width=\"{p90:.1}\" height=\"12\" fill=\"#9ecae1\"/>\n\
-             <rect x=\"170\" y=\"{:.0}\" width=\"{p50:.1}\" height=\"12\" fill=\"#3182bd\"/>\n\
-             <text x=\"{:.0}\" y=\"{:.0}\">{:.0} / {:.0}</text>\n\
-             <rect x=\"620\" y=\"{:.0}\" width=\"{hit:.1}\" height=\"12\" fill=\"#31a354\"/>\n\
-             <text x=\"{:.0}\" y=\"{:.0}\">{:.1}%</text>\n",
-            y + 10.0,
-            r.policy,
-            y,
-            y,
-            175.0 + p90,
-            y + 10.0,
-            r.ttft_p50_ms,
-            r.ttft_p90_ms,
-            y,
-            625.0 + hit,
-            y + 10.0,
-            100.0 * r.token_hit_rate
-        );
-    }
-    s + "</svg>\n"
+/// One router per gateway replica, each with its own seed.
+fn replicas(name: &str, args: &SimulateArgs, seed: u64) -> anyhow::Result<Vec<Box<dyn Router>>> {
+    (0..args.routers as u64)
+        .map(|r| router(name, args, seed ^ (r << 48)))
+        .collect()
 }
 
-/// Runs every selected policy on the same workload and prints the comparison.
-pub fn run_cli(args: SimulateArgs) -> anyhow::Result<()> {
+/// The workload's requests at `rate` (when given) for `seed`.
+fn workload(args: &SimulateArgs, rate: Option<f64>, seed: u64) -> anyhow::Result<Vec<SimRequest>> {
     let block = 16;
-    let mut requests: Vec<SimRequest> = match args.workload.as_str() {
-        "shared-prefix" => {
-            let mut w = SharedPrefix::preset();
-            if let Some(r) = args.rate {
-                w.rate_per_s = r;
-            }
-            w.generate(block, args.seed)
+    let shared = |mut w: SharedPrefix| {
+        w.groups = args.groups.unwrap_or(w.groups);
+        w.prompts_per_group = args.prompts_per_group.unwrap_or(w.prompts_per_group);
+        w.system_tokens = args.system_tokens.unwrap_or(w.system_tokens);
+        w.question_tokens = args.question_tokens.unwrap_or(w.question_tokens);
+        w.output_tokens = args.output_tokens.unwrap_or(w.output_tokens);
+        w.duration_s = args.duration_s.unwrap_or(w.duration_s);
+        w.burst = args.burst.unwrap_or(w.burst);
+        if let Some(r) = rate.or(args.rate) {
+            w.rate_per_s = r;
         }
-        "chat" => MultiTurn::preset().generate(block, args.seed),
-        "mooncake" => {
+        w
+    };
+    let mut requests = match args.workload.as_str() {
+        "anchor" => shared(SharedPrefix::anchor()).generate(block, seed),
+        "shared-prefix" => shared(SharedPrefix::preset()).generate(block, seed),
+        "chat" if rate.is_none() => MultiTurn::preset().generate(block, seed),
+        "mooncake" if rate.is_none() => {
             let path = args
                 .trace
                 .clone()
                 .context("--workload mooncake needs --trace FILE")?;
             mooncake(&load_mooncake(&path)?, block, 1.0)
         }
-        other => bail!("unknown workload {other:?} (shared-prefix, chat, mooncake)"),
+        "chat" | "mooncake" => {
+            bail!("--rates needs a rate-driven workload (anchor, shared-prefix)")
+        }
+        other => bail!("unknown workload {other:?} (anchor, shared-prefix, chat, mooncake)"),
     };
     if args.limit > 0 {
         requests.truncate(args.limit);
     }
+    Ok(requests)
+}
+
+fn check(args: &SimulateArgs) -> anyhow::Result<()> {
     if args.pods == 0 || args.capacity_blocks == 0 {
         bail!("--pods and --capacity-blocks must be at least 1");
     }
     if args.pods > 4096 {
         bail!("--pods must be at most 4096, got {}", args.pods);
+    }
+    if args.routers == 0 || args.routers > 64 {
+        bail!("--routers must be between 1 and 64, got {}", args.routers);
+    }
+    if args.max_num_batched_tokens == 0 || args.max_num_seqs == 0 {
+        bail!("--max-num-batched-tokens and --max-num-seqs must be at least 1");
     }
     if !(0.0..=1.0).contains(&args.bypass) {
         bail!(
@@ -187,24 +268,37 @@ pub fn run_cli(args: SimulateArgs) -> anyhow::Result<()> {
             args.bypass
         );
     }
-    if !(args.event_delay_ms >= 0.0 && args.event_delay_ms.is_finite()) {
-        bail!(
-            "--event-delay-ms must be a finite number >= 0, got {}",
-            args.event_delay_ms
-        );
-    }
     for (flag, v) in [
+        ("--event-delay-ms", args.event_delay_ms),
         ("--restart-downtime-s", args.restart_downtime_s),
-        ("--prefix-weight", args.prefix_weight),
-        ("--load-weight", args.load_weight),
+        ("--step-base-ms", args.step_base_ms),
+        ("--ms-per-token", args.ms_per_token),
+        ("--ms-per-context-token", args.ms_per_context_token),
+        ("--slo-ttft-p90-ms", args.slo_ttft_p90_ms),
     ] {
         if !(v >= 0.0 && v.is_finite()) {
             bail!("{flag} must be a finite number >= 0, got {v}");
         }
     }
-    if args.rate.is_some_and(|r| !(r > 0.0 && r.is_finite())) {
-        bail!("--rate must be a positive number of requests per second");
+    if !(args.scrape_interval_ms > 0.0 && args.scrape_interval_ms.is_finite()) {
+        bail!("--scrape-interval-ms must be a positive number");
     }
+    for r in args.rate.iter().chain(&args.rates) {
+        if !(*r > 0.0 && r.is_finite()) {
+            bail!("rates must be positive numbers of requests per second, got {r}");
+        }
+    }
+    if args.duration_s.is_some_and(|d| !(d > 0.0 && d.is_finite())) {
+        bail!("--duration-s must be a positive number of seconds");
+    }
+    if args.seeds == 0 || args.seeds > 100 {
+        bail!("--seeds must be between 1 and 100, got {}", args.seeds);
+    }
+    weights(&args.weights)?;
+    Ok(())
+}
+
+fn settings(args: &SimulateArgs, requests: &[SimRequest], seed: u64) -> SimSettings {
     let capacities: Vec<usize> = (0..args.pods)
         .map(|p| {
             if args.heterogeneous && p % 2 == 1 {
@@ -215,9 +309,19 @@ pub fn run_cli(args: SimulateArgs) -> anyhow::Result<()> {
         })
         .collect();
     let end = requests.last().map_or(0.0, |r| r.arrival_ms);
-    let settings = SimSettings {
-        pod_capacity_blocks: capacities.clone(),
+    SimSettings {
+        pod_capacity_blocks: capacities,
+        engine: EngineConfig {
+            block_size: 16,
+            max_num_batched_tokens: args.max_num_batched_tokens,
+            max_num_seqs: args.max_num_seqs,
+            step_base_ms: args.step_base_ms,
+            ms_per_token: args.ms_per_token,
+            ms_per_context_token: args.ms_per_context_token,
+        },
         event_delay_ms: args.event_delay_ms,
+        scrape_interval_ms: args.scrape_interval_ms,
+        routers: args.routers,
         bypass_fraction: args.bypass,
         resets: (0..args.resets)
             .map(|k| {
@@ -236,55 +340,169 @@ pub fn run_cli(args: SimulateArgs) -> anyhow::Result<()> {
             })
             .collect(),
         restart_downtime_ms: args.restart_downtime_s * 1000.0,
-        seed: args.seed,
-        ..Default::default()
-    };
-    let names: Vec<&str> = if args.policies == "all" {
-        ALL.to_vec()
+        seed,
+    }
+}
+
+fn policy_names(args: &SimulateArgs) -> anyhow::Result<Vec<String>> {
+    let names: Vec<String> = if args.policies == "all" {
+        ALL.iter().map(|s| s.to_string()).collect()
     } else {
-        args.policies.split(',').map(str::trim).collect()
+        args.policies
+            .split(',')
+            .map(|s| s.trim().to_string())
+            .collect()
     };
-    let mut reports = Vec::new();
-    for name in names {
-        let mut r = router(name, &capacities, &args)?;
-        reports.push(run(&settings, &requests, r.as_mut()));
+    for n in &names {
+        router(n, args, 0)?;
+    }
+    Ok(names)
+}
+
+/// Runs `jobs` on every core, in any order; each result keeps its job's index.
+fn parallel<J: Sync, R: Send>(
+    jobs: &[J],
+    progress: Option<&indicatif::ProgressBar>,
+    work: impl Fn(&J) -> anyhow::Result<R> + Sync,
+) -> anyhow::Result<Vec<R>> {
+    let next = AtomicUsize::new(0);
+    let results: Mutex<Vec<(usize, anyhow::Result<R>)>> = Mutex::new(Vec::new());
+    let threads = std::thread::available_parallelism()
+        .map_or(1, |n| n.get())
+        .min(jobs.len().max(1));
+    std::thread::scope(|s| {
+        for _ in 0..threads {
+            s.spawn(|| loop {
+                let i = next.fetch_add(1, Ordering::Relaxed);
+                let Some(job) = jobs.get(i) else { break };
+                let r = work(job);
+                if let Some(bar) = progress {
+                    bar.inc(1);
+                }
+                if let Ok(mut out) = results.lock() {
+                    out.push((i, r));
+                }
+            });
+        }
+    });
+    let mut out = results
+        .into_inner()
+        .map_err(|_| anyhow::anyhow!("a simulation thread panicked"))?;
+    out.sort_by_key(|(i, _)| *i);
+    out.into_iter().map(|(_, r)| r).collect()
+}
+
+fn progress_bar(args: &SimulateArgs, len: usize, what: &str) -> Option<indicatif::ProgressBar> {
+    if args.quiet {
+        return None;
+    }
+    let bar = indicatif::ProgressBar::new(len as u64);
+    bar.set_style(
+        indicatif::ProgressStyle::with_template(
+            "{prefix} [{elapsed_precise}] {bar:30} {pos}/{len} runs, ~{eta} left",
+        )
+        .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+    );
+    bar.set_prefix(what.to_string());
+    Some(bar)
+}
+
+/// Runs every selected policy on the same workload (or the load ladder) and prints the
+/// comparison.
+pub fn run_cli(args: SimulateArgs) -> anyhow::Result<()> {
+    check(&args)?;
+    let names = policy_names(&args)?;
+    if !args.rates.is_empty() {
+        return ladder(&args, &names);
+    }
+    let requests = workload(&args, None, args.seed)?;
+    let sim = settings(&args, &requests, args.seed);
+    let bar = progress_bar(&args, names.len(), "simulate");
+    let reports: Vec<PolicyReport> = parallel(&names, bar.as_ref(), |name| {
+        let mut routers = replicas(name, &args, args.seed)?;
+        Ok(run(&sim, &requests, &mut routers))
+    })?;
+    if let Some(bar) = bar {
+        bar.finish_and_clear();
     }
     if let Some(path) = &args.svg {
-        std::fs::write(path, svg(&reports))
-            .with_context(|| format!("writing {}", path.display()))?;
+        simulate_report::draw_policies(path, &reports)?;
     }
     if args.json {
         println!(
             "{}",
             serde_json::to_string_pretty(&serde_json::json!({
                 "workload": args.workload, "requests": requests.len(), "seed": args.seed,
-                "settings": settings, "results": reports,
+                "settings": sim, "results": reports,
             }))?
         );
         return Ok(());
     }
     println!(
-        "{} requests ({}), {} pods, seed {}",
+        "{} requests ({}), {} pods, {} gateway replica(s), seed {}",
         requests.len(),
         args.workload,
         args.pods,
+        args.routers,
         args.seed
     );
-    println!(
-        "| policy | prefix-hit rate | prefill tokens | TTFT p50 ms | TTFT p90 ms | TTFT p99 ms | load spread |"
-    );
-    println!("|---|---:|---:|---:|---:|---:|---:|");
-    for r in &reports {
+    print!("{}", simulate_report::policy_table(&reports));
+    Ok(())
+}
+
+fn ladder(args: &SimulateArgs, names: &[String]) -> anyhow::Result<()> {
+    let mut jobs = Vec::new();
+    for &rate in &args.rates {
+        for k in 0..args.seeds {
+            for name in names {
+                jobs.push((rate, args.seed + k, name.clone()));
+            }
+        }
+    }
+    let bar = progress_bar(args, jobs.len(), "ladder");
+    let runs: Vec<LadderRun> = parallel(&jobs, bar.as_ref(), |(rate, seed, name)| {
+        let requests = workload(args, Some(*rate), *seed)?;
+        let sim = settings(args, &requests, *seed);
+        let mut routers = replicas(name, args, *seed)?;
+        let report = run(&sim, &requests, &mut routers);
+        Ok(LadderRun::new(*rate, *seed, &report))
+    })?;
+    if let Some(bar) = bar {
+        bar.finish_and_clear();
+    }
+    let verdict = simulate_report::max_sustainable_rate(&runs, args.slo_ttft_p90_ms);
+    if let Some(path) = &args.svg {
+        simulate_report::draw_ladder(path, &runs, args.slo_ttft_p90_ms)?;
+    }
+    if args.json {
         println!(
-            "| {} | {:.1}% | {} | {:.0} | {:.0} | {:.0} | {:.2} |",
-            r.policy,
-            100.0 * r.token_hit_rate,
-            r.prefill_tokens,
-            r.ttft_p50_ms,
-            r.ttft_p90_ms,
-            r.ttft_p99_ms,
-            r.load_spread
+            "{}",
+            serde_json::to_string_pretty(&serde_json::json!({
+                "workload": args.workload, "slo_ttft_p90_ms": args.slo_ttft_p90_ms,
+                "runs": runs, "max_sustainable_rate": verdict,
+            }))?
         );
+        return Ok(());
+    }
+    println!(
+        "load ladder ({}), {} pods, {} gateway replica(s), seeds {}..{}, weights {}: mean [95% interval]",
+        args.workload,
+        args.pods,
+        args.routers,
+        args.seed,
+        args.seed + args.seeds - 1,
+        args.weights
+    );
+    print!("{}", simulate_report::ladder_table(&runs));
+    println!(
+        "\nhighest rate whose mean TTFT p90 meets {} ms (and every lower rate does):",
+        args.slo_ttft_p90_ms
+    );
+    for (policy, rate) in &verdict {
+        match rate {
+            Some(r) => println!("  {policy}: {r} req/s"),
+            None => println!("  {policy}: none of the rates"),
+        }
     }
     Ok(())
 }

@@ -1,30 +1,35 @@
 //! `kv-indexer simulate`: simulated vLLM pods, several routing policies, and the real index.
 //!
 //! Discrete-event simulation, time in milliseconds, deterministic for a seed:
-//! - a **pod** has a paged KV cache of `capacity_blocks`; a request's prompt blocks that are
-//!   resident (in use or free) are hits, the rest are allocated, evicting free blocks in LRU
-//!   order; the blocks of running requests are pinned; a finished request frees its blocks
-//!   tail-first (its last block becomes the first eviction candidate), as vLLM does;
-//! - **service time**: one prefill at a time per pod (`prefill_ms_per_token` per uncached token);
-//!   decoding runs alongside (`decode_ms_per_token` per output token, at most `max_running`
-//!   sequences per pod) and holds the blocks; TTFT = queueing + prefill;
-//! - pods **publish** `BlockStored` / `BlockRemoved` / `AllBlocksCleared` as vLLM encodes them
-//!   (map-form msgpack), delivered after `event_delay_ms` through the daemon's decoder
-//!   ([`kv_core::decode_batch`]) into a real [`Indexer`];
-//! - a **router** picks the pod for each arrival ([`routers`]).
+//! - a **pod** is a vLLM engine stepped as vLLM's V1 scheduler runs it ([`engine`]):
+//!   continuous batching under a token budget, chunked prefill, a paged KV cache whose prompt
+//!   and generated blocks are prefix-cached, preemption when blocks run out, and a step time
+//!   that grows with the tokens in the step. TTFT = arrival to the end of the step that
+//!   samples the first token;
+//! - pods **publish** `BlockStored` / `BlockRemoved` / `AllBlocksCleared` per step as vLLM
+//!   encodes them (map-form msgpack), delivered after `event_delay_ms` through the daemon's
+//!   decoder ([`kv_core::decode_batch`]) into a real [`Indexer`];
+//! - pods' **metrics** (waiting and running requests, KV usage, KV blocks) are scraped every
+//!   `scrape_interval_ms`: routers see them that stale;
+//! - `routers` **gateway replicas** each route a share of the arrivals (chosen at random), each
+//!   with its own state and its own count of what it has in flight; precise replicas share the
+//!   index (and, through it, the speculative entries their routings record, as kv-indexer's
+//!   replicas share them through replication) ([`routers`]).
 //!
 //! Scenarios a router cannot foresee: pods of different capacity, traffic that bypasses the
-//! router (`bypass_fraction`), cache resets (`resets`: free blocks dropped) and pod restarts
-//! (`restarts`: the pod is down for `restart_downtime_ms`, loses its whole cache and publishes
-//! `AllBlocksCleared`; requests queued or prefilling on it are retried through the router, and a
-//! request routed to a down pod goes to the least-loaded live one, as a gateway retries on
-//! connection refused).
+//! routers (`bypass_fraction`), prefix-cache resets (`resets`: free cached blocks dropped) and
+//! pod restarts (`restarts`: the pod is down for `restart_downtime_ms`, loses its cache and
+//! publishes `AllBlocksCleared`; requests that had no token yet are retried through a router,
+//! streams already started are cut; a request routed to a down pod goes to the live pod with
+//! the fewest of that replica's requests, as a gateway retries on connection refused).
 
+pub mod engine;
 pub mod routers;
 pub mod workloads;
 
 use std::cmp::Ordering as CmpOrdering;
-use std::collections::{BinaryHeap, HashMap, VecDeque};
+use std::collections::BinaryHeap;
+use std::time::{Duration, Instant};
 
 use serde::Serialize;
 
@@ -33,39 +38,39 @@ use kv_core::SplitMix64;
 use kv_core::{decode_batch, encode_batch, BlockRemoved, BlockStored, EventBatch, KvEvent, Medium};
 use kv_core::{Indexer, IndexerSettings};
 
-use crate::lru::LruSet;
+use engine::{Engine, EngineConfig, EngineStats};
 
 /// One request of a workload.
 #[derive(Debug, Clone)]
 pub struct SimRequest {
     /// Arrival time, ms.
     pub arrival_ms: f64,
-    /// Prompt block hashes (full 16-token blocks, chained like vLLM's).
+    /// Prompt block hashes (full blocks, chained like vLLM's).
     pub blocks: Vec<BlockHash>,
+    /// The hashes of the blocks after the prompt's full blocks, which the output fills (the
+    /// first holds the prompt's tail): chained on, so a later prompt that repeats this
+    /// conversation hits them.
+    pub output_blocks: Vec<BlockHash>,
     /// Prompt tokens.
     pub prompt_tokens: u64,
-    /// Output tokens.
+    /// Output tokens (at least 1 is generated).
     pub output_tokens: u64,
 }
 
 /// Simulation settings.
 #[derive(Debug, Clone, Serialize)]
 pub struct SimSettings {
-    /// Capacity of each pod, in blocks.
+    /// KV blocks of each pod.
     pub pod_capacity_blocks: Vec<usize>,
-    /// Tokens per block.
-    pub block_size: u64,
-    /// Prefill cost per uncached prompt token, ms.
-    pub prefill_ms_per_token: f64,
-    /// Fixed cost per prefill, ms.
-    pub prefill_overhead_ms: f64,
-    /// Decode cost per output token, ms.
-    pub decode_ms_per_token: f64,
-    /// Sequences a pod runs at once (vLLM's max_num_seqs); more wait in its queue.
-    pub max_running: usize,
+    /// The engine model.
+    pub engine: EngineConfig,
     /// Delay between a cache change and the index seeing it, ms.
     pub event_delay_ms: f64,
-    /// Share of requests that reach a random pod without passing the router.
+    /// How often pods' metrics are scraped for the routers, ms.
+    pub scrape_interval_ms: f64,
+    /// Gateway replicas, each routing a share of the arrivals with its own state.
+    pub routers: usize,
+    /// Share of requests that reach a random pod without passing a router.
     pub bypass_fraction: f64,
     /// (time ms, pod): the pod's prefix cache is reset (its free blocks dropped).
     pub resets: Vec<(f64, usize)>,
@@ -77,16 +82,17 @@ pub struct SimSettings {
     pub seed: u64,
 }
 
+/// KV tokens per pod in the published benchmark (llm-d, 8 x Qwen3-32B TP2 on H100).
+pub const ANCHOR_KV_TOKENS: usize = 307_328;
+
 impl Default for SimSettings {
     fn default() -> Self {
         Self {
-            pod_capacity_blocks: vec![20_000; 8],
-            block_size: 16,
-            prefill_ms_per_token: 0.06,
-            prefill_overhead_ms: 5.0,
-            decode_ms_per_token: 20.0,
-            max_running: 32,
+            pod_capacity_blocks: vec![ANCHOR_KV_TOKENS / 16; 8],
+            engine: EngineConfig::default(),
             event_delay_ms: 50.0,
+            scrape_interval_ms: 50.0,
+            routers: 1,
             bypass_fraction: 0.0,
             resets: Vec::new(),
             restarts: Vec::new(),
@@ -106,76 +112,18 @@ pub fn rng(seed: u64) -> SplitMix64 {
     SplitMix64::new(seed ^ 0x5DEE_CE66_D1CE_4E5B)
 }
 
-/// What the router sees of a pod.
+/// A pod's metrics as a gateway scrapes them (vLLM's `num_requests_waiting`,
+/// `num_requests_running`, `kv_cache_usage_perc`, and `num_gpu_blocks` from its cache config).
 #[derive(Debug, Clone, Copy, Default, Serialize)]
-pub struct PodLoad {
-    /// Waiting for prefill.
-    pub queued: usize,
-    /// Prefilling or decoding.
+pub struct PodMetrics {
+    /// Requests waiting.
+    pub waiting: usize,
+    /// Requests running.
     pub running: usize,
-}
-
-impl PodLoad {
-    /// Requests the pod holds.
-    pub fn in_flight(&self) -> usize {
-        self.queued + self.running
-    }
-}
-
-/// A pod's KV cache: resident blocks with their pin counts; free ones in LRU order.
-struct Cache {
-    capacity: usize,
-    pins: HashMap<BlockHash, u32>,
-    /// Free (unpinned, resident) blocks, least recently freed first.
-    free: LruSet<BlockHash>,
-}
-
-impl Cache {
-    fn new(capacity: usize) -> Self {
-        Self {
-            capacity,
-            pins: HashMap::new(),
-            free: LruSet::new(),
-        }
-    }
-
-    fn resident(&self, b: BlockHash) -> bool {
-        self.pins.contains_key(&b)
-    }
-
-    fn pinned(&self) -> usize {
-        self.pins.len() - self.free.len()
-    }
-
-    fn pin(&mut self, b: BlockHash) {
-        self.free.remove(b);
-        *self.pins.entry(b).or_insert(0) += 1;
-    }
-
-    fn unpin(&mut self, b: BlockHash) {
-        if let Some(p) = self.pins.get_mut(&b) {
-            *p = p.saturating_sub(1);
-            if *p == 0 {
-                self.free.insert(b);
-            }
-        }
-    }
-
-    /// Evicts the least recently freed block.
-    fn evict_one(&mut self) -> Option<BlockHash> {
-        let b = self.free.pop_oldest()?;
-        self.pins.remove(&b);
-        Some(b)
-    }
-
-    /// Drops every free block (a prefix-cache reset).
-    fn reset(&mut self) -> Vec<BlockHash> {
-        let mut out = Vec::new();
-        while let Some(b) = self.evict_one() {
-            out.push(b);
-        }
-        out
-    }
+    /// Share of KV blocks held by requests.
+    pub kv_usage: f64,
+    /// KV blocks the engine has.
+    pub num_gpu_blocks: usize,
 }
 
 /// vLLM-shaped payloads (map form, through kv-core's one encoder) for the events a pod emits.
@@ -190,30 +138,37 @@ mod wire {
         })
     }
 
-    pub fn stored(hashes: &[BlockHash], parent: Option<BlockHash>, block_size: u64) -> Vec<u8> {
-        batch(vec![KvEvent::BlockStored(Box::new(BlockStored {
-            block_hashes: hashes.to_vec(),
-            parent_block_hash: parent,
-            block_size: block_size as u32,
-            medium: Some(Medium::Gpu),
-            ..Default::default()
-        }))])
+    /// Evicted blocks (vLLM sends one `BlockRemoved` per evicted hash).
+    pub fn removed(hashes: &[BlockHash]) -> Vec<u8> {
+        step(hashes, &[], 0)
     }
 
-    pub fn removed(hashes: &[BlockHash]) -> Vec<u8> {
-        // vLLM sends one BlockRemoved per evicted hash.
-        batch(
-            hashes
-                .iter()
-                .map(|&h| {
-                    KvEvent::BlockRemoved(BlockRemoved {
-                        block_hashes: vec![h],
-                        medium: Some(Medium::Gpu),
-                        ..Default::default()
-                    })
+    /// One engine step's events: its evictions, then the blocks it filled.
+    pub fn step(
+        removed: &[BlockHash],
+        stored: &[(Option<BlockHash>, Vec<BlockHash>)],
+        block_size: u64,
+    ) -> Vec<u8> {
+        let mut events: Vec<KvEvent> = removed
+            .iter()
+            .map(|&h| {
+                KvEvent::BlockRemoved(BlockRemoved {
+                    block_hashes: vec![h],
+                    medium: Some(Medium::Gpu),
+                    ..Default::default()
                 })
-                .collect(),
-        )
+            })
+            .collect();
+        events.extend(stored.iter().map(|(parent, hashes)| {
+            KvEvent::BlockStored(Box::new(BlockStored {
+                block_hashes: hashes.clone(),
+                parent_block_hash: *parent,
+                block_size: block_size as u32,
+                medium: Some(Medium::Gpu),
+                ..Default::default()
+            }))
+        }));
+        batch(events)
     }
 
     pub fn cleared() -> Vec<u8> {
@@ -224,17 +179,17 @@ mod wire {
 #[derive(Debug)]
 enum EventKind {
     Arrival(usize),
-    /// (pod, request, the pod's incarnation when the prefill started).
-    PrefillDone(usize, usize, u32),
-    /// (pod, request, incarnation).
-    Finish(usize, usize, u32),
+    /// (pod, its incarnation when the step started).
+    StepDone(usize, u32),
     Deliver(usize, Vec<u8>),
     Reset(usize),
     Restart(usize),
-    /// A request lost to a restart comes back to the router.
+    /// A request a restart lost before its first token comes back to a router.
     Retry(usize),
-    /// A restarted pod is back (nothing to do but let it start queued work).
-    Up,
+    /// A restarted pod takes requests again.
+    Up(usize),
+    /// The gateways scrape every pod's metrics (and the index expires speculative entries).
+    Scrape,
 }
 
 struct Event {
@@ -262,12 +217,10 @@ impl Ord for Event {
 }
 
 struct Pod {
-    cache: Cache,
-    queue: VecDeque<usize>,
-    /// The request being prefilled, with its (hit, prompt) tokens (undone if a restart loses it).
-    prefilling: Option<(usize, u64, u64)>,
-    running: usize,
-    /// Bumped by a restart: events of an earlier incarnation are void.
+    engine: Engine,
+    /// A step is in flight.
+    stepping: bool,
+    /// Bumped by a restart: steps of an earlier incarnation are void.
     incarnation: u32,
     /// The pod takes requests again from this time.
     down_until: f64,
@@ -278,11 +231,13 @@ struct Pod {
 pub struct PolicyReport {
     /// The routing policy.
     pub policy: String,
-    /// Requests served.
+    /// Requests that got their first token.
     pub requests: usize,
-    /// Prompt tokens served from pods' caches / all prompt tokens.
+    /// Requests no pod can hold (prompt and output beyond a pod's whole cache), not run.
+    pub rejected: usize,
+    /// Prompt tokens found in the pod's cache on admission / all prompt tokens.
     pub token_hit_rate: f64,
-    /// Prompt tokens prefilled (not cached).
+    /// Tokens prefilled (prompt tokens not cached, and recomputation after preemption).
     pub prefill_tokens: u64,
     /// Time to first token, ms.
     pub ttft_p50_ms: f64,
@@ -290,8 +245,14 @@ pub struct PolicyReport {
     pub ttft_p90_ms: f64,
     /// Time to first token, ms.
     pub ttft_p99_ms: f64,
+    /// Output tokens per second, from the first arrival to the last token.
+    pub output_tokens_per_s: f64,
+    /// Sequences preempted (all pods).
+    pub preemptions: u64,
     /// Max over mean of pods' in-flight requests, averaged over arrivals.
     pub load_spread: f64,
+    /// Engine counters summed over pods (the largest step over all).
+    pub engine: EngineStats,
 }
 
 fn percentile(sorted: &[f64], p: f64) -> f64 {
@@ -305,13 +266,17 @@ fn percentile(sorted: &[f64], p: f64) -> f64 {
 /// The model name events and scores use inside the simulation.
 pub const MODEL: &str = "sim/model";
 
-/// Runs `requests` (sorted by arrival) against pods routed by `router`.
+/// Runs `requests` (sorted by arrival) against pods routed by `routers` (one per gateway
+/// replica: `settings.routers` of them; arrivals are spread over them at random).
 pub fn run(
     settings: &SimSettings,
     requests: &[SimRequest],
-    router: &mut dyn routers::Router,
+    routers: &mut [Box<dyn routers::Router>],
 ) -> PolicyReport {
+    assert!(!routers.is_empty(), "at least one router");
     let indexer = Indexer::new(IndexerSettings::default()).expect("default settings are valid");
+    let epoch = Instant::now();
+    let at = |ms: f64| epoch + Duration::from_secs_f64(ms.max(0.0) / 1_000.0);
     let pod_names: Vec<String> = (0..settings.pod_capacity_blocks.len())
         .map(|p| format!("10.9.0.{p}:8000"))
         .collect();
@@ -319,14 +284,13 @@ pub fn run(
         .pod_capacity_blocks
         .iter()
         .map(|&c| Pod {
-            cache: Cache::new(c),
-            queue: VecDeque::new(),
-            prefilling: None,
-            running: 0,
+            engine: Engine::new(settings.engine, c),
+            stepping: false,
             incarnation: 0,
             down_until: f64::NEG_INFINITY,
         })
         .collect();
+    let n_pods = pods.len();
     let mut rng = rng(settings.seed);
     let mut heap = BinaryHeap::new();
     let mut order = 0u64;
@@ -337,209 +301,210 @@ pub fn run(
     for (i, r) in requests.iter().enumerate() {
         push(&mut heap, r.arrival_ms, EventKind::Arrival(i));
     }
-    for &(at, pod) in &settings.resets {
-        if pod < pods.len() {
-            push(&mut heap, at, EventKind::Reset(pod));
+    for &(t, pod) in &settings.resets {
+        if pod < n_pods {
+            push(&mut heap, t, EventKind::Reset(pod));
         }
     }
-    for &(at, pod) in &settings.restarts {
-        if pod < pods.len() {
-            push(&mut heap, at, EventKind::Restart(pod));
+    for &(t, pod) in &settings.restarts {
+        if pod < n_pods {
+            push(&mut heap, t, EventKind::Restart(pod));
         }
     }
+    push(&mut heap, 0.0, EventKind::Scrape);
+    let mut scraped = vec![PodMetrics::default(); n_pods];
+    // Per gateway replica, its requests in flight per pod; per request, (replica, pod).
+    let mut in_flight = vec![vec![0usize; n_pods]; routers.len()];
+    let mut placed: Vec<Option<(usize, usize)>> = vec![None; requests.len()];
+    let mut unfinished = requests.len();
     let mut ttft = Vec::with_capacity(requests.len());
     let (mut hit_tokens, mut prompt_tokens, mut prefill_tokens) = (0u64, 0u64, 0u64);
-    let mut spread_sum = 0.0;
-    let mut spread_n = 0usize;
+    let (mut output_tokens, mut last_token_ms, mut rejected) = (0u64, 0.0f64, 0usize);
+    let mut stats = EngineStats::default();
+    let (mut spread_sum, mut spread_n) = (0.0, 0usize);
+    let first_arrival = requests.first().map_or(0.0, |r| r.arrival_ms);
     while let Some(Event { at: now, kind, .. }) = heap.pop() {
+        let mut touched = None;
         match kind {
             EventKind::Arrival(i) | EventKind::Retry(i) => {
                 let retry = matches!(kind, EventKind::Retry(_));
-                let loads: Vec<PodLoad> = pods
-                    .iter()
-                    .map(|p| PodLoad {
-                        queued: p.queue.len(),
-                        running: p.running + usize::from(p.prefilling.is_some()),
-                    })
+                if !pods[0].engine.fits(&requests[i]) && !retry {
+                    rejected += 1;
+                    unfinished -= 1;
+                    continue;
+                }
+                let totals: Vec<usize> = (0..n_pods)
+                    .map(|p| in_flight.iter().map(|r| r[p]).sum())
                     .collect();
-                let total: usize = loads.iter().map(PodLoad::in_flight).sum();
+                let total: usize = totals.iter().sum();
                 if total > 0 && !retry {
-                    let max = loads.iter().map(PodLoad::in_flight).max().unwrap_or(0) as f64;
-                    spread_sum += max / (total as f64 / loads.len() as f64);
+                    let max = totals.iter().copied().max().unwrap_or(0) as f64;
+                    spread_sum += max / (total as f64 / n_pods as f64);
                     spread_n += 1;
                 }
+                let replica = rng.below(routers.len() as u64) as usize;
                 let pod = if settings.bypass_fraction > 0.0 && rng.unit() < settings.bypass_fraction
                 {
-                    rng.below(pods.len() as u64) as usize
+                    rng.below(n_pods as u64) as usize
                 } else {
                     let ctx = routers::RouterContext {
                         now_ms: now,
-                        loads: &loads,
+                        instant: at(now),
+                        in_flight: &in_flight[replica],
+                        scraped: &scraped,
                         indexer: &indexer,
                         model: MODEL,
                         pod_names: &pod_names,
                     };
-                    let p = router.route(&requests[i], &ctx).min(pods.len() - 1);
-                    // A down pod refuses the connection; the gateway retries the least-loaded
-                    // live one and knows where the request went.
+                    let p = routers[replica].route(&requests[i], &ctx).min(n_pods - 1);
+                    // A down pod refuses the connection; the gateway retries on the live pod
+                    // with the fewest of its requests, and knows where the request went.
                     let p = if pods[p].down_until > now {
-                        (0..pods.len())
+                        (0..n_pods)
                             .filter(|&q| pods[q].down_until <= now)
-                            .min_by_key(|&q| (loads[q].in_flight(), q))
+                            .min_by_key(|&q| (in_flight[replica][q], q))
                             .unwrap_or(p)
                     } else {
                         p
                     };
-                    router.routed(&requests[i], p, now);
+                    routers[replica].routed(&requests[i], p, &ctx);
                     p
                 };
-                pods[pod].queue.push_back(i);
-            }
-            EventKind::PrefillDone(pod, i, incarnation) => {
-                if pods[pod].incarnation != incarnation {
+                if !pods[pod].engine.fits(&requests[i]) {
+                    rejected += 1;
+                    unfinished -= 1;
                     continue;
                 }
-                pods[pod].prefilling = None;
-                pods[pod].running += 1;
-                ttft.push(now - requests[i].arrival_ms);
-                let decode = requests[i].output_tokens as f64 * settings.decode_ms_per_token;
-                push(
-                    &mut heap,
-                    now + decode,
-                    EventKind::Finish(pod, i, incarnation),
-                );
+                in_flight[replica][pod] += 1;
+                placed[i] = Some((replica, pod));
+                pods[pod].engine.add(i);
+                touched = Some(pod);
             }
-            EventKind::Finish(pod, i, incarnation) => {
-                if pods[pod].incarnation != incarnation {
+            EventKind::StepDone(p, incarnation) => {
+                if pods[p].incarnation != incarnation {
                     continue;
                 }
-                pods[pod].running -= 1;
-                // Tail-first: the last block is freed first, so it is evicted first.
-                let cap = pods[pod].cache.capacity;
-                for &b in requests[i].blocks.iter().take(cap).rev() {
-                    pods[pod].cache.unpin(b);
+                pods[p].stepping = false;
+                let end = pods[p].engine.complete(requests);
+                for &i in &end.first_tokens {
+                    ttft.push(now - requests[i].arrival_ms);
                 }
+                for &i in &end.finished {
+                    if let Some((replica, pod)) = placed[i].take() {
+                        in_flight[replica][pod] -= 1;
+                    }
+                    unfinished -= 1;
+                }
+                prefill_tokens += end.prefill_tokens;
+                output_tokens += end.output_tokens;
+                if end.output_tokens > 0 {
+                    last_token_ms = now;
+                }
+                if !end.stored.is_empty() || !end.removed.is_empty() {
+                    let payload = wire::step(&end.removed, &end.stored, settings.engine.block_size);
+                    push(
+                        &mut heap,
+                        now + settings.event_delay_ms,
+                        EventKind::Deliver(p, payload),
+                    );
+                }
+                touched = Some(p);
             }
-            EventKind::Deliver(pod, payload) => {
+            EventKind::Deliver(p, payload) => {
                 if let Ok(batch) = decode_batch(&payload) {
-                    let _ = indexer.apply_batch(MODEL, &pod_names[pod], &batch);
+                    let _ = indexer.apply_batch_at(MODEL, &pod_names[p], &batch, at(now));
                 }
             }
-            EventKind::Reset(pod) => {
-                let dropped = pods[pod].cache.reset();
+            EventKind::Reset(p) => {
+                let dropped = pods[p].engine.reset_prefix_cache();
                 if !dropped.is_empty() {
                     push(
                         &mut heap,
                         now + settings.event_delay_ms,
-                        EventKind::Deliver(pod, wire::removed(&dropped)),
+                        EventKind::Deliver(p, wire::removed(&dropped)),
                     );
                 }
             }
-            EventKind::Restart(pod) => {
-                let p = &mut pods[pod];
-                p.incarnation += 1;
-                p.down_until = now + settings.restart_downtime_ms;
-                let up_at = p.down_until;
-                p.cache = Cache::new(p.cache.capacity);
-                // Decoding requests already had their first token; their streams are cut.
-                p.running = 0;
-                let mut lost: Vec<usize> = p.queue.drain(..).collect();
-                if let Some((i, hit, prompt)) = p.prefilling.take() {
-                    hit_tokens -= hit;
-                    prompt_tokens -= prompt;
-                    prefill_tokens -= prompt - hit;
-                    lost.insert(0, i);
+            EventKind::Restart(p) => {
+                let pod = &mut pods[p];
+                pod.incarnation += 1;
+                pod.stepping = false;
+                pod.down_until = now + settings.restart_downtime_ms;
+                let (retry, cut) = pod.engine.restart();
+                for i in cut {
+                    // Its stream is cut: the client saw its first tokens, then an error.
+                    if let Some((replica, q)) = placed[i].take() {
+                        in_flight[replica][q] -= 1;
+                    }
+                    unfinished -= 1;
                 }
-                for i in lost {
+                for i in retry {
+                    if let Some((replica, q)) = placed[i].take() {
+                        in_flight[replica][q] -= 1;
+                    }
                     push(&mut heap, now, EventKind::Retry(i));
                 }
                 // The restarted engine's first batch clears what the index held for it.
                 push(
                     &mut heap,
                     now + settings.event_delay_ms,
-                    EventKind::Deliver(pod, wire::cleared()),
+                    EventKind::Deliver(p, wire::cleared()),
                 );
-                push(&mut heap, up_at, EventKind::Up);
+                push(&mut heap, pod.down_until, EventKind::Up(p));
             }
-            EventKind::Up => {}
+            EventKind::Up(p) => touched = Some(p),
+            EventKind::Scrape => {
+                for (m, pod) in scraped.iter_mut().zip(&pods) {
+                    *m = PodMetrics {
+                        waiting: pod.engine.waiting(),
+                        running: pod.engine.running(),
+                        kv_usage: pod.engine.kv_usage(),
+                        num_gpu_blocks: pod.engine.capacity_blocks(),
+                    };
+                }
+                indexer.expire_speculation(at(now));
+                if unfinished > 0 {
+                    push(
+                        &mut heap,
+                        now + settings.scrape_interval_ms,
+                        EventKind::Scrape,
+                    );
+                }
+            }
         }
-        // Start prefills wherever a pod is idle and its next request fits.
-        for (p, pod) in pods.iter_mut().enumerate() {
-            if pod.prefilling.is_some()
-                || pod.running >= settings.max_running
-                || pod.down_until > now
-            {
-                continue;
-            }
-            let Some(&i) = pod.queue.front() else {
-                continue;
-            };
-            let r = &requests[i];
-            let blocks = &r.blocks[..r.blocks.len().min(pod.cache.capacity)];
-            let hits = blocks
-                .iter()
-                .take_while(|b| pod.cache.resident(**b))
-                .count();
-            let new = blocks.iter().filter(|b| !pod.cache.resident(**b)).count();
-            if pod.cache.pinned() + blocks.len() > pod.cache.capacity && pod.running > 0 {
-                continue; // wait for running requests to free blocks
-            }
-            pod.queue.pop_front();
-            for &b in blocks {
-                if pod.cache.resident(b) {
-                    pod.cache.pin(b);
-                }
-            }
-            let mut evicted = Vec::new();
-            while pod.cache.pins.len() + new > pod.cache.capacity {
-                match pod.cache.evict_one() {
-                    Some(b) => evicted.push(b),
-                    None => break,
-                }
-            }
-            let mut stored = Vec::new();
-            let mut parent = None;
-            for (k, &b) in blocks.iter().enumerate() {
-                if !pod.cache.resident(b) {
-                    if stored.is_empty() {
-                        parent = k.checked_sub(1).map(|j| blocks[j]);
+        // A pod that is idle and has work starts its next step.
+        if let Some(p) = touched {
+            let pod = &mut pods[p];
+            if !pod.stepping && pod.down_until <= now {
+                if let Some(step) = pod.engine.schedule(requests) {
+                    for &(i, hit) in &step.admitted {
+                        hit_tokens += hit;
+                        prompt_tokens += requests[i].prompt_tokens;
                     }
-                    pod.cache.pin(b);
-                    stored.push(b);
+                    pod.stepping = true;
+                    let incarnation = pod.incarnation;
+                    push(
+                        &mut heap,
+                        now + step.duration_ms,
+                        EventKind::StepDone(p, incarnation),
+                    );
                 }
             }
-            if !evicted.is_empty() {
-                push(
-                    &mut heap,
-                    now + settings.event_delay_ms,
-                    EventKind::Deliver(p, wire::removed(&evicted)),
-                );
-            }
-            if !stored.is_empty() {
-                push(
-                    &mut heap,
-                    now + settings.event_delay_ms,
-                    EventKind::Deliver(p, wire::stored(&stored, parent, settings.block_size)),
-                );
-            }
-            let hit = (hits as u64 * settings.block_size).min(r.prompt_tokens);
-            hit_tokens += hit;
-            prompt_tokens += r.prompt_tokens;
-            prefill_tokens += r.prompt_tokens - hit;
-            let prefill = settings.prefill_overhead_ms
-                + (r.prompt_tokens - hit) as f64 * settings.prefill_ms_per_token;
-            pod.prefilling = Some((i, hit, r.prompt_tokens));
-            push(
-                &mut heap,
-                now + prefill,
-                EventKind::PrefillDone(p, i, pod.incarnation),
-            );
         }
     }
+    for pod in &pods {
+        let s = pod.engine.stats;
+        stats.steps += s.steps;
+        stats.preemptions += s.preemptions;
+        stats.max_step_tokens = stats.max_step_tokens.max(s.max_step_tokens);
+        stats.max_step_seqs = stats.max_step_seqs.max(s.max_step_seqs);
+    }
     ttft.sort_by(f64::total_cmp);
+    let span_s = (last_token_ms - first_arrival).max(1.0) / 1_000.0;
     PolicyReport {
-        policy: router.name(),
+        policy: routers[0].name(),
         requests: ttft.len(),
+        rejected,
         token_hit_rate: if prompt_tokens == 0 {
             0.0
         } else {
@@ -549,11 +514,14 @@ pub fn run(
         ttft_p50_ms: percentile(&ttft, 50.0),
         ttft_p90_ms: percentile(&ttft, 90.0),
         ttft_p99_ms: percentile(&ttft, 99.0),
+        output_tokens_per_s: output_tokens as f64 / span_s,
+        preemptions: stats.preemptions,
         load_spread: if spread_n == 0 {
             1.0
         } else {
             spread_sum / spread_n as f64
         },
+        engine: stats,
     }
 }
 
@@ -570,7 +538,8 @@ mod tests {
     /// The simulated pods' payloads take the daemon's decode path and mean what they say.
     #[test]
     fn simulated_payloads_decode_as_vllm_events() {
-        let stored = decode_batch(&wire::stored(&[h(11), h(12)], Some(h(10)), 16)).expect("stored");
+        let stored = decode_batch(&wire::step(&[], &[(Some(h(10)), vec![h(11), h(12)])], 16))
+            .expect("stored");
         match stored.events.as_slice() {
             [KvEvent::BlockStored(s)] => {
                 assert_eq!(s.block_hashes, vec![h(11), h(12)]);

@@ -1,37 +1,52 @@
-//! Routing policies, each a small, faithful version of a published design.
+//! Routing policies, each a small, faithful version of a deployed design. None is told what a
+//! pod's cache holds or how large it is: they see what a gateway sees (their own requests in
+//! flight, scraped pod metrics, and, for the precise ones, the index fed by the pods' events).
 //!
-//! - `random`, `round-robin`, `least-loaded` (fewest in-flight requests);
-//! - `approx-prefix`: the gateway's approximate prefix index: it remembers the block hashes of
-//!   what it sent to each pod (an LRU per pod sized like the pod's cache), sees no events, and
-//!   scores `prefix_weight * matched share - load_weight * load share`, as an EPP combines its
-//!   prefix and queue scorers;
-//! - `aibrix`: AIBrix prefix-cache routing: when in-flight counts are imbalanced beyond a
-//!   threshold, least loaded; otherwise the best prefix match (its own table of routed
-//!   prompts) among pods whose load is at most mean + k * stddev;
-//! - `localai`: LocalAI-style prefix-tree routing: routed prefixes with a TTL; the best match is
-//!   used only if it covers a minimum share of the prompt and the pod is not overloaded
-//!   (load guard), otherwise least loaded;
-//! - `precise`: kv-indexer's scores from the real index (fed by the pods' events), combined with
-//!   the same load term as `approx-prefix`. Events confirm a routing decision only once the pod
-//!   starts the request (seconds later under load), so decisions stay pending (speculative)
-//!   until the index confirms them or a TTL passes.
+//! - `random`, `round-robin`, `least-loaded` (fewest of this replica's requests in flight);
+//! - `approx`: the gateway's approximate prefix scorer: it remembers the blocks of what it sent
+//!   to each pod in an LRU per pod whose size is a fixed guess (`lruCapacityPerServer`, 31,250
+//!   blocks by default), sees no events, and looks at no more than the prompt's first 256
+//!   blocks of 64 characters (at 4 characters per token, a block is 16 tokens: the first 4,096
+//!   tokens); `approx-autotune` sizes each LRU from the pod's reported KV blocks instead;
+//! - `precise`: kv-indexer's scores from the real index (fed by the pods' events), with the
+//!   speculative entries of `RecordRouting` recorded after each decision (the index's own
+//!   code: confirmed by events, expired by its TTL); `precise-nospec` records none;
+//! - `dynamo`: Dynamo's KV router cost: `overlap_weight * blocks to prefill + blocks the pod has
+//!   in use`, the lowest wins, with the overlap from the index;
+//! - `aibrix`: AIBrix prefix-cache routing: least loaded when in-flight counts are imbalanced
+//!   beyond a threshold, otherwise the best prefix match (its own table of routed prompts, sized
+//!   by the same fixed guess) among pods whose load is at most mean + k * stddev;
+//! - `localai`: routed prefixes with a TTL; the best match is used only if it covers a minimum
+//!   share of the prompt and the pod is not overloaded, otherwise least loaded.
+//!
+//! The scoring routers (`approx*`, `precise*`) add weighted scorers as an EPP does: the prefix
+//! share, the queue scorer and the KV-utilisation scorer, both from metrics scraped every
+//! scrape interval (stale) and min-max normalised over the pods (1 = the shortest queue or the
+//! emptiest cache); the highest sum wins, ties at random.
 
 use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Instant;
 
 use kv_core::BlockHash;
 use kv_core::SplitMix64;
+use serde::Serialize;
 
-use super::{PodLoad, SimRequest};
+use super::{PodMetrics, SimRequest};
 use crate::lru::LruSet;
 use kv_core::Indexer;
 
 /// What a router may look at.
 pub struct RouterContext<'a> {
-    /// Simulated time.
+    /// Simulated time, ms.
     pub now_ms: f64,
-    /// Per pod.
-    pub loads: &'a [PodLoad],
-    /// The real index (only `precise` reads it).
+    /// Simulated time as an instant (the index's clock for speculative entries).
+    pub instant: Instant,
+    /// This gateway replica's requests in flight, per pod.
+    pub in_flight: &'a [usize],
+    /// Pod metrics as last scraped.
+    pub scraped: &'a [PodMetrics],
+    /// The real index (only the precise routers and `dynamo` read it).
     pub indexer: &'a Indexer,
     /// The model in the index.
     pub model: &'a str,
@@ -39,20 +54,79 @@ pub struct RouterContext<'a> {
     pub pod_names: &'a [String],
 }
 
-/// A routing policy.
+/// A routing policy (one instance per gateway replica).
 pub trait Router {
     /// Its name in reports.
     fn name(&self) -> String;
     /// Picks a pod for `req`.
     fn route(&mut self, req: &SimRequest, ctx: &RouterContext<'_>) -> usize;
-    /// Learns that `req` went to `pod` (routers with their own prefix tables).
-    fn routed(&mut self, _req: &SimRequest, _pod: usize, _now_ms: f64) {}
+    /// Learns that `req` went to `pod`.
+    fn routed(&mut self, _req: &SimRequest, _pod: usize, _ctx: &RouterContext<'_>) {}
 }
 
-fn least_loaded(loads: &[PodLoad], among: impl Iterator<Item = usize>) -> usize {
-    among
-        .min_by_key(|&p| (loads[p].in_flight(), p))
-        .unwrap_or(0)
+/// The gateway's approximate scorer's default capacity guess (`lruCapacityPerServer`).
+pub const APPROX_CAPACITY_GUESS: usize = 31_250;
+/// Blocks of prompt text the approximate scorer looks at, at most.
+pub const APPROX_MAX_BLOCKS: usize = 256;
+/// Characters per approximate block.
+pub const APPROX_BLOCK_CHARS: u64 = 64;
+/// Characters per token the simulation assumes for prompt text.
+pub const CHARS_PER_TOKEN: u64 = 4;
+
+/// Scorer weights: prefix share, queue, KV utilisation.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct Weights {
+    /// The prefix scorer.
+    pub prefix: f64,
+    /// The queue scorer.
+    pub queue: f64,
+    /// The KV-utilisation scorer.
+    pub kv: f64,
+}
+
+impl Weights {
+    /// Equal weights (the head-to-head default: both kinds weighed alike).
+    pub const EQUAL: Weights = Weights {
+        prefix: 1.0,
+        queue: 1.0,
+        kv: 1.0,
+    };
+    /// llm-d's published precise configuration: prefix 3, KV utilisation 2, queue 2.
+    pub const LLM_D_PRECISE: Weights = Weights {
+        prefix: 3.0,
+        queue: 2.0,
+        kv: 2.0,
+    };
+}
+
+fn least_loaded(in_flight: &[usize], among: impl Iterator<Item = usize>) -> usize {
+    among.min_by_key(|&p| (in_flight[p], p)).unwrap_or(0)
+}
+
+/// `(max - v) / (max - min)` per value; 1 for all when they are equal.
+fn min_max_inverted(values: &[f64]) -> Vec<f64> {
+    let max = values.iter().copied().fold(f64::MIN, f64::max);
+    let min = values.iter().copied().fold(f64::MAX, f64::min);
+    if max.partial_cmp(&min) != Some(std::cmp::Ordering::Greater) {
+        return vec![1.0; values.len()];
+    }
+    values.iter().map(|v| (max - v) / (max - min)).collect()
+}
+
+/// The EPP's weighted sum of prefix, queue and KV-utilisation scores; the highest wins, ties
+/// at random.
+fn pick(prefix: &[f64], ctx: &RouterContext<'_>, w: Weights, rng: &mut SplitMix64) -> usize {
+    let waiting: Vec<f64> = ctx.scraped.iter().map(|m| m.waiting as f64).collect();
+    let usage: Vec<f64> = ctx.scraped.iter().map(|m| m.kv_usage).collect();
+    let (queue, kv) = (min_max_inverted(&waiting), min_max_inverted(&usage));
+    let scores: Vec<f64> = (0..prefix.len())
+        .map(|p| w.prefix * prefix[p] + w.queue * queue[p] + w.kv * kv[p])
+        .collect();
+    let best = scores.iter().copied().fold(f64::MIN, f64::max);
+    let tied: Vec<usize> = (0..scores.len())
+        .filter(|&p| scores[p] >= best - 1e-9)
+        .collect();
+    tied[rng.below(tied.len() as u64) as usize]
 }
 
 /// Uniformly random.
@@ -63,7 +137,7 @@ impl Router for Random {
         "random".into()
     }
     fn route(&mut self, _: &SimRequest, ctx: &RouterContext<'_>) -> usize {
-        self.0.below(ctx.loads.len() as u64) as usize
+        self.0.below(ctx.in_flight.len() as u64) as usize
     }
 }
 
@@ -76,12 +150,12 @@ impl Router for RoundRobin {
         "round-robin".into()
     }
     fn route(&mut self, _: &SimRequest, ctx: &RouterContext<'_>) -> usize {
-        self.0 = (self.0 + 1) % ctx.loads.len();
+        self.0 = (self.0 + 1) % ctx.in_flight.len();
         self.0
     }
 }
 
-/// Fewest in-flight requests.
+/// Fewest of this replica's requests in flight.
 pub struct LeastLoaded;
 
 impl Router for LeastLoaded {
@@ -89,31 +163,11 @@ impl Router for LeastLoaded {
         "least-loaded".into()
     }
     fn route(&mut self, _: &SimRequest, ctx: &RouterContext<'_>) -> usize {
-        least_loaded(ctx.loads, 0..ctx.loads.len())
+        least_loaded(ctx.in_flight, 0..ctx.in_flight.len())
     }
 }
 
-/// Prefix score combined with load, as an EPP weighs its scorers.
-fn combine(matched: &[f64], loads: &[PodLoad], prefix_weight: f64, load_weight: f64) -> usize {
-    let max_load = loads
-        .iter()
-        .map(PodLoad::in_flight)
-        .max()
-        .unwrap_or(0)
-        .max(1) as f64;
-    (0..loads.len())
-        .max_by(|&a, &b| {
-            let s = |p: usize| {
-                prefix_weight * matched[p] - load_weight * loads[p].in_flight() as f64 / max_load
-            };
-            s(a).total_cmp(&s(b))
-                .then(loads[b].in_flight().cmp(&loads[a].in_flight()))
-                .then(b.cmp(&a))
-        })
-        .unwrap_or(0)
-}
-
-/// A bounded LRU of block hashes (the routers' own view of a pod).
+/// A bounded LRU of block hashes (a router's own view of a pod).
 struct BlockLru {
     capacity: usize,
     order: LruSet<BlockHash>,
@@ -140,136 +194,189 @@ impl BlockLru {
     }
 }
 
-/// The gateway's approximate prefix index (what it sent where; no events).
+/// How the approximate scorer sizes its per-pod LRUs.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum CapacityGuess {
+    /// The same number of blocks for every pod (`lruCapacityPerServer`).
+    Fixed(usize),
+    /// From each pod's reported KV blocks (`num_gpu_blocks`, scraped), converted to text
+    /// blocks; the fixed default until a pod has been scraped.
+    AutoTune,
+}
+
+/// The gateway's approximate prefix scorer with the queue and KV-utilisation scorers.
 pub struct ApproxPrefix {
+    guess: CapacityGuess,
     pods: Vec<BlockLru>,
-    /// Weight of the matched share.
-    pub prefix_weight: f64,
-    /// Weight of the load share.
-    pub load_weight: f64,
+    /// Scorer weights.
+    pub weights: Weights,
+    rng: SplitMix64,
 }
 
 impl ApproxPrefix {
-    /// One LRU per pod, `capacity` blocks each.
-    pub fn new(capacities: &[usize]) -> Self {
+    /// An approximate scorer whose LRUs are sized by `guess`.
+    pub fn new(guess: CapacityGuess, weights: Weights, seed: u64) -> Self {
         Self {
-            pods: capacities.iter().map(|&c| BlockLru::new(c)).collect(),
-            prefix_weight: 1.0,
-            load_weight: 0.5,
+            guess,
+            pods: Vec::new(),
+            weights,
+            rng: super::rng(seed ^ 0xA9_9E),
+        }
+    }
+
+    /// The capacity of each pod's LRU as the router sized it (what a test compares with the
+    /// truth it must not know).
+    pub fn capacities(&self) -> Vec<usize> {
+        self.pods.iter().map(|p| p.capacity).collect()
+    }
+
+    /// The text blocks the scorer hashes: at 4 characters per token a 64-character block is 16
+    /// tokens, so the prompt's token blocks, of which at most the first 256.
+    fn text_blocks(req: &SimRequest) -> &[BlockHash] {
+        &req.blocks[..req.blocks.len().min(APPROX_MAX_BLOCKS)]
+    }
+
+    fn size(&mut self, ctx: &RouterContext<'_>) {
+        let n = ctx.scraped.len();
+        while self.pods.len() < n {
+            self.pods.push(BlockLru::new(APPROX_CAPACITY_GUESS));
+        }
+        let per_token_block = 16 * CHARS_PER_TOKEN / APPROX_BLOCK_CHARS;
+        for (lru, m) in self.pods.iter_mut().zip(ctx.scraped) {
+            lru.capacity = match self.guess {
+                CapacityGuess::Fixed(c) => c,
+                CapacityGuess::AutoTune if m.num_gpu_blocks > 0 => {
+                    (m.num_gpu_blocks as u64 * per_token_block) as usize
+                }
+                CapacityGuess::AutoTune => APPROX_CAPACITY_GUESS,
+            };
         }
     }
 }
 
 impl Router for ApproxPrefix {
     fn name(&self) -> String {
-        "approx-prefix".into()
+        match self.guess {
+            CapacityGuess::Fixed(_) => "approx".into(),
+            CapacityGuess::AutoTune => "approx-autotune".into(),
+        }
     }
     fn route(&mut self, req: &SimRequest, ctx: &RouterContext<'_>) -> usize {
-        let n = req.blocks.len().max(1) as f64;
+        self.size(ctx);
+        let blocks = Self::text_blocks(req);
+        let n = blocks.len().max(1) as f64;
         let matched: Vec<f64> = self
             .pods
             .iter()
-            .map(|p| p.prefix(&req.blocks) as f64 / n)
+            .map(|p| p.prefix(blocks) as f64 / n)
             .collect();
-        combine(&matched, ctx.loads, self.prefix_weight, self.load_weight)
+        pick(&matched, ctx, self.weights, &mut self.rng)
     }
-    fn routed(&mut self, req: &SimRequest, pod: usize, _: f64) {
-        for &b in &req.blocks {
+    fn routed(&mut self, req: &SimRequest, pod: usize, ctx: &RouterContext<'_>) {
+        self.size(ctx);
+        for &b in Self::text_blocks(req) {
             self.pods[pod].touch(b);
         }
     }
 }
 
-/// kv-indexer's precise scores plus the load term, with speculative entries.
-///
-/// A routing decision is pending until the index confirms it (the pod's events show the
-/// request's last block) or `speculative_ttl_ms` passes; a pod's prefix is the longer of what
-/// the index holds and the longest common prefix with its pending requests. Once confirmed, the
-/// index alone speaks for the pod, evictions included.
+/// kv-indexer's scores (real and speculative entries) with the queue and KV-utilisation
+/// scorers.
 pub struct Precise {
-    /// Weight of the matched share.
-    pub prefix_weight: f64,
-    /// Weight of the load share.
-    pub load_weight: f64,
-    /// The longest a decision stays pending without confirmation, ms (0 = no speculation).
-    pub speculative_ttl_ms: f64,
-    /// Per pod: (time routed, blocks) of unconfirmed decisions.
-    pending: Vec<Vec<(f64, std::sync::Arc<[BlockHash]>)>>,
+    /// Scorer weights.
+    pub weights: Weights,
+    /// Record each decision as speculative entries (`RecordRouting`).
+    pub speculation: bool,
+    rng: SplitMix64,
 }
 
 impl Precise {
-    /// Precise scoring with the EPP-like load term and speculation until confirmed.
-    pub fn new(speculative_ttl_ms: f64) -> Self {
+    /// Precise scoring, recording routings when `speculation`.
+    pub fn new(weights: Weights, speculation: bool, seed: u64) -> Self {
         Self {
-            prefix_weight: 1.0,
-            load_weight: 0.5,
-            speculative_ttl_ms,
-            pending: Vec::new(),
+            weights,
+            speculation,
+            rng: super::rng(seed ^ 0x9E_C1),
         }
     }
+}
+
+/// Per pod, the blocks of `req` the index says it holds (real, and speculative at weight 1).
+fn indexed_blocks(req: &SimRequest, ctx: &RouterContext<'_>) -> Vec<f64> {
+    let mut matched = vec![0.0; ctx.pod_names.len()];
+    if let Ok(result) = ctx
+        .indexer
+        .score_hashes(ctx.model, &req.blocks, kv_core::ALL_PODS)
+    {
+        for (name, s) in result.named() {
+            if let Some(p) = ctx.pod_names.iter().position(|n| **n == *name) {
+                matched[p] = (s.matched_blocks + s.speculative_blocks) as f64;
+            }
+        }
+    }
+    matched
 }
 
 impl Router for Precise {
     fn name(&self) -> String {
-        if self.speculative_ttl_ms > 0.0 {
-            "precise (kv-indexer)".into()
+        if self.speculation {
+            "precise".into()
         } else {
-            "precise, no speculation".into()
+            "precise-nospec".into()
         }
     }
     fn route(&mut self, req: &SimRequest, ctx: &RouterContext<'_>) -> usize {
         let n = req.blocks.len().max(1) as f64;
-        let pods = ctx.loads.len();
-        if self.pending.len() < pods {
-            self.pending.resize_with(pods, Vec::new);
-        }
-        let mut matched = vec![0.0; pods];
-        if let Ok(result) = ctx
-            .indexer
-            .score_hashes(ctx.model, &req.blocks, kv_core::ALL_PODS)
-        {
-            for (name, s) in result.named() {
-                if let Some(p) = ctx.pod_names.iter().position(|n| **n == *name) {
-                    matched[p] = s.matched_blocks as f64 / n;
-                }
-            }
-        }
-        if self.speculative_ttl_ms > 0.0 {
-            for (p, pending) in self.pending.iter_mut().enumerate() {
-                if pending.is_empty() {
-                    continue;
-                }
-                let only_this_pod = [ctx.pod_names.get(p).cloned().unwrap_or_default()];
-                pending.retain(|(t, blocks)| {
-                    if ctx.now_ms - t > self.speculative_ttl_ms {
-                        return false;
-                    }
-                    // Confirmed when the index shows this pod holding the request's last block.
-                    let confirmed = blocks.last().is_some_and(|&last| {
-                        ctx.indexer
-                            .score_hashes(ctx.model, std::slice::from_ref(&last), &only_this_pod)
-                            .is_ok_and(|r| r.scores.first().is_some_and(|s| s.matched_blocks > 0))
-                    });
-                    !confirmed
-                });
-                let depth = pending
-                    .iter()
-                    .map(|(_, blocks)| super::common_prefix(blocks, &req.blocks))
-                    .max()
-                    .unwrap_or(0);
-                matched[p] = matched[p].max(depth as f64 / n);
-            }
-        }
-        combine(&matched, ctx.loads, self.prefix_weight, self.load_weight)
+        let share: Vec<f64> = indexed_blocks(req, ctx).iter().map(|m| m / n).collect();
+        pick(&share, ctx, self.weights, &mut self.rng)
     }
-    fn routed(&mut self, req: &SimRequest, pod: usize, now_ms: f64) {
-        if self.speculative_ttl_ms <= 0.0 {
-            return;
+    fn routed(&mut self, req: &SimRequest, pod: usize, ctx: &RouterContext<'_>) {
+        if self.speculation && !req.blocks.is_empty() {
+            let hashes: Arc<[BlockHash]> = req.blocks.as_slice().into();
+            let _ = ctx
+                .indexer
+                .record_routing(ctx.model, &ctx.pod_names[pod], hashes, ctx.instant);
         }
-        if self.pending.len() <= pod {
-            self.pending.resize_with(pod + 1, Vec::new);
+    }
+}
+
+/// Dynamo's KV router cost function.
+pub struct Dynamo {
+    /// Weight of the blocks still to prefill.
+    pub overlap_weight: f64,
+    rng: SplitMix64,
+}
+
+impl Dynamo {
+    /// Dynamo's default (`overlap_score_weight` 1).
+    pub fn new(seed: u64) -> Self {
+        Self {
+            overlap_weight: 1.0,
+            rng: super::rng(seed ^ 0xD1_7A),
         }
-        self.pending[pod].push((now_ms, req.blocks.as_slice().into()));
+    }
+}
+
+impl Router for Dynamo {
+    fn name(&self) -> String {
+        "dynamo".into()
+    }
+    fn route(&mut self, req: &SimRequest, ctx: &RouterContext<'_>) -> usize {
+        let n = req.blocks.len() as f64;
+        let overlap = indexed_blocks(req, ctx);
+        let costs: Vec<f64> = ctx
+            .scraped
+            .iter()
+            .enumerate()
+            .map(|(p, m)| {
+                self.overlap_weight * (n - overlap[p]) + m.kv_usage * m.num_gpu_blocks as f64
+            })
+            .collect();
+        let best = costs.iter().copied().fold(f64::MAX, f64::min);
+        let tied: Vec<usize> = (0..costs.len())
+            .filter(|&p| costs[p] <= best + 1e-9)
+            .collect();
+        tied[self.rng.below(tied.len() as u64) as usize]
     }
 }
 
@@ -282,11 +389,10 @@ pub struct Aibrix {
     pub k: f64,
 }
 
-impl Aibrix {
-    /// A routed-prompts table per pod.
-    pub fn new(capacities: &[usize]) -> Self {
+impl Default for Aibrix {
+    fn default() -> Self {
         Self {
-            table: capacities.iter().map(|&c| BlockLru::new(c)).collect(),
+            table: Vec::new(),
             imbalance: 8,
             k: 1.0,
         }
@@ -298,12 +404,15 @@ impl Router for Aibrix {
         "aibrix".into()
     }
     fn route(&mut self, req: &SimRequest, ctx: &RouterContext<'_>) -> usize {
-        let loads: Vec<f64> = ctx.loads.iter().map(|l| l.in_flight() as f64).collect();
+        while self.table.len() < ctx.in_flight.len() {
+            self.table.push(BlockLru::new(APPROX_CAPACITY_GUESS));
+        }
+        let loads: Vec<f64> = ctx.in_flight.iter().map(|&l| l as f64).collect();
         let (min, max) = loads
             .iter()
             .fold((f64::MAX, 0.0f64), |(a, b), &x| (a.min(x), b.max(x)));
         if max - min > self.imbalance as f64 {
-            return least_loaded(ctx.loads, 0..ctx.loads.len());
+            return least_loaded(ctx.in_flight, 0..loads.len());
         }
         let mean = loads.iter().sum::<f64>() / loads.len() as f64;
         let sd =
@@ -315,14 +424,14 @@ impl Router for Aibrix {
             .map(|&p| (self.table[p].prefix(&req.blocks), p))
             .max_by(|a, b| {
                 a.0.cmp(&b.0)
-                    .then(ctx.loads[b.1].in_flight().cmp(&ctx.loads[a.1].in_flight()))
+                    .then(ctx.in_flight[b.1].cmp(&ctx.in_flight[a.1]))
             });
         match best {
             Some((m, p)) if m > 0 => p,
-            _ => least_loaded(ctx.loads, candidates.into_iter()),
+            _ => least_loaded(ctx.in_flight, candidates.into_iter()),
         }
     }
-    fn routed(&mut self, req: &SimRequest, pod: usize, _: f64) {
+    fn routed(&mut self, req: &SimRequest, pod: usize, _: &RouterContext<'_>) {
         for &b in &req.blocks {
             self.table[pod].touch(b);
         }
@@ -357,7 +466,7 @@ impl Router for LocalAi {
         "localai".into()
     }
     fn route(&mut self, req: &SimRequest, ctx: &RouterContext<'_>) -> usize {
-        let n = ctx.loads.len();
+        let n = ctx.in_flight.len();
         let mut depth = vec![0usize; n];
         let mut alive: Vec<bool> = vec![true; n];
         for &b in &req.blocks {
@@ -375,21 +484,32 @@ impl Router for LocalAi {
                 break;
             }
         }
-        let mean = ctx.loads.iter().map(|l| l.in_flight() as f64).sum::<f64>() / n as f64;
-        let best = (0..n).max_by_key(|&p| (depth[p], std::cmp::Reverse(ctx.loads[p].in_flight())));
+        let mean = ctx.in_flight.iter().map(|&l| l as f64).sum::<f64>() / n as f64;
+        let best = (0..n).max_by_key(|&p| (depth[p], std::cmp::Reverse(ctx.in_flight[p])));
         match best {
             Some(p)
                 if depth[p] as f64 >= self.min_match_ratio * req.blocks.len() as f64
-                    && ctx.loads[p].in_flight() as f64 <= self.load_guard * mean + 1.0 =>
+                    && ctx.in_flight[p] as f64 <= self.load_guard * mean + 1.0 =>
             {
                 p
             }
-            _ => least_loaded(ctx.loads, 0..n),
+            _ => least_loaded(ctx.in_flight, 0..n),
         }
     }
-    fn routed(&mut self, req: &SimRequest, pod: usize, now_ms: f64) {
+    fn routed(&mut self, req: &SimRequest, pod: usize, ctx: &RouterContext<'_>) {
         for &b in &req.blocks {
-            self.seen.entry(b).or_default().insert(pod, now_ms);
+            self.seen.entry(b).or_default().insert(pod, ctx.now_ms);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn min_max_normalisation_ranks_the_lowest_first_and_ties_all_at_one() {
+        assert_eq!(min_max_inverted(&[2.0, 4.0, 6.0]), [1.0, 0.5, 0.0]);
+        assert_eq!(min_max_inverted(&[3.0, 3.0]), [1.0, 1.0]);
     }
 }

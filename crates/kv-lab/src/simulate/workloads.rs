@@ -38,8 +38,35 @@ fn chain(segments: &[(u64, u64)], block: u64) -> (Vec<BlockHash>, u64) {
     (hashes, total)
 }
 
+/// A request whose prompt is `prompt` (segments) and whose output is the segment `output`:
+/// the prompt's full blocks, then the blocks the output fills, chained on from the prompt.
+fn request(arrival_ms: f64, prompt: &[(u64, u64)], output: (u64, u64), block: u64) -> SimRequest {
+    let mut segments = prompt.to_vec();
+    segments.push(output);
+    let (mut blocks, _) = chain(&segments, block);
+    let prompt_tokens: u64 = prompt.iter().map(|s| s.1).sum();
+    let output_blocks = blocks.split_off(((prompt_tokens / block) as usize).min(blocks.len()));
+    SimRequest {
+        arrival_ms,
+        blocks,
+        output_blocks,
+        prompt_tokens,
+        output_tokens: output.1.max(1),
+    }
+}
+
+/// How the shared-prefix generator picks prompts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Sampling {
+    /// Every (group, prompt) once, in random order.
+    EachOnce,
+    /// Each arrival draws a group and one of its prompts at random (prompts repeat), for the
+    /// workload's duration.
+    Draw,
+}
+
 /// The shared-prefix generator: `groups` system prompts, `prompts_per_group` questions each,
-/// Poisson arrivals at `rate_per_s`, prompts of a group interleaved with the others.
+/// Poisson arrivals at `rate_per_s` (in bursts of `burst` requests of one group when above 1).
 #[derive(Debug, Clone, Copy)]
 pub struct SharedPrefix {
     /// Distinct system prompts.
@@ -54,6 +81,12 @@ pub struct SharedPrefix {
     pub output_tokens: u64,
     /// Arrivals per second.
     pub rate_per_s: f64,
+    /// How prompts are picked.
+    pub sampling: Sampling,
+    /// `Draw`: seconds of arrivals.
+    pub duration_s: f64,
+    /// Requests per arrival instant, all of one group (1: independent arrivals).
+    pub burst: usize,
 }
 
 impl SharedPrefix {
@@ -67,25 +100,74 @@ impl SharedPrefix {
             question_tokens: 1_000,
             output_tokens: 1_000,
             rate_per_s: 4.0,
+            sampling: Sampling::EachOnce,
+            duration_s: 0.0,
+            burst: 1,
+        }
+    }
+
+    /// The published precise-vs-approximate benchmark's traffic (llm-d): 150 groups x 5
+    /// users, 6,000-token system prompts, 1,200-token questions, 1,000 output tokens; each
+    /// arrival draws a group and a user (prompts repeat), 60 s per rate.
+    pub fn anchor() -> Self {
+        Self {
+            groups: 150,
+            prompts_per_group: 5,
+            system_tokens: 6_000,
+            question_tokens: 1_200,
+            output_tokens: 1_000,
+            rate_per_s: 10.0,
+            sampling: Sampling::Draw,
+            duration_s: 60.0,
+            burst: 1,
         }
     }
 
     /// The requests, for a block size and a seed.
     pub fn generate(&self, block: u64, seed: u64) -> Vec<SimRequest> {
         let mut rng = rng(seed);
-        let mut order: Vec<(usize, usize)> = (0..self.groups)
-            .flat_map(|g| (0..self.prompts_per_group).map(move |q| (g, q)))
-            .collect();
-        for i in (1..order.len()).rev() {
-            let j = rng.below(i as u64 + 1) as usize;
-            order.swap(i, j);
-        }
+        let picks: Vec<(usize, usize)> = match self.sampling {
+            Sampling::EachOnce => {
+                let mut order: Vec<(usize, usize)> = (0..self.groups)
+                    .flat_map(|g| (0..self.prompts_per_group).map(move |q| (g, q)))
+                    .collect();
+                for i in (1..order.len()).rev() {
+                    let j = rng.below(i as u64 + 1) as usize;
+                    order.swap(i, j);
+                }
+                order
+            }
+            Sampling::Draw => Vec::new(),
+        };
+        let burst = self.burst.max(1);
+        let mut out = Vec::new();
         let mut t = 0.0;
-        order
-            .into_iter()
-            .map(|(g, q)| {
-                t += -(1.0 - rng.unit()).ln() / self.rate_per_s * 1000.0;
-                let (blocks, tokens) = chain(
+        let mut next = 0usize;
+        loop {
+            t += -(1.0 - rng.unit()).ln() / self.rate_per_s * 1000.0 * burst as f64;
+            if self.sampling == Sampling::Draw && t > self.duration_s * 1000.0 {
+                return out;
+            }
+            let group = rng.below(self.groups.max(1) as u64) as usize;
+            for _ in 0..burst {
+                let (g, q) = match self.sampling {
+                    Sampling::EachOnce => match picks.get(next) {
+                        Some(&(g, q)) if burst == 1 => (g, q),
+                        Some(&(_, q)) => (group, q),
+                        None => return out,
+                    },
+                    Sampling::Draw => (
+                        if burst == 1 {
+                            rng.below(self.groups.max(1) as u64) as usize
+                        } else {
+                            group
+                        },
+                        rng.below(self.prompts_per_group.max(1) as u64) as usize,
+                    ),
+                };
+                let n = out.len() as u64;
+                out.push(request(
+                    t,
                     &[
                         (mix(g as u64 + 1), self.system_tokens),
                         (
@@ -93,16 +175,12 @@ impl SharedPrefix {
                             self.question_tokens,
                         ),
                     ],
+                    (mix(seed ^ mix(n ^ 0x6f75_7470_7574)), self.output_tokens),
                     block,
-                );
-                SimRequest {
-                    arrival_ms: t,
-                    blocks,
-                    prompt_tokens: tokens,
-                    output_tokens: self.output_tokens,
-                }
-            })
-            .collect()
+                ));
+                next += 1;
+            }
+        }
     }
 }
 
@@ -149,17 +227,12 @@ impl MultiTurn {
                     mix(((c as u64) << 20) | (turn as u64 * 2 + 1)),
                     self.user_tokens,
                 ));
-                let (blocks, tokens) = chain(&segments, block);
-                out.push(SimRequest {
-                    arrival_ms: t,
-                    blocks,
-                    prompt_tokens: tokens,
-                    output_tokens: self.output_tokens,
-                });
-                segments.push((
+                let answer = (
                     mix(((c as u64) << 20) | (turn as u64 * 2 + 2)),
                     self.output_tokens,
-                ));
+                );
+                out.push(request(t, &segments, answer, block));
+                segments.push(answer);
                 t += (self.think_time_s * (0.5 + rng.unit())) * 1000.0;
             }
         }
@@ -184,11 +257,17 @@ pub fn mooncake(requests: &[MooncakeRequest], block: u64, time_scale: f64) -> Ve
                 })
                 .take(full)
                 .collect();
+            // The output's blocks: this request's own (the trace says nothing of them).
+            let last = blocks.last().map_or(r.timestamp, |b| b.get());
+            let output_blocks = (full as u64..(r.input_length + r.output_length).div_ceil(block))
+                .map(|k| BlockHash::new(mix(last ^ mix(k ^ r.timestamp)) | 1))
+                .collect();
             SimRequest {
                 arrival_ms: r.timestamp as f64 * time_scale,
                 blocks,
+                output_blocks,
                 prompt_tokens: r.input_length,
-                output_tokens: r.output_length,
+                output_tokens: r.output_length.max(1),
             }
         })
         .collect();
@@ -210,6 +289,9 @@ mod tests {
             question_tokens: 32,
             output_tokens: 1,
             rate_per_s: 1.0,
+            sampling: Sampling::EachOnce,
+            duration_s: 0.0,
+            burst: 1,
         }
         .generate(16, 1);
         assert_eq!(reqs.len(), 4);
@@ -267,5 +349,42 @@ mod tests {
         assert_eq!(reqs.len(), 3);
         assert!(reqs[1].blocks.starts_with(&reqs[0].blocks));
         assert!(reqs[2].blocks.starts_with(&reqs[1].blocks));
+        // The next turn repeats the answer: its blocks are the ones the answer filled.
+        let answered: Vec<BlockHash> = reqs[0]
+            .blocks
+            .iter()
+            .chain(&reqs[0].output_blocks)
+            .copied()
+            .collect();
+        assert!(reqs[1]
+            .blocks
+            .starts_with(&answered[..reqs[1].blocks.len().min(4)]));
+        assert_eq!(&reqs[1].blocks[3], &reqs[0].output_blocks[0]);
+    }
+
+    #[test]
+    fn the_anchor_draws_repeated_prompts_for_its_duration_and_bursts_stay_in_one_group() {
+        let w = SharedPrefix {
+            rate_per_s: 20.0,
+            duration_s: 10.0,
+            ..SharedPrefix::anchor()
+        };
+        let reqs = w.generate(16, 3);
+        assert!((150..250).contains(&reqs.len()), "{}", reqs.len());
+        assert!(reqs.iter().all(|r| r.arrival_ms <= 10_000.0));
+        assert_eq!(reqs[0].prompt_tokens, 7_200);
+        assert_eq!(reqs[0].blocks.len(), 450);
+        assert_eq!(
+            reqs[0].output_blocks.len(),
+            8_200 / 16 - 450,
+            "full blocks only"
+        );
+        let bursty = SharedPrefix { burst: 5, ..w }.generate(16, 3);
+        for chunk in bursty.chunks(5).filter(|c| c.len() == 5) {
+            assert!(chunk.iter().all(|r| r.arrival_ms == chunk[0].arrival_ms));
+            assert!(chunk
+                .iter()
+                .all(|r| r.blocks[..375] == chunk[0].blocks[..375]));
+        }
     }
 }
