@@ -18,10 +18,7 @@ use std::hint::black_box;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kv_core::{
-    BlockHash, BlockStored, EventBatch, Indexer, IndexerSettings, KvEvent, Medium, ScoreResult,
-    SplitMix64,
-};
+use kv_core::{BlockHash, EventBatch, Indexer, IndexerSettings, ScoreResult, SplitMix64};
 use kv_lab::alloc::{live_heap_bytes, CountingAllocator};
 use kv_lab::index_bench::median;
 
@@ -61,16 +58,7 @@ fn pod(p: usize) -> String {
 }
 
 fn stored(hashes: &[BlockHash]) -> EventBatch {
-    EventBatch {
-        ts: 1.7e9,
-        events: vec![KvEvent::BlockStored(Box::new(BlockStored {
-            block_hashes: hashes.to_vec(),
-            block_size: 16,
-            medium: Some(Medium::Gpu),
-            ..Default::default()
-        }))],
-        data_parallel_rank: Some(0),
-    }
+    EventBatch::stored_on_gpu(1.7e9, 0, hashes, 16)
 }
 
 /// Scores every prompt against every pod; returns seconds and the best score seen (kept so

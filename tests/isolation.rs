@@ -21,23 +21,16 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use kv_core::{encode_batch, BlockHash, BlockStored, EventBatch, KvEvent, Medium};
+use kv_core::{encode_batch, BlockHash, EventBatch};
 use kv_indexer::daemon;
 use zeromq::{PubSocket, Socket, SocketSend, ZmqMessage};
 
 const MODEL: &str = "iso/model";
 
 fn stored(hashes: &[BlockHash]) -> Bytes {
-    Bytes::from(encode_batch(&EventBatch {
-        ts: 1.7e9,
-        events: vec![KvEvent::BlockStored(Box::new(BlockStored {
-            block_hashes: hashes.to_vec(),
-            block_size: 16,
-            medium: Some(Medium::Gpu),
-            ..Default::default()
-        }))],
-        data_parallel_rank: Some(0),
-    }))
+    Bytes::from(encode_batch(&EventBatch::stored_on_gpu(
+        1.7e9, 0, hashes, 16,
+    )))
 }
 
 fn message(pod: &str, seq: u64, payload: &Bytes) -> ZmqMessage {

@@ -4,7 +4,7 @@
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use kv_core::{encode_batch, BlockHash, BlockStored, EventBatch, KvEvent, Medium};
+use kv_core::{encode_batch, BlockHash, EventBatch};
 use kv_indexer::config::ConfigDuration;
 use kv_indexer::daemon::RunningDaemon;
 use kv_proto::kvindexer_v1::{ListPodsRequest, PodInfo, PodState};
@@ -38,16 +38,7 @@ pub fn ranked_message(
     seq: u64,
     hashes: &[BlockHash],
 ) -> ZmqMessage {
-    let payload = encode_batch(&EventBatch {
-        ts: 1.7e9,
-        events: vec![KvEvent::BlockStored(Box::new(BlockStored {
-            block_hashes: hashes.to_vec(),
-            block_size: 16,
-            medium: Some(Medium::Gpu),
-            ..Default::default()
-        }))],
-        data_parallel_rank: Some(rank),
-    });
+    let payload = encode_batch(&EventBatch::stored_on_gpu(1.7e9, rank, hashes, 16));
     ZmqMessage::try_from(vec![
         Bytes::from(format!("kv@{pod}@{model}")),
         Bytes::copy_from_slice(&seq.to_be_bytes()),

@@ -268,3 +268,21 @@ pub struct EventBatch {
     /// The engine's data-parallel rank (0.10+), if sent.
     pub data_parallel_rank: Option<i64>,
 }
+
+impl EventBatch {
+    /// One `BlockStored` run of `hashes` on the GPU tier (`block_size` tokens each, no parent),
+    /// published at `ts` by the engine of data-parallel rank `rank`: the batch tests,
+    /// benchmarks and simulations send when they speak vLLM's wire format.
+    pub fn stored_on_gpu(ts: f64, rank: i64, hashes: &[BlockHash], block_size: u32) -> Self {
+        Self {
+            ts,
+            events: vec![KvEvent::BlockStored(Box::new(BlockStored {
+                block_hashes: hashes.to_vec(),
+                block_size,
+                medium: Some(Medium::Gpu),
+                ..Default::default()
+            }))],
+            data_parallel_rank: Some(rank),
+        }
+    }
+}

@@ -317,11 +317,6 @@ impl Engine {
         self.cache.blocks.len()
     }
 
-    fn known(&self, req: &SimRequest, seq: &Seq) -> u64 {
-        let _ = self;
-        req.prompt_tokens + seq.generated
-    }
-
     /// Gives `seq` blocks for its first `tokens` tokens. `false` when the cache is full.
     fn grow(
         cache: &mut KvCache,
@@ -360,7 +355,7 @@ impl Engine {
         let mut i = 0;
         while i < self.running.len() && budget > 0 {
             let req = &requests[self.running[i].req];
-            let known = self.known(req, &self.running[i]);
+            let known = req.prompt_tokens + self.running[i].generated;
             let need = (known - self.running[i].computed).min(budget);
             let target = self.running[i].computed + need;
             let mut scheduled = true;
