@@ -99,7 +99,8 @@ fn main() {
         for (i, p) in owned.into_iter().enumerate() {
             speculated += ix
                 .record_routing(MODEL, &pods[i % PODS], p, now)
-                .expect("records");
+                .expect("records")
+                .blocks();
         }
         let record = started.elapsed().as_secs_f64();
         let held = live_heap_bytes().saturating_sub(before) as f64;

@@ -425,3 +425,54 @@ async fn bad_routing_records_get_a_clear_status() {
     assert!(support::metric(&page, "kvindexer_prompt_keys_total{result=\"unknown\"}") >= 2.0);
     d.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_routing_that_records_nothing_is_counted_by_why() {
+    let mut config = support::loopback_config();
+    config.server.enable_record_routing = true;
+    config.scoring.speculative_pod_blocks = 4;
+    config.models.insert(MODEL.into(), Default::default());
+    let d = daemon::start(config).await.expect("daemon starts");
+    let mut c = support::client(&d).await;
+    let mut p = connect(&d).await;
+    let a = "10.0.0.1:8000";
+    let held = prompt(1, 3);
+    publish(&mut p, &d, a, 0, &hashes_of(&d, &held)).await;
+    let outcome = |page: &str, o: &str| {
+        support::metric(
+            page,
+            &format!("kvindexer_speculative_routings_total{{outcome=\"{o}\"}}"),
+        )
+    };
+
+    // Every block already held: 0, counted as already_held.
+    assert_eq!(
+        record(&mut c, &[], Some(&held), a).await.expect("record"),
+        0
+    );
+    // Five blocks against a bound of four per pod: refused, counted as too_long.
+    assert_eq!(
+        record(&mut c, &[], Some(&prompt(2, 5)), a)
+            .await
+            .expect("record"),
+        0
+    );
+    // Four fit: recorded.
+    assert_eq!(
+        record(&mut c, &[], Some(&prompt(3, 4)), a)
+            .await
+            .expect("record"),
+        4
+    );
+    let page = d.metrics_text();
+    assert_eq!(
+        (
+            outcome(&page, "already_held"),
+            outcome(&page, "too_long"),
+            outcome(&page, "recorded")
+        ),
+        (1.0, 1.0, 1.0),
+        "{page}"
+    );
+    d.shutdown().await;
+}

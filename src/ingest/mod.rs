@@ -302,7 +302,7 @@ impl Feeder {
                     .indexer
                     .record_routing(&model, &pod, hashes, std::time::Instant::now())
                 {
-                    Ok(blocks) => shared.metrics.speculation.routing_recorded(blocks > 0),
+                    Ok(recorded) => shared.metrics.speculation.routing_recorded(recorded),
                     // The model is not indexed here (e.g. maxModels): nothing to speculate on.
                     Err(e) => {
                         tracing::debug!(%model, %pod, error = %e, "recorded routing from the log not applied")

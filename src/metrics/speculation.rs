@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 
-use kv_core::Indexer;
+use kv_core::{Indexer, RoutingRecorded};
 use prometheus::{IntCounterVec, IntGaugeVec, Registry};
 
 use super::registry::{counter_vec, gauge_vec, Labels};
@@ -30,7 +30,7 @@ impl SpeculationMetrics {
             routings: counter_vec(
                 r,
                 "kvindexer_speculative_routings_total",
-                "RecordRouting calls that recorded (recorded) or found every block already held (already_held)",
+                "RecordRouting calls that recorded (recorded), found every block already held (already_held), or were refused for a prompt longer than speculativePodBlocks (too_long)",
                 &["outcome"],
             ),
             prompt_keys: counter_vec(
@@ -77,10 +77,9 @@ impl SpeculationMetrics {
         self.prompt_keys.with_label_values(&[result]).inc();
     }
 
-    /// A recorded routing: whether it added speculative blocks.
-    pub fn routing_recorded(&self, added: bool) {
-        let outcome = if added { "recorded" } else { "already_held" };
-        self.routings.with_label_values(&[outcome]).inc();
+    /// A recorded routing's outcome.
+    pub fn routing_recorded(&self, outcome: RoutingRecorded) {
+        self.routings.with_label_values(&[outcome.as_str()]).inc();
     }
 
     /// Sets the gauges from every model's speculation.

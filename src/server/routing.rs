@@ -177,10 +177,11 @@ pub fn record_routing(
             req.pod, req.model
         )));
     }
-    let blocks = indexer
+    let recorded = indexer
         .record_routing(&req.model, &req.pod, hashes.clone(), Instant::now())
         .map_err(|e| Status::not_found(e.to_string()))?;
-    metrics.speculation.routing_recorded(blocks > 0);
+    metrics.speculation.routing_recorded(recorded);
+    let blocks = recorded.blocks();
     if blocks > 0 {
         if let Some(log) = log {
             log.append(Record::Speculate {

@@ -50,7 +50,7 @@ pub use index::{
 /// The facade transports call (`indexer`).
 pub use indexer::{
     ApplyReport, HashCheckStats, Indexer, IndexerSettings, ModelSettings, ModelState, PodRef,
-    PodScore, PodSpeculation, RecordEnd, ScoreError, ScoreResult, SettingsError,
+    PodScore, PodSpeculation, RecordEnd, RoutingRecorded, ScoreError, ScoreResult, SettingsError,
     SpeculationSettings, SpeculationStats, ALL_PODS, DEFAULT_MAX_MODELS, MAX_TTL_FACTOR,
 };
 

@@ -6,8 +6,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kv_core::{
-    BlockHash, BlockStored, EventBatch, Indexer, IndexerSettings, KvEvent, PodRef, ScoreResult,
-    SpeculationSettings, ALL_PODS,
+    BlockHash, BlockStored, EventBatch, Indexer, IndexerSettings, KvEvent, PodRef, RoutingRecorded,
+    ScoreResult, SpeculationSettings, ALL_PODS,
 };
 
 const MODEL: &str = "m";
@@ -66,7 +66,7 @@ fn a_recorded_routing_scores_until_its_events_confirm_it() {
     let t = Instant::now();
     assert_eq!(
         ix.record_routing(MODEL, "b", p.clone(), t).expect("record"),
-        10
+        RoutingRecorded::Speculated(10)
     );
     let after = ix.score_hashes(MODEL, &p, ALL_PODS).expect("score");
     assert_eq!(of(&after, "b"), Some((10, 10, 10.0)));
@@ -78,7 +78,7 @@ fn a_recorded_routing_scores_until_its_events_confirm_it() {
     // Recorded for a, only what a does not hold is speculative.
     assert_eq!(
         ix.record_routing(MODEL, "a", p.clone(), t).expect("record"),
-        6
+        RoutingRecorded::Speculated(6)
     );
     let both = ix.score_hashes(MODEL, &p, &["a"]).expect("score");
     assert_eq!(of(&both, "a"), Some((10, 6, 10.0)));
@@ -123,7 +123,7 @@ fn a_pod_without_events_is_scored_by_its_records_alone() {
     assert_eq!(
         ix.record_routing(MODEL, "silent", p.clone(), t)
             .expect("record"),
-        6
+        RoutingRecorded::Speculated(6)
     );
     let model = ix.model(MODEL).expect("model");
     assert!(model.speculation_fallback("silent"));

@@ -35,7 +35,8 @@ use crate::marks::RoundMarks;
 use crate::BlockHash;
 use speculation::Speculation;
 pub use speculation::{
-    PodSpeculation, RecordEnd, SpeculationSettings, SpeculationStats, MAX_TTL_FACTOR,
+    PodSpeculation, RecordEnd, RoutingRecorded, SpeculationSettings, SpeculationStats,
+    MAX_TTL_FACTOR,
 };
 
 /// How one model's hashes are computed (must equal its vLLM deployment's settings).
@@ -605,15 +606,15 @@ impl Indexer {
 
     /// Records that the gateway routed a prompt (its block `hashes`) to `pod`: until the
     /// pod's `BlockStored` confirms it, or it expires, the pod scores as holding those blocks
-    /// (speculative entries; see [`SpeculationSettings`]). Returns the blocks speculated: the
-    /// prompt's blocks after those the pod already holds for real (0: nothing recorded).
+    /// (speculative entries; see [`SpeculationSettings`]). Returns what was recorded: the
+    /// prompt's blocks after those the pod already holds for real, or why nothing was.
     pub fn record_routing(
         &self,
         model: &str,
         pod: &str,
         hashes: Arc<[BlockHash]>,
         now: std::time::Instant,
-    ) -> Result<usize, ScoreError> {
+    ) -> Result<RoutingRecorded, ScoreError> {
         let state = self
             .model(model)
             .ok_or_else(|| ScoreError::UnknownModel(model.to_owned()))?;

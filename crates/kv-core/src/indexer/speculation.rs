@@ -68,6 +68,38 @@ impl Default for SpeculationSettings {
     }
 }
 
+/// What recording a routing did (`Indexer::record_routing`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RoutingRecorded {
+    /// This many of the prompt's blocks are now speculative for the pod (those after the
+    /// blocks it already holds for real).
+    Speculated(usize),
+    /// The pod already holds every block of the prompt (or the prompt is empty): nothing kept.
+    AlreadyHeld,
+    /// The prompt has more blocks than a pod's records may hold (`speculativePodBlocks`):
+    /// refused, nothing kept.
+    TooLong,
+}
+
+impl RoutingRecorded {
+    /// Blocks made speculative (0 unless [`RoutingRecorded::Speculated`]).
+    pub fn blocks(self) -> usize {
+        match self {
+            Self::Speculated(n) => n,
+            Self::AlreadyHeld | Self::TooLong => 0,
+        }
+    }
+
+    /// The outcome's name in metrics and logs.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Speculated(_) => "recorded",
+            Self::AlreadyHeld => "already_held",
+            Self::TooLong => "too_long",
+        }
+    }
+}
+
 /// Why a speculative record left.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum RecordEnd {
@@ -240,10 +272,13 @@ impl Speculation {
         real_blocks: usize,
         fallback: bool,
         now: Instant,
-    ) -> usize {
+    ) -> RoutingRecorded {
         let n = hashes.len();
-        if n == 0 || real_blocks >= n || n > self.settings.pod_blocks {
-            return 0;
+        if n > self.settings.pod_blocks {
+            return RoutingRecorded::TooLong;
+        }
+        if real_blocks >= n {
+            return RoutingRecorded::AlreadyHeld;
         }
         let mut state = self.state.lock();
         let state = &mut *state;
@@ -284,7 +319,7 @@ impl Speculation {
         });
         state.order.push_back((key.pod.clone(), id));
         self.enforce_bounds(state, &key.pod);
-        n - real_blocks
+        RoutingRecorded::Speculated(n - real_blocks)
     }
 
     /// Drops the oldest records of `pod` beyond the per-pod bound, then the oldest of the
@@ -580,8 +615,14 @@ mod tests {
         let t = Instant::now();
         let system = chain(1, 8);
         let (a, b) = (branch(&system, 2, 4), branch(&system, 3, 4));
-        assert_eq!(s.record("p", a.clone(), 0, false, t), 12);
-        assert_eq!(s.record("p", b.clone(), 8, false, t), 4);
+        assert_eq!(
+            s.record("p", a.clone(), 0, false, t),
+            RoutingRecorded::Speculated(12)
+        );
+        assert_eq!(
+            s.record("p", b.clone(), 8, false, t),
+            RoutingRecorded::Speculated(4)
+        );
         assert_eq!(s.stats().entries, 16);
         // Confirming `a` (its last block stored) drops its 4 own blocks, not the system prompt.
         s.confirm("p", &[&a[8..]], t + Duration::from_millis(10));
@@ -637,7 +678,10 @@ mod tests {
         assert_eq!(s.expire(later, |_| false), 0);
         assert_eq!(s.expire(later + Duration::from_millis(100), |_| false), 2);
         // A prompt longer than the bound is not recorded at all.
-        assert_eq!(s.record("p", chain(4, 11), 0, true, t), 0);
+        assert_eq!(
+            s.record("p", chain(4, 11), 0, true, t),
+            RoutingRecorded::TooLong
+        );
     }
 
     #[test]
@@ -683,6 +727,9 @@ mod tests {
             Some(ms(100) * MAX_TTL_FACTOR)
         );
         // Already held for real: nothing to speculate.
-        assert_eq!(s.record("p", chain(4, 2), 2, false, t), 0);
+        assert_eq!(
+            s.record("p", chain(4, 2), 2, false, t),
+            RoutingRecorded::AlreadyHeld
+        );
     }
 }
