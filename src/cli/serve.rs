@@ -11,7 +11,7 @@ use kv_indexer::config::Config;
 #[derive(Debug, Args)]
 pub struct ServeArgs {
     /// YAML config file; without it, the embedded defaults (in-memory index, bind
-    /// tcp://*:5557, gRPC :50051, metrics :9090).
+    /// tcp://127.0.0.1:5557, gRPC 0.0.0.0:50051, metrics 0.0.0.0:9090).
     #[arg(long, short)]
     pub config: Option<PathBuf>,
     /// Overrides server.grpcAddr.

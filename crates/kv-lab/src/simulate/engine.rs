@@ -369,14 +369,12 @@ impl Engine {
             ) {
                 preempted = true;
                 self.stats.preemptions += 1;
-                if self.running.len() - 1 > i {
-                    let mut victim = self.running.pop().expect("a later sequence");
-                    Self::release(&mut self.cache, &mut victim);
-                    self.waiting.push_front(victim);
-                } else {
-                    let mut victim = self.running.remove(i);
-                    Self::release(&mut self.cache, &mut victim);
-                    self.waiting.push_front(victim);
+                // The newest sequence goes back to the queue; this one only when it is the newest.
+                let newest = self.running.len() - 1;
+                let mut victim = self.running.remove(newest);
+                Self::release(&mut self.cache, &mut victim);
+                self.waiting.push_front(victim);
+                if newest == i {
                     scheduled = false;
                     break;
                 }
@@ -397,8 +395,11 @@ impl Engine {
             let known = req.prompt_tokens + seq.generated;
             let max_hits = ((known - 1) / bs) as usize;
             let mut hits = 0;
-            while hits < max_hits && self.cache.is_hit(block_hash(req, hits)) {
+            while hits < max_hits {
                 let h = block_hash(req, hits);
+                if !self.cache.is_hit(h) {
+                    break;
+                }
                 self.cache.pin(h);
                 seq.held.push(h);
                 hits += 1;
