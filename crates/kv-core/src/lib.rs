@@ -54,5 +54,5 @@ pub use indexer::{
     SpeculationSettings, SpeculationStats, ALL_PODS, DEFAULT_MAX_MODELS, MAX_TTL_FACTOR,
 };
 
-/// 64-bit mixing and the project's one PRNG (`mix`).
-pub use mix::{mix64, SplitMix64};
+/// 64-bit mixing, the project's one PRNG and its one FNV-1a (`mix`).
+pub use mix::{fnv1a, mix64, Fnv1a, SplitMix64};

@@ -279,7 +279,11 @@ fn data_parallel_ranks_are_separate_engines_of_one_pod() {
         .score_tokens(MODEL, &tokens, &["pod"], None, None)
         .expect("known");
     assert_eq!(r.scores[0].matched_blocks, 2);
-    assert_eq!(ix.clear_pod(MODEL, "pod"), 2);
+    assert_eq!(
+        ix.remove_pod(MODEL, "pod"),
+        2,
+        "removing the pod drops both ranks"
+    );
 }
 
 /// `size` bounds the indexer, not each model: many models share one key budget, a newcomer

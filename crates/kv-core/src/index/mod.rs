@@ -128,18 +128,16 @@ fn key(hash: BlockHash) -> u64 {
     }
 }
 
-/// A stable hash of a pod name (FNV-1a), choosing its lane.
-fn mix_name(name: &str) -> u64 {
-    let mut h = 0xcbf2_9ce4_8422_2325u64;
-    for b in name.bytes() {
-        h = (h ^ b as u64).wrapping_mul(0x0100_0000_01b3);
-    }
-    h
-}
-
+/// A membership word: `engine << 8 | tier` (the engine in the high 24 bits, bit 31 reserved).
 #[inline(always)]
 fn member(engine: EngineId, tier: Tier) -> u32 {
     engine << 8 | tier as u32
+}
+
+/// The engine of a membership word (see [`member`]).
+#[inline(always)]
+fn member_engine(m: u32) -> EngineId {
+    m >> 8
 }
 
 const INITIAL_TABLE: usize = 1024;
@@ -232,7 +230,7 @@ impl ModelIndex {
             return Some(id);
         }
         let lanes = self.lanes.len() as u32;
-        let lane = (mix_name(&key.pod) % lanes as u64) as u32;
+        let lane = (crate::mix::fnv1a(key.pod.as_bytes()) % lanes as u64) as u32;
         let slot = match registry.free[lane as usize].pop_first() {
             Some(slot) => slot,
             None => {

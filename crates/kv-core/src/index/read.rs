@@ -10,7 +10,7 @@ use std::cell::RefCell;
 use super::slab::{NodeRead, Slab, NO_WORDS};
 use super::table::Table;
 use super::types::{EngineId, EngineScore, Tier, TierWeights};
-use super::{key, Lane, ModelIndex};
+use super::{key, member_engine, Lane, ModelIndex};
 use crate::marks::RoundMarks;
 use crate::BlockHash;
 
@@ -54,7 +54,7 @@ impl Scratch {
         self.seen.next_round();
         for i in 0..self.members.len() {
             let m = self.members[i];
-            let engine = m >> 8;
+            let engine = member_engine(m);
             if restricted && !self.candidates.is_marked(engine as usize) {
                 continue;
             }
@@ -107,7 +107,7 @@ impl ModelIndex {
                 .find(hash, |id| lane.slab.peek_hash(id))
                 .is_some_and(|id| lane.slab.read_members(id, hash, &mut buf));
             if found {
-                out.extend(buf.iter().map(|&m| (m >> 8, Tier::from_bits(m))));
+                out.extend(buf.iter().map(|&m| (member_engine(m), Tier::from_bits(m))));
             }
         }
         out

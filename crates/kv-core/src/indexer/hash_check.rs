@@ -7,7 +7,8 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use super::{indexable_kind, ApplyReport, Indexer, ModelState};
+use super::apply::indexable_kind;
+use super::{ApplyReport, Indexer, ModelState};
 use crate::events::{BlockStored, EventBatch, KvEvent, MsgpackValue};
 use crate::hashing::{
     ExtraKeysFormat, LoraAdapter, RequestExtras, TokenProcessor, TokenProcessorConfig,

@@ -21,7 +21,7 @@ use super::read::locate;
 use super::slab::SetPool;
 use super::table::Table;
 use super::types::{EngineId, IndexStats, Tier};
-use super::{key, member, Lane, ModelIndex, INITIAL_TABLE};
+use super::{key, member, member_engine, Lane, ModelIndex, INITIAL_TABLE};
 use crate::BlockHash;
 
 /// The writer's running totals; published to [`Counters`] when each write ends.
@@ -279,7 +279,7 @@ impl IndexWriter<'_> {
 
     fn has_engine(&mut self, id: u32, engine: EngineId) -> bool {
         self.index.slab.members_of(id, &mut self.state.list);
-        self.state.list.iter().any(|&m| m >> 8 == engine)
+        self.state.list.iter().any(|&m| member_engine(m) == engine)
     }
 
     /// `BlockStored`: `engine` holds `hashes` (a chain continuing `parent`) in `tier`.
@@ -395,7 +395,7 @@ impl IndexWriter<'_> {
             }
             let hash = self.index.slab.hash_of(id);
             if hash != 0 {
-                removed += self.remove_members(id, hash, |m| m >> 8 == engine);
+                removed += self.remove_members(id, hash, |m| member_engine(m) == engine);
             }
         }
         removed
@@ -426,7 +426,7 @@ impl IndexWriter<'_> {
         for &id in &blocks {
             let hash = self.index.slab.hash_of(id);
             self.index.slab.members_of(id, &mut list);
-            if let Some(&m) = list.iter().find(|&&m| m >> 8 == engine) {
+            if let Some(&m) = list.iter().find(|&&m| member_engine(m) == engine) {
                 out.push((BlockHash::from(hash), Tier::from_bits(m)));
             }
         }
@@ -529,7 +529,7 @@ impl IndexWriter<'_> {
 
     /// Bookkeeping for a membership leaving a node (the reverse list stays lazy).
     fn drop_membership(&mut self, m: u32) {
-        if let Some(state) = self.engine_state(m >> 8) {
+        if let Some(state) = self.engine_state(member_engine(m)) {
             state.live = state.live.saturating_sub(1);
         }
         self.state.tally.memberships -= 1;

@@ -1,0 +1,269 @@
+//! What events do to the index: a batch applied in order under its engine's writer, an engine
+//! cleared (its vLLM restarted), a pod removed (forgotten: blocks, engines, tallies), and a
+//! snapshot's export and import.
+//!
+//! Invariants: a batch is one unit under one writer; the shared key budget is made room for
+//! before a batch stores (evicting from the largest other model, never while holding this
+//! model's writer); removing a pod leaves nothing of it behind (ids, directory entries,
+//! skipped-group sets, hash-check tallies, speculative records).
+
+use std::collections::HashMap;
+use std::sync::atomic::Ordering;
+
+use super::{Indexer, ModelState, SettingsError};
+use crate::events::{EventBatch, KvEvent, Medium};
+use crate::index::{EngineKey, Tier};
+use crate::BlockHash;
+
+/// What applying one batch did (for metrics and tests).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ApplyReport {
+    /// BlockStored events applied.
+    pub stored_events: u32,
+    /// BlockRemoved events applied.
+    pub removed_events: u32,
+    /// AllBlocksCleared events applied.
+    pub cleared_events: u32,
+    /// Events of unknown types, skipped.
+    pub unknown_events: u32,
+    /// Events for groups that are not indexed (sliding window, mamba, ...), skipped.
+    pub skipped_group_events: u32,
+    /// Blocks (memberships) added.
+    pub blocks_stored: u64,
+    /// Memberships removed (by BlockRemoved or a clear).
+    pub blocks_removed: u64,
+    /// Stored runs whose parent the engine did not hold.
+    pub orphan_runs: u32,
+    /// Root runs whose recomputed block-0 hash equalled vLLM's.
+    pub hash_matches: u32,
+    /// Root runs whose recomputed block-0 hash differed.
+    pub hash_mismatches: u32,
+    /// This batch brought the pod's first mismatch: its diagnosis is now in
+    /// [`ModelState::hash_check`] (the embedder decides how loudly to report it; the core does
+    /// not log).
+    pub first_mismatch: bool,
+    /// The engine could not be registered (too many engines): nothing applied.
+    pub engine_rejected: bool,
+}
+
+/// Gives a map's memory back once it is mostly empty (a fleet that shrank).
+fn shrink_if_sparse<K: std::hash::Hash + Eq, V>(map: &mut HashMap<K, V>) {
+    if map.capacity() > 64 && map.len() < map.capacity() / 4 {
+        map.shrink_to_fit();
+    }
+}
+
+/// The index tier of an event's medium; no medium (vLLM < 0.10.2) means GPU.
+pub(super) fn tier_of(medium: Option<&Medium>) -> Tier {
+    match medium {
+        None | Some(Medium::Gpu) => Tier::Gpu,
+        Some(Medium::Cpu) => Tier::Cpu,
+        Some(Medium::Storage) => Tier::Storage,
+        Some(Medium::Other(_)) => Tier::Other,
+    }
+}
+
+pub(super) fn indexable_kind(kind: Option<&str>) -> bool {
+    matches!(kind, None | Some("full_attention") | Some("mla_attention"))
+}
+
+impl Indexer {
+    /// Applies one decoded batch published by `pod` for `model`. The engine is
+    /// `(pod, batch.data_parallel_rank)`.
+    pub fn apply_batch(
+        &self,
+        model: &str,
+        pod: &str,
+        batch: &EventBatch,
+    ) -> Result<ApplyReport, SettingsError> {
+        self.apply_batch_at(model, pod, batch, std::time::Instant::now())
+    }
+
+    /// [`Indexer::apply_batch`] at a given instant: `now` is when the batch arrived, what a
+    /// recorded routing it confirms measures its delay against (a simulation's own clock, or
+    /// the wall clock).
+    pub fn apply_batch_at(
+        &self,
+        model: &str,
+        pod: &str,
+        batch: &EventBatch,
+        now: std::time::Instant,
+    ) -> Result<ApplyReport, SettingsError> {
+        let state = self.model_or_create(model)?;
+        let rank = batch
+            .data_parallel_rank
+            .and_then(|r| u32::try_from(r).ok())
+            .unwrap_or(0);
+        let key = EngineKey::new(pod, rank);
+        let mut report = ApplyReport::default();
+        self.make_room(&state, batch);
+        self.check_hashes(&state, &key.pod, batch, &mut report);
+        // Only engines that published a non-indexable group have an entry.
+        let mut skipped = state.skipped_groups.lock();
+        let applied = state.index.write_engine(&key, |w, engine| {
+            for event in &batch.events {
+                match event {
+                    KvEvent::BlockStored(s) => {
+                        if !indexable_kind(s.kv_cache_spec_kind.as_deref()) {
+                            if let Some(g) = s.group_idx {
+                                skipped.entry(key.clone()).or_default().insert(g);
+                            }
+                            report.skipped_group_events += 1;
+                            continue;
+                        }
+                        let tier = tier_of(s.medium.as_ref());
+                        let outcome = w.store(engine, tier, s.parent_block_hash, &s.block_hashes);
+                        report.stored_events += 1;
+                        report.blocks_stored += outcome.added as u64;
+                        report.orphan_runs += u32::from(outcome.orphan);
+                    }
+                    KvEvent::BlockRemoved(r) => {
+                        let skips = skipped.get(&key);
+                        if r.group_idx
+                            .is_some_and(|g| skips.is_some_and(|set| set.contains(&g)))
+                        {
+                            report.skipped_group_events += 1;
+                            continue;
+                        }
+                        let tier = tier_of(r.medium.as_ref());
+                        report.blocks_removed += w.remove(engine, tier, &r.block_hashes) as u64;
+                        report.removed_events += 1;
+                    }
+                    KvEvent::AllBlocksCleared => {
+                        report.blocks_removed += w.clear_engine(engine) as u64;
+                        report.cleared_events += 1;
+                    }
+                    KvEvent::Unknown(_) => report.unknown_events += 1,
+                }
+            }
+        });
+        if applied.is_none() {
+            report.engine_rejected = true;
+        }
+        drop(skipped);
+        if !state.speculation.is_empty() {
+            let stored: Vec<&[BlockHash]> = batch
+                .events
+                .iter()
+                .filter_map(|e| match e {
+                    KvEvent::BlockStored(s) => Some(&s.block_hashes[..]),
+                    _ => None,
+                })
+                .collect();
+            state.speculation.confirm(pod, &stored, now);
+        }
+        self.totals
+            .unknown_events
+            .fetch_add(report.unknown_events as u64, Ordering::Relaxed);
+        self.totals
+            .skipped_group_events
+            .fetch_add(report.skipped_group_events as u64, Ordering::Relaxed);
+        Ok(report)
+    }
+
+    /// When the shared key budget cannot take `batch`'s new blocks, evicts that many from the
+    /// model holding the most keys, if it is another one (this model evicts its own as it
+    /// stores). Takes one other model's writer at a time, never while holding this one's.
+    fn make_room(&self, state: &ModelState, batch: &EventBatch) {
+        let incoming: u64 = batch
+            .events
+            .iter()
+            .map(|e| match e {
+                KvEvent::BlockStored(s) => s.block_hashes.len() as u64,
+                _ => 0,
+            })
+            .sum();
+        let over = (self.budget.used() + incoming).saturating_sub(self.budget.limit());
+        if over == 0 {
+            return;
+        }
+        let largest = self
+            .models
+            .load()
+            .values()
+            .max_by_key(|m| m.index.key_count())
+            .cloned();
+        if let Some(other) = largest.filter(|m| m.name != state.name) {
+            other.index.evict(over as usize);
+        }
+    }
+
+    /// Forgets `pod` in `model` entirely: its blocks, its engines (ids and directory entries)
+    /// and its per-pod tallies, so a fleet whose pods come and go under new names holds only
+    /// the pods it has now. Returns memberships removed.
+    pub fn remove_pod(&self, model: &str, pod: &str) -> usize {
+        let Some(state) = self.model(model) else {
+            return 0;
+        };
+        let directory = state.index.directory();
+        let mut skipped = state.skipped_groups.lock();
+        for &e in directory.engines_of(pod) {
+            if let Some(key) = directory.key(e) {
+                skipped.remove(&key);
+            }
+        }
+        shrink_if_sparse(&mut skipped);
+        drop(skipped);
+        let mut checks = state.hash_checks.lock();
+        checks.remove(pod);
+        shrink_if_sparse(&mut checks);
+        drop(checks);
+        state.speculation.clear_pod(pod);
+        state.index.remove_pod(pod)
+    }
+
+    /// Calls `f` with every model's engines and the blocks they hold, with their tiers (a
+    /// snapshot's content), one engine at a time. Consistent only while nothing writes (the
+    /// caller pauses its writers).
+    pub fn export_each(&self, mut f: impl FnMut(&str, &EngineKey, &[(BlockHash, Tier)])) {
+        let mut models: Vec<_> = self.models.load().values().cloned().collect();
+        models.sort_by(|a, b| a.name.cmp(&b.name));
+        for m in models {
+            m.index.export_each(|key, blocks| f(&m.name, key, blocks));
+        }
+    }
+
+    /// `pod` at rank `rank` holds `hashes` in `tier` (a snapshot being loaded). Returns the
+    /// memberships added.
+    pub fn import(
+        &self,
+        model: &str,
+        key: &EngineKey,
+        tier: Tier,
+        hashes: &[BlockHash],
+    ) -> Result<usize, SettingsError> {
+        let state = self.model_or_create(model)?;
+        Ok(state
+            .index
+            .write_engine(key, |w, e| w.store(e, tier, None, hashes).added)
+            .unwrap_or(0))
+    }
+
+    /// Drops every block of every model (before a snapshot replaces the index). Returns
+    /// memberships removed.
+    pub fn clear_all(&self) -> usize {
+        let mut removed = 0;
+        for state in self.models.load().values() {
+            let directory = state.index.directory();
+            for (pod, _) in directory.pods() {
+                for &e in directory.engines_of(pod) {
+                    removed += state.index.write(e, |w| w.clear_engine(e));
+                }
+            }
+        }
+        removed
+    }
+
+    /// Drops every block of one engine (`pod` at data-parallel rank `rank`): its vLLM process
+    /// restarted. Returns memberships removed.
+    pub fn clear_engine(&self, model: &str, pod: &str, rank: u32) -> usize {
+        let Some(state) = self.model(model) else {
+            return 0;
+        };
+        let key = EngineKey::new(pod, rank);
+        state
+            .index
+            .write_engine(&key, |w, e| w.clear_engine(e))
+            .unwrap_or(0)
+    }
+}

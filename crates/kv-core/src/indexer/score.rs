@@ -1,0 +1,479 @@
+//! What a gateway asks: pod scores for a prompt given as tokens (hashed here, with the model's
+//! settings) or as block hashes, and the prompt's block hashes themselves.
+//!
+//! Invariants: reads take no lock (the index walk is lock-free; the scratch is per thread);
+//! once a thread and a reused [`ScoreResult`] have seen their largest prompt and fleet, a score
+//! allocates nothing; pods are listed best first (ties by matched blocks, then name), each
+//! candidate once, candidates the index never heard of with 0.
+
+use std::collections::HashSet;
+use std::sync::Arc;
+
+use thiserror::Error;
+
+use super::{Indexer, ModelState};
+use crate::hashing::{ExtraKeysFormat, HashScratch, LoraAdapter, RequestExtras};
+use crate::index::{EngineDirectory, EngineId, EngineScore, TierWeights};
+use crate::marks::RoundMarks;
+use crate::BlockHash;
+
+/// Why a score request failed.
+#[derive(Debug, Error, PartialEq, Eq)]
+pub enum ScoreError {
+    /// The model is neither configured nor seen in any event.
+    #[error("unknown model {0:?}: not configured and no KV events received for it")]
+    UnknownModel(String),
+    /// vLLM >= 0.31 hashes the adapter path, which must be configured.
+    #[error("LoRA adapter {0:?} has no path configured (vLLM >= 0.31 hashes the adapter path; add it to loraAdapters)")]
+    UnknownLora(String),
+}
+
+/// A pod's score for a prompt. The pod is a handle: its name is [`ScoreResult::pod`].
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct PodScore {
+    /// The pod (resolve with [`ScoreResult::pod`]).
+    pub pod: PodRef,
+    /// Tier-weighted consecutive blocks from the prompt's start.
+    pub score: f64,
+    /// Consecutive blocks from the prompt's start the pod holds (speculative ones included).
+    pub matched_blocks: u32,
+    /// Of `matched_blocks`, those held only by speculative entries (recorded routings not yet
+    /// confirmed by the pod's events), at the end of the run.
+    pub speculative_blocks: u32,
+}
+
+/// A pod named in a [`ScoreResult`], without copying or reference-counting its name (listing
+/// 1,024 pods by `Arc<str>` costs a cache miss per pod on the reference counts alone).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum PodRef {
+    /// A pod the index knows: its index in the result's directory.
+    Known(u32),
+    /// A candidate the index has never heard of: its index among the result's unknown names.
+    Unknown(u32),
+    /// A pod known only by its speculative entries (routings recorded for a pod that
+    /// publishes no events): its index in the speculative directory.
+    Speculative(u32),
+}
+
+/// The answer to a score request.
+#[derive(Debug, Clone, Default)]
+pub struct ScoreResult {
+    /// One entry per candidate (every known pod when none are given), best first.
+    pub scores: Vec<PodScore>,
+    /// Full blocks in the prompt.
+    pub total_blocks: u32,
+    /// Prompt tokens.
+    pub prompt_tokens: u32,
+    /// The engine directory the pods were scored against (names of [`PodRef::Known`]).
+    directory: Option<Arc<EngineDirectory>>,
+    /// Names of [`PodRef::Unknown`] candidates.
+    unknown: Vec<Box<str>>,
+    /// The speculative entries' directory (names of [`PodRef::Speculative`]).
+    speculative: Option<Arc<EngineDirectory>>,
+}
+
+impl ScoreResult {
+    /// The name of a scored pod, as named in the events' topic (or connect-mode config).
+    pub fn pod(&self, score: &PodScore) -> &str {
+        match score.pod {
+            PodRef::Known(p) => self
+                .directory
+                .as_ref()
+                .and_then(|d| d.pod(p))
+                .map_or("", |name| name),
+            PodRef::Unknown(i) => self.unknown.get(i as usize).map_or("", |n| n),
+            PodRef::Speculative(p) => self
+                .speculative
+                .as_ref()
+                .and_then(|d| d.pod(p))
+                .map_or("", |name| name),
+        }
+    }
+
+    /// The directory the pods were scored against: [`PodRef::Known`] indexes its pods (an
+    /// embedder can keep its own per-pod data by that index while the directory is the same).
+    pub fn directory(&self) -> Option<&Arc<EngineDirectory>> {
+        self.directory.as_ref()
+    }
+
+    /// `(pod name, score)` pairs, best first.
+    pub fn named(&self) -> impl Iterator<Item = (&str, &PodScore)> {
+        self.scores.iter().map(move |s| (self.pod(s), s))
+    }
+}
+
+/// The candidate list that means "every pod the model knows" (an empty list, typed).
+pub const ALL_PODS: &[&str] = &[];
+
+/// Per-thread working memory of the pod aggregation (reused by every score).
+#[derive(Default)]
+struct PodScratch {
+    /// The candidates' engine ids.
+    candidates: Vec<EngineId>,
+    /// The index's per-engine result.
+    engines: Vec<EngineScore>,
+    /// The pods holding the prompt's first block in this call...
+    holding: RoundMarks,
+    /// ...and, per pod index, its best engine's (score, matched blocks), then with its
+    /// speculative blocks added (score, matched, speculative).
+    best: Vec<(f64, u32, u32)>,
+    /// The candidates' speculative engine ids.
+    spec_candidates: Vec<EngineId>,
+    /// The speculative walk's per-engine result.
+    spec_engines: Vec<EngineScore>,
+    /// Pods known only by their speculative entries that hold the prompt's first block...
+    spec_holding: RoundMarks,
+    /// ...and, per speculative pod index, how many blocks.
+    spec_len: Vec<u32>,
+    /// Speculative-only pods listed in this pass.
+    spec_listed: RoundMarks,
+    /// The pods listed in this pass (a candidate named twice is listed once).
+    listed: RoundMarks,
+    /// Candidates unknown to the index already listed in this call.
+    unknown: HashSet<Box<str>>,
+}
+
+impl Indexer {
+    /// Scores `pods` (every known pod of the model when empty) for a prompt given as tokens.
+    pub fn score_tokens<S: AsRef<str>>(
+        &self,
+        model: &str,
+        tokens: &[u32],
+        pods: &[S],
+        lora_name: Option<&str>,
+        cache_salt: Option<&str>,
+    ) -> Result<ScoreResult, ScoreError> {
+        let mut result = ScoreResult::default();
+        self.score_tokens_into(model, tokens, pods, lora_name, cache_salt, &mut result)?;
+        Ok(result)
+    }
+
+    /// [`Indexer::score_tokens`] into a result the caller reuses: once the thread and `out`
+    /// have seen their largest prompt and fleet, a call allocates nothing (a candidate the
+    /// index has never heard of costs its name).
+    pub fn score_tokens_into<S: AsRef<str>>(
+        &self,
+        model: &str,
+        tokens: &[u32],
+        pods: &[S],
+        lora_name: Option<&str>,
+        cache_salt: Option<&str>,
+        out: &mut ScoreResult,
+    ) -> Result<(), ScoreError> {
+        let state = self
+            .model(model)
+            .ok_or_else(|| ScoreError::UnknownModel(model.to_owned()))?;
+        let extras = self.request_extras(&state, lora_name, cache_salt)?;
+        thread_local! {
+            static HASHING: std::cell::RefCell<(HashScratch, Vec<BlockHash>)> =
+                std::cell::RefCell::new((HashScratch::default(), Vec::new()));
+        }
+        HASHING.with(|cell| {
+            let mut fresh = Default::default();
+            let mut borrowed = cell.try_borrow_mut();
+            let (scratch, hashes) = match borrowed.as_deref_mut() {
+                Ok(pair) => pair,
+                Err(_) => &mut fresh,
+            };
+            hashes.clear();
+            state
+                .processor
+                .block_hashes_into(tokens, &extras, scratch, hashes);
+            self.score_hashes_in(&state, hashes, pods, out);
+        });
+        out.prompt_tokens = tokens.len() as u32;
+        Ok(())
+    }
+
+    /// The prompt's block hashes as `model`'s vLLM computes them (what [`Indexer::score_hashes`]
+    /// and [`Indexer::record_routing`] take).
+    pub fn block_hashes(
+        &self,
+        model: &str,
+        tokens: &[u32],
+        lora_name: Option<&str>,
+        cache_salt: Option<&str>,
+    ) -> Result<Vec<BlockHash>, ScoreError> {
+        let state = self
+            .model(model)
+            .ok_or_else(|| ScoreError::UnknownModel(model.to_owned()))?;
+        let extras = self.request_extras(&state, lora_name, cache_salt)?;
+        let mut hashes = Vec::with_capacity(tokens.len() / state.processor.block_size().max(1));
+        state.processor.block_hashes_into(
+            tokens,
+            &extras,
+            &mut HashScratch::default(),
+            &mut hashes,
+        );
+        Ok(hashes)
+    }
+
+    /// Scores pods for a prompt given as its block hashes (event form).
+    pub fn score_hashes<S: AsRef<str>>(
+        &self,
+        model: &str,
+        hashes: &[BlockHash],
+        pods: &[S],
+    ) -> Result<ScoreResult, ScoreError> {
+        let mut result = ScoreResult::default();
+        self.score_hashes_into(model, hashes, pods, &mut result)?;
+        Ok(result)
+    }
+
+    /// [`Indexer::score_hashes`] into a result the caller reuses (see
+    /// [`Indexer::score_tokens_into`]).
+    pub fn score_hashes_into<S: AsRef<str>>(
+        &self,
+        model: &str,
+        hashes: &[BlockHash],
+        pods: &[S],
+        out: &mut ScoreResult,
+    ) -> Result<(), ScoreError> {
+        let state = self
+            .model(model)
+            .ok_or_else(|| ScoreError::UnknownModel(model.to_owned()))?;
+        self.score_hashes_in(&state, hashes, pods, out);
+        out.prompt_tokens = 0;
+        Ok(())
+    }
+
+    fn request_extras(
+        &self,
+        state: &ModelState,
+        lora_name: Option<&str>,
+        cache_salt: Option<&str>,
+    ) -> Result<RequestExtras, ScoreError> {
+        let lora = match lora_name.filter(|n| !n.is_empty()) {
+            None => None,
+            Some(name) => {
+                let path = state.lora_paths.get(name).cloned();
+                let path = match (path, state.processor.extra_keys_format()) {
+                    (Some(p), _) => p,
+                    (None, ExtraKeysFormat::Untagged) => String::new(),
+                    (None, ExtraKeysFormat::Tagged) => {
+                        return Err(ScoreError::UnknownLora(name.to_owned()))
+                    }
+                };
+                Some(LoraAdapter {
+                    name: name.to_owned(),
+                    path,
+                })
+            }
+        };
+        Ok(RequestExtras {
+            lora,
+            multimodal: Vec::new(),
+            cache_salt: cache_salt.filter(|s| !s.is_empty()).map(str::to_owned),
+        })
+    }
+
+    /// Scores into `out`: the index walk over the candidates' engines, then one entry per
+    /// pod (its best engine, for DP ranks), best first (ties by matched blocks, then name).
+    fn score_hashes_in<S: AsRef<str>>(
+        &self,
+        state: &ModelState,
+        hashes: &[BlockHash],
+        pods: &[S],
+        out: &mut ScoreResult,
+    ) {
+        thread_local! {
+            static SCRATCH: std::cell::RefCell<PodScratch> = Default::default();
+        }
+        SCRATCH.with(|cell| {
+            let mut fresh = PodScratch::default();
+            let mut borrowed = cell.try_borrow_mut();
+            let scratch = match borrowed.as_deref_mut() {
+                Ok(s) => s,
+                Err(_) => &mut fresh,
+            };
+            self.score_pods(state, hashes, pods, scratch, out);
+        });
+        out.total_blocks = hashes.len() as u32;
+    }
+
+    fn score_pods<S: AsRef<str>>(
+        &self,
+        state: &ModelState,
+        hashes: &[BlockHash],
+        pods: &[S],
+        s: &mut PodScratch,
+        out: &mut ScoreResult,
+    ) {
+        let directory = state.index.directory();
+        out.scores.clear();
+        out.unknown.clear();
+        s.candidates.clear();
+        for pod in pods {
+            let ids = directory.engines_of(pod.as_ref());
+            s.candidates.extend_from_slice(ids);
+        }
+        let restrict = (!pods.is_empty()).then_some(s.candidates.as_slice());
+        state
+            .index
+            .score_engines(hashes, restrict, &self.settings.weights, &mut s.engines);
+        // Best engine per pod (DP ranks), by pod index.
+        s.holding.next_round();
+        if s.best.len() < directory.pod_slots() {
+            s.best.resize(directory.pod_slots(), (0.0, 0, 0));
+        }
+        for e in &s.engines {
+            let Some(p) = directory.pod_of(e.engine) else {
+                continue;
+            };
+            let slot = &mut s.best[p as usize];
+            if s.holding.mark(p as usize) || (e.score, e.matched_blocks) > (slot.0, slot.1) {
+                *slot = (e.score, e.matched_blocks, 0);
+            }
+        }
+        let speculative = self.score_speculative(state, &directory, hashes, pods, s);
+        let (holding, best) = (&s.holding, &s.best);
+        let score_of = |p: u32| match best.get(p as usize) {
+            Some(&triple) if holding.is_marked(p as usize) => triple,
+            _ => (0.0, 0, 0),
+        };
+        let (spec_holding, spec_len) = (&s.spec_holding, &s.spec_len);
+        let weight = self.settings.speculation.weight;
+        // A pod known only by its speculative entries.
+        let spec_only = |sp: u32| match spec_len.get(sp as usize) {
+            Some(&n) if spec_holding.is_marked(sp as usize) => (weight * n as f64, n, n),
+            _ => (0.0, 0, 0),
+        };
+        let push = |out: &mut ScoreResult, pod, (score, matched_blocks, speculative_blocks)| {
+            out.scores.push(PodScore {
+                pod,
+                score,
+                matched_blocks,
+                speculative_blocks,
+            })
+        };
+        // Two passes, holders then the rest, so only holders need sorting and the rest keep
+        // their order (name order, or the caller's).
+        for holders in [true, false] {
+            if pods.is_empty() {
+                for (_, p) in directory.pods() {
+                    let triple = score_of(p);
+                    if (triple.1 > 0) == holders {
+                        push(out, PodRef::Known(p), triple);
+                    }
+                }
+                if let Some(sdir) = &speculative {
+                    for (name, sp) in sdir.pods() {
+                        let triple = spec_only(sp);
+                        if directory.pod_index(name).is_none() && (triple.1 > 0) == holders {
+                            push(out, PodRef::Speculative(sp), triple);
+                        }
+                    }
+                }
+            } else {
+                // Each candidate once, in the caller's order (a pod named twice is listed once).
+                s.listed.next_round();
+                s.spec_listed.next_round();
+                s.unknown.clear();
+                for pod in pods {
+                    let name = pod.as_ref();
+                    if let Some(p) = directory.pod_index(name) {
+                        let triple = score_of(p);
+                        if (triple.1 > 0) == holders && s.listed.mark(p as usize) {
+                            push(out, PodRef::Known(p), triple);
+                        }
+                        continue;
+                    }
+                    if let Some(sp) = speculative.as_ref().and_then(|d| d.pod_index(name)) {
+                        let triple = spec_only(sp);
+                        if (triple.1 > 0) == holders && s.spec_listed.mark(sp as usize) {
+                            push(out, PodRef::Speculative(sp), triple);
+                        }
+                        continue;
+                    }
+                    // Unknown to the index: listed with 0, once.
+                    if !holders && s.unknown.insert(name.into()) {
+                        push(out, PodRef::Unknown(out.unknown.len() as u32), (0.0, 0, 0));
+                        out.unknown.push(name.into());
+                    }
+                }
+            }
+            if holders {
+                // Ties by name (holders are always known pods).
+                let name = |p: &PodScore| match p.pod {
+                    PodRef::Known(i) => directory.pod(i).map_or("", |n| n),
+                    PodRef::Speculative(i) => speculative
+                        .as_ref()
+                        .and_then(|d| d.pod(i))
+                        .map_or("", |n| n),
+                    PodRef::Unknown(_) => "",
+                };
+                out.scores.sort_unstable_by(|a, b| {
+                    b.score
+                        .total_cmp(&a.score)
+                        .then(b.matched_blocks.cmp(&a.matched_blocks))
+                        .then_with(|| name(a).cmp(name(b)))
+                });
+            }
+        }
+        out.directory = Some(directory);
+        out.speculative = speculative;
+    }
+
+    /// The speculative walk (only while the model has speculative entries): a pod whose
+    /// recorded routings reach further than its real blocks scores the difference at the
+    /// speculative weight. Pods the index knows get it in `s.best`; pods known only by their
+    /// records, in `s.spec_len` by speculative pod index. Returns the speculative directory.
+    fn score_speculative<S: AsRef<str>>(
+        &self,
+        state: &ModelState,
+        directory: &EngineDirectory,
+        hashes: &[BlockHash],
+        pods: &[S],
+        s: &mut PodScratch,
+    ) -> Option<Arc<EngineDirectory>> {
+        s.spec_holding.next_round();
+        if state.speculation.is_empty() {
+            return None;
+        }
+        let index = state.speculation.index();
+        let sdir = index.directory();
+        s.spec_candidates.clear();
+        for pod in pods {
+            s.spec_candidates
+                .extend_from_slice(sdir.engines_of(pod.as_ref()));
+        }
+        let restrict = (!pods.is_empty()).then_some(s.spec_candidates.as_slice());
+        // Every speculative block weighs the same; the weight is applied below.
+        index.score_engines(
+            hashes,
+            restrict,
+            &TierWeights([1.0; 4]),
+            &mut s.spec_engines,
+        );
+        if s.spec_len.len() < sdir.pod_slots() {
+            s.spec_len.resize(sdir.pod_slots(), 0);
+        }
+        let weight = self.settings.speculation.weight;
+        for e in &s.spec_engines {
+            let Some(sp) = sdir.pod_of(e.engine) else {
+                continue;
+            };
+            let Some(name) = sdir.pod(sp) else {
+                continue;
+            };
+            let n = e.matched_blocks;
+            match directory.pod_index(name) {
+                Some(p) => {
+                    let slot = &mut s.best[p as usize];
+                    if s.holding.mark(p as usize) {
+                        *slot = (0.0, 0, 0);
+                    }
+                    if n > slot.1 {
+                        let extra = n - slot.1;
+                        *slot = (slot.0 + weight * extra as f64, n, extra);
+                    }
+                }
+                None => {
+                    s.spec_holding.mark(sp as usize);
+                    s.spec_len[sp as usize] = n;
+                }
+            }
+        }
+        Some(sdir)
+    }
+}
