@@ -21,7 +21,7 @@ use kv_core::{
     decode_batch, encode_batch, BlockHash, BlockStored, EventBatch, Indexer, IndexerSettings,
     KvEvent, Medium, SplitMix64,
 };
-use kv_indexer::replication::snapshot::{checksum, SnapshotReader, SnapshotRecord, SnapshotWriter};
+use kv_indexer::replication::snapshot::{checksum, SnapshotItem, SnapshotReader, SnapshotWriter};
 use kv_indexer::replication::StreamId;
 use kv_lab::alloc::{live_heap_bytes, peak_heap_bytes, reset_peak_heap_bytes, CountingAllocator};
 use kv_lab::index_bench::median;
@@ -120,13 +120,13 @@ fn main() {
         let started = Instant::now();
         let target = indexer();
         let mut reader = SnapshotReader::new(&bytes).expect("header");
-        while let Some(record) = reader.next_record().expect("record") {
-            if let SnapshotRecord::Blocks {
+        while let Some(item) = reader.next_item().expect("item") {
+            if let SnapshotItem::Blocks {
                 model,
                 key,
                 tier,
                 hashes,
-            } = record
+            } = item
             {
                 target.import(model, &key, tier, &hashes).expect("imports");
             }

@@ -18,16 +18,17 @@ use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
 use crate::config::{Config, ConfigError};
-use crate::ingest::{self, IngestError, IngestHandle, IngestSetup, Publishers};
+use crate::ingest::{self, IngestError, IngestHandle, IngestSetup, LogHandle, Publishers};
 use crate::metrics::Metrics;
 use crate::replication::{Replication, ReplicationError};
-use crate::server::grpc::{
-    indexer_v1::indexer_service_server::IndexerServiceServer,
-    kvindexer_v1::kv_indexer_server::KvIndexerServer, KvIndexerApi, LlmdIndexerApi, ScoreService,
-    FILE_DESCRIPTOR_SET,
-};
+use crate::server::grpc::{KvIndexerApi, ScoreService};
 use crate::server::http;
+use crate::server::llmd::LlmdIndexerApi;
 use kv_core::{Indexer, SettingsError};
+use kv_proto::{
+    indexer_v1::indexer_service_server::IndexerServiceServer,
+    kvindexer_v1::kv_indexer_server::KvIndexerServer, FILE_DESCRIPTOR_SET,
+};
 
 /// Why the daemon could not start.
 #[derive(Debug, Error)]
@@ -149,7 +150,8 @@ pub async fn start(config: Config) -> Result<RunningDaemon, DaemonError> {
             tracing::info!(redis = %r.redacted_url(), replica = %r.replica(), "replication on: loading the newest snapshot");
             let restored = r.restore(&indexer).await;
             let (sink, task) = r.start_appender();
-            (restored, Some(sink), Some(task))
+            let log: LogHandle = Arc::new(sink);
+            (restored, Some(log), Some(task))
         }
         None => (Default::default(), None, None),
     };

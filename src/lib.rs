@@ -5,12 +5,13 @@
 //! - [`ingest`]: ZMQ sockets (bind and connect), the per-publisher sequence state machine, gap
 //!   fill from vLLM's replay socket, per-pod ordered workers applying batches to the indexer;
 //! - [`replication`]: several replicas sharing one index through Redis (a shared event log,
-//!   snapshots, warm restarts), off by default;
+//!   snapshots, warm restarts), off by default; it implements ingestion's shared-log port, so
+//!   it depends on ingestion and never the reverse;
 //! - [`server`]: gRPC (ScorePods, admin, llm-d compatibility, health, reflection) and HTTP
 //!   (metrics, probes);
 //! - [`config`], [`metrics`], [`daemon`]: the YAML schema, the Prometheus registry (attached to
 //!   the index and the tokenizer from the outside), and the wiring with ordered start-up and
-//!   graceful shutdown.
+//!   graceful shutdown; `warn_budget`: how many warning lines input can cause.
 //!
 //! What it builds on: `kv-core` (hashing, events, the index and the indexer facade),
 //! `kv-tokenize` (prompts in) and `kv-proto` (the gRPC types).
@@ -23,6 +24,7 @@ mod ingest;
 mod metrics;
 pub mod replication;
 mod server;
+mod warn_budget;
 
 /// Topic and endpoint grammar (public for the fuzz targets and tools).
 pub use ingest::topic;

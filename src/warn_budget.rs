@@ -1,15 +1,45 @@
-//! One budget for the log lines that name a publisher (a restart, a hash mismatch, a filled
-//! gap, a forgotten pod), so a fleet of 20,000 pods with the same problem prints a handful of
-//! lines and a count, not 20,000 lines.
+//! How many warning lines the daemon prints: what input can repeat must not flood the logs.
 //!
-//! Each line is first limited where it is produced (a hash mismatch is diagnosed once per pod;
-//! a frame error once per reason every 10 s, by [`super::LogLimiter`]). On top of that, at most
-//! [`LINES_PER_WINDOW`] publisher lines per kind are printed per [`WINDOW`]; the rest are
-//! counted, and [`LogBudget::summarize`] (called every window) prints one line per kind: "N
-//! more like this suppressed". Metrics count every occurrence regardless.
+//! - [`WarnThrottle`]: at most one line per reason every 10 s (a frame error, an undecodable
+//!   payload, Redis unreachable), with the count of lines held back since the last one;
+//! - [`WarnBudget`]: one budget for the lines that name a publisher (a restart, a hash
+//!   mismatch, a filled gap, a forgotten pod), so a fleet of 20,000 pods with the same problem
+//!   prints a handful of lines and a count, not 20,000 lines. At most [`LINES_PER_WINDOW`]
+//!   lines per kind are printed per [`WINDOW`]; the rest are counted, and
+//!   [`WarnBudget::summarize`] (called every window) prints one line per kind: "N more like
+//!   this suppressed".
+//!
+//! Metrics count every occurrence regardless: these decide only what is printed.
 
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+/// At most one line per reason every 10 s, reporting how many were held back.
+#[derive(Default)]
+pub struct WarnThrottle {
+    last: AtomicU64,
+    suppressed: AtomicU64,
+}
+
+impl WarnThrottle {
+    /// `Some(lines held back since the last one)` when a line may be printed now.
+    pub fn allow(&self) -> Option<u64> {
+        let now = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs());
+        let last = self.last.load(Ordering::Relaxed);
+        if now >= last + 10
+            && self
+                .last
+                .compare_exchange(last, now, Ordering::Relaxed, Ordering::Relaxed)
+                .is_ok()
+        {
+            return Some(self.suppressed.swap(0, Ordering::Relaxed));
+        }
+        self.suppressed.fetch_add(1, Ordering::Relaxed);
+        None
+    }
+}
 
 /// The budget's window.
 pub const WINDOW: Duration = Duration::from_secs(10);
@@ -54,14 +84,14 @@ impl LineKind {
 
 /// The shared budget (cheap atomics; no lock on the logging path).
 #[derive(Default)]
-pub struct LogBudget {
+pub struct WarnBudget {
     /// The window the counts below belong to (seconds since the epoch / window length).
     window: AtomicU64,
     printed: [AtomicU32; KINDS],
     suppressed: [AtomicU64; KINDS],
 }
 
-impl LogBudget {
+impl WarnBudget {
     /// Whether a line of `kind` may be printed now; when not, it is counted for the summary.
     pub fn allow(&self, kind: LineKind) -> bool {
         self.roll();
@@ -115,8 +145,17 @@ mod tests {
     use super::*;
 
     #[test]
+    fn a_throttle_prints_one_line_then_counts_what_it_held_back() {
+        let throttle = WarnThrottle::default();
+        assert_eq!(throttle.allow(), Some(0), "the first line prints");
+        // Within the same 10 s (a boundary in between would print one more, never fewer).
+        let held = (0..5).filter(|_| throttle.allow().is_none()).count();
+        assert!(held >= 4, "{held}");
+    }
+
+    #[test]
     fn a_burst_prints_the_budget_and_counts_the_rest_per_kind() {
-        let budget = LogBudget::default();
+        let budget = WarnBudget::default();
         // 20,000 pods with a mismatch, 3 restarts, within one window (a window boundary in
         // the middle would only allow more lines, never fewer).
         let printed = (0..20_000)

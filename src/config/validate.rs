@@ -141,7 +141,7 @@ impl Config {
             ));
         }
         for (i, pattern) in ev.allowed_pods.iter().enumerate() {
-            if pattern.is_empty() || pattern.len() > crate::ingest::topic::MAX_POD_LEN {
+            if pattern.is_empty() || pattern.len() > super::MAX_POD_LEN {
                 return Err(invalid(
                     format!("kvEventsConfig.allowedPods[{i}]"),
                     "must be a non-empty pod pattern",
@@ -219,7 +219,7 @@ impl Config {
             ));
         }
         for (i, server) in discovery.nameservers.iter().enumerate() {
-            if crate::ingest::discovery::nameserver_address(server).is_none() {
+            if super::nameserver_address(server).is_none() {
                 return Err(invalid(
                     format!("kvEventsConfig.discovery.nameservers[{i}]"),
                     format!("{server:?} is not an IP address or ip:port"),

@@ -19,7 +19,7 @@
 //!   each with `dataParallelSize` sockets: an answer cannot open unbounded sockets.
 
 use std::collections::{BTreeSet, HashMap};
-use std::net::{IpAddr, SocketAddr};
+use std::net::IpAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -33,8 +33,9 @@ use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
 use super::lifecycle::Link;
-use super::{sockets, Dispatch, LogLimiter};
+use super::{sockets, Dispatch};
 use crate::config::{ConnectEndpoint, DiscoveredService, DiscoveryConfig};
+use crate::warn_budget::WarnThrottle;
 
 /// Why a name could not be resolved (the addresses dialled stay as they were), or why the
 /// resolver could not be set up.
@@ -55,16 +56,6 @@ pub enum DiscoveryError {
     },
 }
 
-/// A configured DNS server's address: `ip` (port 53) or `ip:port` (`[v6]:port`).
-pub fn nameserver_address(text: &str) -> Option<SocketAddr> {
-    let text = text.trim();
-    text.parse::<SocketAddr>().ok().or_else(|| {
-        text.parse::<IpAddr>()
-            .ok()
-            .map(|ip| SocketAddr::new(ip, 53))
-    })
-}
-
 /// Resolves discovered services' names to the set of their addresses.
 pub struct Resolver {
     inner: TokioResolver,
@@ -82,7 +73,7 @@ impl Resolver {
             let servers = config
                 .nameservers
                 .iter()
-                .filter_map(|s| nameserver_address(s))
+                .filter_map(|s| crate::config::nameserver_address(s))
                 .map(|addr| {
                     let mut server = NameServerConfig::udp_and_tcp(addr.ip());
                     for connection in &mut server.connections {
@@ -176,7 +167,7 @@ pub(super) async fn follow(
     mut shutdown: watch::Receiver<bool>,
 ) {
     let metrics = &dispatch.shared.metrics.discovery;
-    let failures = LogLimiter::default();
+    let failures = WarnThrottle::default();
     let mut dialled: HashMap<IpAddr, Dialled> = HashMap::new();
     let name = service.name.as_str();
     loop {
@@ -269,27 +260,6 @@ fn sample(addresses: &[IpAddr]) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn nameservers_are_addresses_with_an_optional_port() {
-        assert_eq!(
-            nameserver_address("10.96.0.10"),
-            Some("10.96.0.10:53".parse().expect("addr"))
-        );
-        assert_eq!(
-            nameserver_address("127.0.0.1:5353"),
-            Some("127.0.0.1:5353".parse().expect("addr"))
-        );
-        assert_eq!(
-            nameserver_address("fd00::a"),
-            Some("[fd00::a]:53".parse().expect("addr"))
-        );
-        assert_eq!(
-            nameserver_address("[fd00::a]:5353"),
-            Some("[fd00::a]:5353".parse().expect("addr"))
-        );
-        assert_eq!(nameserver_address("kube-dns"), None);
-    }
 
     #[test]
     fn every_rank_is_a_publisher_on_port_plus_rank() {

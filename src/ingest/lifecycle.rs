@@ -14,7 +14,7 @@
 //! A pod gone for `publisherGracePeriod` is forgotten: its blocks and engines leave the index,
 //! its publishers' states are dropped (with replication, the forgetting is appended to the
 //! shared log as a pod clear, so every replica forgets it too), with a metric and one log line
-//! (under the [`LogBudget`](super::log_budget::LogBudget)). A reconnect within the grace period
+//! (under the [`WarnBudget`](crate::warn_budget::WarnBudget)). A reconnect within the grace period
 //! keeps everything. With `publisherIdleTimeout`, a pod silent that long is forgotten too,
 //! whatever its link says: the fallback for pods whose id names no address (a NAT or a mesh
 //! in between, or names instead of addresses) and for pods seen only through the log.
@@ -321,9 +321,9 @@ pub(super) async fn sweep(
         shared
             .links
             .prune(settings.grace_period.saturating_mul(2), now);
-        if now.duration_since(last_summary) >= super::log_budget::WINDOW {
+        if now.duration_since(last_summary) >= crate::warn_budget::WINDOW {
             last_summary = now;
-            shared.log_budget.summarize();
+            shared.warn_budget.summarize();
         }
     }
 }

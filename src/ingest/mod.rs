@@ -11,8 +11,9 @@
 //! - [`workers`]: decode, sequence, gap fill, apply;
 //! - [`gap_fill`]: the client of vLLM's replay socket; [`topic`]: topic and endpoint grammar;
 //! - [`lifecycle`]: noticing that a pod left, and forgetting it after a grace period;
-//!   [`publishers`]: every publisher's stream state, by pod; [`log_budget`]: one budget for the
-//!   log lines that name a publisher.
+//!   [`publishers`]: every publisher's stream state, by pod;
+//! - [`shared_log`]: the port to a shared event log (replication implements it; ingestion
+//!   never imports replication).
 //!
 //! Invariants:
 //! - a message with a bad frame count, a short sequence or an unparsable topic is dropped,
@@ -31,38 +32,41 @@
 //!   at once); meanwhile that publisher's messages wait in a bounded buffer and every other
 //!   publisher's apply as usual; a publisher whose gap fill fails is backed off (1 s doubling to
 //!   60 s) and its gaps are counted as lost without asking it again;
-//! - with replication ([`crate::replication`]), every message applied from this replica's own
-//!   sockets is appended to the shared log, and messages other replicas appended come back
-//!   through a [`Feeder`] to the same worker as the pod's own messages; one sequence state per
-//!   publisher covers both paths, so each (publisher, sequence) is applied once, whichever path
-//!   brought it first (an older message after a newer one is stale, see [`sequence`]).
+//! - with a shared log ([`SharedLog`], replication), every message applied from this replica's
+//!   own sockets is appended to it, and messages other replicas appended come back through a
+//!   [`Feeder`] to the same worker as the pod's own messages; one sequence state per publisher
+//!   covers both paths, so each (publisher, sequence) is applied once, whichever path brought
+//!   it first (an older message after a newer one is stale, see [`sequence`]);
+//! - a pod is forgotten in one place, its worker ([`Job::ClearPod`], [`Job::Forget`]), in
+//!   order with its messages: an admin clear ([`Pods::clear_pod`]) drops the pod's parked gap
+//!   fills with its blocks, so nothing fetched before the clear can bring them back.
 
 pub mod discovery;
 pub mod gap_fill;
 pub mod lifecycle;
-pub mod log_budget;
 mod publishers;
 pub mod sequence;
+pub mod shared_log;
 mod sockets;
 pub mod topic;
 mod workers;
 
 pub use publishers::Publishers;
+pub use shared_log::{LogEntry, LogHandle, SharedLog, Stamp};
 
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::sync::{Arc, Weak};
+use std::time::Duration;
 
 use bytes::Bytes;
 use kv_core::Indexer;
 use thiserror::Error;
-use tokio::sync::{mpsc, watch};
+use tokio::sync::{mpsc, oneshot, watch};
 use tokio::task::JoinHandle;
 use zeromq::{Socket, SubSocket};
 
 use crate::config::KvEventsConfig;
 use crate::metrics::Metrics;
-use crate::replication::{Record, Stamp};
+use crate::warn_budget::{WarnBudget, WarnThrottle};
 
 /// Why ingestion could not start.
 #[derive(Debug, Error)]
@@ -125,16 +129,49 @@ pub struct PublisherState {
     pub backoff_until: Option<std::time::Instant>,
 }
 
-/// The publishers with what tells whether their pods are there: what ListPods reports.
+/// The admin API's view of the pods: the publishers with what tells whether their pods are
+/// there (what ListPods reports), and the way to clear one (ClearPod).
 #[derive(Clone)]
 pub struct Pods {
     /// Publisher states.
     pub publishers: Arc<Publishers>,
     links: Arc<lifecycle::Links>,
     lifecycle: lifecycle::LifecycleSettings,
+    /// The workers' queues, while ingestion runs (held weakly: the admin API must not keep the
+    /// queues open past shutdown).
+    dispatch: Weak<Dispatch>,
+}
+
+/// Why an admin clear was not carried out.
+#[derive(Debug, Error)]
+pub enum ClearError {
+    /// Ingestion has stopped (the daemon is shutting down).
+    #[error("event ingestion has stopped")]
+    Stopped,
 }
 
 impl Pods {
+    /// Forgets `pod` in `model` through the pod's worker, in order with its messages: its
+    /// blocks, engines, publisher states and parked gap fills; with a shared log, every replica
+    /// is told. Returns the memberships removed.
+    pub async fn clear_pod(&self, model: Arc<str>, pod: Arc<str>) -> Result<usize, ClearError> {
+        let dispatch = self.dispatch.upgrade().ok_or(ClearError::Stopped)?;
+        let (reply, answer) = oneshot::channel();
+        let worker = worker_of(&pod, dispatch.workers.len());
+        let job = Job::ClearPod {
+            model,
+            pod,
+            origin: ClearOrigin::Admin(reply),
+        };
+        dispatch.shared.metrics.ingest.queued();
+        if dispatch.workers[worker].send(job).await.is_err() {
+            dispatch.shared.metrics.ingest.dequeued();
+            return Err(ClearError::Stopped);
+        }
+        drop(dispatch);
+        answer.await.map_err(|_| ClearError::Stopped)
+    }
+
     /// Every pod known, with its presence and when it last spoke.
     pub fn presence(
         &self,
@@ -154,33 +191,6 @@ pub(crate) fn worker_of(pod: &str, workers: usize) -> usize {
     let mut h = std::collections::hash_map::DefaultHasher::new();
     pod.hash(&mut h);
     (h.finish() as usize) % workers.max(1)
-}
-
-/// At most one log line per reason every 10 s, reporting how many were suppressed.
-#[derive(Default)]
-pub struct LogLimiter {
-    last: AtomicU64,
-    suppressed: AtomicU64,
-}
-
-impl LogLimiter {
-    /// `Some(suppressed since the last line)` when a line may be logged now.
-    pub fn allow(&self) -> Option<u64> {
-        let now = SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .map_or(0, |d| d.as_secs());
-        let last = self.last.load(Ordering::Relaxed);
-        if now >= last + 10
-            && self
-                .last
-                .compare_exchange(last, now, Ordering::Relaxed, Ordering::Relaxed)
-                .is_ok()
-        {
-            return Some(self.suppressed.swap(0, Ordering::Relaxed));
-        }
-        self.suppressed.fetch_add(1, Ordering::Relaxed);
-        None
-    }
 }
 
 /// Where a publisher's gap-fill (vLLM "replay") socket is.
@@ -210,8 +220,17 @@ enum Via {
     /// Its own socket; a gap may be filled through the route; the link (when known) tells
     /// when the pod left.
     Socket(GapFillRoute, Option<lifecycle::Link>),
-    /// The replication log, appended by the named replica.
+    /// The shared log, appended by the named replica.
     Log(Arc<str>),
+}
+
+/// Who asked to clear a pod.
+enum ClearOrigin {
+    /// Another replica, through the shared log (not appended again).
+    Log,
+    /// An admin request on this replica: appended to the shared log, answered with the
+    /// memberships removed.
+    Admin(oneshot::Sender<usize>),
 }
 
 /// One message for a worker.
@@ -227,13 +246,15 @@ struct Message {
 enum Job {
     /// Sequence and apply a message.
     Message(Message),
-    /// Forget a pod of a model: its blocks, engines and publishers (an admin clear or another
-    /// replica's forgetting, replayed from the log).
+    /// Forget a pod of a model: its blocks, engines, publishers and parked gap fills (an
+    /// admin clear, or another replica's forgetting replayed from the log).
     ClearPod {
         /// The model.
         model: Arc<str>,
         /// The pod.
         pod: Arc<str>,
+        /// Who asked.
+        origin: ClearOrigin,
     },
     /// Forget a pod (every model) if it is still gone or idle (the sweeper's proposal).
     Forget {
@@ -265,7 +286,7 @@ pub struct Paused {
     _resume: watch::Sender<bool>,
 }
 
-/// Hands replication-log entries to the workers (each to its pod's worker, in log order), and
+/// Hands shared-log entries to the workers (each to its pod's worker, in log order), and
 /// pauses them all for a snapshot.
 #[derive(Clone)]
 pub struct Feeder {
@@ -273,12 +294,12 @@ pub struct Feeder {
 }
 
 impl Feeder {
-    /// Queues `record` (appended by `replica`) for its pod's worker, waiting for room (the log is never shed: a
-    /// replica that skipped an entry would differ from the others). `false` once the workers
-    /// are gone.
-    pub async fn feed(&self, replica: Arc<str>, record: Record) -> bool {
-        let (pod, job) = match record {
-            Record::Message {
+    /// Queues `entry` (appended by `replica`) for its pod's worker, waiting for room (the log
+    /// is never shed: a replica that skipped an entry would differ from the others). `false`
+    /// once the workers are gone.
+    pub async fn feed(&self, replica: Arc<str>, entry: LogEntry) -> bool {
+        let (pod, job) = match entry {
+            LogEntry::Message {
                 pod,
                 model,
                 seq,
@@ -294,9 +315,16 @@ impl Feeder {
                     via: Via::Log(replica),
                 }),
             ),
-            Record::ClearPod { model, pod } => (pod.clone(), Job::ClearPod { model, pod }),
+            LogEntry::ClearPod { model, pod } => (
+                pod.clone(),
+                Job::ClearPod {
+                    model,
+                    pod,
+                    origin: ClearOrigin::Log,
+                },
+            ),
             // Recorded routings touch no publisher state: made here, as RecordRouting does.
-            Record::Speculate { model, pod, hashes } => {
+            LogEntry::Speculate { model, pod, hashes } => {
                 let shared = &self.dispatch.shared;
                 match shared
                     .indexer
@@ -387,18 +415,18 @@ struct Shared {
     gap_fill_timeout: Duration,
     /// Permits for gap fills in flight (`maxGapFillsInFlight`), across all workers.
     gap_fill_slots: Arc<tokio::sync::Semaphore>,
-    frame_log: LogLimiter,
-    decode_log: LogLimiter,
-    gap_fill_log: LogLimiter,
-    shed_log: LogLimiter,
-    /// The budget of the log lines that name a publisher.
-    log_budget: log_budget::LogBudget,
+    frame_warn: WarnThrottle,
+    decode_warn: WarnThrottle,
+    gap_fill_warn: WarnThrottle,
+    shed_warn: WarnThrottle,
+    /// The budget of the warning lines that name a publisher.
+    warn_budget: WarnBudget,
     /// The links (connections, sockets) that tell whether a pod is there.
     links: Arc<lifecycle::Links>,
     /// Grace period and idle timeout.
     lifecycle: lifecycle::LifecycleSettings,
     /// Where messages from this replica's sockets are appended (replication on).
-    log: Option<crate::replication::LogSink>,
+    log: Option<LogHandle>,
     /// This replica's id (`received_by` of what its sockets bring).
     replica: Arc<str>,
 }
@@ -459,8 +487,8 @@ pub struct IngestSetup {
     pub metrics: Arc<Metrics>,
     /// Publisher states restored from a snapshot (empty on a cold start).
     pub publishers: Vec<(PublisherKey, PublisherState)>,
-    /// Replication's append queue, when replication is on.
-    pub log: Option<crate::replication::LogSink>,
+    /// The shared log, when replication is on.
+    pub log: Option<LogHandle>,
     /// This replica's id.
     pub replica: Arc<str>,
 }
@@ -504,11 +532,11 @@ pub async fn start(
         gap_fill_slots: Arc::new(tokio::sync::Semaphore::new(
             config.max_gap_fills_in_flight.max(1),
         )),
-        frame_log: LogLimiter::default(),
-        decode_log: LogLimiter::default(),
-        gap_fill_log: LogLimiter::default(),
-        shed_log: LogLimiter::default(),
-        log_budget: log_budget::LogBudget::default(),
+        frame_warn: WarnThrottle::default(),
+        decode_warn: WarnThrottle::default(),
+        gap_fill_warn: WarnThrottle::default(),
+        shed_warn: WarnThrottle::default(),
+        warn_budget: WarnBudget::default(),
         links: links.clone(),
         lifecycle,
         log,
@@ -604,6 +632,7 @@ pub async fn start(
             publishers: publishers.clone(),
             links,
             lifecycle,
+            dispatch: Arc::downgrade(&dispatch),
         },
         publishers,
         receivers,

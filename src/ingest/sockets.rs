@@ -117,7 +117,7 @@ pub(super) async fn receive(
 
 fn frame_error(shared: &Shared, reason: &'static str, detail: &str) {
     shared.metrics.ingest.frame_error(reason);
-    if let Some(suppressed) = shared.frame_log.allow() {
+    if let Some(suppressed) = shared.frame_warn.allow() {
         tracing::warn!(reason, suppressed, "dropped a ZMQ message: {detail}");
     }
 }
@@ -207,7 +207,7 @@ fn dispatch_message(message: ZmqMessage, source: &Source, dispatch: &Dispatch) {
         Err(mpsc::error::TrySendError::Full(job)) => {
             shared.metrics.ingest.dequeued();
             shared.metrics.ingest.shed("queue_full");
-            if let (Some(suppressed), Job::Message(m)) = (shared.shed_log.allow(), &job) {
+            if let (Some(suppressed), Job::Message(m)) = (shared.shed_warn.allow(), &job) {
                 tracing::warn!(pod = %m.pod, worker, suppressed, "a worker queue is full: message shed (kvEventsConfig.queueDepth)");
             }
         }

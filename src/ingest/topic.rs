@@ -10,8 +10,8 @@ use thiserror::Error;
 
 /// The longest topic accepted, in bytes.
 pub const MAX_TOPIC_LEN: usize = 512;
-/// The longest pod id accepted, in bytes (a DNS name is at most 253, plus `:port`).
-pub const MAX_POD_LEN: usize = 263;
+/// The longest pod id accepted, in bytes (defined with the config, which checks it too).
+pub use crate::config::MAX_POD_LEN;
 /// The longest model name accepted, in bytes.
 pub const MAX_MODEL_LEN: usize = 240;
 

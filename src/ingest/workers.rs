@@ -9,8 +9,12 @@
 //! A buffer that overflows gives up waiting: the hole is counted as lost and the parked messages
 //! are applied.
 //!
-//! Messages from the replication log ([`Via::Log`]) are sequenced by the same state: never
+//! Messages from the shared log ([`Via::Log`]) are sequenced by the same state: never
 //! gap-filled (the replica that received them did that), never appended again.
+//!
+//! Forgetting a pod happens here and nowhere else (an admin clear, another replica's clear from
+//! the log, the sweeper's proposal), so it is ordered with the pod's messages and drops the
+//! pod's parked gap fills: a fill that reports after the clear finds nobody waiting.
 
 use std::collections::{HashMap, VecDeque};
 use std::ops::Range;
@@ -24,10 +28,10 @@ use tokio::sync::mpsc;
 
 use super::gap_fill::{self, GapFillError};
 use super::lifecycle::{ForgetReason, Link};
-use super::log_budget::LineKind;
 use super::sequence::SeqOutcome;
-use super::{GapFillRoute, Job, Message, PublisherKey, PublisherState, Shared, Via};
-use crate::replication::{Record, Stamp};
+use super::shared_log::{LogEntry, Stamp};
+use super::{ClearOrigin, GapFillRoute, Job, Message, PublisherKey, PublisherState, Shared, Via};
+use crate::warn_budget::LineKind;
 
 /// Messages a publisher may park while its gap is being filled; beyond, the fill is given up.
 pub(super) const MAX_PARKED: usize = 4096;
@@ -103,9 +107,9 @@ pub(super) async fn run(index: usize, mut rx: mpsc::Receiver<Job>, shared: Arc<S
                     shared.metrics.ingest.dequeued();
                     worker.handle(message);
                 }
-                Some(Job::ClearPod { model, pod }) => {
+                Some(Job::ClearPod { model, pod, origin }) => {
                     shared.metrics.ingest.dequeued();
-                    worker.forget(&pod, &[model], "cleared", None);
+                    worker.clear(model, pod, origin);
                 }
                 Some(Job::Forget { pod, reason }) => {
                     shared.metrics.ingest.dequeued();
@@ -151,7 +155,7 @@ impl Worker<'_> {
         let models = shared.publishers.models_of(pod);
         if let Some(log) = &shared.log {
             for model in &models {
-                log.append(Record::ClearPod {
+                log.append(LogEntry::ClearPod {
                     model: model.clone(),
                     pod: pod.clone(),
                 });
@@ -160,15 +164,45 @@ impl Worker<'_> {
         self.forget(pod, &models, reason.label(), Some(reason));
     }
 
-    /// Forgets `pod` in `models`: blocks, engines, publisher states, per-pod series; one log
-    /// line (under the budget).
+    /// Clears `pod` in `model` as `origin` asked: an admin request is appended to the shared
+    /// log (every replica clears it too) and answered with the memberships removed.
+    fn clear(&mut self, model: Arc<str>, pod: Arc<str>, origin: ClearOrigin) {
+        let reply = match origin {
+            ClearOrigin::Log => None,
+            ClearOrigin::Admin(reply) => {
+                if let Some(log) = &self.shared.log {
+                    log.append(LogEntry::ClearPod {
+                        model: model.clone(),
+                        pod: pod.clone(),
+                    });
+                }
+                Some(reply)
+            }
+        };
+        let removed = self.forget(&pod, std::slice::from_ref(&model), "cleared", None);
+        match reply {
+            Some(reply) => {
+                tracing::info!(%model, %pod, removed, "pod cleared by admin request");
+                // The requester may have gone (its deadline passed): the clear stands.
+                let _ = reply.send(removed);
+            }
+            None if self.shared.warn_budget.allow(LineKind::Forgotten) => {
+                tracing::info!(%model, %pod, removed, "pod cleared by another replica (an admin request, or the pod gone or idle there), through the shared log");
+            }
+            None => {}
+        }
+    }
+
+    /// Forgets `pod` in `models`: blocks, engines, publisher states, parked gap fills, per-pod
+    /// series; one log line (under the budget) when the sweeper asked. Returns the memberships
+    /// removed.
     fn forget(
         &mut self,
         pod: &Arc<str>,
         models: &[Arc<str>],
         label: &'static str,
         reason: Option<ForgetReason>,
-    ) {
+    ) -> usize {
         let shared = self.shared;
         // A fill in flight for the pod reports to nobody.
         self.parked
@@ -179,20 +213,21 @@ impl Worker<'_> {
             shared.publishers.forget_pod(model, pod);
         }
         shared.metrics.ingest.forgotten(pod, models, label);
-        if shared.log_budget.allow(LineKind::Forgotten) {
-            let grace = shared.lifecycle.grace_period;
+        // A clear is logged by its caller.
+        let Some(reason) = reason else {
+            return removed;
+        };
+        if shared.warn_budget.allow(LineKind::Forgotten) {
             match reason {
-                Some(ForgetReason::Gone) => {
-                    tracing::info!(%pod, removed, ?grace, "pod forgotten: gone for the grace period (publisherGracePeriod)")
+                ForgetReason::Gone => {
+                    tracing::info!(%pod, removed, grace = ?shared.lifecycle.grace_period, "pod forgotten: gone for the grace period (publisherGracePeriod)")
                 }
-                Some(ForgetReason::Idle) => {
+                ForgetReason::Idle => {
                     tracing::info!(%pod, removed, idle_timeout = ?shared.lifecycle.idle_timeout, "pod forgotten: silent for the idle timeout (publisherIdleTimeout)")
-                }
-                None => {
-                    tracing::info!(%pod, removed, "pod cleared (an admin request or another replica, through the log)")
                 }
             }
         }
+        removed
     }
 
     fn handle(&mut self, job: Message) {
@@ -201,7 +236,7 @@ impl Worker<'_> {
             Ok(b) => b,
             Err(e) => {
                 metrics.decode_error(e.reason());
-                if let Some(suppressed) = self.shared.decode_log.allow() {
+                if let Some(suppressed) = self.shared.decode_warn.allow() {
                     tracing::warn!(pod = %job.pod, model = %job.model, seq = job.seq, error = %e, suppressed, "undecodable KV event payload dropped");
                 }
                 return;
@@ -420,7 +455,7 @@ impl Worker<'_> {
                         Err(e) => metrics.decode_error(e.reason()),
                     }
                 }
-                if self.shared.log_budget.allow(LineKind::GapFilled) {
+                if self.shared.warn_budget.allow(LineKind::GapFilled) {
                     tracing::info!(pod = %key.pod, model = %key.model, rank = key.rank, from = parked.wanted.start, to = parked.wanted.end, applied, elapsed = ?report.elapsed, "filled a gap from the publisher's replay buffer");
                 }
                 if parked.count_lost {
@@ -431,7 +466,7 @@ impl Worker<'_> {
             Err(e) => {
                 metrics.gap_fill(e.label());
                 let failures = self.back_off(&key);
-                if let Some(suppressed) = self.shared.gap_fill_log.allow() {
+                if let Some(suppressed) = self.shared.gap_fill_warn.allow() {
                     tracing::warn!(pod = %key.pod, model = %key.model, error = %e, failures, suppressed, "gap fill failed; the missed events are lost and this publisher is backed off");
                 }
                 self.lose(&key, &parked);
@@ -475,7 +510,7 @@ impl Worker<'_> {
             .shared
             .indexer
             .clear_engine(&key.model, &key.pod, key.rank);
-        if self.shared.log_budget.allow(LineKind::Restart) {
+        if self.shared.warn_budget.allow(LineKind::Restart) {
             tracing::warn!(pod = %key.pod, model = %key.model, rank = key.rank, last_seq = ?last, seq, removed, "{why}");
         }
         self.state(key, |s| s.restarts += 1);
@@ -506,7 +541,7 @@ impl Worker<'_> {
             }
         });
         if let (Some(log), None) = (&shared.log, &message.from_log) {
-            log.append(Record::Message {
+            log.append(LogEntry::Message {
                 pod: key.pod.clone(),
                 model: key.model.clone(),
                 seq: message.seq,
@@ -526,7 +561,7 @@ impl Worker<'_> {
             Ok(r) => r,
             Err(e @ kv_core::SettingsError::TooManyModels { .. }) => {
                 shared.metrics.ingest.skipped("too_many_models", 1);
-                if let Some(suppressed) = shared.decode_log.allow() {
+                if let Some(suppressed) = shared.decode_warn.allow() {
                     tracing::warn!(model = %key.model, error = %e, suppressed, "events of a model past maxModels dropped");
                 }
                 return;
@@ -539,7 +574,7 @@ impl Worker<'_> {
         };
         shared.metrics.ingest.applied(&key.pod, &key.model, &report);
         shared.metrics.index.applied(&report);
-        if report.first_mismatch && shared.log_budget.allow(LineKind::HashMismatch) {
+        if report.first_mismatch && shared.warn_budget.allow(LineKind::HashMismatch) {
             let diagnosis = shared
                 .indexer
                 .model(&key.model)

@@ -7,20 +7,21 @@ use std::time::Duration;
 
 use tokio::sync::mpsc;
 
-use super::{store, Record, Replication, BACKOFF_MAX, BACKOFF_START};
-use crate::ingest::LogLimiter;
+use super::{store, Replication, BACKOFF_MAX, BACKOFF_START};
+use crate::ingest::LogEntry;
+use crate::warn_budget::WarnThrottle;
 
-/// Records per round trip at most.
+/// Entries per round trip at most.
 const BATCH: usize = 512;
 /// Attempts to flush what is left once the queue has closed (shutdown).
 const FINAL_ATTEMPTS: u32 = 3;
 
-pub(super) async fn run(rep: Replication, mut rx: mpsc::Receiver<Record>) {
+pub(super) async fn run(rep: Replication, mut rx: mpsc::Receiver<LogEntry>) {
     let inner = &rep.inner;
     let metrics = &inner.metrics.replication;
-    let log = LogLimiter::default();
+    let warn = WarnThrottle::default();
     let mut conn = None;
-    let mut batch: Vec<Record> = Vec::with_capacity(BATCH);
+    let mut batch: Vec<LogEntry> = Vec::with_capacity(BATCH);
     let mut backoff = BACKOFF_START;
     let mut failing = false;
     let mut closed = false;
@@ -31,13 +32,13 @@ pub(super) async fn run(rep: Replication, mut rx: mpsc::Receiver<Record>) {
                 break;
             }
             match rx.recv().await {
-                Some(record) => batch.push(record),
+                Some(entry) => batch.push(entry),
                 None => break,
             }
         }
         while !closed && batch.len() < BATCH {
             match rx.try_recv() {
-                Ok(record) => batch.push(record),
+                Ok(entry) => batch.push(entry),
                 Err(mpsc::error::TryRecvError::Empty) => break,
                 Err(mpsc::error::TryRecvError::Disconnected) => closed = true,
             }
@@ -48,7 +49,7 @@ pub(super) async fn run(rep: Replication, mut rx: mpsc::Receiver<Record>) {
                 Ok(c) => conn = Some(c),
                 Err(e) => {
                     metrics.redis_error("append");
-                    if let Some(suppressed) = log.allow() {
+                    if let Some(suppressed) = warn.allow() {
                         tracing::warn!(redis = %rep.redacted_url(), error = %e, queued = rx.len() + batch.len(), suppressed, "replication: cannot reach Redis; appends wait in the queue");
                     }
                     if closed {
@@ -87,7 +88,7 @@ pub(super) async fn run(rep: Replication, mut rx: mpsc::Receiver<Record>) {
             }
             Err(e) => {
                 metrics.redis_error("append");
-                if let Some(suppressed) = log.allow() {
+                if let Some(suppressed) = warn.allow() {
                     tracing::warn!(error = %e, queued = rx.len() + batch.len(), suppressed, "replication: append failed; retrying");
                 }
                 conn = None;

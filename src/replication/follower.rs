@@ -13,8 +13,9 @@ use tokio::sync::watch;
 
 use super::snapshot::SnapshotWriter;
 use super::store::{self, StoreError};
-use super::{now_ms, Record, Replication, StreamId, BACKOFF_MAX, BACKOFF_START, READ_BLOCK};
-use crate::ingest::{Feeder, LogLimiter};
+use super::{now_ms, Replication, StreamId, BACKOFF_MAX, BACKOFF_START, READ_BLOCK};
+use crate::ingest::{Feeder, LogEntry};
+use crate::warn_budget::WarnThrottle;
 
 /// Entries per read at most.
 const READ_COUNT: usize = 1024;
@@ -33,7 +34,7 @@ struct Follower {
     next_snapshot: Instant,
     /// The last read reached the log's end.
     at_end: bool,
-    log: LogLimiter,
+    warn: WarnThrottle,
 }
 
 pub(super) async fn run(
@@ -53,7 +54,7 @@ pub(super) async fn run(
         last_check: None,
         next_snapshot: Instant::now() + interval,
         at_end: false,
-        log: LogLimiter::default(),
+        warn: WarnThrottle::default(),
     };
     let mut conn: Option<MultiplexedConnection> = None;
     let mut backoff = BACKOFF_START;
@@ -113,7 +114,7 @@ pub(super) async fn run(
 impl Follower {
     fn failed(&self, e: &StoreError) {
         self.rep.inner.metrics.replication.redis_error("follow");
-        if let Some(suppressed) = self.log.allow() {
+        if let Some(suppressed) = self.warn.allow() {
             tracing::warn!(redis = %self.rep.redacted_url(), error = %e, position = %self.position, suppressed, "replication: cannot read the log; serving from memory meanwhile");
         }
     }
@@ -161,18 +162,18 @@ impl Follower {
         for entry in entries {
             self.position = entry.id;
             self.offset = self.offset.map(|o| o + 1);
-            match entry.record {
+            match entry.entry {
                 None => metrics.log_entry("undecodable"),
                 // This process applied its own admin clears and recorded routings when it
                 // made them.
-                Some(Record::ClearPod { .. } | Record::Speculate { .. })
+                Some(LogEntry::ClearPod { .. } | LogEntry::Speculate { .. })
                     if entry.instance[..] == *self.rep.inner.instance.as_bytes() =>
                 {
                     metrics.log_entry("own")
                 }
                 // Already applied (this replica's own message, or one its socket brought
                 // first): no decoding, no queue hop.
-                Some(Record::Message {
+                Some(LogEntry::Message {
                     ref pod,
                     ref model,
                     seq,
@@ -181,8 +182,8 @@ impl Follower {
                 }) if self.feeder.already_applied(pod, model, seq, stamp) => {
                     metrics.log_entry("already_applied")
                 }
-                Some(record) => {
-                    if !self.feeder.feed(entry.replica, record).await {
+                Some(logged) => {
+                    if !self.feeder.feed(entry.replica, logged).await {
                         return Ok(false);
                     }
                     metrics.log_entry("applied");

@@ -1,8 +1,9 @@
 //! Replication through Redis (or Valkey): several replicas, one index.
 //!
-//! - **The log** (a Redis stream, `<keyPrefix>:log`): every message a replica applies from its
-//!   own ZMQ sockets is appended as received (pod, model, sequence, payload), and so is every
-//!   admin clear. Every replica reads the whole log ([`follower`]) and hands each entry to the
+//! - **The log** (a Redis stream, `<keyPrefix>:log`), ingestion's
+//!   [`SharedLog`](crate::ingest::SharedLog): every message a replica applies from its own ZMQ
+//!   sockets is appended as received (pod, model, sequence, payload), and so is every pod
+//!   cleared (an admin request, or a pod forgotten) and every recorded routing. Every replica reads the whole log ([`follower`]) and hands each entry to the
 //!   worker of its pod, where one sequence state per publisher covers both paths: each
 //!   (publisher, sequence) is applied once, whichever path brought it first; older messages
 //!   are stale; a publisher's restart is recognised the same way everywhere (see
@@ -11,7 +12,7 @@
 //! - **Snapshots** (`<keyPrefix>:snapshot` and its chunks): every `snapshotInterval`, the
 //!   replica that takes the snapshot lock pauses its workers, copies the index and the
 //!   publisher states as of the log entry it read last, resumes, and stores the copy in chunks
-//!   and then a meta record naming them (one `SET`: a reader sees the old snapshot or the new
+//!   and then a meta naming them (one `SET`: a reader sees the old snapshot or the new
 //!   one, never half). The log is then trimmed behind the previous snapshot's position, so a
 //!   replica a little behind is never forced to reload.
 //! - **Start**: load the newest snapshot, read the log from its position to the end, then
@@ -36,13 +37,12 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use bytes::Bytes;
 use thiserror::Error;
 use tokio::sync::{mpsc, watch};
 use tokio::task::JoinHandle;
 
 use crate::config::{redact_url, ReplicationConfig};
-use crate::ingest::{Feeder, PublisherKey, PublisherState};
+use crate::ingest::{Feeder, LogEntry, PublisherKey, PublisherState, SharedLog};
 use crate::metrics::Metrics;
 use kv_core::Indexer;
 
@@ -88,64 +88,19 @@ impl fmt::Display for StreamId {
     }
 }
 
-/// What a replica appends to the log.
-#[derive(Debug, Clone)]
-pub enum Record {
-    /// A message applied from this replica's own socket, as received.
-    Message {
-        /// The pod.
-        pod: Arc<str>,
-        /// The model.
-        model: Arc<str>,
-        /// The publisher's sequence number.
-        seq: u64,
-        /// The batch's data-parallel rank and timestamp, copied out of the payload so a
-        /// replica can tell it already applied the message without decoding it (`None` when
-        /// an entry lacks them).
-        stamp: Option<Stamp>,
-        /// The payload, as received.
-        payload: Bytes,
-    },
-    /// An admin clear of a pod.
-    ClearPod {
-        /// The model.
-        model: Arc<str>,
-        /// The pod.
-        pod: Arc<str>,
-    },
-    /// A routing recorded by `RecordRouting`: every replica makes the same speculative
-    /// entries (each with its own clock and its own view of the pod's events).
-    Speculate {
-        /// The model.
-        model: Arc<str>,
-        /// The pod the gateway chose.
-        pod: Arc<str>,
-        /// The prompt's block hashes.
-        hashes: Arc<[kv_core::BlockHash]>,
-    },
-}
-
-/// What identifies a message in its publisher's stream beside the sequence number.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct Stamp {
-    /// The data-parallel rank (0 without DP).
-    pub rank: u32,
-    /// The batch's timestamp (vLLM's wall clock).
-    pub ts: f64,
-}
-
-/// The workers' (and the admin API's) side of the append queue: never waits.
+/// The workers' (and the admin API's) side of the append queue: ingestion's [`SharedLog`],
+/// backed by Redis.
 #[derive(Clone)]
 pub struct LogSink {
-    tx: mpsc::Sender<Record>,
+    tx: mpsc::Sender<LogEntry>,
     metrics: Arc<Metrics>,
 }
 
-impl LogSink {
-    /// Queues `record` for the log; when the queue is full (Redis slow or down) it is dropped
+impl SharedLog for LogSink {
+    /// Queues `entry` for the log; when the queue is full (Redis slow or down) it is dropped
     /// and counted.
-    pub fn append(&self, record: Record) {
-        match self.tx.try_send(record) {
+    fn append(&self, entry: LogEntry) {
+        match self.tx.try_send(entry) {
             Ok(()) => {}
             Err(mpsc::error::TrySendError::Full(_)) => self.metrics.replication.append_dropped(),
             Err(mpsc::error::TrySendError::Closed(_)) => {}

@@ -1,8 +1,8 @@
 //! The snapshot format: the index and the publishers' sequence states as of one log position,
-//! as a stream of records, so it is written and read one engine at a time.
+//! as a stream of items, so it is written and read one engine at a time.
 //!
 //! Layout (little-endian): the magic `KVIXSNAP`, a `u32` version, the log position (`u64`
-//! milliseconds, `u64` sequence), then records, each a tag byte:
+//! milliseconds, `u64` sequence), then items, each a tag byte:
 //! - `1` blocks: model, pod (`u16`-length strings), `u32` DP rank, `u8` tier, `u32` count,
 //!   then `count` block hashes (`u64`): 8 bytes per membership plus a few dozen per engine;
 //! - `2` publisher: pod, model, received-by (strings), `u32` rank, `u64` last sequence
@@ -32,10 +32,10 @@ pub enum SnapshotError {
     /// Not a snapshot, or one of another version.
     #[error("not a kv-indexer snapshot (version {0:?})")]
     Format(Option<u32>),
-    /// The data ends inside a record.
+    /// The data ends inside an item.
     #[error("snapshot truncated at byte {0}")]
     Truncated(usize),
-    /// A record is malformed.
+    /// An item is malformed.
     #[error("snapshot corrupt at byte {at}: {what}")]
     Corrupt {
         /// Where.
@@ -45,7 +45,7 @@ pub enum SnapshotError {
     },
 }
 
-/// Writes a snapshot record by record.
+/// Writes a snapshot item by item.
 pub struct SnapshotWriter {
     out: Vec<u8>,
     memberships: u64,
@@ -72,7 +72,7 @@ impl SnapshotWriter {
 
     fn string(&mut self, s: &str) {
         // Pod and model names are bounded far below 64 KiB by the topic grammar; a longer one
-        // is cut at a character boundary rather than corrupting the record.
+        // is cut at a character boundary rather than corrupting the item.
         let mut end = s.len().min(u16::MAX as usize);
         while !s.is_char_boundary(end) {
             end -= 1;
@@ -133,9 +133,9 @@ impl SnapshotWriter {
     }
 }
 
-/// One record read back.
+/// One item read back.
 #[derive(Debug, PartialEq)]
-pub enum SnapshotRecord<'a> {
+pub enum SnapshotItem<'a> {
     /// An engine's blocks in one tier.
     Blocks {
         /// The model.
@@ -151,7 +151,7 @@ pub enum SnapshotRecord<'a> {
     Publisher(PublisherKey, PublisherState),
 }
 
-/// Reads a snapshot record by record.
+/// Reads a snapshot item by item.
 pub struct SnapshotReader<'a> {
     data: &'a [u8],
     at: usize,
@@ -222,8 +222,8 @@ impl<'a> SnapshotReader<'a> {
         })
     }
 
-    /// The next record, `None` at the end marker.
-    pub fn next_record(&mut self) -> Result<Option<SnapshotRecord<'a>>, SnapshotError> {
+    /// The next item, `None` at the end marker.
+    pub fn next_item(&mut self) -> Result<Option<SnapshotItem<'a>>, SnapshotError> {
         if self.done {
             return Ok(None);
         }
@@ -259,7 +259,7 @@ impl<'a> SnapshotReader<'a> {
                         BlockHash::from(u64::from_le_bytes(b))
                     })
                     .collect();
-                Ok(Some(SnapshotRecord::Blocks {
+                Ok(Some(SnapshotItem::Blocks {
                     model,
                     key: EngineKey::new(pod, rank),
                     tier,
@@ -283,30 +283,27 @@ impl<'a> SnapshotReader<'a> {
                     messages_lost: self.u64()?,
                     ..PublisherState::default()
                 };
-                Ok(Some(SnapshotRecord::Publisher(
+                Ok(Some(SnapshotItem::Publisher(
                     PublisherKey { pod, model, rank },
                     state,
                 )))
             }
             _ => Err(SnapshotError::Corrupt {
                 at,
-                what: "unknown record tag",
+                what: "unknown item tag",
             }),
         }
     }
 }
 
-/// FNV-1a over the snapshot's bytes: the meta record carries it, so a reader that got chunks
+/// FNV-1a over the snapshot's bytes: the meta carries it, so a reader that got chunks
 /// of two different snapshots (one replaced meanwhile) notices.
 pub fn checksum(parts: &[impl AsRef<[u8]>]) -> u64 {
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    let mut h = kv_core::Fnv1a::new();
     for part in parts {
-        for &b in part.as_ref() {
-            h ^= b as u64;
-            h = h.wrapping_mul(0x0000_0100_0000_01b3);
-        }
+        h.write(part.as_ref());
     }
-    h
+    h.finish()
 }
 
 #[cfg(test)]
@@ -341,13 +338,13 @@ mod tests {
     }
 
     #[test]
-    fn records_read_back_as_written() {
+    fn items_read_back_as_written() {
         let (bytes, memberships) = sample();
         assert_eq!(memberships, 3);
         let mut r = SnapshotReader::new(&bytes).expect("header");
         assert_eq!(r.position, StreamId { ms: 17, seq: 3 });
         let mut got = Vec::new();
-        while let Some(rec) = r.next_record().expect("record") {
+        while let Some(rec) = r.next_item().expect("item") {
             got.push(format!("{rec:?}"));
         }
         assert_eq!(got.len(), 3, "{got:?}");
@@ -367,7 +364,7 @@ mod tests {
         let (bytes, _) = sample();
         for cut in 0..bytes.len() {
             let result = SnapshotReader::new(&bytes[..cut]).and_then(|mut r| {
-                while r.next_record()?.is_some() {}
+                while r.next_item()?.is_some() {}
                 Ok(())
             });
             assert!(result.is_err(), "a snapshot cut at {cut} read as complete");

@@ -7,8 +7,9 @@ use redis::Value;
 use serde::{Deserialize, Serialize};
 use thiserror::Error;
 
-use super::snapshot::{checksum, SnapshotError, SnapshotReader, SnapshotRecord};
-use super::{now_ms, Keys, Record, Stamp, StreamId};
+use super::snapshot::{checksum, SnapshotError, SnapshotItem, SnapshotReader};
+use super::{now_ms, Keys, StreamId};
+use crate::ingest::{LogEntry, Stamp};
 use crate::ingest::{PublisherKey, PublisherState};
 use kv_core::Indexer;
 
@@ -26,12 +27,12 @@ pub enum StoreError {
     /// The snapshot did not decode.
     #[error(transparent)]
     Snapshot(#[from] SnapshotError),
-    /// The snapshot's meta record or chunks are inconsistent.
+    /// The snapshot's meta or chunks are inconsistent.
     #[error("snapshot: {0}")]
     Inconsistent(String),
 }
 
-/// The meta record: which chunks make the current snapshot, and what it covers.
+/// The meta: which chunks make the current snapshot, and what it covers.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct SnapshotMeta {
     /// Names the chunk keys.
@@ -61,7 +62,7 @@ pub struct SnapshotMeta {
 
 /// A snapshot read back.
 pub struct Loaded {
-    /// Its meta record.
+    /// Its meta.
     pub meta: SnapshotMeta,
     /// Its bytes.
     pub bytes: Vec<u8>,
@@ -69,7 +70,7 @@ pub struct Loaded {
     pub position: StreamId,
 }
 
-/// The current snapshot's meta record, if any.
+/// The current snapshot's meta, if any.
 pub async fn snapshot_meta(
     conn: &mut MultiplexedConnection,
     keys: &Keys,
@@ -82,7 +83,7 @@ pub async fn snapshot_meta(
         None => Ok(None),
         Some(raw) => serde_json::from_slice(&raw)
             .map(Some)
-            .map_err(|e| StoreError::Inconsistent(format!("meta record: {e}"))),
+            .map_err(|e| StoreError::Inconsistent(format!("meta: {e}"))),
     }
 }
 
@@ -138,9 +139,9 @@ pub fn apply_snapshot(
     let mut reader = SnapshotReader::new(bytes)?;
     let mut publishers = Vec::new();
     let mut memberships = 0u64;
-    while let Some(record) = reader.next_record()? {
-        match record {
-            SnapshotRecord::Blocks {
+    while let Some(item) = reader.next_item()? {
+        match item {
+            SnapshotItem::Blocks {
                 model,
                 key,
                 tier,
@@ -151,13 +152,13 @@ pub fn apply_snapshot(
                     tracing::warn!(model, error = %e, "snapshot: a model's blocks were not loaded")
                 }
             },
-            SnapshotRecord::Publisher(key, state) => publishers.push((key, state)),
+            SnapshotItem::Publisher(key, state) => publishers.push((key, state)),
         }
     }
     Ok((publishers, memberships))
 }
 
-/// Stores `bytes` as the current snapshot: chunks first, then the meta record (one `SET`),
+/// Stores `bytes` as the current snapshot: chunks first, then the meta (one `SET`),
 /// then the replaced snapshot's chunks expire and the log is trimmed behind its position.
 /// Refuses to replace a snapshot of a later position.
 pub async fn save_snapshot(
@@ -202,8 +203,8 @@ pub async fn save_snapshot(
         written_ms,
         replica: replica.to_owned(),
     };
-    let text = serde_json::to_vec(&meta)
-        .map_err(|e| StoreError::Inconsistent(format!("meta record: {e}")))?;
+    let text =
+        serde_json::to_vec(&meta).map_err(|e| StoreError::Inconsistent(format!("meta: {e}")))?;
     redis::cmd("SET")
         .arg(&keys.snapshot)
         .arg(text)
@@ -249,17 +250,17 @@ pub async fn try_lock(
     Ok(reply.is_some())
 }
 
-/// Appends records with one pipelined round trip.
+/// Appends entries with one pipelined round trip.
 pub async fn append(
     conn: &mut MultiplexedConnection,
     keys: &Keys,
-    records: &[Record],
+    entries: &[LogEntry],
     replica: &str,
     instance: &str,
     max_len: u64,
 ) -> Result<(), StoreError> {
     let mut pipe = redis::pipe();
-    for record in records {
+    for entry in entries {
         let cmd = pipe
             .cmd("XADD")
             .arg(&keys.log)
@@ -271,8 +272,8 @@ pub async fn append(
             .arg(replica)
             .arg("i")
             .arg(instance);
-        match record {
-            Record::Message {
+        match entry {
+            LogEntry::Message {
                 pod,
                 model,
                 seq,
@@ -296,14 +297,14 @@ pub async fn append(
                 }
                 cmd.arg("d").arg(&payload[..])
             }
-            Record::ClearPod { model, pod } => cmd
+            LogEntry::ClearPod { model, pod } => cmd
                 .arg("k")
                 .arg("c")
                 .arg("p")
                 .arg(&**pod)
                 .arg("o")
                 .arg(&**model),
-            Record::Speculate { model, pod, hashes } => {
+            LogEntry::Speculate { model, pod, hashes } => {
                 let bytes: Vec<u8> = hashes.iter().flat_map(|h| h.get().to_be_bytes()).collect();
                 cmd.arg("k")
                     .arg("x")
@@ -321,8 +322,8 @@ pub async fn append(
     Ok(())
 }
 
-/// One log entry read.
-pub struct Entry {
+/// One log entry read, with where it came from.
+pub struct LoggedEntry {
     /// Its id.
     pub id: StreamId,
     /// The process that appended it.
@@ -330,7 +331,7 @@ pub struct Entry {
     /// The replica that appended it.
     pub replica: std::sync::Arc<str>,
     /// What it says; `None` when it does not decode (counted, skipped).
-    pub record: Option<Record>,
+    pub entry: Option<LogEntry>,
 }
 
 /// Reads up to `count` entries after `after`; with `block`, waits up to that long for new ones.
@@ -340,7 +341,7 @@ pub async fn read(
     after: StreamId,
     count: usize,
     block: Option<std::time::Duration>,
-) -> Result<Vec<Entry>, StoreError> {
+) -> Result<Vec<LoggedEntry>, StoreError> {
     let mut cmd = redis::cmd("XREAD");
     cmd.arg("COUNT").arg(count);
     if let Some(block) = block {
@@ -390,11 +391,11 @@ pub async fn read(
                 continue;
             };
             let fields = Fields::of(fields);
-            out.push(Entry {
+            out.push(LoggedEntry {
                 id,
                 instance: fields.instance.clone().unwrap_or_default(),
                 replica: fields.text(&fields.replica).unwrap_or("").into(),
-                record: fields.record(),
+                entry: fields.entry(),
             });
         }
     }
@@ -482,14 +483,14 @@ impl Fields {
         std::str::from_utf8(field.as_deref()?).ok()
     }
 
-    fn record(&self) -> Option<Record> {
+    fn entry(&self) -> Option<LogEntry> {
         let name = |field: &Option<Bytes>| -> Option<std::sync::Arc<str>> {
             self.text(field).filter(|t| !t.is_empty()).map(Into::into)
         };
         let pod = name(&self.pod)?;
         let model = name(&self.model)?;
         match self.kind.as_deref() {
-            Some(b"m") => Some(Record::Message {
+            Some(b"m") => Some(LogEntry::Message {
                 pod,
                 model,
                 seq: self.text(&self.seq)?.parse().ok()?,
@@ -502,7 +503,7 @@ impl Fields {
                 },
                 payload: self.payload.clone()?,
             }),
-            Some(b"c") => Some(Record::ClearPod { model, pod }),
+            Some(b"c") => Some(LogEntry::ClearPod { model, pod }),
             Some(b"x") => {
                 let bytes = self.hashes.as_deref()?;
                 if bytes.is_empty() || bytes.len() % 8 != 0 {
@@ -516,7 +517,7 @@ impl Fields {
                         kv_core::BlockHash::new(u64::from_be_bytes(word))
                     })
                     .collect();
-                Some(Record::Speculate { model, pod, hashes })
+                Some(LogEntry::Speculate { model, pod, hashes })
             }
             _ => None,
         }

@@ -1,6 +1,6 @@
 //! Routing runs ahead of events: the prompt keys `ScorePods` hands out, and `RecordRouting`,
 //! which turns "the gateway sent this prompt to that pod" into speculative entries (kv-core's
-//! `Indexer::record_routing`) on this replica and, through the replication log, on the others.
+//! `Indexer::record_routing`) on this replica and, through the shared log (replication), on the others.
 //!
 //! Invariants: a prompt key names one prompt's block hashes, its model and the candidates it
 //! was scored for, for [`PROMPT_KEY_TTL`] on this replica; keys are 16 bytes, a per-process
@@ -15,9 +15,9 @@ use std::time::{Duration, Instant};
 use kv_core::{BlockHash, Indexer, ScoreError};
 use tonic::Status;
 
-use super::grpc::kvindexer_v1;
+use crate::ingest::{LogEntry, LogHandle};
 use crate::metrics::Metrics;
-use crate::replication::{LogSink, Record};
+use kv_proto::kvindexer_v1;
 
 /// How long a prompt key names its prompt (a gateway calls `RecordRouting` milliseconds after
 /// `ScorePods`).
@@ -93,7 +93,7 @@ pub fn record_routing(
     indexer: &Indexer,
     keys: &PromptKeys,
     metrics: &Metrics,
-    log: Option<&LogSink>,
+    log: Option<&LogHandle>,
     max_prompt_tokens: usize,
     req: kvindexer_v1::RecordRoutingRequest,
 ) -> Result<kvindexer_v1::RecordRoutingResponse, Status> {
@@ -184,7 +184,7 @@ pub fn record_routing(
     let blocks = recorded.blocks();
     if blocks > 0 {
         if let Some(log) = log {
-            log.append(Record::Speculate {
+            log.append(LogEntry::Speculate {
                 model: req.model.as_str().into(),
                 pod: req.pod.as_str().into(),
                 hashes,

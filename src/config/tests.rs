@@ -1,0 +1,183 @@
+//! The configuration's unit tests: defaults, parsing, validation errors by field, redaction.
+
+use super::*;
+
+#[test]
+fn empty_config_is_the_embedded_default() {
+    let c = Config::from_yaml("", "empty").expect("empty is fine");
+    assert_eq!(c, Config::default());
+    c.validate().expect("defaults are valid");
+    assert_eq!(c.kv_events_config.zmq_endpoint, "tcp://127.0.0.1:5557");
+    assert_eq!(c.server.grpc_addr, "0.0.0.0:50051");
+}
+
+#[test]
+fn the_llm_d_shape_parses() {
+    let text = r#"
+indexerConfig:
+  prefixStoreConfig: {cacheSize: 500000, blockSize: 256}
+  tokenProcessorConfig: {blockSize: 16, hashSeed: "12345"}
+  kvBlockIndexConfig: {inMemoryConfig: {size: 100000000, podCacheSize: 10}, enableMetrics: true}
+  tokenizersPoolConfig: {workersCount: 8, minPrefixOverlapRatio: 0.8, huggingFaceToken: "", tokenizersCacheDir: "/tmp"}
+kvEventsConfig: {zmqEndpoint: "tcp://*:5557", topicFilter: "kv@", concurrency: 16}
+"#;
+    let c = Config::from_yaml(text, "llm-d").expect("parses");
+    c.validate().expect("valid");
+    assert_eq!(
+        c.indexer_config.token_processor_config.hash_seed.as_deref(),
+        Some("12345")
+    );
+}
+
+#[test]
+fn unknown_fields_and_bad_values_name_the_field() {
+    let e = Config::from_yaml(
+        "indexerConfig:\n  tokenProcessorConfig: {blokSize: 16}\n",
+        "f",
+    )
+    .expect_err("typo");
+    assert!(e.to_string().contains("blokSize"), "{e}");
+    let c = Config::from_yaml(
+        "indexerConfig:\n  tokenProcessorConfig: {blockSize: 0}\n",
+        "f",
+    )
+    .expect("parses");
+    let e = c.validate().expect_err("zero block size");
+    assert!(
+        e.to_string()
+            .contains("indexerConfig.tokenProcessorConfig.blockSize"),
+        "{e}"
+    );
+    let c = Config::from_yaml("server: {grpcAddr: nonsense}\n", "f").expect("parses");
+    assert!(c
+        .validate()
+        .expect_err("bad addr")
+        .to_string()
+        .contains("server.grpcAddr"));
+    let c =
+        Config::from_yaml("kvEventsConfig: {zmqEndpoint: \"ipc:///x\"}\n", "f").expect("parses");
+    assert!(c
+        .validate()
+        .expect_err("ipc")
+        .to_string()
+        .contains("zmqEndpoint"));
+}
+
+#[test]
+fn discovery_settings_are_checked_and_the_error_names_the_field() {
+    let check = |services: &str, expect: &str| {
+        let yaml = format!("kvEventsConfig:\n  discovery:\n{services}");
+        let c = Config::from_yaml(&yaml, "f").expect("parses");
+        match c.validate() {
+            Ok(()) => assert!(expect.is_empty(), "{yaml} accepted"),
+            Err(e) => assert!(
+                !expect.is_empty() && e.to_string().contains(expect),
+                "{yaml}: {e}"
+            ),
+        }
+    };
+    check(
+        "    services: [{name: vllm.ns.svc.cluster.local, dataParallelSize: 4, pod: \"{ip}:8000\"}]\n",
+        "",
+    );
+    check("    services: [{name: \"\"}]\n", "services[0].name");
+    check(
+        "    services: [{name: v, publisherPort: 65535, dataParallelSize: 2}]\n",
+        "services[0].publisherPort",
+    );
+    check(
+        "    services: [{name: v, replayPort: 65535, dataParallelSize: 2}]\n",
+        "services[0].replayPort",
+    );
+    check(
+        "    services: [{name: v, dataParallelSize: 0}]\n",
+        "dataParallelSize",
+    );
+    check(
+        "    services: [{name: v, pod: \"{host}:8000\"}]\n",
+        "services[0].pod",
+    );
+    check("    nameservers: [kube-dns]\n", "nameservers[0]");
+    check("    nameservers: [\"10.96.0.10\", \"[fd00::a]:53\"]\n", "");
+    check("    refreshInterval: 10ms\n", "refreshInterval");
+    let e = Config::from_yaml(
+        "kvEventsConfig:\n  discovery:\n    services: [{name: v, port: 1}]\n",
+        "f",
+    )
+    .expect_err("typo");
+    assert!(e.to_string().contains("port"), "{e}");
+}
+
+#[test]
+fn env_overrides_win_and_secrets_are_redacted() {
+    let mut c = Config::from_yaml(
+        "indexerConfig:\n  tokenProcessorConfig: {hashSeed: \"1\"}\n  tokenizersPoolConfig: {huggingFaceToken: file}\n",
+        "f",
+    )
+    .expect("parses");
+    c.apply_env(|k| match k {
+        "HF_TOKEN" => Some("hf_secret".into()),
+        "PYTHONHASHSEED" => Some("42".into()),
+        _ => None,
+    });
+    assert_eq!(
+        c.indexer_config.token_processor_config.hash_seed.as_deref(),
+        Some("42")
+    );
+    let printed = c.redacted().to_yaml();
+    assert!(!printed.contains("hf_secret"), "{printed}");
+    assert!(printed.contains("<redacted>"));
+}
+
+#[test]
+fn the_redis_url_comes_from_the_environment_and_its_password_is_never_printed() {
+    let mut c = Config::from_yaml(
+        "replication: {enabled: true, redisUrl: \"redis://file-host:6379\", snapshotInterval: 500ms}\n",
+        "f",
+    )
+    .expect("parses");
+    c.apply_env(|k| {
+        (k == "KVINDEXER_REDIS_URL").then(|| "rediss://kv:s3cr3t-pw@redis.prod:6380/2".into())
+    });
+    c.validate().expect("valid");
+    assert_eq!(c.replication.snapshot_interval.0.as_millis(), 500);
+    let printed = c.redacted().to_yaml();
+    assert!(!printed.contains("s3cr3t-pw"), "{printed}");
+    assert!(
+        printed.contains("rediss://kv:<redacted>@redis.prod:6380/2"),
+        "{printed}"
+    );
+    assert_eq!(redact_url("redis://h:1"), "redis://h:1");
+    assert_eq!(redact_url("redis://:pw@h:1"), "redis://:<redacted>@h:1");
+    let mut off = Config::default();
+    off.replication.enabled = true;
+    let e = off.validate().expect_err("no url");
+    assert!(e.to_string().contains("replication.redisUrl"), "{e}");
+    let e = Config::from_yaml("replication: {snapshotInterval: 30}\n", "f").expect_err("unit");
+    assert!(
+        e.to_string().contains("unit") || e.to_string().contains("duration"),
+        "{e}"
+    );
+}
+
+#[test]
+fn per_model_settings_inherit_the_defaults() {
+    let c = Config::from_yaml(
+        "indexerConfig:\n  tokenProcessorConfig: {hashSeed: \"7\", blockSize: 32}\nmodels:\n  m1: {loraAdapters: {sql: /a/sql}}\n  m2: {blockSize: 16, extraKeysFormat: untagged}\n",
+        "f",
+    )
+    .expect("parses");
+    c.validate().expect("valid");
+    let s = c.indexer_settings();
+    assert_eq!(s.models["m1"].token_processor.block_size, 32);
+    assert_eq!(
+        s.models["m1"].token_processor.hash_seed.as_deref(),
+        Some("7")
+    );
+    assert_eq!(s.models["m1"].lora_paths["sql"], "/a/sql");
+    assert_eq!(s.models["m2"].token_processor.block_size, 16);
+    assert_eq!(
+        s.models["m2"].token_processor.extra_keys_format,
+        ExtraKeysFormat::Untagged
+    );
+}
