@@ -1,0 +1,304 @@
+//! The index benchmark's backends: kv-indexer's index alone ([`KvIndexerBackend`]), behind its
+//! facade ([`IndexerFacadeBackend`]), and the flat map every answer is checked against
+//! ([`FlatMapBackend`]).
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use kv_core::BlockHash;
+
+use super::{IndexBackend, QueryAnswer};
+
+/// kv-indexer's own index as a benchmark backend.
+pub struct KvIndexerBackend {
+    name: String,
+    pub(super) index: kv_core::ModelIndex,
+    pub(super) engines: Vec<kv_core::EngineId>,
+    /// Engine id -> pod number.
+    pod_of: Vec<u32>,
+    out: Vec<kv_core::EngineScore>,
+    weights: kv_core::TierWeights,
+}
+
+impl KvIndexerBackend {
+    /// An index for `pods` engines with the default (exact) membership.
+    pub fn new(pods: u32) -> Self {
+        Self::with_pod_cache_size(pods, None)
+    }
+
+    /// An index for `pods` engines with `podCacheSize` set to `bound` (`None`: exact).
+    pub fn with_pod_cache_size(pods: u32, bound: Option<usize>) -> Self {
+        Self::with_config(
+            pods,
+            kv_core::IndexConfig {
+                max_keys: 1 << 26,
+                pod_cache_size: bound,
+                writer_lanes: 1,
+            },
+        )
+    }
+
+    /// An index for `pods` engines (`pod-0`...) with `config`.
+    pub fn with_config(pods: u32, config: kv_core::IndexConfig) -> Self {
+        let mut name = "kv-indexer".to_owned();
+        if let Some(b) = config.pod_cache_size {
+            name.push_str(&format!(", podCacheSize {b}"));
+        }
+        if config.writer_lanes > 1 {
+            name.push_str(&format!(", {} writer lanes", config.writer_lanes));
+        }
+        let index = kv_core::ModelIndex::new(config).expect("benchmark config is valid");
+        let engines: Vec<_> = (0..pods)
+            .filter_map(|p| index.engine(&kv_core::EngineKey::new(&format!("pod-{p}"), 0)))
+            .collect();
+        let mut pod_of = vec![u32::MAX; engines.iter().max().map_or(0, |&e| e as usize + 1)];
+        for (p, &e) in engines.iter().enumerate() {
+            pod_of[e as usize] = p as u32;
+        }
+        Self {
+            name,
+            index,
+            engines,
+            pod_of,
+            out: Vec::new(),
+            weights: kv_core::TierWeights::default(),
+        }
+    }
+
+    /// The index (for stats after a run).
+    pub fn index(&self) -> &kv_core::ModelIndex {
+        &self.index
+    }
+}
+
+impl IndexBackend for KvIndexerBackend {
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    fn query(&mut self, hashes: &[BlockHash], _content: &[u64]) -> QueryAnswer {
+        self.index
+            .score_engines(hashes, None, &self.weights, &mut self.out);
+        let mut answer = QueryAnswer::default();
+        for s in &self.out {
+            if let Some(&pod) = self.pod_of.get(s.engine as usize) {
+                answer.add(pod, s.matched_blocks);
+            }
+        }
+        answer
+    }
+
+    fn store(
+        &mut self,
+        pod: u32,
+        parent: Option<BlockHash>,
+        hashes: &[BlockHash],
+        _content: &[u64],
+    ) {
+        let engine = self.engines[pod as usize];
+        self.index.write(engine, |w| {
+            w.store(engine, kv_core::Tier::Gpu, parent, hashes);
+        });
+    }
+
+    fn remove(&mut self, pod: u32, hashes: &[BlockHash]) {
+        let engine = self.engines[pod as usize];
+        self.index.write(engine, |w| {
+            w.remove(engine, kv_core::Tier::Gpu, hashes);
+        });
+    }
+}
+
+/// kv-indexer through its facade ([`kv_core::Indexer`]), as a transport drives it: events as
+/// decoded batches (one per store run or removal list, built per call as the decoder would),
+/// scores by pod name into a reused result.
+pub struct IndexerFacadeBackend {
+    indexer: kv_core::Indexer,
+    pods: Vec<String>,
+    result: kv_core::ScoreResult,
+    /// Pod index -> pod number, for the directory at address `numbers_for`.
+    numbers: Vec<u32>,
+    numbers_for: usize,
+}
+
+/// The model name the facade backend indexes under.
+const BENCH_MODEL: &str = "bench";
+
+impl IndexerFacadeBackend {
+    /// A facade with default settings (exact membership) and `pods` pods.
+    pub fn new(pods: u32) -> Self {
+        let settings = kv_core::IndexerSettings {
+            index: kv_core::IndexConfig {
+                max_keys: 1 << 26,
+                ..Default::default()
+            },
+            ..Default::default()
+        };
+        Self {
+            indexer: kv_core::Indexer::new(settings).expect("benchmark config is valid"),
+            pods: (0..pods).map(|p| format!("pod-{p}")).collect(),
+            result: kv_core::ScoreResult::default(),
+            numbers: Vec::new(),
+            numbers_for: 0,
+        }
+    }
+
+    fn apply(&self, pod: u32, event: kv_core::KvEvent) {
+        let batch = kv_core::EventBatch {
+            ts: 0.0,
+            events: vec![event],
+            data_parallel_rank: None,
+        };
+        // Cannot fail: one model, default limits.
+        let _ = self
+            .indexer
+            .apply_batch(BENCH_MODEL, &self.pods[pod as usize], &batch);
+    }
+}
+
+impl IndexBackend for IndexerFacadeBackend {
+    fn name(&self) -> &str {
+        "kv-indexer through Indexer (facade)"
+    }
+
+    fn query(&mut self, hashes: &[BlockHash], _content: &[u64]) -> QueryAnswer {
+        let mut answer = QueryAnswer::default();
+        if self
+            .indexer
+            .score_hashes_into(BENCH_MODEL, hashes, kv_core::ALL_PODS, &mut self.result)
+            .is_ok()
+        {
+            // Pod index -> pod number, rebuilt when the directory changes (pod indexes are
+            // reused as pods come and go); pod names are `pod-<n>`.
+            let directory = self
+                .result
+                .directory()
+                .map_or(0, |d| Arc::as_ptr(d) as usize);
+            if directory != self.numbers_for {
+                self.numbers_for = directory;
+                self.numbers.clear();
+                if let Some(d) = self.result.directory() {
+                    self.numbers.extend((0..d.pod_slots() as u32).map(|p| {
+                        d.pod(p)
+                            .and_then(|name| name.strip_prefix("pod-")?.parse().ok())
+                            .unwrap_or(u32::MAX)
+                    }));
+                }
+            }
+            for s in self.result.scores.iter().filter(|s| s.matched_blocks > 0) {
+                let number = match s.pod {
+                    kv_core::PodRef::Known(p) => self.numbers.get(p as usize).copied(),
+                    kv_core::PodRef::Unknown(_) | kv_core::PodRef::Speculative(_) => None,
+                };
+                answer.add(number.unwrap_or(u32::MAX), s.matched_blocks);
+            }
+        }
+        answer
+    }
+
+    fn store(
+        &mut self,
+        pod: u32,
+        parent: Option<BlockHash>,
+        hashes: &[BlockHash],
+        _content: &[u64],
+    ) {
+        let stored = kv_core::BlockStored {
+            block_hashes: hashes.to_vec(),
+            parent_block_hash: parent,
+            block_size: 16,
+            ..Default::default()
+        };
+        self.apply(pod, kv_core::KvEvent::BlockStored(Box::new(stored)));
+    }
+
+    fn remove(&mut self, pod: u32, hashes: &[BlockHash]) {
+        let removed = kv_core::BlockRemoved {
+            block_hashes: hashes.to_vec(),
+            ..Default::default()
+        };
+        self.apply(pod, kv_core::KvEvent::BlockRemoved(removed));
+    }
+}
+
+/// The baseline every design is compared with: a flat hash map from block hash to holders,
+/// probed block by block. Also the reference every answer is checked against, so it is kept
+/// obviously right: per block, the holders are stamped, then the pods still matching keep
+/// their stamp (O(holders + matching) per block, fine with 1,024 holders).
+#[derive(Default)]
+pub struct FlatMapBackend {
+    map: HashMap<BlockHash, Vec<u32>>,
+    active: Vec<u32>,
+    /// Per pod: the step at which it was last seen holding the block being checked.
+    stamp: Vec<u64>,
+    step: u64,
+}
+
+impl IndexBackend for FlatMapBackend {
+    fn name(&self) -> &str {
+        "flat-hashmap"
+    }
+
+    fn query(&mut self, hashes: &[BlockHash], _content: &[u64]) -> QueryAnswer {
+        let mut answer = QueryAnswer::default();
+        let Some(first) = hashes.first().and_then(|h| self.map.get(h)) else {
+            return answer;
+        };
+        self.active.clear();
+        self.active.extend_from_slice(first);
+        let mut depth = 1;
+        for h in &hashes[1..] {
+            self.step += 1;
+            if let Some(holders) = self.map.get(h) {
+                for &p in holders {
+                    if self.stamp.len() <= p as usize {
+                        self.stamp.resize(p as usize + 1, 0);
+                    }
+                    self.stamp[p as usize] = self.step;
+                }
+            }
+            let (stamp, step) = (&self.stamp, self.step);
+            self.active.retain(|&p| {
+                let stays = stamp.get(p as usize) == Some(&step);
+                if !stays {
+                    answer.add(p, depth);
+                }
+                stays
+            });
+            if self.active.is_empty() {
+                return answer;
+            }
+            depth += 1;
+        }
+        for &p in &self.active {
+            answer.add(p, depth);
+        }
+        answer
+    }
+
+    fn store(
+        &mut self,
+        pod: u32,
+        _parent: Option<BlockHash>,
+        hashes: &[BlockHash],
+        _content: &[u64],
+    ) {
+        for h in hashes {
+            let holders = self.map.entry(*h).or_default();
+            if !holders.contains(&pod) {
+                holders.push(pod);
+            }
+        }
+    }
+
+    fn remove(&mut self, pod: u32, hashes: &[BlockHash]) {
+        for h in hashes {
+            if let Some(holders) = self.map.get_mut(h) {
+                holders.retain(|p| *p != pod);
+                if holders.is_empty() {
+                    self.map.remove(h);
+                }
+            }
+        }
+    }
+}
