@@ -11,5 +11,3 @@ pub mod score;
 pub mod serve;
 #[cfg(feature = "lab")]
 pub mod simulate;
-#[cfg(feature = "lab")]
-pub mod simulate_report;

@@ -1,21 +1,22 @@
 //! `kv-indexer simulate`: routing policies on simulated vLLM pods (see `kv_lab::simulate`):
 //! one run per policy, or a load ladder (`--rates`) over several seeds with a verdict per
-//! policy (the highest rate that meets a TTFT SLO), as tables, JSON and charts.
+//! policy (the highest rate that meets a TTFT SLO), as tables, JSON and charts. The flags are
+//! parsed and the results printed here; the policies, the statistics and the charts are
+//! kv-lab's (`simulate::{policies, report, charts}`).
 
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Mutex;
 
 use anyhow::{bail, Context};
 use clap::Args;
 
+use kv_lab::simulate::charts;
 use kv_lab::simulate::engine::EngineConfig;
-use kv_lab::simulate::routers::{self, CapacityGuess, Router, Weights};
+use kv_lab::simulate::policies::{self, parse_weights, PolicySettings, POLICIES};
+use kv_lab::simulate::report::{self, LadderRun};
+use kv_lab::simulate::routers::{self, Router};
 use kv_lab::simulate::workloads::{mooncake, MultiTurn, SharedPrefix};
-use kv_lab::simulate::{rng, run, PolicyReport, SimRequest, SimSettings, ANCHOR_KV_TOKENS};
+use kv_lab::simulate::{run, PolicyReport, SimRequest, SimSettings, ANCHOR_KV_TOKENS};
 use kv_lab::trace::load_mooncake;
-
-use super::simulate_report::{self, LadderRun};
 
 /// Flags of `kv-indexer simulate`.
 #[derive(Debug, Args)]
@@ -141,74 +142,24 @@ pub struct SimulateArgs {
     pub quiet: bool,
 }
 
-const ALL: [&str; 10] = [
-    "random",
-    "round-robin",
-    "least-loaded",
-    "approx",
-    "approx-autotune",
-    "aibrix",
-    "localai",
-    "dynamo",
-    "precise-nospec",
-    "precise",
-];
-
-/// The weights of approximate and precise scoring policies.
-fn weights(text: &str) -> anyhow::Result<(Weights, Weights)> {
-    Ok(match text {
-        "equal" => (Weights::EQUAL, Weights::EQUAL),
-        "llm-d" => (Weights::EQUAL, Weights::LLM_D_PRECISE),
-        other => {
-            let parts: Vec<f64> = other
-                .split(':')
-                .map(|p| p.trim().parse::<f64>())
-                .collect::<Result<_, _>>()
-                .ok()
-                .filter(|v: &Vec<f64>| v.len() == 3 && v.iter().all(|x| *x >= 0.0 && x.is_finite()))
-                .with_context(|| {
-                    format!("--weights {other:?}: equal, llm-d, or prefix:queue:kv (e.g. 2:1:1)")
-                })?;
-            let w = Weights {
-                prefix: parts[0],
-                queue: parts[1],
-                kv: parts[2],
-            };
-            (w, w)
-        }
-    })
-}
-
-fn router(name: &str, args: &SimulateArgs, seed: u64) -> anyhow::Result<Box<dyn Router>> {
-    let (approx_w, precise_w) = weights(&args.weights)?;
-    Ok(match name {
-        "random" => Box::new(routers::Random(rng(seed ^ 0xABCD))),
-        "round-robin" => Box::new(routers::RoundRobin::default()),
-        "least-loaded" => Box::new(routers::LeastLoaded),
-        "approx" => Box::new(routers::ApproxPrefix::new(
-            CapacityGuess::Fixed(args.approx_capacity),
-            approx_w,
-            seed,
-        )),
-        "approx-autotune" => Box::new(routers::ApproxPrefix::new(
-            CapacityGuess::AutoTune,
-            approx_w,
-            seed,
-        )),
-        "aibrix" => Box::new(routers::Aibrix::default()),
-        "localai" => Box::new(routers::LocalAi::default()),
-        "dynamo" => Box::new(routers::Dynamo::new(seed)),
-        "precise" => Box::new(routers::Precise::new(precise_w, true, seed)),
-        "precise-nospec" => Box::new(routers::Precise::new(precise_w, false, seed)),
-        other => bail!("unknown policy {other:?} (one of {})", ALL.join(", ")),
+/// The policies' settings from the flags.
+fn policy_settings(args: &SimulateArgs) -> anyhow::Result<PolicySettings> {
+    let (approx_weights, precise_weights) = parse_weights(&args.weights)?;
+    Ok(PolicySettings {
+        approx_capacity: args.approx_capacity,
+        approx_weights,
+        precise_weights,
     })
 }
 
 /// One router per gateway replica, each with its own seed.
 fn replicas(name: &str, args: &SimulateArgs, seed: u64) -> anyhow::Result<Vec<Box<dyn Router>>> {
-    (0..args.routers as u64)
-        .map(|r| router(name, args, seed ^ (r << 48)))
-        .collect()
+    Ok(policies::replicas(
+        name,
+        &policy_settings(args)?,
+        args.routers,
+        seed,
+    )?)
 }
 
 /// The workload's requests at `rate` (when given) for `seed`.
@@ -294,7 +245,7 @@ fn check(args: &SimulateArgs) -> anyhow::Result<()> {
     if args.seeds == 0 || args.seeds > 100 {
         bail!("--seeds must be between 1 and 100, got {}", args.seeds);
     }
-    weights(&args.weights)?;
+    parse_weights(&args.weights)?;
     Ok(())
 }
 
@@ -346,50 +297,35 @@ fn settings(args: &SimulateArgs, requests: &[SimRequest], seed: u64) -> SimSetti
 
 fn policy_names(args: &SimulateArgs) -> anyhow::Result<Vec<String>> {
     let names: Vec<String> = if args.policies == "all" {
-        ALL.iter().map(|s| s.to_string()).collect()
+        POLICIES.iter().map(|s| s.to_string()).collect()
     } else {
         args.policies
             .split(',')
             .map(|s| s.trim().to_string())
             .collect()
     };
+    let settings = policy_settings(args)?;
     for n in &names {
-        router(n, args, 0)?;
+        policies::router(n, &settings, 0)?;
     }
     Ok(names)
 }
 
-/// Runs `jobs` on every core, in any order; each result keeps its job's index.
+/// Runs `jobs` on every core (see [`policies::run_parallel`]), ticking the progress bar.
 fn parallel<J: Sync, R: Send>(
     jobs: &[J],
     progress: Option<&indicatif::ProgressBar>,
     work: impl Fn(&J) -> anyhow::Result<R> + Sync,
 ) -> anyhow::Result<Vec<R>> {
-    let next = AtomicUsize::new(0);
-    let results: Mutex<Vec<(usize, anyhow::Result<R>)>> = Mutex::new(Vec::new());
-    let threads = std::thread::available_parallelism()
-        .map_or(1, |n| n.get())
-        .min(jobs.len().max(1));
-    std::thread::scope(|s| {
-        for _ in 0..threads {
-            s.spawn(|| loop {
-                let i = next.fetch_add(1, Ordering::Relaxed);
-                let Some(job) = jobs.get(i) else { break };
-                let r = work(job);
-                if let Some(bar) = progress {
-                    bar.inc(1);
-                }
-                if let Ok(mut out) = results.lock() {
-                    out.push((i, r));
-                }
-            });
-        }
-    });
-    let mut out = results
-        .into_inner()
-        .map_err(|_| anyhow::anyhow!("a simulation thread panicked"))?;
-    out.sort_by_key(|(i, _)| *i);
-    out.into_iter().map(|(_, r)| r).collect()
+    policies::run_parallel(
+        jobs,
+        || {
+            if let Some(bar) = progress {
+                bar.inc(1);
+            }
+        },
+        work,
+    )
 }
 
 fn progress_bar(args: &SimulateArgs, len: usize, what: &str) -> Option<indicatif::ProgressBar> {
@@ -426,7 +362,7 @@ pub fn run_cli(args: SimulateArgs) -> anyhow::Result<()> {
         bar.finish_and_clear();
     }
     if let Some(path) = &args.svg {
-        simulate_report::draw_policies(path, &reports)?;
+        charts::draw_policies(path, &reports)?;
     }
     if args.json {
         println!(
@@ -446,7 +382,7 @@ pub fn run_cli(args: SimulateArgs) -> anyhow::Result<()> {
         args.routers,
         args.seed
     );
-    print!("{}", simulate_report::policy_table(&reports));
+    print!("{}", report::policy_table(&reports));
     Ok(())
 }
 
@@ -470,9 +406,9 @@ fn ladder(args: &SimulateArgs, names: &[String]) -> anyhow::Result<()> {
     if let Some(bar) = bar {
         bar.finish_and_clear();
     }
-    let verdict = simulate_report::max_sustainable_rate(&runs, args.slo_ttft_p90_ms);
+    let verdict = report::max_sustainable_rate(&runs, args.slo_ttft_p90_ms);
     if let Some(path) = &args.svg {
-        simulate_report::draw_ladder(path, &runs, args.slo_ttft_p90_ms)?;
+        charts::draw_ladder(path, &runs, args.slo_ttft_p90_ms)?;
     }
     if args.json {
         println!(
@@ -493,7 +429,7 @@ fn ladder(args: &SimulateArgs, names: &[String]) -> anyhow::Result<()> {
         args.seed + args.seeds - 1,
         args.weights
     );
-    print!("{}", simulate_report::ladder_table(&runs));
+    print!("{}", report::ladder_table(&runs));
     println!(
         "\nhighest rate whose mean TTFT p90 meets {} ms (and every lower rate does):",
         args.slo_ttft_p90_ms

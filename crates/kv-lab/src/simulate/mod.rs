@@ -23,7 +23,11 @@
 //! streams already started are cut; a request routed to a down pod goes to the live pod with
 //! the fewest of that replica's requests, as a gateway retries on connection refused).
 
+#[cfg(feature = "charts")]
+pub mod charts;
 pub mod engine;
+pub mod policies;
+pub mod report;
 pub mod routers;
 pub mod workloads;
 
