@@ -15,7 +15,7 @@ use kv_indexer::daemon;
 use kv_proto::kvindexer_v1::{kv_indexer_client::KvIndexerClient, ClearPodRequest};
 use support::pods::{self, holds, MODEL};
 use tokio::sync::{mpsc, oneshot};
-use zeromq::{RouterSocket, Socket, SocketRecv, SocketSend, ZmqMessage};
+use zeromq::{RouterSocket, SocketRecv, SocketSend, ZmqMessage};
 
 const TOKEN: &str = "clear-admin-token-0123456789";
 
@@ -69,19 +69,9 @@ fn spawn_held_replay(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_gap_fill_parked_before_an_admin_clear_cannot_bring_the_cleared_blocks_back() {
-    let mut router = RouterSocket::new();
-    let router_ep = router
-        .bind("tcp://127.0.0.1:0")
-        .await
-        .expect("ROUTER binds");
-    let port = router_ep
-        .to_string()
-        .rsplit(':')
-        .next()
-        .expect("port")
-        .to_owned();
+    let (router, template) = support::replay_router().await;
     let mut config = support::loopback_config();
-    config.kv_events_config.replay_endpoint_template = format!("tcp://{{ip}}:{port}");
+    config.kv_events_config.replay_endpoint_template = template;
     config.kv_events_config.replay_timeout_ms = 10_000;
     config.server.enable_admin_rpcs = true;
     config.server.admin_token = TOKEN.into();

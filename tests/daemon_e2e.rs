@@ -315,19 +315,9 @@ fn spawn_replay_router(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_gap_is_recovered_from_vllms_replay_buffer_in_both_layouts() {
     for (layout, topic_frame) in [("0.26+", true), ("<=0.25", false)] {
-        let mut router = RouterSocket::new();
-        let router_ep = router
-            .bind("tcp://127.0.0.1:0")
-            .await
-            .expect("ROUTER binds");
-        let port = router_ep
-            .to_string()
-            .rsplit(':')
-            .next()
-            .expect("port")
-            .to_owned();
+        let (router, template) = support::replay_router().await;
         let mut config = base_config();
-        config.kv_events_config.replay_endpoint_template = format!("tcp://{{ip}}:{port}");
+        config.kv_events_config.replay_endpoint_template = template;
         let d = daemon::start(config).await.expect("daemon starts");
         let mut publisher = PubSocket::new();
         publisher

@@ -197,3 +197,17 @@ pub async fn client(
     .await
     .expect("gRPC connects")
 }
+
+/// A ROUTER bound on loopback to stand for vLLM's replay socket, and the daemon's
+/// `replayEndpointTemplate` that reaches it (`tcp://{ip}:<its port>`).
+pub async fn replay_router() -> (zeromq::RouterSocket, String) {
+    use zeromq::Socket;
+    let mut router = zeromq::RouterSocket::new();
+    let endpoint = router
+        .bind("tcp://127.0.0.1:0")
+        .await
+        .expect("ROUTER binds")
+        .to_string();
+    let port = endpoint.rsplit(':').next().expect("port").to_owned();
+    (router, format!("tcp://{{ip}}:{port}"))
+}
