@@ -24,8 +24,8 @@ use std::path::Path;
 use serde::{Deserialize, Serialize};
 use thiserror::Error;
 
-use kv_core::ExtraKeysFormat;
 use kv_core::TierWeights;
+use kv_core::{EngineHashes, ExtraKeysFormat};
 
 /// Why a configuration was rejected.
 #[derive(Debug, Error)]
@@ -191,6 +191,11 @@ pub struct TokenProcessorSection {
     pub hash_block_size: Option<usize>,
     /// `tagged` (vLLM >= 0.31) or `untagged` (0.14-0.30).
     pub extra_keys_format: ExtraKeysFormat,
+    /// How engines' published hashes become index keys: `auto` (per engine, from its own
+    /// events: taken as they are when they equal the keys above, else translated from the
+    /// events' token ids), `aligned` (always taken; an engine that hashes differently scores
+    /// 0) or `translated` (always computed from token ids).
+    pub engine_hashes: EngineHashes,
 }
 
 impl Default for TokenProcessorSection {
@@ -200,6 +205,7 @@ impl Default for TokenProcessorSection {
             hash_seed: None,
             hash_block_size: None,
             extra_keys_format: ExtraKeysFormat::Tagged,
+            engine_hashes: EngineHashes::Auto,
         }
     }
 }
@@ -455,6 +461,8 @@ pub struct ModelConfig {
     pub hash_block_size: Option<usize>,
     /// Overrides `tokenProcessorConfig.extraKeysFormat`.
     pub extra_keys_format: Option<ExtraKeysFormat>,
+    /// Overrides `tokenProcessorConfig.engineHashes`.
+    pub engine_hashes: Option<EngineHashes>,
     /// LoRA adapter name -> path (vLLM >= 0.31 hashes the path).
     pub lora_adapters: BTreeMap<String, String>,
     /// Tokenizer: a `tokenizer.json` path, its folder, or a HuggingFace model id.

@@ -29,6 +29,7 @@ impl Config {
                         extra_keys_format: m.extra_keys_format.unwrap_or(tp.extra_keys_format),
                     },
                     lora_paths: m.lora_adapters.clone().into_iter().collect(),
+                    engine_hashes: m.engine_hashes.unwrap_or(tp.engine_hashes),
                 };
                 (name.clone(), settings)
             })
@@ -45,6 +46,7 @@ impl Config {
             default_model: ModelSettings {
                 token_processor: default_processor,
                 lora_paths: Default::default(),
+                engine_hashes: tp.engine_hashes,
             },
             models,
             weights: TierWeights([w.gpu, w.cpu, w.storage, w.other]),

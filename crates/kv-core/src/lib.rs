@@ -6,7 +6,8 @@
 //!   ([`encode_batch`]);
 //! - `index`: the block -> (engine, tier) index and the prefix-scoring walk ([`ModelIndex`]);
 //! - `indexer`: per-model indexes and token processors, batch application, hash-mismatch
-//!   detection, pod scores and speculative entries (recorded routings not yet confirmed by
+//!   detection, translation of engines whose hashes are not the index's keys (keys from their
+//!   token ids), pod scores and speculative entries (recorded routings not yet confirmed by
 //!   events) ([`Indexer`]): what a transport (the daemon, a gateway, a benchmark) calls.
 //!
 //! Every block is named by a [`BlockHash`]. The facts about vLLM this crate relies on (wire
@@ -49,9 +50,10 @@ pub use index::{
 
 /// The facade transports call (`indexer`).
 pub use indexer::{
-    ApplyReport, HashCheckStats, Indexer, IndexerSettings, ModelSettings, ModelState, PodRef,
-    PodScore, PodSpeculation, RecordEnd, RoutingRecorded, ScoreError, ScoreResult, SettingsError,
-    SpeculationSettings, SpeculationStats, ALL_PODS, DEFAULT_MAX_MODELS, MAX_TTL_FACTOR,
+    ApplyReport, EngineHashes, HashCheckStats, Indexer, IndexerSettings, KeyMode, ModelSettings,
+    ModelState, PodRef, PodScore, PodSpeculation, RecordEnd, RoutingRecorded, ScoreError,
+    ScoreResult, SettingsError, SpeculationSettings, SpeculationStats, TranslationReport,
+    Untranslatable, ALL_PODS, DEFAULT_MAX_MODELS, MAX_TTL_FACTOR,
 };
 
 /// 64-bit mixing, the project's one PRNG and its one FNV-1a (`mix`).

@@ -17,7 +17,7 @@ fn settings(seed: Option<&str>, block_size: usize) -> IndexerSettings {
                 block_size,
                 ..Default::default()
             },
-            lora_paths: Default::default(),
+            ..Default::default()
         },
         ..Default::default()
     }

@@ -293,6 +293,8 @@ fn stored_field(r: &mut Reader<'_>, ev: &mut BlockStored, name: &str) -> Result<
         "locality" => ev.locality = opt_string(r)?,
         "ownership" => ev.ownership = opt_string(r)?,
         "session_id" => ev.session_id = opt_string(r)?,
+        // SGLang (map form only): the salt of the request that stored the run.
+        "cache_salt" => ev.cache_salt = opt_string(r)?,
         "lookahead_token_ids" => {
             ev.lookahead_token_ids = if r.try_nil() {
                 None

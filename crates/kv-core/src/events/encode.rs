@@ -189,6 +189,7 @@ fn stored(out: &mut Vec<u8>, s: &BlockStored, form: WireForm) {
             rows.iter().for_each(|r| u32s(o, r));
         },
     );
+    f.field("cache_salt", s.cache_salt.as_deref(), str);
     let count = f.count;
     container(out, form, count, &body);
 }
@@ -306,6 +307,7 @@ mod tests {
             ownership: Some("owned".into()),
             session_id: Some("s".into()),
             lookahead_token_ids: Some(vec![vec![1, 2], vec![]]),
+            cache_salt: None,
         };
         let batch = EventBatch {
             ts: 1.7e9,

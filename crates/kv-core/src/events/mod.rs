@@ -127,9 +127,9 @@ impl DecodeError {
 pub enum Medium {
     /// vLLM's GPU block pool (`"GPU"`); also assumed when an event names no medium (< 0.10.2).
     Gpu,
-    /// CPU offload (`"CPU"`).
+    /// CPU offload (vLLM's `"CPU"`, SGLang's `"CPU_PINNED"`).
     Cpu,
-    /// Storage offload (`"STORAGE"`).
+    /// Storage offload (vLLM's `"STORAGE"`, SGLang's `"DISK"`).
     Storage,
     /// Any other tier a connector names.
     Other(Box<str>),
@@ -140,9 +140,9 @@ impl Medium {
     pub fn parse(s: &str) -> Self {
         if s.eq_ignore_ascii_case("GPU") {
             Medium::Gpu
-        } else if s.eq_ignore_ascii_case("CPU") {
+        } else if s.eq_ignore_ascii_case("CPU") || s.eq_ignore_ascii_case("CPU_PINNED") {
             Medium::Cpu
-        } else if s.eq_ignore_ascii_case("STORAGE") {
+        } else if s.eq_ignore_ascii_case("STORAGE") || s.eq_ignore_ascii_case("DISK") {
             Medium::Storage
         } else {
             Medium::Other(s.into())
@@ -216,6 +216,8 @@ pub struct BlockStored {
     pub session_id: Option<String>,
     /// EAGLE lookahead tokens per block (0.33+).
     pub lookahead_token_ids: Option<Vec<Vec<u32>>>,
+    /// SGLang: the salt of the request that stored the run (vLLM carries it in `extra_keys`).
+    pub cache_salt: Option<String>,
 }
 
 /// `BlockRemoved`: blocks an engine evicted (vLLM sends one event per evicted hash).

@@ -210,6 +210,21 @@ impl TokenProcessor {
         tokens: &[u32],
         extras: &RequestExtras,
         scratch: &mut HashScratch,
+        observe: impl FnMut(usize, &[u8], &BlockDigest),
+    ) {
+        self.for_each_unit_after(&self.none_hash, tokens, extras, scratch, observe);
+    }
+
+    /// [`TokenProcessor::for_each_unit`] for tokens that continue a chain whose last digest
+    /// is `parent` (the root's is [`TokenProcessor::none_hash`]). Positions in `extras` count
+    /// from the first of `tokens`, so a continued chain passes no `cache_salt` (it belongs
+    /// to the prompt's first block) and no multimodal items.
+    pub fn for_each_unit_after(
+        &self,
+        parent: &BlockDigest,
+        tokens: &[u32],
+        extras: &RequestExtras,
+        scratch: &mut HashScratch,
         mut observe: impl FnMut(usize, &[u8], &BlockDigest),
     ) {
         let unit = self.hash_block_size;
@@ -218,7 +233,7 @@ impl TokenProcessor {
             encode_lora(&mut scratch.constant_extras, lora, self.format);
         }
         let plain = extras.is_empty();
-        let mut parent = self.none_hash;
+        let mut parent = *parent;
         let mut mm_cursor = 0usize;
         for (unit_index, chunk) in tokens.chunks_exact(unit).enumerate() {
             let start = unit_index * unit;

@@ -112,7 +112,7 @@ impl KeyBudget {
     }
 
     /// Takes one key; false when the budget is spent.
-    pub(super) fn take(&self) -> bool {
+    pub(crate) fn take(&self) -> bool {
         use std::sync::atomic::Ordering::Relaxed;
         self.used
             .fetch_update(Relaxed, Relaxed, |u| (u < self.limit).then_some(u + 1))
@@ -120,7 +120,7 @@ impl KeyBudget {
     }
 
     /// Gives `n` keys back.
-    pub(super) fn give_back(&self, n: u64) {
+    pub(crate) fn give_back(&self, n: u64) {
         use std::sync::atomic::Ordering::Relaxed;
         let _ = self
             .used

@@ -1,16 +1,17 @@
 //! What events do to the index: a batch applied in order under its engine's writer, an engine
 //! cleared (its vLLM restarted), a pod removed (forgotten: blocks, engines, tallies), and a
-//! snapshot's export and import.
+//! snapshot's export and import. How a batch's blocks become keys (published hashes, or
+//! translated from tokens) is `translate`'s.
 //!
 //! Invariants: a batch is one unit under one writer; the shared key budget is made room for
 //! before a batch stores (evicting from the largest other model, never while holding this
 //! model's writer); removing a pod leaves nothing of it behind (ids, directory entries,
-//! skipped-group sets, hash-check tallies, speculative records).
+//! skipped-group sets, hash-check tallies, speculative records, translation maps).
 
 use std::collections::HashMap;
 use std::sync::atomic::Ordering;
 
-use super::{Indexer, ModelState, SettingsError};
+use super::{Indexer, KeyMode, ModelState, SettingsError, TranslationReport};
 use crate::events::{EventBatch, KvEvent, Medium};
 use crate::index::{EngineKey, Tier};
 use crate::BlockHash;
@@ -44,6 +45,10 @@ pub struct ApplyReport {
     pub first_mismatch: bool,
     /// The engine could not be registered (too many engines): nothing applied.
     pub engine_rejected: bool,
+    /// BlockStored events of an engine whose block size cannot be translated, skipped.
+    pub refused_events: u32,
+    /// What translation did (engines whose hashes are not the index's keys).
+    pub translation: TranslationReport,
 }
 
 /// Gives a map's memory back once it is mostly empty (a fleet that shrank).
@@ -97,10 +102,34 @@ impl Indexer {
         let key = EngineKey::new(pod, rank);
         let mut report = ApplyReport::default();
         self.make_room(&state, batch);
-        self.check_hashes(&state, &key.pod, batch, &mut report);
         // Only engines that published a non-indexable group have an entry.
         let mut skipped = state.skipped_groups.lock();
+        let mut engines = state.engine_keys.lock();
+        let (engines, scratch) = &mut *engines;
+        let keys = engines.entry(key.clone()).or_default();
+        let was = keys.mode;
+        // Hashes are checked while they may be taken as keys; the first root run's verdict
+        // (block 0 recomputed equal to the published hash) decides an undecided engine.
+        if matches!(was, KeyMode::Undecided | KeyMode::Aligned) {
+            self.check_hashes(&state, &key.pod, batch, &mut report);
+        }
+        let verdict =
+            (report.hash_matches + report.hash_mismatches > 0).then_some(report.hash_matches > 0);
+        let changed = keys.decide(state.engine_hashes, &state.processor, batch, verdict);
+        report.translation.mode_changed = changed;
+        let mode = keys.mode;
+        if matches!(mode, KeyMode::Translated | KeyMode::Refused { .. }) {
+            // Not a mismatch to warn about: the engine's hashes are not taken as keys.
+            report.first_mismatch = false;
+        }
+        let speculating = !state.speculation.is_empty();
+        let mut confirmed: Vec<Vec<BlockHash>> = Vec::new();
         let applied = state.index.write_engine(&key, |w, engine| {
+            if changed.is_some() && was == KeyMode::Undecided && mode != KeyMode::Aligned {
+                // What was stored under the engine's own hashes is not keys.
+                report.blocks_removed += w.clear_engine(engine) as u64;
+                keys.clear(&self.budget);
+            }
             for event in &batch.events {
                 match event {
                     KvEvent::BlockStored(s) => {
@@ -111,11 +140,38 @@ impl Indexer {
                             report.skipped_group_events += 1;
                             continue;
                         }
-                        let tier = tier_of(s.medium.as_ref());
-                        let outcome = w.store(engine, tier, s.parent_block_hash, &s.block_hashes);
                         report.stored_events += 1;
-                        report.blocks_stored += outcome.added as u64;
-                        report.orphan_runs += u32::from(outcome.orphan);
+                        match mode {
+                            KeyMode::Undecided | KeyMode::Aligned => {
+                                let tier = tier_of(s.medium.as_ref());
+                                let outcome = keys.store_published(w, engine, tier, s);
+                                report.blocks_stored += outcome.added as u64;
+                                report.orphan_runs += u32::from(outcome.orphan);
+                            }
+                            KeyMode::Translated => {
+                                let stored = keys.store_translated(
+                                    w,
+                                    engine,
+                                    s,
+                                    &state,
+                                    &self.budget,
+                                    scratch,
+                                    &mut report.translation,
+                                );
+                                match stored {
+                                    Ok(added) => {
+                                        report.blocks_stored += added as u64;
+                                        if speculating {
+                                            confirmed.push(scratch.keys().to_vec());
+                                        }
+                                    }
+                                    Err(why) => {
+                                        report.translation.untranslatable[why as usize] += 1
+                                    }
+                                }
+                            }
+                            KeyMode::Refused { .. } => report.refused_events += 1,
+                        }
                     }
                     KvEvent::BlockRemoved(r) => {
                         let skips = skipped.get(&key);
@@ -125,12 +181,25 @@ impl Indexer {
                             report.skipped_group_events += 1;
                             continue;
                         }
-                        let tier = tier_of(r.medium.as_ref());
-                        report.blocks_removed += w.remove(engine, tier, &r.block_hashes) as u64;
                         report.removed_events += 1;
+                        report.blocks_removed += match mode {
+                            KeyMode::Undecided | KeyMode::Aligned => {
+                                keys.remove_published(w, engine, r, scratch)
+                            }
+                            KeyMode::Translated => keys.remove_translated(
+                                w,
+                                engine,
+                                r,
+                                &self.budget,
+                                scratch,
+                                &mut report.translation,
+                            ),
+                            KeyMode::Refused { .. } => 0,
+                        } as u64;
                     }
                     KvEvent::AllBlocksCleared => {
                         report.blocks_removed += w.clear_engine(engine) as u64;
+                        keys.clear(&self.budget);
                         report.cleared_events += 1;
                     }
                     KvEvent::Unknown(_) => report.unknown_events += 1,
@@ -139,17 +208,22 @@ impl Indexer {
         });
         if applied.is_none() {
             report.engine_rejected = true;
+            engines.remove(&key);
         }
         drop(skipped);
-        if !state.speculation.is_empty() {
-            let stored: Vec<&[BlockHash]> = batch
-                .events
-                .iter()
-                .filter_map(|e| match e {
-                    KvEvent::BlockStored(s) => Some(&s.block_hashes[..]),
-                    _ => None,
-                })
-                .collect();
+        if speculating {
+            let stored: Vec<&[BlockHash]> = if mode == KeyMode::Translated {
+                confirmed.iter().map(Vec::as_slice).collect()
+            } else {
+                batch
+                    .events
+                    .iter()
+                    .filter_map(|e| match e {
+                        KvEvent::BlockStored(s) => Some(&s.block_hashes[..]),
+                        _ => None,
+                    })
+                    .collect()
+            };
             state.speculation.confirm(pod, &stored, now);
         }
         self.totals
@@ -204,6 +278,16 @@ impl Indexer {
         }
         shrink_if_sparse(&mut skipped);
         drop(skipped);
+        let mut engines = state.engine_keys.lock();
+        engines.0.retain(|key, keys| {
+            let gone = &*key.pod == pod;
+            if gone {
+                keys.clear(&self.budget);
+            }
+            !gone
+        });
+        shrink_if_sparse(&mut engines.0);
+        drop(engines);
         let mut checks = state.hash_checks.lock();
         checks.remove(pod);
         shrink_if_sparse(&mut checks);
@@ -244,6 +328,12 @@ impl Indexer {
     pub fn clear_all(&self) -> usize {
         let mut removed = 0;
         for state in self.models.load().values() {
+            let mut engines = state.engine_keys.lock();
+            for keys in engines.0.values_mut() {
+                keys.clear(&self.budget);
+            }
+            engines.0.clear();
+            drop(engines);
             let directory = state.index.directory();
             for (pod, _) in directory.pods() {
                 for &e in directory.engines_of(pod) {
@@ -261,6 +351,10 @@ impl Indexer {
             return 0;
         };
         let key = EngineKey::new(pod, rank);
+        // A restarted engine may hash differently now: its mode is decided again.
+        if let Some(mut keys) = state.engine_keys.lock().0.remove(&key) {
+            keys.clear(&self.budget);
+        }
         state
             .index
             .write_engine(&key, |w, e| w.clear_engine(e))

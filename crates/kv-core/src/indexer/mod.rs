@@ -30,6 +30,7 @@ mod hash_check;
 mod routings;
 mod score;
 mod speculation;
+mod translate;
 
 use arc_swap::ArcSwap;
 use parking_lot::Mutex;
@@ -46,6 +47,8 @@ pub use speculation::{
     PodSpeculation, RecordEnd, RoutingRecorded, SpeculationSettings, SpeculationStats,
     MAX_TTL_FACTOR,
 };
+use translate::EngineKeys;
+pub use translate::{EngineHashes, KeyMode, TranslationReport, Untranslatable};
 
 /// How one model's hashes are computed (must equal its vLLM deployment's settings).
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
@@ -54,6 +57,9 @@ pub struct ModelSettings {
     pub token_processor: TokenProcessorConfig,
     /// LoRA adapter name -> path (vLLM >= 0.31 hashes the path, which events do not carry).
     pub lora_paths: HashMap<String, String>,
+    /// Whether engines' published hashes are taken as keys or translated from their tokens
+    /// (decided per engine by default; see [`KeyMode`]).
+    pub engine_hashes: EngineHashes,
 }
 
 /// Everything the indexer needs to run.
@@ -124,6 +130,10 @@ pub struct ModelState {
     skipped_groups: Mutex<HashMap<EngineKey, HashSet<i64>>>,
     /// Recorded routings not yet confirmed by events.
     speculation: Speculation,
+    /// How each engine's hashes become keys (write path only).
+    engine_hashes: EngineHashes,
+    /// Per engine: its key mode, a translated engine's map, copies (write path only).
+    engine_keys: Mutex<(HashMap<EngineKey, EngineKeys>, translate::Scratch)>,
 }
 
 impl ModelState {
@@ -153,14 +163,37 @@ impl ModelState {
     }
 
     /// Whether recorded routings are all the index has for `pod`: it publishes no events for
-    /// this model (no engine), or every hash check of its events mismatched.
+    /// this model (no engine), or every hash check of its events mismatched and none of its
+    /// engines is translated.
     pub fn speculation_fallback(&self, pod: &str) -> bool {
-        self.index.directory().engines_of(pod).is_empty()
-            || self
-                .hash_checks
+        let directory = self.index.directory();
+        let engines = directory.engines_of(pod);
+        if engines.is_empty() {
+            return true;
+        }
+        let mismatched = self
+            .hash_checks
+            .lock()
+            .get(pod)
+            .is_some_and(|c| c.mismatches > 0 && c.matches == 0);
+        mismatched
+            && !self
+                .engine_keys
                 .lock()
-                .get(pod)
-                .is_some_and(|c| c.mismatches > 0 && c.matches == 0)
+                .0
+                .iter()
+                .any(|(key, keys)| &*key.pod == pod && keys.mode == KeyMode::Translated)
+    }
+
+    /// Each engine's key mode and, for translated engines, how many engine blocks its map
+    /// holds (what `ListPods` reports).
+    pub fn key_modes(&self) -> HashMap<EngineKey, (KeyMode, usize)> {
+        self.engine_keys
+            .lock()
+            .0
+            .iter()
+            .map(|(key, keys)| (key.clone(), (keys.mode, keys.translated_blocks())))
+            .collect()
     }
 
     /// `pod`'s speculative entries, if it has had records.
@@ -279,6 +312,8 @@ impl Indexer {
             hash_checks: Mutex::new(HashMap::new()),
             skipped_groups: Mutex::new(HashMap::new()),
             speculation: Speculation::new(self.settings.speculation.clone())?,
+            engine_hashes: settings.engine_hashes,
+            engine_keys: Mutex::new(Default::default()),
         });
         let mut next = HashMap::clone(&self.models.load());
         next.insert(name.into(), state.clone());

@@ -58,3 +58,51 @@ pub fn captured_payload(version: &str, scenario: &str) -> (Vec<u8>, Vec<u32>) {
     let payload = unhex(s["messages"][0]["frames_hex"][2].as_str().expect("hex"));
     (payload, u32s(&doc["scenarios"][0]["request_token_ids"]))
 }
+
+/// A scenario of `engines/engines.json`: KV events of an engine whose hashes are not the
+/// index's keys (made with vLLM's or SGLang's own code; see that folder's README), and the keys
+/// vLLM's sha256_cbor gives its tokens (seed "12345", blocks of 16).
+pub struct EngineScenario {
+    /// The scenario's name.
+    pub name: String,
+    /// The prompt.
+    pub tokens: Vec<u32>,
+    /// vLLM's sha256_cbor keys of the prompt, as events carry them.
+    pub expected_keys: Vec<BlockHash>,
+    /// The ZMQ payloads, in order.
+    pub messages: Vec<Vec<u8>>,
+    /// Prompt blocks held after each message.
+    pub matched_after: Vec<u32>,
+}
+
+/// Every scenario of `engines/engines.json`.
+pub fn engine_scenarios() -> Vec<EngineScenario> {
+    let doc = fixture("engines/engines.json");
+    doc["scenarios"]
+        .as_array()
+        .expect("scenarios")
+        .iter()
+        .map(|s| EngineScenario {
+            name: s["name"].as_str().expect("name").to_owned(),
+            tokens: u32s(&s["tokens"]),
+            expected_keys: s["expected_keys"]
+                .as_array()
+                .expect("keys")
+                .iter()
+                .map(|k| BlockHash::new(k.as_str().expect("str").parse().expect("u64")))
+                .collect(),
+            messages: s["messages"]
+                .as_array()
+                .expect("messages")
+                .iter()
+                .map(|m| unhex(m.as_str().expect("hex")))
+                .collect(),
+            matched_after: s["matched_after"]
+                .as_array()
+                .expect("matched")
+                .iter()
+                .map(|n| n.as_u64().expect("uint") as u32)
+                .collect(),
+        })
+        .collect()
+}

@@ -290,6 +290,20 @@ impl IndexWriter<'_> {
         parent: Option<BlockHash>,
         hashes: &[BlockHash],
     ) -> StoreOutcome {
+        self.store_each(engine, tier, parent, hashes, |_, _| {})
+    }
+
+    /// [`IndexWriter::store`], telling `held(hash, added)` for every block the engine holds
+    /// afterwards: `added` when the membership is new, not when the engine already held the
+    /// block in that tier (a second copy, which the caller may count).
+    pub fn store_each(
+        &mut self,
+        engine: EngineId,
+        tier: Tier,
+        parent: Option<BlockHash>,
+        hashes: &[BlockHash],
+        mut held: impl FnMut(BlockHash, bool),
+    ) -> StoreOutcome {
         let mut outcome = StoreOutcome::default();
         if self.engine_state(engine).is_none() {
             return outcome;
@@ -313,16 +327,19 @@ impl IndexWriter<'_> {
             let hash = key(raw);
             let id = match locate(&self.index.slab, &self.state.table, prev, hash) {
                 Some(id) => {
-                    if self.add_member(id, hash, m) {
+                    let added = self.add_member(id, hash, m);
+                    if added {
                         outcome.added += 1;
                         self.note_membership(engine, id);
                     }
+                    held(raw, added);
                     id
                 }
                 None => match self.alloc_node(hash, m) {
                     Some(id) => {
                         outcome.added += 1;
                         self.note_membership(engine, id);
+                        held(raw, true);
                         id
                     }
                     None => {

@@ -1,0 +1,468 @@
+//! Keys from tokens: every engine's blocks are indexed under one key space, vLLM's
+//! `sha256_cbor` with the configured seed and block size, whatever the engine publishes.
+//!
+//! An engine is **aligned** when its published hashes are those keys (vLLM with
+//! `--prefix-caching-hash-algo sha256_cbor`, the same `PYTHONHASHSEED` and block size): its
+//! hashes are stored as they come, no extra memory. Otherwise it is **translated**: each
+//! `BlockStored` run's keys are computed from its `token_ids`, chained on the key of its parent
+//! (found through the engine's map), and the map keeps, per engine hash, what it stands for
+//! (the chained digest the next run continues, and the keys of its chunks), for
+//! `BlockRemoved` and for the runs that follow. Which one an engine is, is decided from its own
+//! events: the first run from the prompt's root with tokens whose block 0 can be recomputed
+//! (equal: aligned; different: translated), or at once when its block size is not ours. A
+//! setting may force either mode.
+//!
+//! Invariants:
+//! - an engine block of `k * blockSize` tokens stands for `k` keys; a removal removes them all;
+//!   a block size that is not a multiple of ours is refused for that engine (counted, never
+//!   guessed), as is a partial chunk (it never makes a key);
+//! - a run that cannot be translated (its parent unknown, a LoRA whose path is not configured,
+//!   multimodal keys, no tokens and unknown hashes) is skipped and counted, never guessed;
+//! - copies are counted: an engine that stores the same block twice in one tier holds it
+//!   until both are removed (vLLM keeps two physical blocks with one hash and announces each
+//!   removal). Aligned engines pay for this only while a block has a second copy;
+//! - everything here is dropped with the engine (`AllBlocksCleared`, a restart, a pod
+//!   forgotten); map entries take keys from the shared budget (`size`) and give them back.
+
+use std::collections::HashMap;
+
+use super::apply::{indexable_kind, tier_of};
+use super::ModelState;
+use crate::events::{BlockRemoved, BlockStored, EventBatch, KvEvent, MsgpackValue};
+use crate::hashing::{
+    BlockDigest, ExtraKeysFormat, HashScratch, LoraAdapter, RequestExtras, TokenProcessor,
+};
+use crate::index::{EngineId, IndexWriter, KeyBudget, Tier};
+use crate::BlockHash;
+
+/// How the index keys of an engine's blocks are found (the `engineHashes` setting, per model).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum EngineHashes {
+    /// Decided per engine from its own events.
+    #[default]
+    Auto,
+    /// Every engine's published hashes are the keys (no translation, no map).
+    Aligned,
+    /// Every engine is translated from its token ids.
+    Translated,
+}
+
+/// What an engine's published hashes are, as far as its events have shown.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum KeyMode {
+    /// No run has shown it yet: its hashes are stored as published meanwhile.
+    #[default]
+    Undecided,
+    /// Its hashes are the index's keys.
+    Aligned,
+    /// Its keys are computed from its token ids.
+    Translated,
+    /// Its block size (`engine`) is not a multiple of the index's (`ours`): not indexed.
+    Refused {
+        /// The engine's block size.
+        engine: u32,
+        /// `blockSize`.
+        ours: u32,
+    },
+}
+
+impl KeyMode {
+    /// A short, bounded label (`ListPods`, metrics).
+    pub fn label(self) -> &'static str {
+        match self {
+            KeyMode::Undecided => "undecided",
+            KeyMode::Aligned => "aligned",
+            KeyMode::Translated => "translated",
+            KeyMode::Refused { .. } => "refused",
+        }
+    }
+}
+
+/// Why a run (or a removal) could not be translated.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Untranslatable {
+    /// The run continues a block the engine's map does not know.
+    UnknownParent,
+    /// The run names a LoRA adapter whose path is not configured (vLLM >= 0.31 hashes it).
+    Lora,
+    /// The run carries multimodal or prompt-embedding keys.
+    ExtraKeys,
+    /// The run has no tokens and its hashes are not in the map (an offload tier's event).
+    NoTokens,
+    /// The shared key budget (`size`) is spent.
+    Full,
+}
+
+/// Translation tallies of one batch.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct TranslationReport {
+    /// Runs whose keys were computed from tokens (or found in the map).
+    pub translated_runs: u32,
+    /// Runs skipped, by [`Untranslatable`] (unknown parent, LoRA, extra keys, no tokens, full).
+    pub untranslatable: [u32; 5],
+    /// Removed hashes the map did not know (stored before this replica listened, or never
+    /// translatable).
+    pub unknown_removals: u32,
+    /// The engine's mode changed in this batch (to the new mode).
+    pub mode_changed: Option<KeyMode>,
+}
+
+impl Untranslatable {
+    /// Every reason, in [`TranslationReport::untranslatable`] order.
+    pub const ALL: [Untranslatable; 5] = [
+        Untranslatable::UnknownParent,
+        Untranslatable::Lora,
+        Untranslatable::ExtraKeys,
+        Untranslatable::NoTokens,
+        Untranslatable::Full,
+    ];
+
+    /// A short, bounded label for metrics.
+    pub fn label(self) -> &'static str {
+        match self {
+            Untranslatable::UnknownParent => "unknown_parent",
+            Untranslatable::Lora => "lora",
+            Untranslatable::ExtraKeys => "extra_keys",
+            Untranslatable::NoTokens => "no_tokens",
+            Untranslatable::Full => "full",
+        }
+    }
+}
+
+/// What one engine hash of a translated engine stands for.
+#[derive(Debug)]
+struct Translated {
+    /// The chained digest of the engine block's last chunk: what the next block continues.
+    tip: BlockDigest,
+    /// The keys of the chunks before the last (empty when the engine's block size is ours).
+    earlier: Box<[BlockHash]>,
+    /// Copies held, per tier.
+    copies: [u16; 4],
+}
+
+impl Translated {
+    /// Every key the engine block stands for, in chain order.
+    fn keys(&self, out: &mut Vec<BlockHash>) {
+        out.extend_from_slice(&self.earlier);
+        out.push(crate::hashing::event_hash(&self.tip));
+    }
+}
+
+/// One engine's hash state (see the module docs).
+#[derive(Debug, Default)]
+pub(super) struct EngineKeys {
+    pub(super) mode: KeyMode,
+    /// Translated engines: engine hash -> what it stands for.
+    map: HashMap<BlockHash, Translated>,
+    /// Aligned (and undecided) engines: copies beyond the first, by (key, tier).
+    copies: HashMap<(BlockHash, Tier), u32>,
+}
+
+/// Per-model scratch for one batch (reused; no allocation per block once grown).
+#[derive(Default)]
+pub(super) struct Scratch {
+    keys: Vec<BlockHash>,
+    digests: Vec<BlockDigest>,
+    hashing: HashScratch,
+}
+
+impl Scratch {
+    /// The keys of the run translated last.
+    pub(super) fn keys(&self) -> &[BlockHash] {
+        &self.keys
+    }
+}
+
+impl EngineKeys {
+    /// Map entries (what they cost, in keys of the shared budget).
+    pub(super) fn translated_blocks(&self) -> usize {
+        self.map.len()
+    }
+
+    /// Drops everything (the engine's cache is gone), giving the map's keys back.
+    pub(super) fn clear(&mut self, budget: &KeyBudget) {
+        budget.give_back(self.map.len() as u64);
+        self.map = HashMap::new();
+        self.copies = HashMap::new();
+    }
+
+    /// Decides the mode from `batch` when it can; returns the new mode when it changed.
+    /// `root_verdict` is the hash check's verdict on the batch's first root run (`Some(true)`:
+    /// block 0 recomputed equal to the published hash).
+    pub(super) fn decide(
+        &mut self,
+        setting: EngineHashes,
+        processor: &TokenProcessor,
+        batch: &EventBatch,
+        root_verdict: Option<bool>,
+    ) -> Option<KeyMode> {
+        if !matches!(self.mode, KeyMode::Undecided) {
+            return None;
+        }
+        let ours = processor.block_size() as u32;
+        let stored = batch.events.iter().find_map(|e| match e {
+            KvEvent::BlockStored(s) if indexable_kind(s.kv_cache_spec_kind.as_deref()) => Some(s),
+            _ => None,
+        })?;
+        let engine = stored.block_size;
+        let next = if setting == EngineHashes::Aligned {
+            KeyMode::Aligned
+        } else if engine == 0 || !engine.is_multiple_of(ours) {
+            KeyMode::Refused { engine, ours }
+        } else if setting == EngineHashes::Translated || engine != ours {
+            KeyMode::Translated
+        } else {
+            match root_verdict? {
+                true => KeyMode::Aligned,
+                false => KeyMode::Translated,
+            }
+        };
+        self.mode = next;
+        Some(next)
+    }
+
+    /// A `BlockStored` run of an aligned (or undecided) engine: stored as published, a second
+    /// copy counted.
+    pub(super) fn store_published(
+        &mut self,
+        w: &mut IndexWriter<'_>,
+        engine: EngineId,
+        tier: Tier,
+        s: &BlockStored,
+    ) -> crate::index::StoreOutcome {
+        let copies = &mut self.copies;
+        w.store_each(
+            engine,
+            tier,
+            s.parent_block_hash,
+            &s.block_hashes,
+            |hash, added| {
+                if !added {
+                    *copies.entry((hash, tier)).or_insert(0) += 1;
+                } else if !copies.is_empty() {
+                    // A membership dropped by eviction and stored again starts at one copy.
+                    copies.remove(&(hash, tier));
+                }
+            },
+        )
+    }
+
+    /// A `BlockRemoved` of an aligned engine: a block with a second copy loses the copy, the
+    /// others leave the index. Returns memberships removed.
+    pub(super) fn remove_published(
+        &mut self,
+        w: &mut IndexWriter<'_>,
+        engine: EngineId,
+        r: &BlockRemoved,
+        scratch: &mut Scratch,
+    ) -> usize {
+        let tier = tier_of(r.medium.as_ref());
+        if self.copies.is_empty() {
+            return w.remove(engine, tier, &r.block_hashes);
+        }
+        scratch.keys.clear();
+        for &hash in &r.block_hashes {
+            match self.copies.get_mut(&(hash, tier)) {
+                Some(n) => {
+                    *n -= 1;
+                    if *n == 0 {
+                        self.copies.remove(&(hash, tier));
+                    }
+                }
+                None => scratch.keys.push(hash),
+            }
+        }
+        w.remove(engine, tier, &scratch.keys)
+    }
+
+    /// A `BlockStored` run of a translated engine: its keys computed from its tokens (or
+    /// found in the map), stored, and mapped. Returns memberships added, or why not.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn store_translated(
+        &mut self,
+        w: &mut IndexWriter<'_>,
+        engine: EngineId,
+        s: &BlockStored,
+        model: &ModelState,
+        budget: &KeyBudget,
+        scratch: &mut Scratch,
+        report: &mut TranslationReport,
+    ) -> Result<usize, Untranslatable> {
+        let processor = &model.processor;
+        let tier = tier_of(s.medium.as_ref());
+        let ours = processor.block_size();
+        let per_block = s.block_size as usize;
+        let k = per_block / ours.max(1);
+        let blocks = s
+            .block_hashes
+            .len()
+            .min(s.token_ids.len() / per_block.max(1));
+        if blocks == 0 {
+            return self.store_known(w, engine, tier, s, scratch);
+        }
+        let parent_key = s.parent_block_hash.map(|p| {
+            self.map
+                .get(&p)
+                .map(|t| (t.tip, crate::hashing::event_hash(&t.tip)))
+        });
+        let (parent_digest, parent_key) = match parent_key {
+            None => (*processor.none_hash(), None),
+            Some(Some((tip, key))) => (tip, Some(key)),
+            Some(None) => return Err(Untranslatable::UnknownParent),
+        };
+        let extras = run_extras(s, s.parent_block_hash.is_none(), model)?;
+        scratch.keys.clear();
+        scratch.digests.clear();
+        let (keys, digests) = (&mut scratch.keys, &mut scratch.digests);
+        let group = processor.block_size() / processor.hash_block_size();
+        processor.for_each_unit_after(
+            &parent_digest,
+            &s.token_ids[..blocks * per_block],
+            &extras,
+            &mut scratch.hashing,
+            |unit, _, digest| {
+                if (unit + 1) % group == 0 {
+                    keys.push(crate::hashing::event_hash(digest));
+                    digests.push(*digest);
+                }
+            },
+        );
+        let outcome = w.store(engine, tier, parent_key, keys);
+        for (j, &hash) in s.block_hashes[..blocks].iter().enumerate() {
+            let slot = tier as usize;
+            if let Some(t) = self.map.get_mut(&hash) {
+                t.copies[slot] = t.copies[slot].saturating_add(1);
+                continue;
+            }
+            if !budget.take() {
+                report.untranslatable[Untranslatable::Full as usize] += 1;
+                continue;
+            }
+            let mut copies = [0u16; 4];
+            copies[slot] = 1;
+            self.map.insert(
+                hash,
+                Translated {
+                    tip: digests[(j + 1) * k - 1],
+                    earlier: keys[j * k..(j + 1) * k - 1].into(),
+                    copies,
+                },
+            );
+        }
+        report.translated_runs += 1;
+        Ok(outcome.added)
+    }
+
+    /// A run without tokens (an offload tier's event): its hashes resolved through the map.
+    fn store_known(
+        &mut self,
+        w: &mut IndexWriter<'_>,
+        engine: EngineId,
+        tier: Tier,
+        s: &BlockStored,
+        scratch: &mut Scratch,
+    ) -> Result<usize, Untranslatable> {
+        scratch.keys.clear();
+        let slot = tier as usize;
+        for hash in &s.block_hashes {
+            let Some(t) = self.map.get_mut(hash) else {
+                return Err(Untranslatable::NoTokens);
+            };
+            t.copies[slot] = t.copies[slot].saturating_add(1);
+            t.keys(&mut scratch.keys);
+        }
+        Ok(w.store(engine, tier, None, &scratch.keys).added)
+    }
+
+    /// A `BlockRemoved` of a translated engine: each hash's keys leave the tier once its last
+    /// copy there is removed; the entry goes once no tier holds it. Returns memberships
+    /// removed.
+    pub(super) fn remove_translated(
+        &mut self,
+        w: &mut IndexWriter<'_>,
+        engine: EngineId,
+        r: &BlockRemoved,
+        budget: &KeyBudget,
+        scratch: &mut Scratch,
+        report: &mut TranslationReport,
+    ) -> usize {
+        let tier = tier_of(r.medium.as_ref());
+        let slot = tier as usize;
+        scratch.keys.clear();
+        for hash in &r.block_hashes {
+            let Some(t) = self.map.get_mut(hash) else {
+                report.unknown_removals += 1;
+                continue;
+            };
+            if t.copies[slot] == 0 {
+                continue;
+            }
+            t.copies[slot] -= 1;
+            if t.copies[slot] > 0 {
+                continue;
+            }
+            t.keys(&mut scratch.keys);
+            if t.copies == [0; 4] {
+                self.map.remove(hash);
+                budget.give_back(1);
+            }
+        }
+        w.remove(engine, tier, &scratch.keys)
+    }
+}
+
+/// The extra keys a run's blocks were hashed with, as far as the event tells: its LoRA (the
+/// path from the configuration), and for a run from the prompt's root its `cache_salt`
+/// (SGLang's field, or vLLM's block-0 entry). Multimodal and prompt-embedding keys are not
+/// rebuilt.
+fn run_extras(
+    s: &BlockStored,
+    root: bool,
+    model: &ModelState,
+) -> Result<RequestExtras, Untranslatable> {
+    let mut extras = RequestExtras::default();
+    let format = model.processor.extra_keys_format();
+    if let Some(name) = s.lora_name.as_ref().filter(|n| !n.is_empty()) {
+        let path = match (model.lora_paths.get(name), format) {
+            (Some(p), _) => p.clone(),
+            (None, ExtraKeysFormat::Untagged) => String::new(),
+            (None, ExtraKeysFormat::Tagged) => return Err(Untranslatable::Lora),
+        };
+        extras.lora = Some(LoraAdapter {
+            name: name.clone(),
+            path,
+        });
+    }
+    // vLLM publishes one extra-keys entry per block: beyond the LoRA name, only block 0's
+    // salt is rebuilt.
+    for (i, entry) in s.extra_keys.iter().flatten().enumerate() {
+        let items: &[MsgpackValue] = match entry {
+            None => continue,
+            Some(MsgpackValue::Array(items)) => items,
+            Some(MsgpackValue::Str(salt)) if i == 0 && root && extras.lora.is_none() => {
+                extras.cache_salt = Some(salt.clone());
+                continue;
+            }
+            Some(_) => return Err(Untranslatable::ExtraKeys),
+        };
+        let mut rest = items;
+        if extras.lora.is_some() {
+            match rest.first() {
+                Some(MsgpackValue::Str(n)) if Some(n) == s.lora_name.as_ref() => rest = &rest[1..],
+                _ => return Err(Untranslatable::ExtraKeys),
+            }
+        }
+        match rest {
+            [] => {}
+            [MsgpackValue::Str(salt)] if i == 0 && root => extras.cache_salt = Some(salt.clone()),
+            _ => return Err(Untranslatable::ExtraKeys),
+        }
+    }
+    if root {
+        if let Some(salt) = s.cache_salt.as_ref().filter(|s| !s.is_empty()) {
+            extras.cache_salt = Some(salt.clone());
+        }
+    }
+    Ok(extras)
+}
