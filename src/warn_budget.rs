@@ -59,9 +59,11 @@ pub enum LineKind {
     GapFilled,
     /// A pod was forgotten (gone, idle, or cleared).
     Forgotten,
+    /// An engine's key mode was decided (translated, refused).
+    KeyMode,
 }
 
-const KINDS: usize = 4;
+const KINDS: usize = 5;
 
 impl LineKind {
     const ALL: [LineKind; KINDS] = [
@@ -69,6 +71,7 @@ impl LineKind {
         LineKind::HashMismatch,
         LineKind::GapFilled,
         LineKind::Forgotten,
+        LineKind::KeyMode,
     ];
 
     /// What the summary line calls these lines.
@@ -78,6 +81,7 @@ impl LineKind {
             LineKind::HashMismatch => "pods with mismatched block hashes",
             LineKind::GapFilled => "gaps filled from a replay buffer",
             LineKind::Forgotten => "pods forgotten",
+            LineKind::KeyMode => "engines whose key mode was decided",
         }
     }
 }

@@ -23,7 +23,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use kv_core::{decode_batch, EventBatch};
+use kv_core::{decode_batch, EventBatch, KeyMode};
 use tokio::sync::mpsc;
 
 use super::gap_fill::{self, GapFillError};
@@ -574,6 +574,10 @@ impl Worker<'_> {
         };
         shared.metrics.ingest.applied(&key.pod, &key.model, &report);
         shared.metrics.index.applied(&report);
+        shared.metrics.translation.applied(&key.model, &report);
+        if let Some(mode) = report.translation.mode_changed {
+            self.report_key_mode(key, mode);
+        }
         if report.first_mismatch && shared.warn_budget.allow(LineKind::HashMismatch) {
             let diagnosis = shared
                 .indexer
@@ -582,6 +586,36 @@ impl Worker<'_> {
                 .and_then(|c| c.diagnosis)
                 .unwrap_or_default();
             tracing::warn!(model = %key.model, pod = %key.pod, "block hash mismatch: every score for this pod will be 0. {diagnosis}");
+        }
+    }
+}
+
+impl Worker<'_> {
+    /// One log line (under the budget) when an engine's key mode is decided: translated is
+    /// news (its hashes differ from the index's keys, and why), refused is a warning.
+    fn report_key_mode(&self, key: &PublisherKey, mode: KeyMode) {
+        let shared = self.shared;
+        if !shared.warn_budget.allow(LineKind::KeyMode) {
+            return;
+        }
+        let why = || {
+            shared
+                .indexer
+                .model(&key.model)
+                .and_then(|m| m.hash_check(&key.pod))
+                .and_then(|c| c.diagnosis)
+                .unwrap_or_else(|| "the events' block size is not blockSize".to_owned())
+        };
+        match mode {
+            KeyMode::Translated => {
+                tracing::info!(pod = %key.pod, model = %key.model, rank = key.rank, "engine's block hashes are not the index's keys: translating its blocks from their token ids (exact scores, a map entry per block). Why they differ: {}", why())
+            }
+            KeyMode::Refused { engine, ours } => {
+                tracing::warn!(pod = %key.pod, model = %key.model, rank = key.rank, engine_block_size = engine, block_size = ours, "engine's block size is not a multiple of blockSize: its blocks are not indexed (set the engine's block or page size to a multiple of {ours}, e.g. SGLang --page-size {ours})")
+            }
+            KeyMode::Aligned | KeyMode::Undecided => {
+                tracing::debug!(pod = %key.pod, model = %key.model, rank = key.rank, mode = mode.label(), "engine key mode decided")
+            }
         }
     }
 }

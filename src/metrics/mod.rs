@@ -18,6 +18,7 @@ mod replication;
 mod scoring;
 mod speculation;
 mod tokenizer;
+mod translation;
 
 use std::sync::Arc;
 
@@ -32,6 +33,7 @@ pub use replication::ReplicationMetrics;
 pub use scoring::ScoringMetrics;
 pub use speculation::SpeculationMetrics;
 pub use tokenizer::TokenizerMetrics;
+pub use translation::TranslationMetrics;
 
 /// Every metric the daemon exports, by area.
 pub struct Metrics {
@@ -48,6 +50,8 @@ pub struct Metrics {
     pub scoring: ScoringMetrics,
     /// Recorded routings and speculative entries.
     pub speculation: SpeculationMetrics,
+    /// Keys from tokens (engines whose hashes are not the index's keys).
+    pub translation: TranslationMetrics,
     /// The replication log, snapshots and Redis (zero while replication is off).
     pub replication: ReplicationMetrics,
     /// Tokenization (the tokenizer service's observer).
@@ -67,6 +71,7 @@ impl Metrics {
             index: IndexMetrics::new(&registry, labels.clone()),
             scoring: ScoringMetrics::new(&registry),
             speculation: SpeculationMetrics::new(&registry, labels.clone()),
+            translation: TranslationMetrics::new(&registry, labels.clone()),
             replication: ReplicationMetrics::new(&registry),
             tokenizer: Arc::new(TokenizerMetrics::new(&registry)),
             resident_memory: registry::gauge(
@@ -83,6 +88,7 @@ impl Metrics {
     pub fn render(&self, indexer: &Indexer) -> String {
         self.index.refresh(indexer);
         self.speculation.refresh(indexer);
+        self.translation.refresh(indexer);
         if let Some(rss) = resident_memory_bytes() {
             self.resident_memory.set(rss as i64);
         }

@@ -54,6 +54,7 @@ impl ScoreService {
                 continue;
             }
             let checks = model.hash_checks();
+            let modes = model.key_modes();
             let model_name: Arc<str> = model.name().into();
             for (key, blocks) in model.index().engine_blocks() {
                 let publisher = publishers
@@ -77,10 +78,15 @@ impl ScoreService {
                     }
                     None => (kvindexer_v1::PodState::Unspecified, 0, 0),
                 };
+                let (key_mode, translated_blocks) = modes
+                    .get(&key)
+                    .map_or(("", 0), |&(mode, n)| (mode.label(), n as u64));
                 pods.push(kvindexer_v1::PodInfo {
                     model: model.name().to_owned(),
                     pod: key.pod.to_string(),
                     data_parallel_rank: key.dp_rank,
+                    key_mode: key_mode.to_owned(),
+                    translated_blocks,
                     blocks,
                     last_sequence,
                     hash_matches: check.matches,

@@ -11,7 +11,9 @@ pub mod dns;
 pub mod pods;
 pub mod redis;
 #[allow(unused_imports)]
-pub use core::{captured_payload, fixture, hashes, u32s, unhex, Rng};
+pub use core::{
+    captured_payload, engine_scenarios, fixture, hashes, u32s, unhex, EngineScenario, Rng,
+};
 
 /// Writes a small word-level tokenizer (made here, so tests run on a fresh clone) and a
 /// `tokenizer_config.json` with a chat template into `dir`. Returns its vocabulary.

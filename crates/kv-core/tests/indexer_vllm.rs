@@ -9,6 +9,14 @@ use kv_core::{Indexer, IndexerSettings, ModelSettings, ScoreError};
 
 const MODEL: &str = "Qwen/Qwen3-8B";
 
+/// Settings that take every engine's hashes as published (no translation): what a mismatch
+/// check is about.
+fn aligned(seed: Option<&str>, block_size: usize) -> IndexerSettings {
+    let mut s = settings(seed, block_size);
+    s.default_model.engine_hashes = kv_core::EngineHashes::Aligned;
+    s
+}
+
 fn settings(seed: Option<&str>, block_size: usize) -> IndexerSettings {
     IndexerSettings {
         default_model: ModelSettings {
@@ -168,7 +176,7 @@ fn mismatches_are_counted_per_pod_and_diagnosed() {
     let stored = prefix(&batch, 2);
 
     // Wrong block size: the event says 16.
-    let ix = Indexer::new(settings(Some("12345"), 32)).expect("valid");
+    let ix = Indexer::new(aligned(Some("12345"), 32)).expect("valid");
     let r = ix.apply_batch(MODEL, "p1", &stored).expect("applies");
     assert_eq!(r.hash_mismatches, 1);
     let checks = ix.model(MODEL).expect("created").hash_checks();
@@ -176,7 +184,7 @@ fn mismatches_are_counted_per_pod_and_diagnosed() {
     assert!(d.contains("block size differs") && d.contains("16"), "{d}");
 
     // Wrong seed, and one vLLM's own default would not fix: the generic diagnosis.
-    let ix = Indexer::new(settings(Some("999"), 16)).expect("valid");
+    let ix = Indexer::new(aligned(Some("999"), 16)).expect("valid");
     ix.apply_batch(MODEL, "p1", &stored).expect("applies");
     ix.apply_batch(MODEL, "p1", &stored).expect("applies");
     let checks = ix.model(MODEL).expect("created").hash_checks();
@@ -200,7 +208,7 @@ fn mismatches_are_counted_per_pod_and_diagnosed() {
         }))],
         data_parallel_rank: None,
     };
-    let ix = Indexer::new(settings(Some("12345"), 16)).expect("valid");
+    let ix = Indexer::new(aligned(Some("12345"), 16)).expect("valid");
     ix.apply_batch(MODEL, "p2", &default_seed_run)
         .expect("applies");
     let d = ix.model(MODEL).expect("created").hash_checks()["p2"]
@@ -208,6 +216,26 @@ fn mismatches_are_counted_per_pod_and_diagnosed() {
         .clone()
         .expect("diagnosed");
     assert!(d.contains("unset"), "{d}");
+
+    // With the default settings the same pod is translated: no mismatch counted, the
+    // diagnosis kept (it says why it is translated), and it scores.
+    let ix = Indexer::new(settings(Some("12345"), 16)).expect("valid");
+    let r = ix
+        .apply_batch(MODEL, "p2", &default_seed_run)
+        .expect("applies");
+    assert_eq!((r.hash_mismatches, r.first_mismatch), (0, false));
+    assert_eq!(
+        r.translation.mode_changed,
+        Some(kv_core::KeyMode::Translated)
+    );
+    let check = ix.model(MODEL).expect("created").hash_checks()["p2"].clone();
+    assert_eq!(check.mismatches, 0);
+    assert!(check.diagnosis.expect("diagnosed").contains("unset"));
+    let tokens: Vec<u32> = (0..16).collect();
+    let scored = ix
+        .score_tokens(MODEL, &tokens, &["p2"], None, None)
+        .expect("known");
+    assert_eq!(scored.scores[0].matched_blocks, 1);
 }
 
 #[test]
@@ -220,11 +248,25 @@ fn vllm_0_10_sha256_cbor_64bit_hashes_are_flagged() {
             .expect("hex"),
     );
     let batch = decode_batch(&payload).expect("decodes");
-    let ix = Indexer::new(settings(Some("12345"), 16)).expect("valid");
+    let ix = Indexer::new(aligned(Some("12345"), 16)).expect("valid");
     let r = ix
         .apply_batch(MODEL, "old", &prefix(&batch, 2))
         .expect("applies");
     assert_eq!((r.hash_matches, r.hash_mismatches), (0, 1));
+    // By default it is translated from its token ids instead.
+    let ix = Indexer::new(settings(Some("12345"), 16)).expect("valid");
+    let r = ix
+        .apply_batch(MODEL, "old", &prefix(&batch, 2))
+        .expect("applies");
+    assert_eq!(
+        r.translation.mode_changed,
+        Some(kv_core::KeyMode::Translated)
+    );
+    assert_eq!(
+        (r.translation.translated_runs, r.translation.untranslatable),
+        (2, [0; 5]),
+        "both stored runs (blocks 0 and 1) translated"
+    );
 }
 
 #[test]

@@ -241,4 +241,175 @@ fn a_block_size_that_is_not_a_multiple_is_refused() {
             ours: 16
         })
     );
+
+    // A translated engine's partial page (a shorter block size) makes no key.
+    let page = |hashes: Vec<BlockHash>, tokens: Vec<u32>, parent: Option<BlockHash>| EventBatch {
+        ts: 0.0,
+        events: vec![KvEvent::BlockStored(Box::new(BlockStored {
+            block_size: tokens.len() as u32,
+            block_hashes: hashes,
+            parent_block_hash: parent,
+            token_ids: tokens,
+            medium: Some(Medium::Gpu),
+            ..Default::default()
+        }))],
+        data_parallel_rank: Some(0),
+    };
+    let ix = indexer(EngineHashes::Translated);
+    ix.apply_batch(
+        MODEL,
+        "p",
+        &page(vec![BlockHash::new(7)], (0..16).collect(), None),
+    )
+    .expect("applies");
+    let r = ix
+        .apply_batch(
+            MODEL,
+            "p",
+            &page(
+                vec![BlockHash::new(8)],
+                (16..21).collect(),
+                Some(BlockHash::new(7)),
+            ),
+        )
+        .expect("applies");
+    assert_eq!(r.blocks_stored, 0, "{r:?}");
+    assert_eq!(matched(&ix, &(0..32).collect::<Vec<u32>>(), "p"), 1);
+}
+
+/// Differential: a translated engine (blocks of 32, opaque hashes) stores prompts that share
+/// prefixes, stores second copies, evicts blocks in any order (holes included), and clears; after
+/// every step each probe prompt scores what a reference model says (a key is held while some
+/// copy of its engine block is). Keys come from kv-core's processor, which the vLLM vectors check.
+#[test]
+fn translated_engines_agree_with_a_reference_under_random_churn() {
+    use std::collections::HashMap;
+    const K: usize = 2;
+    for seed in [1u64, 2, 3, 4] {
+        let mut rng = kv_core::SplitMix64::new(seed);
+        let ix = indexer(EngineHashes::Auto);
+        let processor = kv_core::TokenProcessor::new(&TokenProcessorConfig {
+            hash_seed: Some("12345".into()),
+            block_size: 16,
+            ..Default::default()
+        })
+        .expect("valid");
+        // Prompts: 3 trunks x 4 branches, 3-10 engine blocks each (shared prefixes).
+        let mut prompts: Vec<Vec<u32>> = Vec::new();
+        for trunk in 0..3u32 {
+            let stem: Vec<u32> = (0..64).map(|i| trunk * 1000 + i).collect();
+            for branch in 0..4u32 {
+                let extra = 32 * (1 + rng.below(8) as usize);
+                let mut p = stem.clone();
+                p.extend((0..extra as u32).map(|i| 50_000 + trunk * 5000 + branch * 500 + i));
+                prompts.push(p);
+            }
+        }
+        let keys: Vec<Vec<BlockHash>> = prompts
+            .iter()
+            .map(|p| processor.block_hashes(p, &Default::default()))
+            .collect();
+        // The engine's opaque hash of engine block j: a function of its content's key.
+        let engine_hash = |keys: &[BlockHash], j: usize| {
+            BlockHash::new(kv_core::mix64(keys[j * K + 1].get() ^ 0xE17))
+        };
+        let mut copies: HashMap<BlockHash, u32> = HashMap::new();
+        let store = |p: usize,
+                     from: usize,
+                     copies: &mut HashMap<BlockHash, u32>,
+                     rng: &mut kv_core::SplitMix64| {
+            let blocks = prompts[p].len() / 32;
+            let split = from + rng.below((blocks - from) as u64) as usize;
+            let mut events = Vec::new();
+            for (a, b) in [(from, split), (split, blocks)] {
+                if a == b {
+                    continue;
+                }
+                let hashes: Vec<BlockHash> = (a..b).map(|j| engine_hash(&keys[p], j)).collect();
+                for h in &hashes {
+                    *copies.entry(*h).or_insert(0) += 1;
+                }
+                events.push(KvEvent::BlockStored(Box::new(BlockStored {
+                    block_hashes: hashes,
+                    parent_block_hash: a.checked_sub(1).map(|j| engine_hash(&keys[p], j)),
+                    token_ids: prompts[p][a * 32..b * 32].to_vec(),
+                    block_size: 32,
+                    medium: Some(Medium::Gpu),
+                    ..Default::default()
+                })));
+            }
+            EventBatch {
+                ts: 0.0,
+                events,
+                data_parallel_rank: Some(0),
+            }
+        };
+        for step in 0..300 {
+            let roll = rng.below(100);
+            let batch = if roll < 55 {
+                let p = rng.below(prompts.len() as u64) as usize;
+                let blocks = prompts[p].len() / 32;
+                let cached = (0..blocks)
+                    .take_while(|&j| {
+                        copies
+                            .get(&engine_hash(&keys[p], j))
+                            .is_some_and(|&n| n > 0)
+                    })
+                    .count();
+                // A fully cached prompt is sometimes computed again: a second copy of its tail.
+                let from = if cached == blocks { blocks - 1 } else { cached };
+                store(p, from, &mut copies, &mut rng)
+            } else if roll < 97 {
+                let held: Vec<BlockHash> = {
+                    let mut v: Vec<_> = copies
+                        .iter()
+                        .filter(|(_, &n)| n > 0)
+                        .map(|(h, _)| *h)
+                        .collect();
+                    v.sort_by_key(|h| h.get());
+                    v
+                };
+                if held.is_empty() {
+                    continue;
+                }
+                let h = held[rng.below(held.len() as u64) as usize];
+                if let Some(n) = copies.get_mut(&h) {
+                    *n -= 1;
+                }
+                EventBatch {
+                    ts: 0.0,
+                    events: vec![KvEvent::BlockRemoved(BlockRemoved {
+                        block_hashes: vec![h],
+                        medium: Some(Medium::Gpu),
+                        ..Default::default()
+                    })],
+                    data_parallel_rank: Some(0),
+                }
+            } else {
+                copies.clear();
+                EventBatch {
+                    ts: 0.0,
+                    events: vec![KvEvent::AllBlocksCleared],
+                    data_parallel_rank: Some(0),
+                }
+            };
+            ix.apply_batch(MODEL, "pod", &batch).expect("applies");
+            for (p, prompt) in prompts.iter().enumerate() {
+                let blocks = prompt.len() / 32;
+                let want = (0..blocks)
+                    .take_while(|&j| {
+                        copies
+                            .get(&engine_hash(&keys[p], j))
+                            .is_some_and(|&n| n > 0)
+                    })
+                    .count()
+                    * K;
+                assert_eq!(
+                    matched(&ix, prompt, "pod") as usize,
+                    want,
+                    "seed {seed}, step {step}, prompt {p}"
+                );
+            }
+        }
+    }
 }

@@ -119,7 +119,16 @@ impl Indexer {
         report.translation.mode_changed = changed;
         let mode = keys.mode;
         if matches!(mode, KeyMode::Translated | KeyMode::Refused { .. }) {
-            // Not a mismatch to warn about: the engine's hashes are not taken as keys.
+            // Not a mismatch to count or warn about: the engine's hashes are not taken as keys
+            // (the diagnosis stays, to say why).
+            if report.hash_mismatches > 0 {
+                if let Some(c) = state.hash_checks.lock().get_mut(&key.pod) {
+                    c.mismatches = c
+                        .mismatches
+                        .saturating_sub(u64::from(report.hash_mismatches));
+                }
+            }
+            report.hash_mismatches = 0;
             report.first_mismatch = false;
         }
         let speculating = !state.speculation.is_empty();
@@ -271,23 +280,19 @@ impl Indexer {
         };
         let directory = state.index.directory();
         let mut skipped = state.skipped_groups.lock();
+        let mut engines = state.engine_keys.lock();
         for &e in directory.engines_of(pod) {
             if let Some(key) = directory.key(e) {
                 skipped.remove(&key);
+                if let Some(mut keys) = engines.0.remove(&key) {
+                    keys.clear(&self.budget);
+                }
             }
         }
         shrink_if_sparse(&mut skipped);
-        drop(skipped);
-        let mut engines = state.engine_keys.lock();
-        engines.0.retain(|key, keys| {
-            let gone = &*key.pod == pod;
-            if gone {
-                keys.clear(&self.budget);
-            }
-            !gone
-        });
         shrink_if_sparse(&mut engines.0);
         drop(engines);
+        drop(skipped);
         let mut checks = state.hash_checks.lock();
         checks.remove(pod);
         shrink_if_sparse(&mut checks);

@@ -163,26 +163,15 @@ impl ModelState {
     }
 
     /// Whether recorded routings are all the index has for `pod`: it publishes no events for
-    /// this model (no engine), or every hash check of its events mismatched and none of its
-    /// engines is translated.
+    /// this model (no engine), or every hash check of its events mismatched (counted only for
+    /// engines whose hashes are taken as keys: a translated engine's are not mismatches).
     pub fn speculation_fallback(&self, pod: &str) -> bool {
-        let directory = self.index.directory();
-        let engines = directory.engines_of(pod);
-        if engines.is_empty() {
-            return true;
-        }
-        let mismatched = self
-            .hash_checks
-            .lock()
-            .get(pod)
-            .is_some_and(|c| c.mismatches > 0 && c.matches == 0);
-        mismatched
-            && !self
-                .engine_keys
+        self.index.directory().engines_of(pod).is_empty()
+            || self
+                .hash_checks
                 .lock()
-                .0
-                .iter()
-                .any(|(key, keys)| &*key.pod == pod && keys.mode == KeyMode::Translated)
+                .get(pod)
+                .is_some_and(|c| c.mismatches > 0 && c.matches == 0)
     }
 
     /// Each engine's key mode and, for translated engines, how many engine blocks its map

@@ -293,7 +293,11 @@ impl EngineKeys {
         let tier = tier_of(s.medium.as_ref());
         let ours = processor.block_size();
         let per_block = s.block_size as usize;
-        let k = per_block / ours.max(1);
+        if per_block == 0 || !per_block.is_multiple_of(ours) {
+            // A partial page (SGLang's last page of a node) never makes a key.
+            return Ok(0);
+        }
+        let k = per_block / ours;
         let blocks = s
             .block_hashes
             .len()

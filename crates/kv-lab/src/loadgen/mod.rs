@@ -150,6 +150,11 @@ pub struct LoadgenArgs {
     /// applied (through the shared log) and report the rate it got there at.
     #[arg(long = "replica-metrics")]
     pub replica_metrics: Vec<String>,
+    /// Share of the pods (the first ones) whose engines hash differently from the daemon: they
+    /// publish the same tokens under opaque hashes (as another algorithm or seed would), so the
+    /// daemon translates them from their token ids. 0: every pod aligned.
+    #[arg(long, default_value_t = 0.0)]
+    pub translated_share: f64,
 }
 
 /// A prepared prompt: tokens, block hashes, and its payloads.
@@ -157,6 +162,50 @@ struct Document {
     tokens: Vec<u32>,
     store: Vec<(Bytes, u64)>,
     remove: Vec<(Bytes, u64)>,
+    /// The same prompt from an engine that hashes differently (with `--translated-share`).
+    translated: Option<(Vec<(Bytes, u64)>, Vec<(Bytes, u64)>)>,
+}
+
+/// Payloads (each with its block count) of a prompt's stores, and of its removals.
+type Payloads = (Vec<(Bytes, u64)>, Vec<(Bytes, u64)>);
+
+impl Document {
+    /// The stores and removals pod-kind `translated` publishes.
+    fn payloads(&self, translated: bool) -> (&[(Bytes, u64)], &[(Bytes, u64)]) {
+        match (&self.translated, translated) {
+            (Some((store, remove)), true) => (store, remove),
+            _ => (&self.store, &self.remove),
+        }
+    }
+}
+
+/// Encodes a prompt's runs (32 blocks, 4 per message) and its removals (leaf first).
+fn encode_document(hashes: &[BlockHash], tokens: &[u32], block_size: usize) -> Payloads {
+    let mut runs = Vec::new();
+    for (r, chunk) in hashes.chunks(RUN_BLOCKS).enumerate() {
+        let start = r * RUN_BLOCKS;
+        let parent = start.checked_sub(1).map(|p| hashes[p]);
+        let toks = &tokens[start * block_size..(start + chunk.len()) * block_size];
+        runs.push((
+            block_stored(chunk, parent, toks, block_size),
+            chunk.len() as u64,
+        ));
+    }
+    let store = runs
+        .chunks(RUNS_PER_MESSAGE)
+        .map(|group| {
+            let events: Vec<KvEvent> = group.iter().map(|(e, _)| e.clone()).collect();
+            let blocks = group.iter().map(|(_, n)| n).sum();
+            (Bytes::from(batch(events)), blocks)
+        })
+        .collect();
+    // vLLM evicts the leaf end first: remove in reverse.
+    let removals: Vec<KvEvent> = hashes.iter().rev().map(|&h| block_removed(h)).collect();
+    let remove = removals
+        .chunks(RUN_BLOCKS * RUNS_PER_MESSAGE)
+        .map(|group| (Bytes::from(batch(group.to_vec())), group.len() as u64))
+        .collect();
+    (store, remove)
 }
 
 /// `BlockStored` of a run, as vLLM 0.33 sends it for a plain full-attention request.
@@ -220,34 +269,19 @@ fn prepare(args: &LoadgenArgs) -> Result<Vec<Document>, LoadgenError> {
             })
             .collect();
         let hashes = processor.block_hashes(&tokens, &RequestExtras::default());
-        let mut runs = Vec::new();
-        for (r, chunk) in hashes.chunks(RUN_BLOCKS).enumerate() {
-            let start = r * RUN_BLOCKS;
-            let parent = start.checked_sub(1).map(|p| hashes[p]);
-            let toks = &tokens[start * args.block_size..(start + chunk.len()) * args.block_size];
-            runs.push((
-                block_stored(chunk, parent, toks, args.block_size),
-                chunk.len() as u64,
-            ));
-        }
-        let store = runs
-            .chunks(RUNS_PER_MESSAGE)
-            .map(|group| {
-                let events: Vec<KvEvent> = group.iter().map(|(e, _)| e.clone()).collect();
-                let blocks = group.iter().map(|(_, n)| n).sum();
-                (Bytes::from(batch(events)), blocks)
-            })
-            .collect();
-        // vLLM evicts the leaf end first: remove in reverse.
-        let removals: Vec<KvEvent> = hashes.iter().rev().map(|&h| block_removed(h)).collect();
-        let remove = removals
-            .chunks(RUN_BLOCKS * RUNS_PER_MESSAGE)
-            .map(|group| (Bytes::from(batch(group.to_vec())), group.len() as u64))
-            .collect();
+        let (store, remove) = encode_document(&hashes, &tokens, args.block_size);
+        let translated = (args.translated_share > 0.0).then(|| {
+            let opaque: Vec<BlockHash> = hashes
+                .iter()
+                .map(|h| BlockHash::new(kv_core::mix64(h.get() ^ 0x0005_eed0_0005_eed0)))
+                .collect();
+            encode_document(&opaque, &tokens, args.block_size)
+        });
         docs.push(Document {
             tokens,
             store,
             remove,
+            translated,
         });
     }
     Ok(docs)
@@ -366,6 +400,11 @@ pub fn run(args: LoadgenArgs) -> Result<LoadgenReport, LoadgenError> {
             "--pods must be >= 1, --documents >= 3, --prompt-blocks >= 1",
         ));
     }
+    if !(0.0..=1.0).contains(&args.translated_share) {
+        return Err(LoadgenError::InvalidArgs(
+            "--translated-share must be between 0 and 1",
+        ));
+    }
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -403,8 +442,9 @@ async fn run_async(args: LoadgenArgs) -> Result<LoadgenReport, LoadgenError> {
 
     // Warm-up: every pod stores its first document; then the idle baseline.
     let mut seqs = vec![0u64; pods.len()];
+    let translated_pods = (args.translated_share * pods.len() as f64) as usize;
     for (p, topic) in topics.iter().enumerate() {
-        for (payload, _) in &docs[p % docs.len()].store {
+        for (payload, _) in docs[p % docs.len()].payloads(p < translated_pods).0 {
             publisher.send(topic, &mut seqs[p], payload).await?;
         }
     }
@@ -471,9 +511,10 @@ async fn run_async(args: LoadgenArgs) -> Result<LoadgenReport, LoadgenError> {
             let mut sent = 0u64;
             'rounds: while !stop.load(Ordering::Relaxed) {
                 for (p, topic) in topics.iter().enumerate() {
-                    let doc = &docs[(p + round) % n];
-                    let old = &docs[(p + round + n - 2) % n];
-                    for (payload, blocks) in doc.store.iter().chain(&old.remove) {
+                    let translated = p < translated_pods;
+                    let doc = docs[(p + round) % n].payloads(translated).0;
+                    let old = docs[(p + round + n - 2) % n].payloads(translated).1;
+                    for (payload, blocks) in doc.iter().chain(old) {
                         // Pace to the target rate; yield so the PUB's writer task runs.
                         let due = Duration::from_secs_f64(sent as f64 / rate);
                         if let Some(wait) = due.checked_sub(start.elapsed()) {
