@@ -160,18 +160,21 @@ pub struct LoadgenArgs {
 /// A prepared prompt: tokens, block hashes, and its payloads.
 struct Document {
     tokens: Vec<u32>,
-    store: Vec<(Bytes, u64)>,
-    remove: Vec<(Bytes, u64)>,
+    store: Vec<Payload>,
+    remove: Vec<Payload>,
     /// The same prompt from an engine that hashes differently (with `--translated-share`).
-    translated: Option<(Vec<(Bytes, u64)>, Vec<(Bytes, u64)>)>,
+    translated: Option<Payloads>,
 }
 
-/// Payloads (each with its block count) of a prompt's stores, and of its removals.
-type Payloads = (Vec<(Bytes, u64)>, Vec<(Bytes, u64)>);
+/// A message payload and the blocks it carries.
+type Payload = (Bytes, u64);
+
+/// Payloads of a prompt's stores, and of its removals.
+type Payloads = (Vec<Payload>, Vec<Payload>);
 
 impl Document {
     /// The stores and removals pod-kind `translated` publishes.
-    fn payloads(&self, translated: bool) -> (&[(Bytes, u64)], &[(Bytes, u64)]) {
+    fn payloads(&self, translated: bool) -> (&[Payload], &[Payload]) {
         match (&self.translated, translated) {
             (Some((store, remove)), true) => (store, remove),
             _ => (&self.store, &self.remove),
