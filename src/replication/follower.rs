@@ -271,6 +271,7 @@ impl Follower {
         let held: u64 = indexer.stats().iter().map(|(_, s)| s.memberships).sum();
         let mut writer = SnapshotWriter::new(self.position, held);
         indexer.export_each(|model, key, blocks| writer.blocks(model, key, blocks));
+        indexer.export_keys_each(|model, key, state| writer.engine_keys(model, key, state));
         for (key, state) in self.feeder.publishers().snapshot() {
             writer.publisher(&key, &state);
         }

@@ -7,24 +7,31 @@
 //!   then `count` block hashes (`u64`): 8 bytes per membership plus a few dozen per engine;
 //! - `2` publisher: pod, model, received-by (strings), `u32` rank, `u64` last sequence
 //!   (`u64::MAX`: none), `f64` timestamp, `u64` messages, gaps, restarts, lost;
+//! - `3` engine keys (version 2): model, pod, `u32` rank, `u8` key mode (0 undecided, 1
+//!   aligned, 2 translated, 3 refused, then `u32` engine and `u32` index block sizes), `u32`
+//!   translated blocks, each `u64` engine hash, 32-byte tip digest, `u8` earlier keys and that
+//!   many `u64`, four `u16` copies; `u32` second copies, each `u64` hash, `u8` tier, `u32` copies;
 //! - `0` end.
+//!
+//! Version 1 (no engine keys) is still read; version 2 is written.
 //!
 //! Decoding checks every length against what is left, so a truncated or corrupt snapshot is
 //! an error, never a panic or an allocation larger than the input.
 
 use std::sync::Arc;
 
-use kv_core::{BlockHash, EngineKey, Tier};
+use kv_core::{BlockHash, EngineKey, EngineKeyState, KeyMode, Tier, TranslatedBlock};
 use thiserror::Error;
 
 use super::StreamId;
 use crate::ingest::{PublisherKey, PublisherState};
 
 const MAGIC: &[u8; 8] = b"KVIXSNAP";
-const VERSION: u32 = 1;
+const VERSION: u32 = 2;
 const TAG_END: u8 = 0;
 const TAG_BLOCKS: u8 = 1;
 const TAG_PUBLISHER: u8 = 2;
+const TAG_ENGINE_KEYS: u8 = 3;
 
 /// Why a snapshot could not be read.
 #[derive(Debug, Error, PartialEq)]
@@ -126,6 +133,47 @@ impl SnapshotWriter {
         }
     }
 
+    /// One engine's key state (mode, translation map, second copies).
+    pub fn engine_keys(&mut self, model: &str, key: &EngineKey, state: &EngineKeyState) {
+        self.out.push(TAG_ENGINE_KEYS);
+        self.string(model);
+        self.string(&key.pod);
+        self.out.extend_from_slice(&key.dp_rank.to_le_bytes());
+        match state.mode {
+            KeyMode::Undecided => self.out.push(0),
+            KeyMode::Aligned => self.out.push(1),
+            KeyMode::Translated => self.out.push(2),
+            KeyMode::Refused { engine, ours } => {
+                self.out.push(3);
+                self.out.extend_from_slice(&engine.to_le_bytes());
+                self.out.extend_from_slice(&ours.to_le_bytes());
+            }
+        }
+        self.out
+            .extend_from_slice(&(state.translated.len() as u32).to_le_bytes());
+        for t in &state.translated {
+            self.out
+                .extend_from_slice(&t.engine_hash.get().to_le_bytes());
+            self.out.extend_from_slice(&t.tip);
+            // An engine block holds at most a few hundred keys (block sizes are bounded).
+            let earlier = t.earlier.len().min(u8::MAX as usize);
+            self.out.push(earlier as u8);
+            for k in &t.earlier[..earlier] {
+                self.out.extend_from_slice(&k.get().to_le_bytes());
+            }
+            for c in t.copies {
+                self.out.extend_from_slice(&c.to_le_bytes());
+            }
+        }
+        self.out
+            .extend_from_slice(&(state.copies.len() as u32).to_le_bytes());
+        for (hash, tier, n) in &state.copies {
+            self.out.extend_from_slice(&hash.get().to_le_bytes());
+            self.out.push(*tier as u8);
+            self.out.extend_from_slice(&n.to_le_bytes());
+        }
+    }
+
     /// The finished snapshot and the memberships it holds.
     pub fn finish(mut self) -> (Vec<u8>, u64) {
         self.out.push(TAG_END);
@@ -149,6 +197,15 @@ pub enum SnapshotItem<'a> {
     },
     /// A publisher's state.
     Publisher(PublisherKey, PublisherState),
+    /// An engine's key state (translation map, second copies).
+    EngineKeys {
+        /// The model.
+        model: &'a str,
+        /// The engine.
+        key: EngineKey,
+        /// Its state.
+        state: EngineKeyState,
+    },
 }
 
 /// Reads a snapshot item by item.
@@ -173,7 +230,7 @@ impl<'a> SnapshotReader<'a> {
             done: false,
         };
         let version = r.u32()?;
-        if version != VERSION {
+        if !(1..=VERSION).contains(&version) {
             return Err(SnapshotError::Format(Some(version)));
         }
         r.position = StreamId {
@@ -202,6 +259,86 @@ impl<'a> SnapshotReader<'a> {
         let mut b = [0; 4];
         b.copy_from_slice(self.take(4)?);
         Ok(u32::from_le_bytes(b))
+    }
+
+    fn u16(&mut self) -> Result<u16, SnapshotError> {
+        let mut b = [0; 2];
+        b.copy_from_slice(self.take(2)?);
+        Ok(u16::from_le_bytes(b))
+    }
+
+    fn tier(&mut self, at: usize) -> Result<Tier, SnapshotError> {
+        match self.u8()? {
+            0 => Ok(Tier::Gpu),
+            1 => Ok(Tier::Cpu),
+            2 => Ok(Tier::Storage),
+            3 => Ok(Tier::Other),
+            _ => Err(SnapshotError::Corrupt {
+                at,
+                what: "unknown tier",
+            }),
+        }
+    }
+
+    /// A `u32` count of items at least `min_size` bytes each, checked against what is left.
+    fn count(&mut self, min_size: usize) -> Result<usize, SnapshotError> {
+        let at = self.at;
+        let n = self.u32()? as usize;
+        if n.saturating_mul(min_size) > self.data.len() - self.at {
+            return Err(SnapshotError::Truncated(at));
+        }
+        Ok(n)
+    }
+
+    fn engine_keys(&mut self, at: usize) -> Result<EngineKeyState, SnapshotError> {
+        let mode = match self.u8()? {
+            0 => KeyMode::Undecided,
+            1 => KeyMode::Aligned,
+            2 => KeyMode::Translated,
+            3 => KeyMode::Refused {
+                engine: self.u32()?,
+                ours: self.u32()?,
+            },
+            _ => {
+                return Err(SnapshotError::Corrupt {
+                    at,
+                    what: "unknown key mode",
+                })
+            }
+        };
+        let n = self.count(8 + 32 + 1 + 8)?;
+        let mut translated = Vec::with_capacity(n);
+        for _ in 0..n {
+            let engine_hash = BlockHash::from(self.u64()?);
+            let mut tip = [0u8; 32];
+            tip.copy_from_slice(self.take(32)?);
+            let earlier_len = self.u8()? as usize;
+            let earlier = (0..earlier_len)
+                .map(|_| self.u64().map(BlockHash::from))
+                .collect::<Result<_, _>>()?;
+            let mut copies = [0u16; 4];
+            for c in &mut copies {
+                *c = self.u16()?;
+            }
+            translated.push(TranslatedBlock {
+                engine_hash,
+                tip,
+                earlier,
+                copies,
+            });
+        }
+        let n = self.count(8 + 1 + 4)?;
+        let mut copies = Vec::with_capacity(n);
+        for _ in 0..n {
+            let hash = BlockHash::from(self.u64()?);
+            let tier = self.tier(at)?;
+            copies.push((hash, tier, self.u32()?));
+        }
+        Ok(EngineKeyState {
+            mode,
+            translated,
+            copies,
+        })
     }
 
     fn u64(&mut self) -> Result<u64, SnapshotError> {
@@ -288,6 +425,17 @@ impl<'a> SnapshotReader<'a> {
                     state,
                 )))
             }
+            TAG_ENGINE_KEYS => {
+                let model = self.string()?;
+                let pod = self.string()?;
+                let rank = self.u32()?;
+                let state = self.engine_keys(at)?;
+                Ok(Some(SnapshotItem::EngineKeys {
+                    model,
+                    key: EngineKey::new(pod, rank),
+                    state,
+                }))
+            }
             _ => Err(SnapshotError::Corrupt {
                 at,
                 what: "unknown item tag",
@@ -334,7 +482,98 @@ mod tests {
             rank: 2,
         };
         w.publisher(&key, &state);
+        let keys = EngineKeyState {
+            mode: KeyMode::Translated,
+            translated: vec![TranslatedBlock {
+                engine_hash: BlockHash::from(77),
+                tip: [7; 32],
+                earlier: vec![BlockHash::from(5)],
+                copies: [1, 0, 2, 0],
+            }],
+            copies: vec![(BlockHash::from(9), Tier::Cpu, 2)],
+        };
+        w.engine_keys("m", &EngineKey::new("10.0.0.1:8000", 2), &keys);
         w.finish()
+    }
+
+    /// A translated engine restored from a snapshot resolves its hashes as before: a removal
+    /// by engine hash removes the keys, a run continuing a restored block scores.
+    #[test]
+    fn a_translated_engines_map_survives_a_snapshot() {
+        use kv_core::{
+            BlockRemoved, BlockStored, EventBatch, Indexer, IndexerSettings, KvEvent, Medium,
+        };
+        let indexer = || Indexer::new(IndexerSettings::default()).expect("valid");
+        let tokens: Vec<u32> = (0..96).map(|i| i * 31 + 7).collect();
+        let run = |hashes: &[u64], parent: Option<u64>, toks: &[u32]| EventBatch {
+            ts: 0.0,
+            events: vec![KvEvent::BlockStored(Box::new(BlockStored {
+                block_hashes: hashes.iter().map(|&h| BlockHash::from(h)).collect(),
+                parent_block_hash: parent.map(BlockHash::from),
+                token_ids: toks.to_vec(),
+                block_size: 32,
+                medium: Some(Medium::Gpu),
+                ..Default::default()
+            }))],
+            data_parallel_rank: Some(0),
+        };
+        let source = indexer();
+        source
+            .apply_batch("m", "p", &run(&[11, 12], None, &tokens[..64]))
+            .expect("applies");
+        let mut w = SnapshotWriter::new(StreamId::ZERO, 8);
+        source.export_each(|model, key, blocks| w.blocks(model, key, blocks));
+        source.export_keys_each(|model, key, state| w.engine_keys(model, key, state));
+        let (bytes, _) = w.finish();
+
+        let restored = indexer();
+        let mut r = SnapshotReader::new(&bytes).expect("header");
+        while let Some(item) = r.next_item().expect("item") {
+            match item {
+                SnapshotItem::Blocks {
+                    model,
+                    key,
+                    tier,
+                    hashes,
+                } => {
+                    restored
+                        .import(model, &key, tier, &hashes)
+                        .expect("imports");
+                }
+                SnapshotItem::EngineKeys { model, key, state } => {
+                    assert_eq!(state.translated.len(), 2);
+                    restored.import_keys(model, &key, state).expect("imports");
+                }
+                SnapshotItem::Publisher(..) => {}
+            }
+        }
+        let matched = |ix: &Indexer| {
+            ix.score_tokens("m", &tokens, &["p"], None, None)
+                .expect("model")
+                .scores[0]
+                .matched_blocks
+        };
+        assert_eq!(matched(&restored), 4, "two engine blocks of 32: four keys");
+        restored
+            .apply_batch("m", "p", &run(&[13], Some(12), &tokens[64..]))
+            .expect("applies");
+        assert_eq!(
+            matched(&restored),
+            6,
+            "a continuation of a restored block scores"
+        );
+        let removed = EventBatch {
+            ts: 0.0,
+            events: vec![KvEvent::BlockRemoved(BlockRemoved {
+                block_hashes: vec![BlockHash::from(12)],
+                medium: Some(Medium::Gpu),
+                ..Default::default()
+            })],
+            data_parallel_rank: Some(0),
+        };
+        let r = restored.apply_batch("m", "p", &removed).expect("applies");
+        assert_eq!(r.blocks_removed, 2, "both keys of engine block 12");
+        assert_eq!(matched(&restored), 2);
     }
 
     #[test]
@@ -347,7 +586,11 @@ mod tests {
         while let Some(rec) = r.next_item().expect("item") {
             got.push(format!("{rec:?}"));
         }
-        assert_eq!(got.len(), 3, "{got:?}");
+        assert_eq!(got.len(), 4, "{got:?}");
+        assert!(
+            got[3].contains("Translated") && got[3].contains("copies: [1, 0, 2, 0]"),
+            "{got:?}"
+        );
         assert!(
             got[0].contains("Gpu") && got[0].contains("0xfffffffffffffffe"),
             "{got:?}"

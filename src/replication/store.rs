@@ -153,6 +153,11 @@ pub fn apply_snapshot(
                 }
             },
             SnapshotItem::Publisher(key, state) => publishers.push((key, state)),
+            SnapshotItem::EngineKeys { model, key, state } => {
+                if let Err(e) = indexer.import_keys(model, &key, state) {
+                    tracing::warn!(model, error = %e, "snapshot: an engine's key state was not loaded")
+                }
+            }
         }
     }
     Ok((publishers, memberships))

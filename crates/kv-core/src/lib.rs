@@ -50,10 +50,10 @@ pub use index::{
 
 /// The facade transports call (`indexer`).
 pub use indexer::{
-    ApplyReport, EngineHashes, HashCheckStats, Indexer, IndexerSettings, KeyMode, ModelSettings,
-    ModelState, PodRef, PodScore, PodSpeculation, RecordEnd, RoutingRecorded, ScoreError,
-    ScoreResult, SettingsError, SpeculationSettings, SpeculationStats, TranslationReport,
-    Untranslatable, ALL_PODS, DEFAULT_MAX_MODELS, MAX_TTL_FACTOR,
+    ApplyReport, EngineHashes, EngineKeyState, HashCheckStats, Indexer, IndexerSettings, KeyMode,
+    ModelSettings, ModelState, PodRef, PodScore, PodSpeculation, RecordEnd, RoutingRecorded,
+    ScoreError, ScoreResult, SettingsError, SpeculationSettings, SpeculationStats, TranslatedBlock,
+    TranslationReport, Untranslatable, ALL_PODS, DEFAULT_MAX_MODELS, MAX_TTL_FACTOR,
 };
 
 /// 64-bit mixing, the project's one PRNG and its one FNV-1a (`mix`).

@@ -11,7 +11,7 @@
 use std::collections::HashMap;
 use std::sync::atomic::Ordering;
 
-use super::{Indexer, KeyMode, ModelState, SettingsError, TranslationReport};
+use super::{EngineKeyState, Indexer, KeyMode, ModelState, SettingsError, TranslationReport};
 use crate::events::{EventBatch, KvEvent, Medium};
 use crate::index::{EngineKey, Tier};
 use crate::BlockHash;
@@ -310,6 +310,41 @@ impl Indexer {
         for m in models {
             m.index.export_each(|key, blocks| f(&m.name, key, blocks));
         }
+    }
+
+    /// Calls `f` with every engine's key state that a snapshot must carry (decided engines:
+    /// their mode, a translated engine's map, an aligned engine's second copies). Consistent
+    /// only while nothing writes.
+    pub fn export_keys_each(&self, mut f: impl FnMut(&str, &EngineKey, &EngineKeyState)) {
+        let mut models: Vec<_> = self.models.load().values().cloned().collect();
+        models.sort_by(|a, b| a.name.cmp(&b.name));
+        for m in models {
+            let engines = m.engine_keys.lock();
+            let mut keys: Vec<_> = engines.0.iter().collect();
+            keys.sort_by(|a, b| a.0.cmp(b.0));
+            for (key, state) in keys {
+                if state.mode != KeyMode::Undecided {
+                    f(&m.name, key, &state.export());
+                }
+            }
+        }
+    }
+
+    /// Restores an engine's key state from a snapshot (after its blocks were imported).
+    /// Returns the translated blocks restored.
+    pub fn import_keys(
+        &self,
+        model: &str,
+        key: &EngineKey,
+        state: EngineKeyState,
+    ) -> Result<usize, SettingsError> {
+        let m = self.model_or_create(model)?;
+        let mut engines = m.engine_keys.lock();
+        Ok(engines
+            .0
+            .entry(key.clone())
+            .or_default()
+            .import(state, &self.budget))
     }
 
     /// `pod` at rank `rank` holds `hashes` in `tier` (a snapshot being loaded). Returns the

@@ -48,7 +48,9 @@ pub use speculation::{
     MAX_TTL_FACTOR,
 };
 use translate::EngineKeys;
-pub use translate::{EngineHashes, KeyMode, TranslationReport, Untranslatable};
+pub use translate::{
+    EngineHashes, EngineKeyState, KeyMode, TranslatedBlock, TranslationReport, Untranslatable,
+};
 
 /// How one model's hashes are computed (must equal its vLLM deployment's settings).
 #[derive(Debug, Clone, PartialEq, Eq, Default)]

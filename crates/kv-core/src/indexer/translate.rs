@@ -149,6 +149,31 @@ impl Translated {
     }
 }
 
+/// One translated engine block, as a snapshot carries it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TranslatedBlock {
+    /// The engine's hash of the block.
+    pub engine_hash: BlockHash,
+    /// The chained digest of its last chunk (what the next block continues).
+    pub tip: BlockDigest,
+    /// The keys of its chunks before the last.
+    pub earlier: Vec<BlockHash>,
+    /// Copies held, per tier.
+    pub copies: [u16; 4],
+}
+
+/// One engine's key state as a snapshot carries it: its mode, a translated engine's map, an
+/// aligned engine's second copies.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct EngineKeyState {
+    /// The engine's mode.
+    pub mode: KeyMode,
+    /// Translated engines: every map entry.
+    pub translated: Vec<TranslatedBlock>,
+    /// Aligned engines: blocks held more than once in a tier, with the copies beyond the first.
+    pub copies: Vec<(BlockHash, Tier, u32)>,
+}
+
 /// One engine's hash state (see the module docs).
 #[derive(Debug, Default)]
 pub(super) struct EngineKeys {
@@ -177,6 +202,54 @@ impl Scratch {
 impl EngineKeys {
     /// Map entries (what they cost, in keys of the shared budget).
     pub(super) fn translated_blocks(&self) -> usize {
+        self.map.len()
+    }
+
+    /// The state a snapshot carries.
+    pub(super) fn export(&self) -> EngineKeyState {
+        EngineKeyState {
+            mode: self.mode,
+            translated: self
+                .map
+                .iter()
+                .map(|(&engine_hash, t)| TranslatedBlock {
+                    engine_hash,
+                    tip: t.tip,
+                    earlier: t.earlier.to_vec(),
+                    copies: t.copies,
+                })
+                .collect(),
+            copies: self
+                .copies
+                .iter()
+                .map(|(&(hash, tier), &n)| (hash, tier, n))
+                .collect(),
+        }
+    }
+
+    /// Restores a snapshot's state (replacing this one), taking a key of the budget per map
+    /// entry; entries beyond the budget are dropped. Returns the entries restored.
+    pub(super) fn import(&mut self, state: EngineKeyState, budget: &KeyBudget) -> usize {
+        self.clear(budget);
+        self.mode = state.mode;
+        for t in state.translated {
+            if !budget.take() {
+                break;
+            }
+            self.map.insert(
+                t.engine_hash,
+                Translated {
+                    tip: t.tip,
+                    earlier: t.earlier.into(),
+                    copies: t.copies,
+                },
+            );
+        }
+        self.copies = state
+            .copies
+            .into_iter()
+            .map(|(hash, tier, n)| ((hash, tier), n))
+            .collect();
         self.map.len()
     }
 
