@@ -10,7 +10,6 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use kv_indexer::daemon;
-use kv_proto::kvindexer_v1::ListPodsRequest;
 use zeromq::{PubSocket, Socket, SocketSend, ZmqMessage};
 
 const MODEL: &str = "engines/model";
@@ -71,14 +70,7 @@ async fn every_engine_in_the_table_scores_exactly_over_real_sockets() {
         }
         assert_eq!(got, want, "{}: blocks held after every message", s.name);
     }
-    let pods = grpc
-        .list_pods(ListPodsRequest {
-            model: MODEL.into(),
-        })
-        .await
-        .expect("ListPods")
-        .into_inner()
-        .pods;
+    let pods = support::pods::list(&d).await;
     for (i, s) in scenarios.iter().enumerate() {
         let pod = format!("10.9.0.{i}:8000");
         let info = pods.iter().find(|p| p.pod == pod).expect("listed");
@@ -95,7 +87,7 @@ async fn every_engine_in_the_table_scores_exactly_over_real_sockets() {
             s.name
         );
     }
-    let page = reqwest_like_get(d.metrics_addr).await;
+    let page = d.metrics_text();
     let translated = scenarios.len() as f64 - 2.0;
     assert_eq!(
         support::metric(
@@ -106,18 +98,4 @@ async fn every_engine_in_the_table_scores_exactly_over_real_sockets() {
         "{page}"
     );
     d.shutdown().await;
-}
-
-/// GET /metrics over a plain TCP connection.
-async fn reqwest_like_get(addr: std::net::SocketAddr) -> String {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let mut s = tokio::net::TcpStream::connect(addr)
-        .await
-        .expect("connects");
-    s.write_all(b"GET /metrics HTTP/1.0\r\nHost: x\r\n\r\n")
-        .await
-        .expect("request");
-    let mut out = String::new();
-    s.read_to_string(&mut out).await.expect("response");
-    out
 }
