@@ -2,7 +2,8 @@
 //! baseline of the same messages from one pod, in the same run (three rounds, medians).
 //!
 //! Scenario: `N` = 100,000 messages, each one vLLM-shaped batch with one `BlockStored` of one
-//! block (distinct hashes, seed 2026), model `bench/model`.
+//! block (distinct tokens, seed 2026, hashed as vLLM's sha256_cbor with the default settings:
+//! every engine aligned), model `bench/model`.
 //!
 //! - *core*: the messages applied with `Indexer::apply_batch` (no sockets): baseline all from
 //!   one pod, then each from a new pod (`10.<a>.<b>.<c>:8000`), then every pod forgotten
@@ -17,8 +18,8 @@
 use std::time::{Duration, Instant};
 
 use kv_core::{
-    decode_batch, encode_batch, BlockHash, BlockStored, EventBatch, Indexer, IndexerSettings,
-    KvEvent, Medium, SplitMix64,
+    decode_batch, encode_batch, BlockStored, EventBatch, Indexer, IndexerSettings, KvEvent, Medium,
+    RequestExtras, SplitMix64, TokenProcessor, TokenProcessorConfig,
 };
 use kv_lab::alloc::{live_heap_bytes, CountingAllocator};
 use kv_lab::index_bench::median;
@@ -29,16 +30,20 @@ static GLOBAL: CountingAllocator = CountingAllocator;
 const N: usize = 100_000;
 const MODEL: &str = "bench/model";
 
-/// The payloads: one block each, distinct hashes.
+/// The payloads: one block each, distinct tokens, hashed as vLLM would with the default
+/// settings (so every engine is aligned: what is measured is registration, not translation).
 fn payloads() -> Vec<Vec<u8>> {
     let mut rng = SplitMix64::new(2026);
+    let processor = TokenProcessor::new(&TokenProcessorConfig::default()).expect("defaults");
     (0..N)
         .map(|_| {
+            let tokens: Vec<u32> = (0..16).map(|_| rng.below(150_000) as u32).collect();
+            let hashes = processor.block_hashes(&tokens, &RequestExtras::default());
             encode_batch(&EventBatch {
                 ts: 1.7e9,
                 events: vec![KvEvent::BlockStored(Box::new(BlockStored {
-                    block_hashes: vec![BlockHash::from(rng.next_u64())],
-                    token_ids: vec![1; 16],
+                    block_hashes: hashes,
+                    token_ids: tokens,
                     block_size: 16,
                     medium: Some(Medium::Gpu),
                     ..Default::default()
