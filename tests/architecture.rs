@@ -4,8 +4,9 @@
 //! - no non-test source file is over 700 lines (issue 9's bound), in the daemon and every
 //!   workspace crate.
 //!
-//! The import graph is read from the source: every `crate::<module>` path (in `use` lines and
-//! in code, comments excluded), by the top-level module of the file it appears in.
+//! The import graph is read from the source: every `crate::<module>` path (in `use` lines, in
+//! code and in doc links; plain comments excluded), by the top-level module of the file it
+//! appears in.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
@@ -34,9 +35,15 @@ fn room_of(src: &Path, file: &Path) -> Option<String> {
     (!matches!(room, "lib" | "main")).then(|| room.to_owned())
 }
 
-/// The modules named by `crate::<name>` and `crate::{<name>, ...}` in `line`.
+/// The modules named by `crate::<name>` and `crate::{<name>, ...}` in `line`: in code, and in
+/// doc comments (an intra-doc link is a dependency too); plain `//` comments are skipped.
 fn crate_paths(line: &str, out: &mut BTreeSet<String>) {
-    let code = line.split("//").next().unwrap_or("");
+    let trimmed = line.trim_start();
+    let code = if trimmed.starts_with("///") || trimmed.starts_with("//!") {
+        trimmed
+    } else {
+        line.split("//").next().unwrap_or("")
+    };
     let mut rest = code;
     while let Some(at) = rest.find("crate::") {
         let after = &rest[at + "crate::".len()..];
@@ -155,9 +162,10 @@ fn the_cycle_check_finds_a_cycle_when_there_is_one() {
         "use crate::{config::X, metrics}; let x = crate::ingest::y(); // crate::nope",
         &mut named,
     );
+    crate_paths("    /// see [`crate::server`]", &mut named);
     assert_eq!(
         named.into_iter().collect::<Vec<_>>(),
-        ["config", "ingest", "metrics"]
+        ["config", "ingest", "metrics", "server"]
     );
 }
 
