@@ -4,15 +4,13 @@
 //! pod is 0; the first one per (pod, model) is diagnosed (block size, seed, extra-key format)
 //! and logged once.
 
-use std::collections::HashMap;
 use std::sync::Arc;
 
 use super::apply::indexable_kind;
 use super::{ApplyReport, Indexer, ModelState};
-use crate::events::{BlockStored, EventBatch, KvEvent, MsgpackValue};
+use crate::events::{BlockStored, EventBatch, KvEvent};
 use crate::hashing::{
-    ExtraKeysFormat, LoraAdapter, RequestExtras, TokenProcessor, TokenProcessorConfig,
-    DEFAULT_HASH_SEED,
+    ExtraKeysFormat, RequestExtras, TokenProcessor, TokenProcessorConfig, DEFAULT_HASH_SEED,
 };
 
 impl Indexer {
@@ -35,8 +33,7 @@ impl Indexer {
             {
                 continue;
             }
-            let Some(extras) = event_extras(s, &state.lora_paths, processor.extra_keys_format())
-            else {
+            let Ok(extras) = super::translate::run_extras(s, true, 1, state) else {
                 continue; // not reproducible from the event alone (multimodal, unknown LoRA path)
             };
             let block = processor.block_size();
@@ -67,50 +64,6 @@ impl Indexer {
             }
         }
     }
-}
-
-/// Rebuilds a request's extra keys from block 0's published entry; `None` when the event does
-/// not carry enough to reproduce them.
-fn event_extras(
-    s: &BlockStored,
-    lora_paths: &HashMap<String, String>,
-    format: ExtraKeysFormat,
-) -> Option<RequestExtras> {
-    let mut extras = RequestExtras::default();
-    if let Some(name) = &s.lora_name {
-        let path = match (lora_paths.get(name), format) {
-            (Some(p), _) => p.clone(),
-            (None, ExtraKeysFormat::Untagged) => String::new(),
-            (None, ExtraKeysFormat::Tagged) => return None,
-        };
-        extras.lora = Some(LoraAdapter {
-            name: name.clone(),
-            path,
-        });
-    }
-    let entry = s
-        .extra_keys
-        .as_ref()
-        .and_then(|k| k.first())
-        .and_then(Option::as_ref);
-    let items: &[MsgpackValue] = match entry {
-        None => &[],
-        Some(MsgpackValue::Array(items)) => items,
-        Some(_) => return None,
-    };
-    let mut rest = items;
-    if extras.lora.is_some() {
-        match rest.first() {
-            Some(MsgpackValue::Str(n)) if Some(n) == s.lora_name.as_ref() => rest = &rest[1..],
-            _ => return None,
-        }
-    }
-    match rest {
-        [] => {}
-        [MsgpackValue::Str(salt)] => extras.cache_salt = Some(salt.clone()),
-        _ => return None, // multimodal or prompt-embeds keys: not rebuilt here
-    }
-    Some(extras)
 }
 
 /// Explains a mismatch: block size, then which seed or extra-key format would have matched.

@@ -36,7 +36,9 @@ use arc_swap::ArcSwap;
 use parking_lot::Mutex;
 use thiserror::Error;
 
-use crate::hashing::{TokenProcessor, TokenProcessorConfig, TokenProcessorError};
+use crate::hashing::{
+    ExtraKeysFormat, LoraAdapter, TokenProcessor, TokenProcessorConfig, TokenProcessorError,
+};
 use crate::index::{
     EngineKey, IndexConfig, IndexConfigError, IndexStats, KeyBudget, ModelIndex, TierWeights,
 };
@@ -152,6 +154,24 @@ impl ModelState {
     /// The model's name.
     pub fn name(&self) -> &str {
         &self.name
+    }
+
+    /// The LoRA adapter `name` as this model's vLLM hashes it: with its configured path, or
+    /// with none under the untagged format (which hashes the name only). `None` when the tagged
+    /// format needs a path that is not configured (vLLM >= 0.31 hashes it).
+    pub(crate) fn lora_adapter(&self, name: &str) -> Option<LoraAdapter> {
+        let path = match (
+            self.lora_paths.get(name),
+            self.processor.extra_keys_format(),
+        ) {
+            (Some(p), _) => p.clone(),
+            (None, ExtraKeysFormat::Untagged) => String::new(),
+            (None, ExtraKeysFormat::Tagged) => return None,
+        };
+        Some(LoraAdapter {
+            name: name.to_owned(),
+            path,
+        })
     }
 
     /// Hash-check tallies per pod.

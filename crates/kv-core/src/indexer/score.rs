@@ -12,7 +12,7 @@ use std::sync::Arc;
 use thiserror::Error;
 
 use super::{Indexer, ModelState};
-use crate::hashing::{ExtraKeysFormat, HashScratch, LoraAdapter, RequestExtras};
+use crate::hashing::{HashScratch, RequestExtras};
 use crate::index::{EngineDirectory, EngineId, EngineScore, TierWeights};
 use crate::marks::RoundMarks;
 use crate::BlockHash;
@@ -245,20 +245,11 @@ impl Indexer {
     ) -> Result<RequestExtras, ScoreError> {
         let lora = match lora_name.filter(|n| !n.is_empty()) {
             None => None,
-            Some(name) => {
-                let path = state.lora_paths.get(name).cloned();
-                let path = match (path, state.processor.extra_keys_format()) {
-                    (Some(p), _) => p,
-                    (None, ExtraKeysFormat::Untagged) => String::new(),
-                    (None, ExtraKeysFormat::Tagged) => {
-                        return Err(ScoreError::UnknownLora(name.to_owned()))
-                    }
-                };
-                Some(LoraAdapter {
-                    name: name.to_owned(),
-                    path,
-                })
-            }
+            Some(name) => Some(
+                state
+                    .lora_adapter(name)
+                    .ok_or_else(|| ScoreError::UnknownLora(name.to_owned()))?,
+            ),
         };
         Ok(RequestExtras {
             lora,

@@ -29,9 +29,7 @@ use std::collections::HashMap;
 use super::apply::{indexable_kind, tier_of};
 use super::ModelState;
 use crate::events::{BlockRemoved, BlockStored, EventBatch, KvEvent, MsgpackValue};
-use crate::hashing::{
-    BlockDigest, ExtraKeysFormat, HashScratch, LoraAdapter, RequestExtras, TokenProcessor,
-};
+use crate::hashing::{BlockDigest, HashScratch, RequestExtras, TokenProcessor};
 use crate::index::{EngineId, IndexWriter, KeyBudget, Tier};
 use crate::BlockHash;
 
@@ -388,7 +386,7 @@ impl EngineKeys {
             Some(Some((tip, key))) => (tip, Some(key)),
             Some(None) => return Err(Untranslatable::UnknownParent),
         };
-        let extras = run_extras(s, s.parent_block_hash.is_none(), model)?;
+        let extras = run_extras(s, s.parent_block_hash.is_none(), blocks, model)?;
         scratch.keys.clear();
         scratch.digests.clear();
         let (keys, digests) = (&mut scratch.keys, &mut scratch.digests);
@@ -493,27 +491,20 @@ impl EngineKeys {
 /// path from the configuration), and for a run from the prompt's root its `cache_salt`
 /// (SGLang's field, or vLLM's block-0 entry). Multimodal and prompt-embedding keys are not
 /// rebuilt.
-fn run_extras(
+/// Reads the first `blocks` extra-keys entries (the hash check needs block 0's only).
+pub(super) fn run_extras(
     s: &BlockStored,
     root: bool,
+    blocks: usize,
     model: &ModelState,
 ) -> Result<RequestExtras, Untranslatable> {
     let mut extras = RequestExtras::default();
-    let format = model.processor.extra_keys_format();
     if let Some(name) = s.lora_name.as_ref().filter(|n| !n.is_empty()) {
-        let path = match (model.lora_paths.get(name), format) {
-            (Some(p), _) => p.clone(),
-            (None, ExtraKeysFormat::Untagged) => String::new(),
-            (None, ExtraKeysFormat::Tagged) => return Err(Untranslatable::Lora),
-        };
-        extras.lora = Some(LoraAdapter {
-            name: name.clone(),
-            path,
-        });
+        extras.lora = Some(model.lora_adapter(name).ok_or(Untranslatable::Lora)?);
     }
     // vLLM publishes one extra-keys entry per block: beyond the LoRA name, only block 0's
     // salt is rebuilt.
-    for (i, entry) in s.extra_keys.iter().flatten().enumerate() {
+    for (i, entry) in s.extra_keys.iter().flatten().take(blocks).enumerate() {
         let items: &[MsgpackValue] = match entry {
             None => continue,
             Some(MsgpackValue::Array(items)) => items,
