@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use kv_indexer::daemon;
-use zeromq::{PubSocket, Socket, SocketSend, ZmqMessage};
+use zeromq::{SocketSend, ZmqMessage};
 
 const MODEL: &str = "engines/model";
 
@@ -28,11 +28,7 @@ async fn every_engine_in_the_table_scores_exactly_over_real_sockets() {
     let mut config = support::loopback_config();
     config.indexer_config.token_processor_config.hash_seed = Some("12345".into());
     let d = daemon::start(config).await.expect("daemon starts");
-    let mut publisher = PubSocket::new();
-    publisher
-        .connect(d.zmq_endpoint.as_deref().expect("bind mode"))
-        .await
-        .expect("PUB connects");
+    let mut publisher = support::pods::connect(&d).await;
     let mut grpc = support::client(&d).await;
     let scenarios = support::engine_scenarios();
     for (i, s) in scenarios.iter().enumerate() {

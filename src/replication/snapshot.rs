@@ -527,26 +527,9 @@ mod tests {
         let (bytes, _) = w.finish();
 
         let restored = indexer();
-        let mut r = SnapshotReader::new(&bytes).expect("header");
-        while let Some(item) = r.next_item().expect("item") {
-            match item {
-                SnapshotItem::Blocks {
-                    model,
-                    key,
-                    tier,
-                    hashes,
-                } => {
-                    restored
-                        .import(model, &key, tier, &hashes)
-                        .expect("imports");
-                }
-                SnapshotItem::EngineKeys { model, key, state } => {
-                    assert_eq!(state.translated.len(), 2);
-                    restored.import_keys(model, &key, state).expect("imports");
-                }
-                SnapshotItem::Publisher(..) => {}
-            }
-        }
+        super::super::store::apply_snapshot(&bytes, &restored).expect("loads");
+        let engines = restored.model("m").expect("model").key_modes();
+        assert_eq!(engines.values().map(|(_, n)| *n).sum::<usize>(), 2);
         let matched = |ix: &Indexer| {
             ix.score_tokens("m", &tokens, &["p"], None, None)
                 .expect("model")
