@@ -110,27 +110,23 @@ impl Indexer {
         let was = keys.mode;
         // Hashes are checked while they may be taken as keys; the first root run's verdict
         // (block 0 recomputed equal to the published hash) decides an undecided engine.
-        if matches!(was, KeyMode::Undecided | KeyMode::Aligned) {
-            self.check_hashes(&state, &key.pod, batch, &mut report);
-        }
-        let verdict =
-            (report.hash_matches + report.hash_mismatches > 0).then_some(report.hash_matches > 0);
-        let changed = keys.decide(state.engine_hashes, &state.processor, batch, verdict);
+        let checks = if matches!(was, KeyMode::Undecided | KeyMode::Aligned) {
+            self.check_hashes(&state, batch)
+        } else {
+            Default::default()
+        };
+        let changed = keys.decide(
+            state.engine_hashes,
+            &state.processor,
+            batch,
+            checks.verdict(),
+        );
         report.translation.mode_changed = changed;
         let mode = keys.mode;
-        if matches!(mode, KeyMode::Translated | KeyMode::Refused { .. }) {
-            // Not a mismatch to count or warn about: the engine's hashes are not taken as keys
-            // (the diagnosis stays, to say why).
-            if report.hash_mismatches > 0 {
-                if let Some(c) = state.hash_checks.lock().get_mut(&key.pod) {
-                    c.mismatches = c
-                        .mismatches
-                        .saturating_sub(u64::from(report.hash_mismatches));
-                }
-            }
-            report.hash_mismatches = 0;
-            report.first_mismatch = false;
-        }
+        // A translated or refused engine's hashes are not taken as keys: not mismatches to
+        // count or warn about (the diagnosis is kept, to say why).
+        let counted = matches!(mode, KeyMode::Undecided | KeyMode::Aligned);
+        self.record_checks(&state, &key.pod, batch, &checks, counted, &mut report);
         let speculating = !state.speculation.is_empty();
         let mut confirmed: Vec<Vec<BlockHash>> = Vec::new();
         let applied = state.index.write_engine(&key, |w, engine| {

@@ -13,57 +13,101 @@ use crate::hashing::{
     ExtraKeysFormat, RequestExtras, TokenProcessor, TokenProcessorConfig, DEFAULT_HASH_SEED,
 };
 
+/// The root runs' checks of one batch, before they are tallied.
+#[derive(Debug, Default)]
+pub(super) struct RootChecks {
+    matches: u32,
+    mismatches: u32,
+    /// The first mismatched run (its event index), for the diagnosis.
+    first_mismatch: Option<usize>,
+}
+
+impl RootChecks {
+    /// The batch's verdict on the engine's hashes: `Some(true)` when a root run's block 0
+    /// recomputed equal, `Some(false)` when only mismatches were seen.
+    pub(super) fn verdict(&self) -> Option<bool> {
+        (self.matches + self.mismatches > 0).then_some(self.matches > 0)
+    }
+}
+
 impl Indexer {
-    /// Recomputes block 0 of each root run in `batch` and tallies matches per pod.
-    pub(super) fn check_hashes(
-        &self,
-        state: &ModelState,
-        pod: &Arc<str>,
-        batch: &EventBatch,
-        report: &mut ApplyReport,
-    ) {
+    /// Recomputes block 0 of each root run in `batch` (nothing is tallied yet).
+    pub(super) fn check_hashes(&self, state: &ModelState, batch: &EventBatch) -> RootChecks {
         let processor = &state.processor;
-        for event in &batch.events {
-            let KvEvent::BlockStored(s) = event else {
+        let mut checks = RootChecks::default();
+        for (i, event) in batch.events.iter().enumerate() {
+            let Some((s, extras)) = checkable(state, event) else {
                 continue;
-            };
-            if s.parent_block_hash.is_some()
-                || s.block_hashes.is_empty()
-                || !indexable_kind(s.kv_cache_spec_kind.as_deref())
-            {
-                continue;
-            }
-            let Ok(extras) = super::translate::run_extras(s, true, 1, state) else {
-                continue; // not reproducible from the event alone (multimodal, unknown LoRA path)
             };
             let block = processor.block_size();
-            if s.token_ids.len() < block {
-                continue;
-            }
             let first = processor
                 .block_hashes(&s.token_ids[..block], &extras)
                 .first()
                 .copied();
-            let matched = first == Some(s.block_hashes[0]);
-            if matched {
-                report.hash_matches += 1;
+            if first == Some(s.block_hashes[0]) {
+                checks.matches += 1;
             } else {
-                report.hash_mismatches += 1;
-            }
-            let mut checks = state.hash_checks.lock();
-            let entry = checks.entry(pod.clone()).or_default();
-            if matched {
-                entry.matches += 1;
-                continue;
-            }
-            entry.mismatches += 1;
-            if entry.diagnosis.is_none() {
-                let diagnosis = diagnose(processor, s, &extras);
-                report.first_mismatch = true;
-                entry.diagnosis = Some(diagnosis);
+                checks.mismatches += 1;
+                checks.first_mismatch.get_or_insert(i);
             }
         }
+        checks
     }
+
+    /// Tallies `checks` for `pod` when its hashes are taken as keys (`counted`); the first
+    /// mismatch's diagnosis is kept either way (it says why an engine is translated).
+    pub(super) fn record_checks(
+        &self,
+        state: &ModelState,
+        pod: &Arc<str>,
+        batch: &EventBatch,
+        checks: &RootChecks,
+        counted: bool,
+        report: &mut ApplyReport,
+    ) {
+        if checks.matches + checks.mismatches == 0 {
+            return;
+        }
+        let mut tallies = state.hash_checks.lock();
+        let entry = tallies.entry(pod.clone()).or_default();
+        if counted {
+            report.hash_matches += checks.matches;
+            report.hash_mismatches += checks.mismatches;
+            entry.matches += u64::from(checks.matches);
+            entry.mismatches += u64::from(checks.mismatches);
+        }
+        if entry.diagnosis.is_some() {
+            return;
+        }
+        let diagnosed = checks
+            .first_mismatch
+            .and_then(|i| checkable(state, &batch.events[i]))
+            .map(|(s, extras)| diagnose(&state.processor, s, &extras));
+        if let Some(diagnosis) = diagnosed {
+            report.first_mismatch = counted;
+            entry.diagnosis = Some(diagnosis);
+        }
+    }
+}
+
+/// A root run whose block 0 can be recomputed from the event alone, with its extra keys.
+fn checkable<'a>(
+    state: &ModelState,
+    event: &'a KvEvent,
+) -> Option<(&'a BlockStored, RequestExtras)> {
+    let KvEvent::BlockStored(s) = event else {
+        return None;
+    };
+    if s.parent_block_hash.is_some()
+        || s.block_hashes.is_empty()
+        || !indexable_kind(s.kv_cache_spec_kind.as_deref())
+        || s.token_ids.len() < state.processor.block_size()
+    {
+        return None;
+    }
+    // Multimodal keys or an unknown LoRA path: not reproducible from the event alone.
+    let extras = super::translate::run_extras(s, true, 1, state).ok()?;
+    Some((s, extras))
 }
 
 /// Explains a mismatch: block size, then which seed or extra-key format would have matched.
