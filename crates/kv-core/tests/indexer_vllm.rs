@@ -333,7 +333,7 @@ fn data_parallel_ranks_are_separate_engines_of_one_pod() {
 /// models events can create.
 #[test]
 fn size_bounds_all_models_together_and_models_are_bounded() {
-    use kv_core::{BlockHash, BlockStored, EventBatch, IndexConfig, KvEvent, SettingsError};
+    use kv_core::{BlockHash, BlockStored, EventBatch, IndexConfig, KvEvent};
     let indexer = Indexer::new(IndexerSettings {
         index: IndexConfig {
             max_keys: 100,
@@ -368,12 +368,67 @@ fn size_bounds_all_models_together_and_models_are_bounded() {
             "model {m} got room for all its blocks"
         );
     }
-    let e = indexer
+    // Past maxModels a newcomer takes the place of the model holding the fewest keys (the
+    // budget made the older ones give room, so they hold less than the newest).
+    let before: std::collections::HashMap<_, _> = indexer
+        .stats()
+        .into_iter()
+        .map(|(name, s)| (name, s.memberships))
+        .collect();
+    let fewest = before.values().min().copied().expect("models");
+    let report = indexer
         .apply_batch("m8", "10.0.0.1:8000", &batch(8, 1))
-        .expect_err("past maxModels");
+        .expect("a new model is admitted");
+    let least = report.evicted_model.expect("a model gave its place");
+    assert_eq!(before[&least], fewest, "{least} held the fewest ({before:?})");
+    assert!(indexer.model(&least).is_none(), "{least} gave its place");
+    assert_eq!(indexer.models().len(), 8);
+    assert_eq!(indexer.models_evicted(), 1);
+    let total: u64 = indexer.stats().iter().map(|(_, s)| s.keys).sum();
+    assert!(total <= 100, "the evicted model's keys went back: {total}");
+    assert_eq!(
+        indexer.model("m8").expect("m8").index().stats().keys,
+        1,
+        "the newcomer is indexed"
+    );
+}
+
+/// Models named in the settings are always there and never give their place: when every
+/// place is a configured model, an unconfigured one is refused.
+#[test]
+fn configured_models_keep_their_place() {
+    use kv_core::{BlockHash, BlockStored, EventBatch, KvEvent, SettingsError};
+    let mut s = settings(Some("12345"), 16);
+    s.max_models = 2;
+    s.models
+        .insert("configured".into(), s.default_model.clone());
+    let indexer = Indexer::new(s).expect("valid");
+    let batch = |n: u64| EventBatch {
+        ts: 0.0,
+        events: vec![KvEvent::BlockStored(Box::new(BlockStored {
+            block_hashes: vec![BlockHash::new(n)],
+            block_size: 16,
+            ..Default::default()
+        }))],
+        data_parallel_rank: None,
+    };
+    for m in 0..20u64 {
+        indexer
+            .apply_batch(&format!("junk{m}"), "p", &batch(m))
+            .expect("a junk name takes the other junk name's place");
+        assert!(indexer.model("configured").is_some(), "never evicted");
+        assert_eq!(indexer.models().len(), 2);
+    }
+    let mut full = settings(Some("12345"), 16);
+    full.max_models = 1;
+    full.models
+        .insert("configured".into(), full.default_model.clone());
+    let indexer = Indexer::new(full).expect("valid");
+    let e = indexer
+        .apply_batch("other", "p", &batch(1))
+        .expect_err("no place to take");
     assert!(
-        matches!(e, SettingsError::TooManyModels { max: 8, .. }),
+        matches!(e, SettingsError::TooManyModels { max: 1, .. }),
         "{e}"
     );
-    assert_eq!(indexer.models().len(), 8);
 }

@@ -10,6 +10,7 @@
 
 use std::collections::HashMap;
 use std::sync::atomic::Ordering;
+use std::sync::Arc;
 
 use super::{EngineKeyState, Indexer, KeyMode, ModelState, SettingsError, TranslationReport};
 use crate::events::{EventBatch, KvEvent, Medium};
@@ -17,7 +18,7 @@ use crate::index::{EngineKey, Tier};
 use crate::BlockHash;
 
 /// What applying one batch did (for metrics and tests).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct ApplyReport {
     /// BlockStored events applied.
     pub stored_events: u32,
@@ -49,6 +50,9 @@ pub struct ApplyReport {
     pub refused_events: u32,
     /// What translation did (engines whose hashes are not the index's keys).
     pub translation: TranslationReport,
+    /// The model that gave its place to this batch's model (`max_models` reached): its
+    /// blocks are gone, so whatever tracks its publishers should start them afresh.
+    pub evicted_model: Option<Arc<str>>,
 }
 
 /// Gives a map's memory back once it is mostly empty (a fleet that shrank).
@@ -94,17 +98,25 @@ impl Indexer {
         batch: &EventBatch,
         now: std::time::Instant,
     ) -> Result<ApplyReport, SettingsError> {
-        let state = self.model_or_create(model)?;
+        let (state, evicted_model) = self.admit(model)?;
         let rank = batch
             .data_parallel_rank
             .and_then(|r| u32::try_from(r).ok())
             .unwrap_or(0);
         let key = EngineKey::new(pod, rank);
-        let mut report = ApplyReport::default();
+        let mut report = ApplyReport {
+            evicted_model,
+            ..ApplyReport::default()
+        };
         self.make_room(&state, batch);
         // Only engines that published a non-indexable group have an entry.
         let mut skipped = state.skipped_groups.lock();
         let mut engines = state.engine_keys.lock();
+        if state.evicted.load(Ordering::Acquire) {
+            // The model gave its place while this batch was on its way.
+            return Ok(report);
+        }
+        state.last_write.store(self.clock(), Ordering::Relaxed);
         let (engines, scratch) = &mut *engines;
         let keys = engines.entry(key.clone()).or_default();
         let was = keys.mode;
@@ -362,19 +374,26 @@ impl Indexer {
     /// Drops every block of every model (before a snapshot replaces the index). Returns
     /// memberships removed.
     pub fn clear_all(&self) -> usize {
+        self.models
+            .load()
+            .values()
+            .map(|state| self.clear_model(state))
+            .sum()
+    }
+
+    /// Drops every block and engine-hash map of one model. Returns memberships removed.
+    pub(super) fn clear_model(&self, state: &ModelState) -> usize {
+        let mut engines = state.engine_keys.lock();
+        for keys in engines.0.values_mut() {
+            keys.clear(&self.budget);
+        }
+        engines.0.clear();
+        drop(engines);
+        let directory = state.index.directory();
         let mut removed = 0;
-        for state in self.models.load().values() {
-            let mut engines = state.engine_keys.lock();
-            for keys in engines.0.values_mut() {
-                keys.clear(&self.budget);
-            }
-            engines.0.clear();
-            drop(engines);
-            let directory = state.index.directory();
-            for (pod, _) in directory.pods() {
-                for &e in directory.engines_of(pod) {
-                    removed += state.index.write(e, |w| w.clear_engine(e));
-                }
+        for (pod, _) in directory.pods() {
+            for &e in directory.engines_of(pod) {
+                removed += state.index.write(e, |w| w.clear_engine(e));
             }
         }
         removed

@@ -22,7 +22,7 @@
 //!   writer lock), counted per (pod, model), and diagnosed in one log line per (pod, model).
 
 use std::collections::{HashMap, HashSet};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 
 mod apply;
@@ -138,6 +138,12 @@ pub struct ModelState {
     engine_hashes: EngineHashes,
     /// Per engine: its key mode, a translated engine's map, copies (write path only).
     engine_keys: Mutex<(HashMap<EngineKey, EngineKeys>, translate::Scratch)>,
+    /// When a batch was last applied ([`Indexer`]'s clock, ms): breaks ties between models
+    /// holding as little when one must give its place.
+    last_write: AtomicU64,
+    /// Set (under `engine_keys`) when the model gave its place to another (`max_models`): a
+    /// batch that finds it set applies nothing.
+    evicted: AtomicBool,
 }
 
 impl ModelState {
@@ -234,6 +240,7 @@ impl ModelState {
 struct Totals {
     unknown_events: AtomicU64,
     skipped_group_events: AtomicU64,
+    models_evicted: AtomicU64,
 }
 
 /// The multi-model index with its hashing settings.
@@ -244,6 +251,8 @@ pub struct Indexer {
     totals: Totals,
     /// `size` keys shared by every model's index.
     budget: Arc<KeyBudget>,
+    /// The models' write clock starts here.
+    started: std::time::Instant,
 }
 
 impl Indexer {
@@ -262,6 +271,7 @@ impl Indexer {
             models: ArcSwap::from_pointee(HashMap::new()),
             create: Mutex::new(()),
             totals: Totals::default(),
+            started: std::time::Instant::now(),
         };
         let names: Vec<String> = indexer.settings.models.keys().cloned().collect();
         for name in names {
@@ -286,23 +296,51 @@ impl Indexer {
     }
 
     /// The model's state, creating it (with default or configured settings) on first use.
+    /// At `max_models`, a model not named in the settings gives its place (see
+    /// [`Indexer::admit`]).
     pub fn model_or_create(&self, name: &str) -> Result<Arc<ModelState>, SettingsError> {
+        self.admit(name).map(|(state, _)| state)
+    }
+
+    /// [`Indexer::model_or_create`], saying which model gave its place, if one did. Models
+    /// named in the settings are always there and never give theirs; past `max_models`, the
+    /// unnamed model holding the fewest memberships (one whose pods are all gone holds none;
+    /// ties: the one written longest ago) is cleared and dropped, so a flood of junk names
+    /// cannot keep a real model out for longer than the flood lasts.
+    pub fn admit(&self, name: &str) -> Result<(Arc<ModelState>, Option<Arc<str>>), SettingsError> {
         if let Some(m) = self.model(name) {
-            return Ok(m);
+            return Ok((m, None));
         }
         let _guard = self.create.lock();
         if let Some(m) = self.model(name) {
-            return Ok(m);
+            return Ok((m, None));
         }
         let max = match self.settings.max_models {
             0 => DEFAULT_MAX_MODELS,
             n => n,
         };
-        if self.models.load().len() >= max {
-            return Err(SettingsError::TooManyModels {
-                model: name.to_owned(),
-                max,
-            });
+        let mut next = HashMap::clone(&self.models.load());
+        let mut evicted = None;
+        if next.len() >= max {
+            let victim = next
+                .values()
+                .filter(|m| !self.settings.models.contains_key(&*m.name))
+                .min_by_key(|m| {
+                    (
+                        m.index.stats().memberships,
+                        m.last_write.load(Ordering::Relaxed),
+                    )
+                })
+                .cloned();
+            let Some(victim) = victim else {
+                return Err(SettingsError::TooManyModels {
+                    model: name.to_owned(),
+                    max,
+                });
+            };
+            next.remove(&victim.name);
+            self.evict(&victim);
+            evicted = Some(victim.name.clone());
         }
         let settings = self
             .settings
@@ -325,11 +363,34 @@ impl Indexer {
             speculation: Speculation::new(self.settings.speculation.clone())?,
             engine_hashes: settings.engine_hashes,
             engine_keys: Mutex::new(Default::default()),
+            evicted: AtomicBool::new(false),
+            last_write: AtomicU64::new(self.clock()),
         });
-        let mut next = HashMap::clone(&self.models.load());
         next.insert(name.into(), state.clone());
         self.models.store(Arc::new(next));
-        Ok(state)
+        Ok((state, evicted))
+    }
+
+    /// Clears `victim` and marks it evicted (it has left the registry): a batch applying to
+    /// it now finishes first, and one that comes later applies nothing, so its keys all go
+    /// back to the shared budget.
+    fn evict(&self, victim: &ModelState) {
+        {
+            let _engines = victim.engine_keys.lock();
+            victim.evicted.store(true, Ordering::Release);
+        }
+        self.clear_model(victim);
+        self.totals.models_evicted.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Milliseconds since the indexer started (the models' write clock).
+    fn clock(&self) -> u64 {
+        u64::try_from(self.started.elapsed().as_millis()).unwrap_or(u64::MAX)
+    }
+
+    /// Models that gave their place to another (`max_models`) so far.
+    pub fn models_evicted(&self) -> u64 {
+        self.totals.models_evicted.load(Ordering::Relaxed)
     }
 }
 
