@@ -29,8 +29,7 @@ async fn a_hundred_thousand_publishers_register_and_their_memory_returns_when_fo
     // Longer than registering takes in a debug build on a 2-core machine: 8 s alone, 18 s with
     // three CPU-bound processes beside it.
     let idle = Duration::from_secs(40);
-    let mut config = lifecycle_config(Duration::from_secs(60), idle);
-    config.kv_events_config.queue_depth = 1 << 17;
+    let config = lifecycle_config(Duration::from_secs(60), idle);
     let d = daemon::start(config).await.expect("daemon starts");
     let mut p = connect(&d).await;
     send_until_held(&mut p, &d, "warm-up", 0, u64::MAX).await;

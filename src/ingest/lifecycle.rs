@@ -31,7 +31,7 @@ use parking_lot::Mutex;
 use tokio::sync::watch;
 use zeromq::{Endpoint, SocketEvent};
 
-use super::{worker_of, Dispatch, Job};
+use super::{Dispatch, Job};
 
 /// What tells this replica that a pod left.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
@@ -306,14 +306,10 @@ pub(super) async fn sweep(
             });
         shared.metrics.ingest.publishers(counts);
         for (pod, reason) in proposals {
-            let worker = worker_of(&pod, dispatch.workers.len());
-            shared.metrics.ingest.queued();
-            if dispatch.workers[worker]
-                .send(Job::Forget { pod, reason })
-                .await
-                .is_err()
+            if dispatch
+                .push(&pod.clone(), Job::Forget { pod, reason })
+                .closed
             {
-                shared.metrics.ingest.dequeued();
                 return;
             }
         }

@@ -8,7 +8,8 @@
 //! - [`discovery`]: connect mode by DNS (the pods behind a headless Service, dialled as they
 //!   come and dropped as they go);
 //! - [`sequence`]: the pure per-publisher state machine (first, next, duplicate, restart, gap);
-//! - [`workers`]: decode, sequence, gap fill, apply;
+//! - [`inbox`]: each worker's queue, one lane per pod, bounded by bytes;
+//! - [`workers`]: decode, sequence, gap fill, resync after drops, apply;
 //! - [`gap_fill`]: the client of vLLM's replay socket; [`topic`]: topic and endpoint grammar;
 //! - [`lifecycle`]: noticing that a pod left, and forgetting it after a grace period;
 //!   [`publishers`]: every publisher's stream state, by pod;
@@ -21,8 +22,10 @@
 //!   reason; nothing a publisher sends can stop a receiver or a worker;
 //! - all messages of one pod go to the same worker (pod hash), so its events apply in order;
 //!   different pods apply in parallel;
-//! - a receiver never waits on a worker: a message for a full worker queue is shed and counted
-//!   (`kvindexer_messages_shed_total`); it becomes a gap of its publisher;
+//! - a receiver never waits on a worker, and nothing is dropped for being many: each worker's
+//!   [`inbox`] is bounded by bytes (`queueBytes`, `queueBytesPerPod`) and serves its pods in
+//!   turn; only a pod past its share loses queued messages, and the worker then resynchronises
+//!   its publisher (gap fill, else counted as lost and marked stale);
 //! - per publisher (pod, model, DP rank): a gap is filled once from the publisher's replay
 //!   socket (never retried: no loops), and what it cannot supply is counted as lost; a sequence
 //!   that goes backwards is a restarted vLLM, whose cache is gone, so its blocks are cleared
@@ -43,6 +46,7 @@
 
 pub mod discovery;
 pub mod gap_fill;
+mod inbox;
 pub mod lifecycle;
 mod publishers;
 pub mod sequence;
@@ -127,6 +131,12 @@ pub struct PublisherState {
     pub gap_fill_failures: u32,
     /// No gap fill is asked of this publisher before this instant.
     pub backoff_until: Option<std::time::Instant>,
+    /// Messages dropped from this replica's queue because the pod passed its share
+    /// (`queueBytesPerPod`, `queueBytes`); each drop starts a resync.
+    pub messages_dropped: u64,
+    /// Messages were lost (a gap or a drop nothing could fill) since the engine's blocks were
+    /// last cleared: its blocks may be short or stale.
+    pub stale: bool,
 }
 
 /// The admin API's view of the pods: the publishers with what tells whether their pods are
@@ -157,15 +167,12 @@ impl Pods {
     pub async fn clear_pod(&self, model: Arc<str>, pod: Arc<str>) -> Result<usize, ClearError> {
         let dispatch = self.dispatch.upgrade().ok_or(ClearError::Stopped)?;
         let (reply, answer) = oneshot::channel();
-        let worker = worker_of(&pod, dispatch.workers.len());
         let job = Job::ClearPod {
             model,
-            pod,
+            pod: pod.clone(),
             origin: ClearOrigin::Admin(reply),
         };
-        dispatch.shared.metrics.ingest.queued();
-        if dispatch.workers[worker].send(job).await.is_err() {
-            dispatch.shared.metrics.ingest.dequeued();
+        if dispatch.push(&pod, job).closed {
             return Err(ClearError::Stopped);
         }
         drop(dispatch);
@@ -265,6 +272,9 @@ enum Job {
     },
     /// Stop until the gate opens (a consistent snapshot of index and publishers).
     Pause(PauseGate),
+    /// Socket messages of the pod dropped from its lane (it passed its share of the queue):
+    /// resynchronise its publisher.
+    Dropped(inbox::Dropped),
 }
 
 /// A worker's side of a pause: it says it arrived, then waits for the resume signal (or for
@@ -339,12 +349,14 @@ impl Feeder {
                 return true;
             }
         };
-        let worker = worker_of(&pod, self.dispatch.workers.len());
-        self.dispatch.shared.metrics.ingest.queued();
-        let sent = self.dispatch.workers[worker].send(job).await.is_ok();
+        let inbox = &self.dispatch.workers[worker_of(&pod, self.dispatch.workers.len())];
+        let metrics = &self.dispatch.shared.metrics.ingest;
+        metrics.queued();
+        let sent = inbox.feed(&pod, job).await;
         if !sent {
-            self.dispatch.shared.metrics.ingest.dequeued();
+            metrics.dequeued();
         }
+        metrics.queue_bytes(self.dispatch.budget.used());
         sent
     }
 
@@ -371,18 +383,22 @@ impl Feeder {
         )
     }
 
-    /// Pauses every worker after what is queued before; returns once all have stopped.
-    /// `None` when the workers are gone.
+    /// Pauses every worker once it has taken every log entry fed before (messages from
+    /// sockets may come either side); returns once all have stopped. `None` when the workers
+    /// are gone.
     pub async fn pause(&self) -> Option<Paused> {
         let n = self.dispatch.workers.len();
         let (arrived, mut arrivals) = mpsc::channel(n);
         let (resume, resume_rx) = watch::channel(false);
-        for worker in &self.dispatch.workers {
+        for inbox in &self.dispatch.workers {
+            inbox.log_taken().await;
             let gate = PauseGate {
                 arrived: arrived.clone(),
                 resume: resume_rx.clone(),
             };
-            worker.send(Job::Pause(gate)).await.ok()?;
+            if !inbox.push_urgent(Job::Pause(gate)) {
+                return None;
+            }
         }
         drop(arrived);
         for _ in 0..n {
@@ -435,7 +451,43 @@ struct Shared {
 /// when the receivers and the handle let go, the queues close and the workers drain and exit.
 struct Dispatch {
     shared: Arc<Shared>,
-    workers: Vec<mpsc::Sender<Job>>,
+    workers: Vec<Arc<inbox::Inbox>>,
+    budget: Arc<inbox::Budget>,
+}
+
+impl Dispatch {
+    /// Queues `job` on `pod`'s worker without waiting (a socket message may make room by
+    /// dropping others of a pod past its share: counted and logged here).
+    fn push(&self, pod: &Arc<str>, job: Job) -> inbox::Pushed {
+        let worker = worker_of(pod, self.workers.len());
+        let metrics = &self.shared.metrics.ingest;
+        metrics.queued();
+        let pushed = self.workers[worker].push(pod, job);
+        let dropped = pushed.over_share + pushed.over_total;
+        if pushed.closed {
+            metrics.dequeued();
+        } else if dropped > 0 {
+            for _ in 0..dropped {
+                metrics.dequeued();
+            }
+            metrics.shed_n("over_share", pushed.over_share);
+            metrics.shed_n("over_total", pushed.over_total);
+            if let Some(suppressed) = self.shared.shed_warn.allow() {
+                tracing::warn!(%pod, worker, over_share = pushed.over_share, over_total = pushed.over_total, queued_bytes = self.budget.used(), suppressed, "event queue past its byte bounds (kvEventsConfig.queueBytesPerPod, queueBytes): queued messages of the pod holding the most were dropped; its publisher is resynchronised");
+            }
+        }
+        metrics.queue_bytes(self.budget.used());
+        pushed
+    }
+}
+
+impl Drop for Dispatch {
+    /// The receivers and the handle let go: the workers take what is queued, then stop.
+    fn drop(&mut self) {
+        for inbox in &self.workers {
+            inbox.close();
+        }
+    }
 }
 
 /// The running pipeline.
@@ -509,13 +561,10 @@ pub async fn start(
     let n = config.concurrency.max(1);
     let publishers = Arc::new(Publishers::new(n));
     publishers.restore(restored);
-    let mut senders = Vec::with_capacity(n);
-    let mut receivers_of_workers = Vec::with_capacity(n);
-    for _ in 0..n {
-        let (tx, rx) = mpsc::channel::<Job>(config.queue_depth.max(1));
-        senders.push(tx);
-        receivers_of_workers.push(rx);
-    }
+    let budget = inbox::Budget::new(config.queue_bytes, config.queue_bytes_per_pod);
+    let inboxes: Vec<Arc<inbox::Inbox>> = (0..n)
+        .map(|_| Arc::new(inbox::Inbox::new(budget.clone())))
+        .collect();
     let links = Arc::new(lifecycle::Links::default());
     let lifecycle = lifecycle::LifecycleSettings {
         grace_period: config.publisher_grace_period.0,
@@ -544,12 +593,13 @@ pub async fn start(
     });
     let dispatch = Arc::new(Dispatch {
         shared: shared.clone(),
-        workers: senders,
+        workers: inboxes.clone(),
+        budget,
     });
-    let workers = receivers_of_workers
+    let workers = inboxes
         .into_iter()
         .enumerate()
-        .map(|(i, rx)| tokio::spawn(workers::run(i, rx, shared.clone())))
+        .map(|(i, inbox)| tokio::spawn(workers::run(i, inbox, shared.clone())))
         .collect();
 
     let mut receivers = Vec::new();

@@ -184,6 +184,30 @@ impl Publishers {
         }
     }
 
+    /// Forgets every publisher of `model` (the model gave its place in the index): their next
+    /// messages start afresh, as late joiners.
+    pub(crate) fn forget_model(&self, model: &str) {
+        for shard in &self.shards {
+            let mut shard = shard.lock();
+            shard.retain(|_, entry| {
+                entry.publishers.retain(|(m, _, _)| &**m != model);
+                !entry.publishers.is_empty()
+            });
+        }
+    }
+
+    /// The DP ranks of `pod` known for `model`.
+    pub(crate) fn ranks_of(&self, pod: &str, model: &str) -> Vec<u32> {
+        let shard = self.shard(pod).lock();
+        shard.get(pod).map_or_else(Vec::new, |e| {
+            e.publishers
+                .iter()
+                .filter(|(m, _, _)| &**m == model)
+                .map(|(_, rank, _)| *rank)
+                .collect()
+        })
+    }
+
     /// The models `pod` publishes for.
     pub(crate) fn models_of(&self, pod: &str) -> Vec<Arc<str>> {
         let shard = self.shard(pod).lock();

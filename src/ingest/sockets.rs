@@ -4,11 +4,11 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use tokio::sync::{mpsc, watch};
+use tokio::sync::watch;
 use zeromq::{Socket, SocketRecv, SubSocket, ZmqMessage};
 
 use super::lifecycle::{ConnectMonitor, Link};
-use super::{topic, worker_of, Dispatch, GapFillRoute, Job, Message, Shared, Via};
+use super::{topic, Dispatch, GapFillRoute, Job, Message, Shared, Via};
 use crate::config::ConnectEndpoint;
 
 /// How a receiver names the messages it gets.
@@ -187,30 +187,18 @@ fn dispatch_message(message: ZmqMessage, source: &Source, dispatch: &Dispatch) {
         return;
     }
     shared.metrics.ingest.received(&pod);
-    let worker = worker_of(&pod, dispatch.workers.len());
-    shared.metrics.ingest.queued();
     let link = match &source.link {
         Some(link) => Some(link.clone()),
         None => Link::of_pod_id(&pod),
     };
     let job = Job::Message(Message {
-        pod,
+        pod: pod.clone(),
         model,
         seq,
         payload: payload.clone(),
         via: Via::Socket(source.gap_fill.clone(), link),
     });
-    // Never wait on one worker: a full queue sheds this message (its publisher sees a gap,
-    // filled from vLLM's buffer when possible) instead of holding back every other pod.
-    match dispatch.workers[worker].try_send(job) {
-        Ok(()) => {}
-        Err(mpsc::error::TrySendError::Full(job)) => {
-            shared.metrics.ingest.dequeued();
-            shared.metrics.ingest.shed("queue_full");
-            if let (Some(suppressed), Job::Message(m)) = (shared.shed_warn.allow(), &job) {
-                tracing::warn!(pod = %m.pod, worker, suppressed, "a worker queue is full: message shed (kvEventsConfig.queueDepth)");
-            }
-        }
-        Err(mpsc::error::TrySendError::Closed(_)) => shared.metrics.ingest.dequeued(),
-    }
+    // Never waits on a worker: the inbox is bounded by bytes, and only a pod past its share
+    // loses queued messages (its publisher is then resynchronised).
+    dispatch.push(&pod, job);
 }

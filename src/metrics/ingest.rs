@@ -3,9 +3,9 @@
 use std::sync::Arc;
 
 use kv_core::ApplyReport;
-use prometheus::{IntCounterVec, IntGauge, IntGaugeVec, Registry};
+use prometheus::{IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Registry};
 
-use super::registry::{counter_vec, gauge, gauge_vec, Labels};
+use super::registry::{counter, counter_vec, gauge, gauge_vec, Labels};
 
 /// Event intake and application.
 pub struct IngestMetrics {
@@ -23,6 +23,9 @@ pub struct IngestMetrics {
     events_skipped: IntCounterVec,
     messages_shed: IntCounterVec,
     queue_depth: IntGauge,
+    queue_bytes: IntGauge,
+    resyncs: IntCounterVec,
+    models_evicted: IntCounter,
     publishers: IntGaugeVec,
     pods_forgotten: IntCounterVec,
 }
@@ -101,13 +104,29 @@ impl IngestMetrics {
             messages_shed: counter_vec(
                 r,
                 "kvindexer_messages_shed_total",
-                "Messages dropped before a worker took them (the queue was full)",
+                "Queued messages dropped because their pod passed its share of the queue (over_share) or the queue its total (over_total); each starts a resync",
                 &["reason"],
+            ),
+            queue_bytes: gauge(
+                r,
+                "kvindexer_event_queue_bytes",
+                "Bytes of event messages waiting in worker queues (bounded by queueBytes)",
+            ),
+            resyncs: counter_vec(
+                r,
+                "kvindexer_resyncs_total",
+                "Publishers resynchronised after messages of theirs were dropped from the queue: a gap fill started, or none possible (unavailable: counted as lost, the publisher marked stale)",
+                &["result"],
             ),
             queue_depth: gauge(
                 r,
                 "kvindexer_event_queue_depth",
                 "Event messages waiting in worker queues",
+            ),
+            models_evicted: counter(
+                r,
+                "kvindexer_models_evicted_total",
+                "Models that gave their place to a new one at maxModels (the unconfigured model holding the fewest blocks)",
             ),
             publishers: gauge_vec(
                 r,
@@ -183,9 +202,27 @@ impl IngestMetrics {
         }
     }
 
-    /// A message was shed before a worker took it.
-    pub fn shed(&self, reason: &'static str) {
-        self.messages_shed.with_label_values(&[reason]).inc();
+    /// `n` queued messages were dropped (their pod past its share, or the queue past its total).
+    pub fn shed_n(&self, reason: &'static str, n: u64) {
+        if n > 0 {
+            self.messages_shed.with_label_values(&[reason]).inc_by(n);
+        }
+    }
+
+    /// Bytes queued now (all workers).
+    pub fn queue_bytes(&self, bytes: usize) {
+        self.queue_bytes
+            .set(i64::try_from(bytes).unwrap_or(i64::MAX));
+    }
+
+    /// A model gave its place to a new one (`maxModels`).
+    pub fn model_evicted(&self) {
+        self.models_evicted.inc();
+    }
+
+    /// A resync after dropped messages: `started` or `unavailable`.
+    pub fn resync(&self, result: &'static str) {
+        self.resyncs.with_label_values(&[result]).inc();
     }
 
     /// A publisher's sequence went backwards.

@@ -93,6 +93,8 @@ impl ScoreService {
                     hash_mismatches: check.mismatches,
                     messages_lost: publisher.messages_lost,
                     gap_fill_failures: publisher.gap_fill_failures,
+                    messages_dropped: publisher.messages_dropped,
+                    stale: publisher.stale,
                     received_by: publisher.received_by.to_string(),
                     state: state as i32,
                     state_since_unix_ms: state_since,

@@ -15,18 +15,24 @@
 //! Forgetting a pod happens here and nowhere else (an admin clear, another replica's clear from
 //! the log, the sweeper's proposal), so it is ordered with the pod's messages and drops the
 //! pod's parked gap fills: a fill that reports after the clear finds nobody waiting.
+//!
+//! A marker of messages dropped from the pod's queue ([`Job::Dropped`]) is a hole too: the
+//! publisher is resynchronised the same way ([`fills`]: the fill tasks, their reports, backoff).
 
 use std::collections::{HashMap, VecDeque};
 use std::ops::Range;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use bytes::Bytes;
 use kv_core::{decode_batch, EventBatch, KeyMode};
 use tokio::sync::mpsc;
 
-use super::gap_fill::{self, GapFillError};
+mod fills;
+
+use super::gap_fill::GapFillError;
+use super::inbox::Inbox;
 use super::lifecycle::{ForgetReason, Link};
 use super::sequence::SeqOutcome;
 use super::shared_log::{LogEntry, Stamp};
@@ -89,7 +95,7 @@ struct Worker<'a> {
 }
 
 /// Runs worker `index` until its queue closes, then settles what is still parked.
-pub(super) async fn run(index: usize, mut rx: mpsc::Receiver<Job>, shared: Arc<Shared>) {
+pub(super) async fn run(index: usize, inbox: Arc<Inbox>, shared: Arc<Shared>) {
     let (reports, mut report_rx) = mpsc::unbounded_channel();
     let mut worker = Worker {
         index,
@@ -102,7 +108,7 @@ pub(super) async fn run(index: usize, mut rx: mpsc::Receiver<Job>, shared: Arc<S
         tokio::select! {
             biased;
             Some(report) = report_rx.recv() => worker.settle(report),
-            job = rx.recv() => match job {
+            job = inbox.next() => match job {
                 Some(Job::Message(message)) => {
                     shared.metrics.ingest.dequeued();
                     worker.handle(message);
@@ -114,6 +120,10 @@ pub(super) async fn run(index: usize, mut rx: mpsc::Receiver<Job>, shared: Arc<S
                 Some(Job::Forget { pod, reason }) => {
                     shared.metrics.ingest.dequeued();
                     worker.forget_if_still(&pod, reason);
+                }
+                Some(Job::Dropped(dropped)) => {
+                    shared.metrics.ingest.dequeued();
+                    worker.resync(dropped);
                 }
                 Some(Job::Pause(gate)) => gate.hold().await,
                 None => break,
@@ -362,139 +372,6 @@ impl Worker<'_> {
         self.apply(&key, message);
     }
 
-    /// Starts a gap-fill task for `wanted`, or says why not (and counts it): no gap-fill
-    /// endpoint, the publisher in backoff, or every slot taken.
-    fn start_fill(
-        &mut self,
-        route: &GapFillRoute,
-        key: &PublisherKey,
-        wanted: Range<u64>,
-        closed_by_log: Arc<AtomicBool>,
-    ) -> Option<u64> {
-        let metrics = &self.shared.metrics.ingest;
-        let Some(endpoint) = route.endpoint(&key.pod, key.rank) else {
-            metrics.gap_fill("unavailable");
-            return None;
-        };
-        let now = Instant::now();
-        if self.state(key, |s| s.backoff_until.is_some_and(|t| now < t)) {
-            metrics.gap_fill("backoff");
-            return None;
-        }
-        let Ok(permit) = self.shared.gap_fill_slots.clone().try_acquire_owned() else {
-            metrics.gap_fill("throttled");
-            return None;
-        };
-        self.next_fill += 1;
-        let fill = self.next_fill;
-        let reports = self.reports.clone();
-        let timeout = self.shared.gap_fill_timeout;
-        let key = key.clone();
-        let grace = if self.shared.log.is_some() {
-            LOG_FILL_GRACE
-        } else {
-            Duration::ZERO
-        };
-        tokio::spawn(async move {
-            if !grace.is_zero() {
-                tokio::time::sleep(grace).await;
-                if closed_by_log.load(Ordering::Relaxed) {
-                    return;
-                }
-            }
-            let started = Instant::now();
-            let result = gap_fill::fetch(&endpoint, wanted.start, timeout).await;
-            drop(permit);
-            let _ = reports.send(FillReport {
-                key,
-                fill,
-                result,
-                elapsed: started.elapsed(),
-            });
-        });
-        Some(fill)
-    }
-
-    /// A gap-fill task reported: apply what it fetched, then what was parked.
-    fn settle(&mut self, report: FillReport) {
-        let metrics = &self.shared.metrics.ingest;
-        let Some(parked) = self.parked.get(&report.key) else {
-            return; // given up earlier
-        };
-        if parked.fill != report.fill {
-            return;
-        }
-        let Some(parked) = self.parked.remove(&report.key) else {
-            return;
-        };
-        let key = report.key;
-        match report.result {
-            Ok(batches) => {
-                metrics.gap_fill("ok");
-                self.state(&key, |s| {
-                    s.gap_fill_failures = 0;
-                    s.backoff_until = None;
-                });
-                let mut applied = 0u64;
-                for (seq, payload) in batches {
-                    if !parked.wanted.contains(&seq) {
-                        continue;
-                    }
-                    match decode_batch(&payload) {
-                        Ok(batch) => {
-                            let message = Pending {
-                                seq,
-                                payload,
-                                batch,
-                                from_log: None,
-                                link: None,
-                            };
-                            self.apply(&key, message);
-                            applied += 1;
-                        }
-                        Err(e) => metrics.decode_error(e.reason()),
-                    }
-                }
-                if self.shared.warn_budget.allow(LineKind::GapFilled) {
-                    tracing::info!(pod = %key.pod, model = %key.model, rank = key.rank, from = parked.wanted.start, to = parked.wanted.end, applied, elapsed = ?report.elapsed, "filled a gap from the publisher's replay buffer");
-                }
-                if parked.count_lost {
-                    let wanted = parked.wanted.end - parked.wanted.start;
-                    self.lost(&key, wanted.saturating_sub(applied));
-                }
-            }
-            Err(e) => {
-                metrics.gap_fill(e.label());
-                let failures = self.back_off(&key);
-                if let Some(suppressed) = self.shared.gap_fill_warn.allow() {
-                    tracing::warn!(pod = %key.pod, model = %key.model, error = %e, failures, suppressed, "gap fill failed; the missed events are lost and this publisher is backed off");
-                }
-                self.lose(&key, &parked);
-            }
-        }
-        self.release(&key, parked.messages);
-    }
-
-    /// Records a failed (or abandoned) gap fill: no fill is asked of `key` for 1 s, doubling
-    /// with each failure in a row up to 60 s. Returns the failures in a row.
-    fn back_off(&self, key: &PublisherKey) -> u32 {
-        self.state(key, |s| {
-            s.gap_fill_failures = s.gap_fill_failures.saturating_add(1);
-            let backoff = BACKOFF_START
-                .saturating_mul(1 << (s.gap_fill_failures - 1).min(6))
-                .min(BACKOFF_MAX);
-            s.backoff_until = Some(Instant::now() + backoff);
-            s.gap_fill_failures
-        })
-    }
-
-    /// Counts a parked hole as lost (when it is a gap).
-    fn lose(&self, key: &PublisherKey, parked: &Parked) {
-        if parked.count_lost {
-            self.lost(key, parked.wanted.end - parked.wanted.start);
-        }
-    }
-
     /// Applies parked messages in order; a new hole among them is counted, not filled.
     fn release(&mut self, key: &PublisherKey, messages: VecDeque<Pending>) {
         for message in messages {
@@ -513,13 +390,21 @@ impl Worker<'_> {
         if self.shared.warn_budget.allow(LineKind::Restart) {
             tracing::warn!(pod = %key.pod, model = %key.model, rank = key.rank, last_seq = ?last, seq, removed, "{why}");
         }
-        self.state(key, |s| s.restarts += 1);
+        self.state(key, |s| {
+            s.restarts += 1;
+            s.stale = false;
+        });
     }
 
+    /// Counts `n` messages of `key` as lost for good: its blocks may be short or stale until
+    /// its engine clears them (a restart), so the publisher is marked stale in ListPods.
     fn lost(&self, key: &PublisherKey, n: u64) {
         if n > 0 {
             self.shared.metrics.ingest.lost(&key.pod, n);
-            self.state(key, |s| s.messages_lost += n);
+            self.state(key, |s| {
+                s.messages_lost += n;
+                s.stale = true;
+            });
         }
     }
 
@@ -572,6 +457,11 @@ impl Worker<'_> {
                 return;
             }
         };
+        if let Some(evicted) = &report.evicted_model {
+            shared.metrics.ingest.model_evicted();
+            shared.publishers.forget_model(evicted);
+            tracing::warn!(model = %evicted, admitted = %key.model, "maxModels reached: the model holding the fewest blocks gave its place (its blocks dropped, its publishers start afresh); name real models in the config to keep them, or set allowedModels");
+        }
         shared.metrics.ingest.applied(&key.pod, &key.model, &report);
         shared.metrics.index.applied(&report);
         shared.metrics.translation.applied(&key.model, &report);
