@@ -31,10 +31,13 @@ sleep 0.5
 config() { # name zmq grpc metrics replication(true|false) prefix
   cat >"$work/$1.yaml" <<YAML
 indexerConfig: {tokenProcessorConfig: {blockSize: 16}}
-kvEventsConfig: {zmqEndpoint: "tcp://127.0.0.1:$2", queueDepth: 8192}
+kvEventsConfig: {zmqEndpoint: "tcp://127.0.0.1:$2"}
 server: {grpcAddr: "127.0.0.1:$3", metricsAddr: "127.0.0.1:$4"}
-replication: {enabled: $5, redisUrl: "redis://127.0.0.1:6390", keyPrefix: "$6", replicaId: "$1", snapshotInterval: 30s}
 YAML
+  # Replication settings without enabled: true are refused: written only when it is on.
+  if [ "$5" = true ]; then
+    echo "replication: {enabled: true, redisUrl: \"redis://127.0.0.1:6390\", keyPrefix: \"$6\", replicaId: \"$1\", snapshotInterval: 30s}" >>"$work/$1.yaml"
+  fi
 }
 start() { # name [pin...]
   local name=$1; shift

@@ -126,6 +126,9 @@ async fn listen(what: &'static str, addr: &str) -> Result<TcpListener, DaemonErr
 /// Starts everything `config` describes; returns once all sockets are bound.
 pub async fn start(config: Config) -> Result<RunningDaemon, DaemonError> {
     config.validate()?;
+    for w in config.warnings() {
+        tracing::warn!(field = %w.field, "a setting that does nothing: {}", w.message);
+    }
     let indexer = Arc::new(Indexer::new(config.indexer_settings())?);
     if let Some(bound) = indexer.settings().index.pod_cache_size {
         tracing::warn!(

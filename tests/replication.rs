@@ -573,7 +573,7 @@ fn write_process_config(
     let path = dir.join(format!("{name}.yaml"));
     let text = format!(
         "indexerConfig:\n  tokenProcessorConfig: {{blockSize: {BLOCK}, hashSeed: \"{SEED}\"}}\n\
-         kvEventsConfig: {{zmqEndpoint: \"tcp://127.0.0.1:{}\", concurrency: 2, queueDepth: 8192}}\n\
+         kvEventsConfig: {{zmqEndpoint: \"tcp://127.0.0.1:{}\", concurrency: 2}}\n\
          server: {{grpcAddr: \"127.0.0.1:{}\", metricsAddr: \"127.0.0.1:{}\"}}\n\
          replication: {{enabled: true, redisUrl: \"{redis}\", keyPrefix: kill, replicaId: {name}, snapshotInterval: 1s}}\n",
         ports.0, ports.1, ports.2

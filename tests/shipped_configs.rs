@@ -17,6 +17,55 @@ fn the_commented_example_is_exactly_the_defaults() {
 }
 
 #[test]
+fn the_shipped_configs_set_nothing_that_does_nothing() {
+    for name in ["kv-indexer.yaml", "llm-d-example.yaml"] {
+        assert_eq!(load(name).warnings(), Vec::new(), "{name}");
+    }
+}
+
+#[test]
+fn check_config_names_a_setting_that_does_nothing_and_refuses_replication_half_set() {
+    let bin = env!("CARGO_BIN_EXE_kv-indexer");
+    let dir = std::env::temp_dir().join(format!("kvi-loud-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("tmp");
+    let inert = dir.join("inert.yaml");
+    std::fs::write(
+        &inert,
+        "server: {adminToken: \"0123456789abcdef-secret\"}\nkvEventsConfig: {queueDepth: 1024}\n",
+    )
+    .expect("write");
+    let out = std::process::Command::new(bin)
+        .args(["check-config", "--config"])
+        .arg(&inert)
+        .output()
+        .expect("runs");
+    assert!(out.status.success(), "inert settings are warnings");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("warning: server.adminToken"), "{err}");
+    assert!(err.contains("warning: kvEventsConfig.queueDepth"), "{err}");
+    assert!(!err.contains("0123456789abcdef-secret"), "{err}");
+    let half = dir.join("half.yaml");
+    std::fs::write(
+        &half,
+        "replication: {redisUrl: \"redis://:pw-secret@r:6379\"}\n",
+    )
+    .expect("write");
+    let out = std::process::Command::new(bin)
+        .args(["check-config", "--config"])
+        .arg(&half)
+        .output()
+        .expect("runs");
+    assert!(!out.status.success(), "replication half set is an error");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("replication.enabled") && err.contains("replication.redisUrl"),
+        "{err}"
+    );
+    assert!(!err.contains("pw-secret"), "{err}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
 fn the_llm_d_example_is_accepted() {
     let c = load("llm-d-example.yaml");
     assert_eq!(

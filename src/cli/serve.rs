@@ -92,6 +92,13 @@ pub fn serve(args: ServeArgs) -> anyhow::Result<()> {
 pub fn check_config(args: ServeArgs) -> anyhow::Result<()> {
     let config = effective_config(&args)?;
     print!("{}", config.redacted().to_yaml());
-    eprintln!("configuration is valid");
+    let warnings = config.warnings();
+    for w in &warnings {
+        eprintln!("warning: {w}");
+    }
+    match warnings.len() {
+        0 => eprintln!("configuration is valid"),
+        n => eprintln!("configuration is valid, with {n} warning(s): settings that do nothing"),
+    }
     Ok(())
 }

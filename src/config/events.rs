@@ -43,9 +43,18 @@ pub struct KvEventsConfig {
     /// Gap-fill requests in flight at most, across all publishers; a gap beyond is counted as
     /// lost at once (`kvindexer_replays_total{result="throttled"}`).
     pub max_gap_fills_in_flight: usize,
-    /// Messages queued per worker; beyond, a message is shed (counted) rather than making the
-    /// receiver wait, so one slow publisher never holds back the others.
-    pub queue_depth: usize,
+    /// Bytes of event messages queued for the workers, all pods together. The receiver never
+    /// waits: past this, the pod queueing the most loses its queued messages (counted, and its
+    /// publisher resynchronised), never a pod within its share.
+    pub queue_bytes: usize,
+    /// Bytes one pod may have queued beside its newest message; past this, its older queued
+    /// messages are dropped (counted) and its publisher resynchronised. Pods are served in
+    /// turn, so a pod with a long queue does not delay the others.
+    pub queue_bytes_per_pod: usize,
+    /// Replaced by `queueBytes` and `queueBytesPerPod` (a count of messages let a burst of
+    /// many small ones be shed); accepted with a warning, and ignored.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub queue_depth: Option<usize>,
     /// Connect mode: pods that bind their PUB socket, dialled by every kv-indexer replica.
     pub endpoints: Vec<ConnectEndpoint>,
     /// Connect mode by DNS: the pods behind headless Service names, re-resolved every
@@ -75,7 +84,9 @@ impl Default for KvEventsConfig {
             replay_endpoint_template: String::new(),
             replay_timeout_ms: 2_000,
             max_gap_fills_in_flight: 16,
-            queue_depth: 1024,
+            queue_bytes: 256 << 20,
+            queue_bytes_per_pod: 8 << 20,
+            queue_depth: None,
             endpoints: Vec::new(),
             discovery: DiscoveryConfig::default(),
             allowed_models: Vec::new(),

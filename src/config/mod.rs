@@ -9,6 +9,7 @@
 
 mod duration;
 mod events;
+mod loud;
 mod settings;
 mod validate;
 
@@ -17,6 +18,7 @@ pub use events::{
     nameserver_address, ConnectEndpoint, DiscoveredService, DiscoveryConfig, KvEventsConfig,
     MAX_POD_LEN,
 };
+pub use loud::ConfigWarning;
 
 use std::collections::BTreeMap;
 use std::path::Path;

@@ -181,3 +181,77 @@ fn per_model_settings_inherit_the_defaults() {
         ExtraKeysFormat::Untagged
     );
 }
+
+#[test]
+fn replication_settings_without_enabled_are_an_error_naming_them() {
+    let c = Config::from_yaml(
+        "replication: {redisUrl: \"redis://r:6379\", keyPrefix: shared}\n",
+        "f",
+    )
+    .expect("parses");
+    let e = c
+        .validate()
+        .expect_err("three replicas would keep three partial views");
+    let text = e.to_string();
+    assert!(text.contains("replication.enabled"), "{text}");
+    assert!(
+        text.contains("replication.redisUrl, replication.keyPrefix"),
+        "{text}"
+    );
+    // The same through the environment (a Secret mounted without enabling replication).
+    let mut c = Config::default();
+    c.apply_env(|k| (k == "KVINDEXER_REDIS_URL").then(|| "redis://r:6379".to_owned()));
+    assert!(c.validate().is_err());
+    let mut on = c.clone();
+    on.replication.enabled = true;
+    on.validate().expect("with enabled: true it is replication");
+}
+
+#[test]
+fn settings_that_do_nothing_are_warned_about_by_field() {
+    assert!(Config::default().warnings().is_empty());
+    let cases: &[(&str, &str)] = &[
+        (
+            "kvEventsConfig: {queueDepth: 1024}",
+            "kvEventsConfig.queueDepth",
+        ),
+        (
+            "kvEventsConfig: {zmqEndpoint: \"\", replayEndpointTemplate: \"tcp://{ip}:5558\"}",
+            "kvEventsConfig.replayEndpointTemplate",
+        ),
+        (
+            "kvEventsConfig: {discovery: {nameservers: [\"10.0.0.10\"]}}",
+            "kvEventsConfig.discovery.nameservers",
+        ),
+        (
+            "server: {adminToken: \"0123456789abcdef\"}",
+            "server.adminToken",
+        ),
+        ("scoring: {speculativeTtl: 5s}", "scoring.speculativeTtl"),
+        (
+            "indexerConfig: {kvBlockIndexConfig: {enableMetrics: false}}",
+            "indexerConfig.kvBlockIndexConfig.enableMetrics",
+        ),
+        (
+            "indexerConfig: {tokenizersPoolConfig: {offline: true, huggingFaceToken: hf_x}}",
+            "indexerConfig.tokenizersPoolConfig.huggingFaceToken",
+        ),
+        (
+            "kvEventsConfig: {allowedModels: [a]}\nmodels: {b: {}}",
+            "models.b",
+        ),
+    ];
+    for (yaml, field) in cases {
+        let c = Config::from_yaml(yaml, "f").unwrap_or_else(|e| panic!("{yaml}: {e}"));
+        c.validate().unwrap_or_else(|e| panic!("{yaml}: {e}"));
+        let warnings = c.warnings();
+        assert!(
+            warnings.iter().any(|w| w.field == *field),
+            "{yaml}: {warnings:?}"
+        );
+        assert!(
+            !warnings.iter().any(|w| w.message.contains("hf_x")),
+            "a secret is never in a warning"
+        );
+    }
+}

@@ -67,8 +67,20 @@ impl Config {
                 "must be between 1 and 4096",
             ));
         }
-        if ev.queue_depth == 0 {
-            return Err(invalid("kvEventsConfig.queueDepth", "must be at least 1"));
+        if ev.queue_bytes_per_pod < 64 << 10 {
+            return Err(invalid(
+                "kvEventsConfig.queueBytesPerPod",
+                "must be at least 65536 (64 KiB)",
+            ));
+        }
+        if ev.queue_bytes < ev.queue_bytes_per_pod {
+            return Err(invalid(
+                "kvEventsConfig.queueBytes",
+                format!(
+                    "must be at least queueBytesPerPod ({})",
+                    ev.queue_bytes_per_pod
+                ),
+            ));
         }
         if !ev.zmq_endpoint.is_empty() {
             check_tcp_endpoint("kvEventsConfig.zmqEndpoint", &ev.zmq_endpoint)?;
@@ -272,7 +284,7 @@ impl Config {
     fn validate_replication(&self) -> Result<(), ConfigError> {
         let r = &self.replication;
         if !r.enabled {
-            return Ok(());
+            return self.check_disabled_replication();
         }
         if !(r.redis_url.starts_with("redis://") || r.redis_url.starts_with("rediss://")) {
             return Err(invalid(
