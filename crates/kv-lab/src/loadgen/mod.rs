@@ -25,10 +25,13 @@ use bytes::Bytes;
 use clap::Args;
 use thiserror::Error;
 
+mod agree;
+mod churn;
 mod report;
 
+pub use agree::AgreementReport;
 use report::metric_sum;
-pub use report::{LoadgenReport, ReplicaReport, ScorePhase, SoakReport, SoakSample};
+pub use report::{ChurnReport, LoadgenReport, ReplicaReport, ScorePhase, SoakReport, SoakSample};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use zeromq::{PubSocket, Socket, SocketSend, ZmqMessage};
 
@@ -155,6 +158,14 @@ pub struct LoadgenArgs {
     /// daemon translates them from their token ids. 0: every pod aligned.
     #[arg(long, default_value_t = 0.0)]
     pub translated_share: f64,
+    /// Pods joining (each on a PUB socket of its own, storing one prompt) and leaving a second
+    /// later, per second, beside the steady pods: a soak of a churning fleet (0: none).
+    #[arg(long, default_value_t = 0)]
+    pub churn: u32,
+    /// Other replicas' gRPC addresses (repeatable): after the load, wait (up to 120 s) until
+    /// each holds what the daemon under load holds, per (model, pod, rank), and report it.
+    #[arg(long = "agree-with")]
+    pub agree_with: Vec<String>,
 }
 
 /// A prepared prompt: tokens, block hashes, and its payloads.
@@ -489,6 +500,8 @@ async fn run_async(args: LoadgenArgs) -> Result<LoadgenReport, LoadgenError> {
         score_under_load: None,
         soak: None,
         replicas: Vec::new(),
+        churn: None,
+        agreement: Vec::new(),
     };
     if args.duration == 0 {
         // Warm-up only: every pod holds its first prompt (what --dump-request describes).
@@ -539,6 +552,18 @@ async fn run_async(args: LoadgenArgs) -> Result<LoadgenReport, LoadgenError> {
             Ok::<_, LoadgenError>(())
         })
     };
+    let churn_counters = Arc::new(churn::ChurnCounters::default());
+    let churning = (args.churn > 0).then(|| {
+        let run = churn::run(
+            args.zmq_endpoint.clone(),
+            args.model.clone(),
+            args.churn,
+            docs.clone(),
+            stop.clone(),
+            churn_counters.clone(),
+        );
+        tokio::spawn(run)
+    });
     let started = Instant::now();
     let (loaded, loaded_matched, samples) = if args.soak_sample > 0 {
         let scoring = {
@@ -568,6 +593,12 @@ async fn run_async(args: LoadgenArgs) -> Result<LoadgenReport, LoadgenError> {
     publish
         .await
         .map_err(|e| LoadgenError::Task(e.to_string()))??;
+    if let Some(churning) = churning {
+        churning
+            .await
+            .map_err(|e| LoadgenError::Task(e.to_string()))??;
+        report.churn = Some(ChurnReport::of(&churn_counters, elapsed));
+    }
 
     let delta = |name: &str| metric_sum(&after, name) - metric_sum(&before, name);
     report.duration_s = elapsed;
@@ -586,6 +617,11 @@ async fn run_async(args: LoadgenArgs) -> Result<LoadgenReport, LoadgenError> {
         report
             .replicas
             .push(follow_replica(addr, before, applied, started).await?);
+    }
+    for there in &args.agree_with {
+        let within = Duration::from_secs(120);
+        let compared = agree::compare(&args.grpc, there, within).await?;
+        report.agreement.push(compared);
     }
     Ok(report)
 }

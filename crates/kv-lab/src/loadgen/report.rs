@@ -84,6 +84,35 @@ pub struct LoadgenReport {
     /// `--replica-metrics`: how the other replicas followed.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub replicas: Vec<ReplicaReport>,
+    /// `--churn`: the pods that came and went.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub churn: Option<ChurnReport>,
+    /// `--agree-with`: whether the other replicas hold what this one holds.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub agreement: Vec<super::AgreementReport>,
+}
+
+/// `--churn`: what the churning pods did.
+#[derive(Debug, Clone, Serialize)]
+pub struct ChurnReport {
+    /// Pods that joined (and left).
+    pub joined: u64,
+    /// Pods joining per second, measured.
+    pub joined_per_s: f64,
+    /// Blocks they sent.
+    pub blocks_sent: u64,
+}
+
+impl ChurnReport {
+    pub(super) fn of(counters: &super::churn::ChurnCounters, seconds: f64) -> Self {
+        use std::sync::atomic::Ordering;
+        let joined = counters.joined.load(Ordering::Relaxed);
+        Self {
+            joined,
+            joined_per_s: joined as f64 / seconds.max(1e-9),
+            blocks_sent: counters.blocks.load(Ordering::Relaxed),
+        }
+    }
 }
 
 /// How another replica of a replicated deployment followed the load (through the log).
@@ -207,7 +236,29 @@ impl LoadgenReport {
                 )
             })
             .collect();
-        self.to_text_without_soak() + &soak + &replicas
+        let churn = self.churn.as_ref().map_or(String::new(), |c| {
+            format!(
+                "\nchurn: {} pods joined and left ({:.1}/s), {} blocks stored by them",
+                c.joined, c.joined_per_s, c.blocks_sent
+            )
+        });
+        let agreement: String = self
+            .agreement
+            .iter()
+            .map(|a| {
+                format!(
+                    "\nreplica {}: {} ({} publishers, {} memberships here; {} differ{}) after {:.1}s",
+                    a.replica,
+                    if a.agree { "agrees" } else { "DISAGREES" },
+                    a.publishers,
+                    a.memberships,
+                    a.differing,
+                    a.example.as_ref().map_or(String::new(), |e| format!(", e.g. {e}")),
+                    a.waited_s
+                )
+            })
+            .collect();
+        self.to_text_without_soak() + &soak + &replicas + &churn + &agreement
     }
 
     fn to_text_without_soak(&self) -> String {

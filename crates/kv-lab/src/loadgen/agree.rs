@@ -1,0 +1,100 @@
+//! `--agree-with URL`: after the load, whether other replicas hold what the daemon under load
+//! holds. Each replica's `ListPods` becomes a map (model, pod, rank) -> memberships (entries
+//! holding none left out); the maps must become equal within a deadline (the log's last
+//! entries, and forgetting idle pods, take a moment to reach every replica).
+
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+use kv_proto::kvindexer_v1::{kv_indexer_client::KvIndexerClient, ListPodsRequest};
+use serde::Serialize;
+
+use super::LoadgenError;
+
+/// How one replica compared with the daemon under load.
+#[derive(Debug, Clone, Serialize)]
+pub struct AgreementReport {
+    /// The other replica's gRPC address.
+    pub replica: String,
+    /// Whether both held the same memberships per (model, pod, rank) before the deadline.
+    pub agree: bool,
+    /// Publishers holding blocks on the daemon under load (at the last comparison).
+    pub publishers: usize,
+    /// Memberships on the daemon under load (at the last comparison).
+    pub memberships: u64,
+    /// Publishers whose memberships differ (0 when they agree).
+    pub differing: usize,
+    /// One difference, for the log: `model pod rank: here vs there`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub example: Option<String>,
+    /// Seconds after the load until they agreed (or the deadline).
+    pub waited_s: f64,
+}
+
+type Holdings = BTreeMap<(String, String, u32), u64>;
+
+async fn holdings(url: &str) -> Result<Holdings, LoadgenError> {
+    let grpc_error = |source| LoadgenError::Grpc {
+        endpoint: url.to_owned(),
+        source,
+    };
+    let channel = tonic::transport::Endpoint::from_shared(url.to_owned())
+        .map_err(grpc_error)?
+        .connect()
+        .await
+        .map_err(grpc_error)?;
+    let pods = KvIndexerClient::new(channel)
+        .max_decoding_message_size(256 << 20)
+        .list_pods(ListPodsRequest {
+            model: String::new(),
+        })
+        .await
+        .map_err(LoadgenError::Score)?
+        .into_inner()
+        .pods;
+    Ok(pods
+        .into_iter()
+        .filter(|p| p.blocks > 0)
+        .map(|p| ((p.model, p.pod, p.data_parallel_rank), p.blocks))
+        .collect())
+}
+
+/// Compares `here` (the daemon under load) with `there` until they agree or `within` passes.
+pub(super) async fn compare(
+    here: &str,
+    there: &str,
+    within: Duration,
+) -> Result<AgreementReport, LoadgenError> {
+    let started = Instant::now();
+    loop {
+        let (a, b) = (holdings(here).await?, holdings(there).await?);
+        let mut differing = a.iter().filter(|(k, v)| b.get(*k) != Some(v)).count();
+        differing += b.keys().filter(|k| !a.contains_key(*k)).count();
+        if differing == 0 || started.elapsed() >= within {
+            let example = a
+                .iter()
+                .find(|(k, v)| b.get(*k) != Some(v))
+                .map(|((m, p, r), v)| {
+                    format!(
+                        "{m} {p} {r}: {v} vs {:?}",
+                        b.get(&(m.clone(), p.clone(), *r))
+                    )
+                })
+                .or_else(|| {
+                    b.iter()
+                        .find(|(k, _)| !a.contains_key(*k))
+                        .map(|((m, p, r), v)| format!("{m} {p} {r}: none vs {v}"))
+                });
+            return Ok(AgreementReport {
+                replica: there.to_owned(),
+                agree: differing == 0,
+                publishers: a.len(),
+                memberships: a.values().sum(),
+                differing,
+                example,
+                waited_s: started.elapsed().as_secs_f64(),
+            });
+        }
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    }
+}
