@@ -1067,6 +1067,95 @@ async fn a_replica_cut_off_past_the_trimmed_log_reloads_from_the_snapshot() {
     b.shutdown().await;
 }
 
+/// Each snapshot trims the log behind the one before, however many entries that is: an
+/// approximate trim removed at most 10,000 a call, so past 10,000 entries per interval the log
+/// (and Redis) grew without end under load.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_snapshot_trims_the_whole_log_behind_the_one_before() {
+    let _serial = SERIAL.lock().await;
+    let Some(redis) = RedisServer::start("trim_all") else {
+        return;
+    };
+    let mut config = replica_config(&redis.url(), "trim", "a");
+    config.replication.snapshot_interval = ConfigDuration::secs(3);
+    let a = daemon::start(config).await.expect("a starts");
+    let mut p = Publisher::connect(&a.zmq_endpoint.clone().expect("bind"), "10.7.0.1:8000").await;
+    p.warm_up(&prompt(7, 0), &[&a]).await;
+    // 25,000 messages (log entries) within about one snapshot interval.
+    let one = payload(vec![stored(&[BlockHash::new(7)], None, vec![1; BLOCK])]);
+    for n in 0..25_000 {
+        p.send(&one).await;
+        // A PUB drops what its peer's pipe cannot take: paced.
+        if n % 100 == 99 {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    }
+    let client = redis::Client::open(redis.url()).expect("url");
+    let mut conn = client
+        .get_multiplexed_async_connection()
+        .await
+        .expect("redis");
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let appended = |d: &RunningDaemon| {
+        support::metric(&d.metrics_text(), "kvindexer_replication_appended_total")
+    };
+    // Until the appends stop growing; more than an approximate trim's 10,000 must be there.
+    let mut seen = -1.0;
+    while appended(&a) != seen {
+        assert!(Instant::now() < deadline, "a never stopped appending");
+        seen = appended(&a);
+        tokio::time::sleep(Duration::from_millis(1_000)).await;
+    }
+    assert!(seen > 15_000.0, "only {seen} entries appended");
+    let newest: Vec<(String, redis::Value)> = redis::cmd("XREVRANGE")
+        .arg("trim:log")
+        .arg("+")
+        .arg("-")
+        .arg("COUNT")
+        .arg(1)
+        .query_async(&mut conn)
+        .await
+        .expect("XREVRANGE");
+    let newest = newest.first().map(|(id, _)| id.clone()).expect("entries");
+    // Two snapshots at (or after) the last entry: the second trims behind the first.
+    let last_len: u64 = loop {
+        let meta: Option<String> = redis::cmd("GET")
+            .arg("trim:snapshot")
+            .query_async(&mut conn)
+            .await
+            .expect("GET");
+        let previous = meta
+            .and_then(|m| serde_json::from_str::<serde_json::Value>(&m).ok())
+            .and_then(|m| m["previous_position"].as_str().map(str::to_owned))
+            .unwrap_or_default();
+        let id = |s: &str| {
+            let (ms, seq) = s.split_once('-').unwrap_or((s, "0"));
+            (
+                ms.parse::<u64>().unwrap_or(0),
+                seq.parse::<u64>().unwrap_or(0),
+            )
+        };
+        if id(&previous) >= id(&newest) {
+            break redis::cmd("XLEN")
+                .arg("trim:log")
+                .query_async(&mut conn)
+                .await
+                .expect("XLEN");
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no second snapshot after the load (newest entry {newest}, snapshot's previous position {previous})"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    // MINID keeps the entry at the position itself.
+    assert!(
+        last_len <= 1,
+        "{last_len} entries left: every entry behind the previous snapshot is trimmed"
+    );
+    a.shutdown().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_routing_recorded_on_one_replica_scores_on_the_others() {
     use kv_proto::kvindexer_v1::{RecordRoutingRequest, TokenIds};
