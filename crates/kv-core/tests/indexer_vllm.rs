@@ -380,7 +380,10 @@ fn size_bounds_all_models_together_and_models_are_bounded() {
         .apply_batch("m8", "10.0.0.1:8000", &batch(8, 1))
         .expect("a new model is admitted");
     let least = report.evicted_model.expect("a model gave its place");
-    assert_eq!(before[&least], fewest, "{least} held the fewest ({before:?})");
+    assert_eq!(
+        before[&least], fewest,
+        "{least} held the fewest ({before:?})"
+    );
     assert!(indexer.model(&least).is_none(), "{least} gave its place");
     assert_eq!(indexer.models().len(), 8);
     assert_eq!(indexer.models_evicted(), 1);
