@@ -40,6 +40,10 @@ impl Config {
                 r.snapshot_interval != d.snapshot_interval,
             ),
             ("appendQueue", r.append_queue != d.append_queue),
+            (
+                "appendQueueBytes",
+                r.append_queue_bytes != d.append_queue_bytes,
+            ),
             ("maxLogLength", r.max_log_length != d.max_log_length),
             ("startupTimeout", r.startup_timeout != d.startup_timeout),
         ]

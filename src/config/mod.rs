@@ -102,6 +102,9 @@ pub struct ReplicationConfig {
     /// Messages waiting to be appended while Redis is slow or down; beyond, appends are
     /// dropped and counted (`kvindexer_replication_append_dropped_total`).
     pub append_queue: usize,
+    /// Bytes those messages may hold together (large payloads must not multiply memory while
+    /// Redis is down); beyond, appends are dropped and counted the same way.
+    pub append_queue_bytes: usize,
     /// The log's length cap (approximate, entries): a safety net should snapshots stop; a
     /// replica that falls further behind reloads from the snapshot.
     pub max_log_length: u64,
@@ -119,6 +122,7 @@ impl Default for ReplicationConfig {
             replica_id: String::new(),
             snapshot_interval: ConfigDuration::secs(30),
             append_queue: 65_536,
+            append_queue_bytes: 512 << 20,
             max_log_length: 2_000_000,
             startup_timeout: ConfigDuration::secs(10),
         }

@@ -321,6 +321,12 @@ impl Config {
         if r.append_queue == 0 {
             return Err(invalid("replication.appendQueue", "must be at least 1"));
         }
+        if r.append_queue_bytes < 1 << 20 {
+            return Err(invalid(
+                "replication.appendQueueBytes",
+                "must be at least 1048576 (1 MiB)",
+            ));
+        }
         if r.max_log_length < 1_000 {
             return Err(invalid("replication.maxLogLength", "must be at least 1000"));
         }

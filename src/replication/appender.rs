@@ -1,13 +1,15 @@
 //! The appender: drains the append queue into the log, a pipelined batch per round trip.
 //! While Redis fails it keeps its batch, backs off (100 ms doubling to 5 s) and reconnects;
-//! the queue meanwhile fills up to `appendQueue`, beyond which the workers' appends are
-//! dropped and counted (they never wait).
+//! the queue meanwhile fills up to `appendQueue` entries or `appendQueueBytes`, beyond which the
+//! workers' appends are dropped and counted (they never wait).
 
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::sync::mpsc;
 
-use super::{store, Replication, BACKOFF_MAX, BACKOFF_START};
+use super::{queued_bytes, store, Replication, BACKOFF_MAX, BACKOFF_START};
 use crate::ingest::LogEntry;
 use crate::warn_budget::WarnThrottle;
 
@@ -16,7 +18,16 @@ const BATCH: usize = 512;
 /// Attempts to flush what is left once the queue has closed (shutdown).
 const FINAL_ATTEMPTS: u32 = 3;
 
-pub(super) async fn run(rep: Replication, mut rx: mpsc::Receiver<LogEntry>) {
+pub(super) async fn run(
+    rep: Replication,
+    mut rx: mpsc::Receiver<LogEntry>,
+    queued: Arc<AtomicUsize>,
+) {
+    // An entry leaves the queue's byte count when the appender takes it.
+    let taken = |entry: LogEntry| {
+        queued.fetch_sub(queued_bytes(&entry), Ordering::Relaxed);
+        entry
+    };
     let inner = &rep.inner;
     let metrics = &inner.metrics.replication;
     let warn = WarnThrottle::default();
@@ -32,13 +43,13 @@ pub(super) async fn run(rep: Replication, mut rx: mpsc::Receiver<LogEntry>) {
                 break;
             }
             match rx.recv().await {
-                Some(entry) => batch.push(entry),
+                Some(entry) => batch.push(taken(entry)),
                 None => break,
             }
         }
         while !closed && batch.len() < BATCH {
             match rx.try_recv() {
-                Ok(entry) => batch.push(entry),
+                Ok(entry) => batch.push(taken(entry)),
                 Err(mpsc::error::TryRecvError::Empty) => break,
                 Err(mpsc::error::TryRecvError::Disconnected) => closed = true,
             }

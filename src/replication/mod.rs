@@ -33,7 +33,7 @@ pub mod snapshot;
 mod store;
 
 use std::fmt;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -94,16 +94,41 @@ impl fmt::Display for StreamId {
 pub struct LogSink {
     tx: mpsc::Sender<LogEntry>,
     metrics: Arc<Metrics>,
+    /// Bytes queued (what [`queued_bytes`] charges), given back by the appender.
+    queued: Arc<AtomicUsize>,
+    /// `appendQueueBytes`.
+    limit: usize,
+}
+
+/// What an entry costs in the append queue: its payload and a fixed part (names, stamp).
+fn queued_bytes(entry: &LogEntry) -> usize {
+    const ENTRY_OVERHEAD: usize = 128;
+    match entry {
+        LogEntry::Message { payload, .. } => ENTRY_OVERHEAD + payload.len(),
+        LogEntry::Speculate { hashes, .. } => ENTRY_OVERHEAD + 8 * hashes.len(),
+        LogEntry::ClearPod { .. } => ENTRY_OVERHEAD,
+    }
 }
 
 impl SharedLog for LogSink {
-    /// Queues `entry` for the log; when the queue is full (Redis slow or down) it is dropped
-    /// and counted.
+    /// Queues `entry` for the log; when the queue is full (`appendQueue` entries or
+    /// `appendQueueBytes`, Redis slow or down) it is dropped and counted.
     fn append(&self, entry: LogEntry) {
+        let bytes = queued_bytes(&entry);
+        if self.queued.fetch_add(bytes, Ordering::Relaxed) + bytes > self.limit {
+            self.queued.fetch_sub(bytes, Ordering::Relaxed);
+            self.metrics.replication.append_dropped();
+            return;
+        }
         match self.tx.try_send(entry) {
             Ok(()) => {}
-            Err(mpsc::error::TrySendError::Full(_)) => self.metrics.replication.append_dropped(),
-            Err(mpsc::error::TrySendError::Closed(_)) => {}
+            Err(mpsc::error::TrySendError::Full(_)) => {
+                self.queued.fetch_sub(bytes, Ordering::Relaxed);
+                self.metrics.replication.append_dropped();
+            }
+            Err(mpsc::error::TrySendError::Closed(_)) => {
+                self.queued.fetch_sub(bytes, Ordering::Relaxed);
+            }
         }
     }
 }
@@ -289,11 +314,14 @@ impl Replication {
     /// Starts the appender; returns the workers' side of its queue.
     pub fn start_appender(&self) -> (LogSink, JoinHandle<()>) {
         let (tx, rx) = mpsc::channel(self.inner.config.append_queue);
+        let queued = Arc::new(AtomicUsize::new(0));
         let sink = LogSink {
             tx,
             metrics: self.inner.metrics.clone(),
+            queued: queued.clone(),
+            limit: self.inner.config.append_queue_bytes,
         };
-        let task = tokio::spawn(appender::run(self.clone(), rx));
+        let task = tokio::spawn(appender::run(self.clone(), rx, queued));
         (sink, task)
     }
 
@@ -343,7 +371,61 @@ fn host_name() -> String {
 
 #[cfg(test)]
 mod tests {
-    use super::StreamId;
+    use super::{queued_bytes, LogSink, StreamId};
+    use crate::ingest::{LogEntry, SharedLog};
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Arc;
+
+    fn message(bytes: usize) -> LogEntry {
+        LogEntry::Message {
+            pod: "p".into(),
+            model: "m".into(),
+            seq: 0,
+            stamp: None,
+            payload: bytes::Bytes::from(vec![0u8; bytes]),
+        }
+    }
+
+    /// While Redis is down the append queue is bounded by bytes too: a few large payloads
+    /// cannot multiply memory (65,536 entries of 1 MB would be 64 GB).
+    #[test]
+    fn the_append_queue_is_bounded_by_bytes() {
+        let (tx, mut rx) = tokio::sync::mpsc::channel(65_536);
+        let metrics = crate::metrics::Metrics::new();
+        let queued = Arc::new(AtomicUsize::new(0));
+        let sink = LogSink {
+            tx,
+            metrics: metrics.clone(),
+            queued: queued.clone(),
+            limit: 4 << 20,
+        };
+        for _ in 0..10 {
+            sink.append(message(1 << 20));
+        }
+        assert!(queued.load(Ordering::Relaxed) <= 4 << 20);
+        let mut kept = 0;
+        while let Ok(entry) = rx.try_recv() {
+            queued.fetch_sub(queued_bytes(&entry), Ordering::Relaxed);
+            kept += 1;
+        }
+        assert_eq!(
+            kept, 3,
+            "three 1 MiB payloads (and their overhead) fit in 4 MiB"
+        );
+        assert_eq!(queued.load(Ordering::Relaxed), 0);
+        let indexer = kv_core::Indexer::new(Default::default()).expect("indexer");
+        let page = metrics.render(&indexer);
+        assert!(
+            page.contains("kvindexer_replication_append_dropped_total 7"),
+            "the other seven are dropped and counted"
+        );
+        sink.append(message(1 << 20));
+        assert_eq!(
+            rx.try_recv().map(|_| ()).ok(),
+            Some(()),
+            "room again once taken"
+        );
+    }
 
     #[test]
     fn stream_ids_parse_print_and_order_numerically() {
