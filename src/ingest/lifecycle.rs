@@ -294,13 +294,13 @@ pub(super) async fn sweep(
         let mut proposals = Vec::new();
         shared
             .publishers
-            .each_presence(&settings, &shared.links, |pod, presence, last| {
+            .each_presence(&settings, &shared.links, |pod, presence, last, linked| {
                 counts[match presence {
                     Presence::Live => 0,
                     Presence::Idle(_) => 1,
                     Presence::Gone(_) => 2,
                 }] += 1;
-                if let Some(reason) = settings.verdict(presence, last) {
+                if let Some(reason) = shared.verdict(presence, last, linked) {
                     proposals.push((pod.clone(), reason));
                 }
             });

@@ -185,7 +185,7 @@ impl Pods {
     ) -> std::collections::HashMap<Arc<str>, (lifecycle::Presence, std::time::Instant)> {
         let mut out = std::collections::HashMap::new();
         self.publishers
-            .each_presence(&self.lifecycle, &self.links, |pod, presence, last| {
+            .each_presence(&self.lifecycle, &self.links, |pod, presence, last, _| {
                 out.insert(pod.clone(), (presence, last));
             });
         out
@@ -407,6 +407,27 @@ impl Feeder {
         Some(Paused { _resume: resume })
     }
 
+    /// The follower stopped reading the log at its end (Redis down, or it fell behind): pods
+    /// heard only through the log are not judged idle meanwhile.
+    pub fn log_stalled(&self) {
+        let shared = &self.dispatch.shared;
+        shared
+            .log_stalled
+            .store(true, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// The follower reads the log at its end again. After a stall, the pods heard only through
+    /// the log count their silence from now: the stall was the log's, not theirs.
+    pub fn log_flowing(&self) {
+        let shared = &self.dispatch.shared;
+        if shared
+            .log_stalled
+            .swap(false, std::sync::atomic::Ordering::Relaxed)
+        {
+            shared.publishers.touch_unlinked();
+        }
+    }
+
     /// The index the workers apply to.
     pub fn indexer(&self) -> &Arc<Indexer> {
         &self.dispatch.shared.indexer
@@ -445,6 +466,26 @@ struct Shared {
     log: Option<LogHandle>,
     /// This replica's id (`received_by` of what its sockets bring).
     replica: Arc<str>,
+    /// The shared log is not being followed at its end (Redis down, the follower behind):
+    /// pods heard only through it are not silent, the log is (see [`Shared::verdict`]).
+    log_stalled: std::sync::atomic::AtomicBool,
+}
+
+impl Shared {
+    /// Why a pod is to be forgotten now, if it is. A pod this replica hears only through the
+    /// shared log (no link of its own) is never judged idle while the log is stalled: its
+    /// silence is the log's, and forgetting it would clear it on the replica that hears it
+    /// live (an outage of Redis longer than `publisherIdleTimeout` did exactly that).
+    fn verdict(
+        &self,
+        presence: lifecycle::Presence,
+        last_message: std::time::Instant,
+        linked: bool,
+    ) -> Option<lifecycle::ForgetReason> {
+        let reason = self.lifecycle.verdict(presence, last_message)?;
+        let stalled = self.log_stalled.load(std::sync::atomic::Ordering::Relaxed);
+        (linked || !stalled || reason != lifecycle::ForgetReason::Idle).then_some(reason)
+    }
 }
 
 /// What receivers hold: the shared state and the workers' queues. Workers do not hold it, so
@@ -588,6 +629,7 @@ pub async fn start(
         warn_budget: WarnBudget::default(),
         links: links.clone(),
         lifecycle,
+        log_stalled: std::sync::atomic::AtomicBool::new(log.is_some()),
         log,
         replica,
     });

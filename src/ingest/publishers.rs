@@ -121,18 +121,31 @@ impl Publishers {
         f(entry.state(key))
     }
 
-    /// Calls `f` with every pod known, its presence and when it last spoke (one shard locked
-    /// at a time).
+    /// Calls `f` with every pod known, its presence, when it last spoke and whether this
+    /// replica has a link to it (one shard locked at a time).
     pub(crate) fn each_presence(
         &self,
         settings: &LifecycleSettings,
         links: &Links,
-        mut f: impl FnMut(&Arc<str>, Presence, Instant),
+        mut f: impl FnMut(&Arc<str>, Presence, Instant, bool),
     ) {
         for shard in &self.shards {
             for (pod, entry) in shard.lock().iter() {
                 let presence = settings.presence(links, entry.link.as_ref(), entry.last_message);
-                f(pod, presence, entry.last_message);
+                f(pod, presence, entry.last_message, entry.link.is_some());
+            }
+        }
+    }
+
+    /// Pods without a link here (heard only through the shared log) count their silence from
+    /// now.
+    pub(crate) fn touch_unlinked(&self) {
+        let now = Instant::now();
+        for shard in &self.shards {
+            for entry in shard.lock().values_mut() {
+                if entry.link.is_none() {
+                    entry.last_message = now;
+                }
             }
         }
     }

@@ -34,8 +34,14 @@ struct Follower {
     next_snapshot: Instant,
     /// The last read reached the log's end.
     at_end: bool,
+    /// The last read was more than [`STALL_AGE`] behind the log's end.
+    behind: bool,
     warn: WarnThrottle,
 }
+
+/// How far behind the log's end the follower may read before the log counts as stalled for
+/// the pods heard only through it.
+const STALL_AGE: Duration = Duration::from_secs(1);
 
 pub(super) async fn run(
     rep: Replication,
@@ -54,6 +60,7 @@ pub(super) async fn run(
         last_check: None,
         next_snapshot: Instant::now() + interval,
         at_end: false,
+        behind: true,
         warn: WarnThrottle::default(),
     };
     let mut conn: Option<MultiplexedConnection> = None;
@@ -79,6 +86,7 @@ pub(super) async fn run(
                         conn.insert(c)
                     }
                     Err(e) => {
+                        f.feeder.log_stalled();
                         f.failed(&StoreError::Redis(e));
                         tokio::select! {
                             _ = shutdown.changed() => break,
@@ -94,6 +102,12 @@ pub(super) async fn run(
             _ = shutdown.changed() => break,
             step = f.step(c) => step,
         };
+        // Pods heard only through the log are judged idle only while it flows (read at its
+        // end, or at most STALL_AGE behind).
+        match &step {
+            Ok(true) if !f.behind => f.feeder.log_flowing(),
+            _ => f.feeder.log_stalled(),
+        }
         match step {
             Ok(true) => {}
             Ok(false) => break, // the workers are gone
@@ -193,6 +207,9 @@ impl Follower {
         if let Some(newest) = newest {
             let age = now_ms().saturating_sub(newest.ms) as f64 / 1e3;
             metrics.lag_seconds(if at_end { 0.0 } else { age });
+            self.behind = !at_end && age > STALL_AGE.as_secs_f64();
+        } else {
+            self.behind = false;
         }
         if at_end && !self.ready.swap(true, Ordering::Relaxed) {
             tracing::info!(position = %self.position, "replication: caught up with the log; ready");

@@ -156,7 +156,7 @@ impl Worker<'_> {
                     entry.link.as_ref(),
                     entry.last_message,
                 );
-                shared.lifecycle.verdict(presence, entry.last_message) == Some(reason)
+                shared.verdict(presence, entry.last_message, entry.link.is_some()) == Some(reason)
             })
         };
         if !still {
