@@ -371,20 +371,34 @@ impl Inbox {
         if let Some(job) = lanes.urgent.pop_front() {
             return Some(job);
         }
-        let pod = lanes.turn.pop_front()?;
-        let lane = lanes.by_pod.get_mut(&pod)?;
-        let q = lane.jobs.pop_front()?;
-        lane.bytes -= q.bytes;
-        self.budget.used.fetch_sub(q.bytes, Ordering::Relaxed);
-        if lane.jobs.is_empty() {
-            lanes.by_pod.remove(&pod);
-        } else {
-            lanes.turn.push_back(pod);
+        // Every pod in turn has a lane with a job (a lane leaves the turn when it empties).
+        while let Some(pod) = lanes.turn.pop_front() {
+            let Some(lane) = lanes.by_pod.get_mut(&pod) else {
+                continue;
+            };
+            let Some(q) = lane.jobs.pop_front() else {
+                lanes.by_pod.remove(&pod);
+                continue;
+            };
+            lane.bytes -= q.bytes;
+            self.budget.used.fetch_sub(q.bytes, Ordering::Relaxed);
+            if lane.jobs.is_empty() {
+                lanes.by_pod.remove(&pod);
+                // A burst of many pods leaves a large table behind: give it back.
+                if lanes.by_pod.capacity() > 1024
+                    && lanes.by_pod.len() < lanes.by_pod.capacity() / 4
+                {
+                    lanes.by_pod.shrink_to_fit();
+                }
+            } else {
+                lanes.turn.push_back(pod);
+            }
+            if from_log(&q.job) {
+                lanes.log_jobs -= 1;
+            }
+            return Some(q.job);
         }
-        if from_log(&q.job) {
-            lanes.log_jobs -= 1;
-        }
-        Some(q.job)
+        None
     }
 }
 

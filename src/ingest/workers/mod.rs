@@ -121,10 +121,8 @@ pub(super) async fn run(index: usize, inbox: Arc<Inbox>, shared: Arc<Shared>) {
                     shared.metrics.ingest.dequeued();
                     worker.forget_if_still(&pod, reason);
                 }
-                Some(Job::Dropped(dropped)) => {
-                    shared.metrics.ingest.dequeued();
-                    worker.resync(dropped);
-                }
+                // A marker stands for messages already counted out when they were dropped.
+                Some(Job::Dropped(dropped)) => worker.resync(dropped),
                 Some(Job::Pause(gate)) => gate.hold().await,
                 None => break,
             },
