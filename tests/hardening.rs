@@ -286,7 +286,8 @@ async fn oversize_prompts_and_chats_are_refused_before_any_work() {
 
 /// Topics name models, so they must not multiply state (the tester held 500k keys with `size`
 /// 100k by naming 5,000 models): 200 models of 100 blocks each, with `size` 1,000 and
-/// `maxModels` 16, leave at most 1,000 keys and 16 models, the rest counted.
+/// `maxModels` 16, leave at most 1,000 keys and 16 models; each model past the limit takes the
+/// place of one holding the least (counted), so the newest name is indexed.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn models_named_by_topics_cannot_multiply_the_index() {
     let mut c = support::loopback_config();
@@ -320,20 +321,21 @@ async fn models_named_by_topics_cannot_multiply_the_index() {
         .expect("non-empty");
         p.send(msg).await.expect("send");
     }
-    let mut skipped = 0.0;
-    for _ in 0..300 {
-        skipped = support::metric(
-            &d.metrics_text(),
-            "kvindexer_events_skipped_total{reason=\"too_many_models\"}",
-        );
-        if skipped >= 184.0 {
+    let mut evicted = 0.0;
+    for _ in 0..1_500 {
+        evicted = support::metric(&d.metrics_text(), "kvindexer_models_evicted_total");
+        if evicted >= 184.0 {
             break;
         }
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     assert!(
-        skipped >= 184.0,
-        "events of models past the limit counted: {skipped}"
+        evicted >= 184.0,
+        "models that gave their place to the ones past the limit: {evicted}"
+    );
+    assert!(
+        d.indexer.model("model-199").is_some(),
+        "the newest name is indexed"
     );
     assert_eq!(d.indexer.models().len(), 16);
     let keys: u64 = d.indexer.stats().iter().map(|(_, s)| s.keys).sum();

@@ -14,7 +14,8 @@
 //! - [`lifecycle`]: noticing that a pod left, and forgetting it after a grace period;
 //!   [`publishers`]: every publisher's stream state, by pod;
 //! - [`shared_log`]: the port to a shared event log (replication implements it; ingestion
-//!   never imports replication).
+//!   never imports replication); [`feeder`]: the log's way back in (entries to the workers,
+//!   pauses for snapshots, whether the log flows).
 //!
 //! Invariants:
 //! - a message with a bad frame count, a short sequence or an unparsable topic is dropped,
@@ -45,6 +46,7 @@
 //!   fills with its blocks, so nothing fetched before the clear can bring them back.
 
 pub mod discovery;
+mod feeder;
 pub mod gap_fill;
 mod inbox;
 pub mod lifecycle;
@@ -55,6 +57,7 @@ mod sockets;
 pub mod topic;
 mod workers;
 
+pub use feeder::Feeder;
 pub use publishers::Publishers;
 pub use shared_log::{LogEntry, LogHandle, SharedLog, Stamp};
 
@@ -64,7 +67,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use kv_core::Indexer;
 use thiserror::Error;
-use tokio::sync::{mpsc, oneshot, watch};
+use tokio::sync::{oneshot, watch};
 use tokio::task::JoinHandle;
 use zeromq::{Socket, SubSocket};
 
@@ -271,172 +274,10 @@ enum Job {
         reason: lifecycle::ForgetReason,
     },
     /// Stop until the gate opens (a consistent snapshot of index and publishers).
-    Pause(PauseGate),
+    Pause(feeder::PauseGate),
     /// Socket messages of the pod dropped from its lane (it passed its share of the queue):
     /// resynchronise its publisher.
     Dropped(inbox::Dropped),
-}
-
-/// A worker's side of a pause: it says it arrived, then waits for the resume signal (or for
-/// the pauser to go away).
-struct PauseGate {
-    arrived: mpsc::Sender<()>,
-    resume: watch::Receiver<bool>,
-}
-
-impl PauseGate {
-    async fn hold(mut self) {
-        let _ = self.arrived.send(()).await;
-        let _ = self.resume.wait_for(|go| *go).await;
-    }
-}
-
-/// Every worker paused; they resume when this is dropped.
-pub struct Paused {
-    _resume: watch::Sender<bool>,
-}
-
-/// Hands shared-log entries to the workers (each to its pod's worker, in log order), and
-/// pauses them all for a snapshot.
-#[derive(Clone)]
-pub struct Feeder {
-    dispatch: Arc<Dispatch>,
-}
-
-impl Feeder {
-    /// Queues `entry` (appended by `replica`) for its pod's worker, waiting for room (the log
-    /// is never shed: a replica that skipped an entry would differ from the others). `false`
-    /// once the workers are gone.
-    pub async fn feed(&self, replica: Arc<str>, entry: LogEntry) -> bool {
-        let (pod, job) = match entry {
-            LogEntry::Message {
-                pod,
-                model,
-                seq,
-                payload,
-                ..
-            } => (
-                pod.clone(),
-                Job::Message(Message {
-                    pod,
-                    model,
-                    seq,
-                    payload,
-                    via: Via::Log(replica),
-                }),
-            ),
-            LogEntry::ClearPod { model, pod } => (
-                pod.clone(),
-                Job::ClearPod {
-                    model,
-                    pod,
-                    origin: ClearOrigin::Log,
-                },
-            ),
-            // Recorded routings touch no publisher state: made here, as RecordRouting does.
-            LogEntry::Speculate { model, pod, hashes } => {
-                let shared = &self.dispatch.shared;
-                match shared
-                    .indexer
-                    .record_routing(&model, &pod, hashes, std::time::Instant::now())
-                {
-                    Ok(recorded) => shared.metrics.speculation.routing_recorded(recorded),
-                    // The model is not indexed here (e.g. maxModels): nothing to speculate on.
-                    Err(e) => {
-                        tracing::debug!(%model, %pod, error = %e, "recorded routing from the log not applied")
-                    }
-                }
-                return true;
-            }
-        };
-        let inbox = &self.dispatch.workers[worker_of(&pod, self.dispatch.workers.len())];
-        let metrics = &self.dispatch.shared.metrics.ingest;
-        metrics.queued();
-        let sent = inbox.feed(&pod, job).await;
-        if !sent {
-            metrics.dequeued();
-        }
-        metrics.queue_bytes(self.dispatch.budget.used());
-        sent
-    }
-
-    /// Whether the message `seq` of publisher (`pod`, `model`, `stamp.rank`) is one the
-    /// workers would drop (already applied, or stale): then the follower need not decode it.
-    /// Safe to ask early: a publisher's state only moves forward, so a message that is
-    /// behind it now stays behind.
-    pub fn already_applied(
-        &self,
-        pod: &Arc<str>,
-        model: &Arc<str>,
-        seq: u64,
-        stamp: Stamp,
-    ) -> bool {
-        let key = PublisherKey {
-            pod: pod.clone(),
-            model: model.clone(),
-            rank: stamp.rank,
-        };
-        let last = self.dispatch.shared.publishers.last_applied(&key);
-        matches!(
-            sequence::SeqOutcome::classify_timed(last, seq, stamp.ts),
-            sequence::SeqOutcome::Duplicate | sequence::SeqOutcome::Stale
-        )
-    }
-
-    /// Pauses every worker once it has taken every log entry fed before (messages from
-    /// sockets may come either side); returns once all have stopped. `None` when the workers
-    /// are gone.
-    pub async fn pause(&self) -> Option<Paused> {
-        let n = self.dispatch.workers.len();
-        let (arrived, mut arrivals) = mpsc::channel(n);
-        let (resume, resume_rx) = watch::channel(false);
-        for inbox in &self.dispatch.workers {
-            inbox.log_taken().await;
-            let gate = PauseGate {
-                arrived: arrived.clone(),
-                resume: resume_rx.clone(),
-            };
-            if !inbox.push_urgent(Job::Pause(gate)) {
-                return None;
-            }
-        }
-        drop(arrived);
-        for _ in 0..n {
-            arrivals.recv().await?;
-        }
-        Some(Paused { _resume: resume })
-    }
-
-    /// The follower stopped reading the log at its end (Redis down, or it fell behind): pods
-    /// heard only through the log are not judged idle meanwhile.
-    pub fn log_stalled(&self) {
-        let shared = &self.dispatch.shared;
-        shared
-            .log_stalled
-            .store(true, std::sync::atomic::Ordering::Relaxed);
-    }
-
-    /// The follower reads the log at its end again. After a stall, the pods heard only through
-    /// the log count their silence from now: the stall was the log's, not theirs.
-    pub fn log_flowing(&self) {
-        let shared = &self.dispatch.shared;
-        if shared
-            .log_stalled
-            .swap(false, std::sync::atomic::Ordering::Relaxed)
-        {
-            shared.publishers.touch_unlinked();
-        }
-    }
-
-    /// The index the workers apply to.
-    pub fn indexer(&self) -> &Arc<Indexer> {
-        &self.dispatch.shared.indexer
-    }
-
-    /// The publishers' states.
-    pub fn publishers(&self) -> &Arc<Publishers> {
-        &self.dispatch.shared.publishers
-    }
 }
 
 /// Shared by receivers and workers.
