@@ -256,7 +256,13 @@ pub async fn try_lock(
     Ok(reply.is_some())
 }
 
-/// Appends entries with one pipelined round trip.
+/// Appends a batch of entries in one script call ([`APPEND_SCRIPT`]): one command, so Redis
+/// runs it whole or (loading, down) not at all, and a failure inside it leaves a prefix of the
+/// batch. The appender then retries the whole batch, so each publisher's entries stay in order
+/// in the log (a retried prefix reads as duplicates). A pipeline of one XADD per entry could
+/// fail its first commands (Redis still loading its dump after a restart) and run the rest:
+/// the retry then put the first entries after the later ones, and the other replicas counted
+/// the gap as lost (the soak's second Redis restart: 103 messages).
 pub async fn append(
     conn: &mut MultiplexedConnection,
     keys: &Keys,
@@ -265,19 +271,11 @@ pub async fn append(
     instance: &str,
     max_len: u64,
 ) -> Result<(), StoreError> {
-    let mut pipe = redis::pipe();
+    let mut script = redis::cmd("EVAL");
+    script.arg(APPEND_SCRIPT).arg(1).arg(&keys.log).arg(max_len);
     for entry in entries {
-        let cmd = pipe
-            .cmd("XADD")
-            .arg(&keys.log)
-            .arg("MAXLEN")
-            .arg("~")
-            .arg(max_len)
-            .arg("*")
-            .arg("r")
-            .arg(replica)
-            .arg("i")
-            .arg(instance);
+        let mut f = XaddFields::default();
+        f.put("r", replica).put("i", instance);
         match entry {
             LogEntry::Message {
                 pod,
@@ -286,47 +284,57 @@ pub async fn append(
                 stamp,
                 payload,
             } => {
-                cmd.arg("k")
-                    .arg("m")
-                    .arg("p")
-                    .arg(&**pod)
-                    .arg("o")
-                    .arg(&**model)
-                    .arg("s")
-                    .arg(*seq);
+                f.put("k", "m")
+                    .put("p", &**pod)
+                    .put("o", &**model)
+                    .put("s", *seq);
                 if let Some(stamp) = stamp {
                     // The timestamp's bits, exactly (a decimal rendering could round).
-                    cmd.arg("n")
-                        .arg(stamp.rank)
-                        .arg("t")
-                        .arg(stamp.ts.to_bits());
+                    f.put("n", stamp.rank).put("t", stamp.ts.to_bits());
                 }
-                cmd.arg("d").arg(&payload[..])
+                f.put("d", &payload[..]);
             }
-            LogEntry::ClearPod { model, pod } => cmd
-                .arg("k")
-                .arg("c")
-                .arg("p")
-                .arg(&**pod)
-                .arg("o")
-                .arg(&**model),
+            LogEntry::ClearPod { model, pod } => {
+                f.put("k", "c").put("p", &**pod).put("o", &**model);
+            }
             LogEntry::Speculate { model, pod, hashes } => {
                 let bytes: Vec<u8> = hashes.iter().flat_map(|h| h.get().to_be_bytes()).collect();
-                cmd.arg("k")
-                    .arg("x")
-                    .arg("p")
-                    .arg(&**pod)
-                    .arg("o")
-                    .arg(&**model)
-                    .arg("h")
-                    .arg(bytes)
+                f.put("k", "x")
+                    .put("p", &**pod)
+                    .put("o", &**model)
+                    .put("h", bytes);
             }
         }
-        .ignore();
+        script.arg(f.0.len()).arg(f.0);
     }
-    pipe.query_async::<()>(conn).await?;
+    script.query_async::<()>(conn).await?;
     Ok(())
 }
+
+/// One log entry's field arguments, in the order XADD takes them.
+#[derive(Default)]
+struct XaddFields(Vec<Vec<u8>>);
+
+impl XaddFields {
+    fn put(&mut self, name: &str, value: impl redis::ToRedisArgs) -> &mut Self {
+        self.0.push(name.as_bytes().to_vec());
+        self.0.extend(value.to_redis_args());
+        self
+    }
+}
+
+/// XADDs its arguments' entries in order: `ARGV[1]` is the log's length cap, then each entry
+/// is a count of field arguments followed by them.
+const APPEND_SCRIPT: &str = r"
+local cap = ARGV[1]
+local i = 2
+while i <= #ARGV do
+  local n = tonumber(ARGV[i])
+  redis.call('XADD', KEYS[1], 'MAXLEN', '~', cap, '*', unpack(ARGV, i + 1, i + n))
+  i = i + n + 1
+end
+return 0
+";
 
 /// One log entry read, with where it came from.
 pub struct LoggedEntry {
