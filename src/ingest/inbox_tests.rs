@@ -7,24 +7,24 @@ use bytes::Bytes;
 use super::{Budget, Inbox, JOB_OVERHEAD};
 use crate::ingest::{ClearOrigin, GapFillRoute, Job, Message, Via};
 
-fn message(pod: &str, seq: u64, bytes: usize) -> Job {
+fn job(pod: &str, seq: u64, bytes: usize, via: Via) -> Job {
     Job::Message(Message {
         pod: pod.into(),
         model: "m".into(),
         seq,
         payload: Bytes::from(vec![0u8; bytes]),
-        via: Via::Socket(GapFillRoute::None, None),
+        via,
     })
 }
 
+/// A message from this replica's socket (the only kind ever dropped).
+fn message(pod: &str, seq: u64, bytes: usize) -> Job {
+    job(pod, seq, bytes, Via::Socket(GapFillRoute::None, None))
+}
+
+/// A message from the shared log.
 fn from_log(pod: &str, seq: u64, bytes: usize) -> Job {
-    Job::Message(Message {
-        pod: pod.into(),
-        model: "m".into(),
-        seq,
-        payload: Bytes::from(vec![0u8; bytes]),
-        via: Via::Log("other".into()),
-    })
+    job(pod, seq, bytes, Via::Log("other".into()))
 }
 
 /// What the worker would take, as (pod, what): `seq` of a message, `D a..=b` of a marker.
