@@ -28,33 +28,29 @@ fn check_config_names_a_setting_that_does_nothing_and_refuses_replication_half_s
     let bin = env!("CARGO_BIN_EXE_kv-indexer");
     let dir = std::env::temp_dir().join(format!("kvi-loud-{}", std::process::id()));
     std::fs::create_dir_all(&dir).expect("tmp");
-    let inert = dir.join("inert.yaml");
-    std::fs::write(
-        &inert,
+    // `check-config` on a file holding `yaml`.
+    let check = |name: &str, yaml: &str| {
+        let file = dir.join(name);
+        std::fs::write(&file, yaml).expect("write");
+        std::process::Command::new(bin)
+            .args(["check-config", "--config"])
+            .arg(&file)
+            .output()
+            .expect("runs")
+    };
+    let out = check(
+        "inert.yaml",
         "server: {adminToken: \"0123456789abcdef-secret\"}\nkvEventsConfig: {queueDepth: 1024}\n",
-    )
-    .expect("write");
-    let out = std::process::Command::new(bin)
-        .args(["check-config", "--config"])
-        .arg(&inert)
-        .output()
-        .expect("runs");
+    );
     assert!(out.status.success(), "inert settings are warnings");
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("warning: server.adminToken"), "{err}");
     assert!(err.contains("warning: kvEventsConfig.queueDepth"), "{err}");
     assert!(!err.contains("0123456789abcdef-secret"), "{err}");
-    let half = dir.join("half.yaml");
-    std::fs::write(
-        &half,
+    let out = check(
+        "half.yaml",
         "replication: {redisUrl: \"redis://:pw-secret@r:6379\"}\n",
-    )
-    .expect("write");
-    let out = std::process::Command::new(bin)
-        .args(["check-config", "--config"])
-        .arg(&half)
-        .output()
-        .expect("runs");
+    );
     assert!(!out.status.success(), "replication half set is an error");
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(

@@ -349,9 +349,7 @@ impl Dispatch {
         if pushed.closed {
             metrics.dequeued();
         } else if dropped > 0 {
-            for _ in 0..dropped {
-                metrics.dequeued();
-            }
+            metrics.dequeued_n(dropped);
             metrics.shed_n("over_share", pushed.over_share);
             metrics.shed_n("over_total", pushed.over_total);
             if let Some(suppressed) = self.shared.shed_warn.allow() {

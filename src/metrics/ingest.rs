@@ -263,6 +263,11 @@ impl IngestMetrics {
         self.queue_depth.dec();
     }
 
+    /// `n` messages left the worker queues at once (dropped from them).
+    pub fn dequeued_n(&self, n: u64) {
+        self.queue_depth.sub(i64::try_from(n).unwrap_or(i64::MAX));
+    }
+
     /// What applying one batch of `pod` for `model` did.
     pub fn applied(&self, pod: &str, model: &str, report: &ApplyReport) {
         let pod_label = self.labels.pod(pod);
