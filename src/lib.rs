@@ -11,7 +11,8 @@
 //!   (metrics, probes);
 //! - [`config`], [`metrics`], [`daemon`]: the YAML schema, the Prometheus registry (attached to
 //!   the index and the tokenizer from the outside), and the wiring with ordered start-up and
-//!   graceful shutdown; `warn_budget`: how many warning lines input can cause.
+//!   graceful shutdown; `warn_budget`: how many warning lines input can cause; `heap`: freed
+//!   memory handed back to the OS after a backlog drains.
 //!
 //! What it builds on: `kv-core` (hashing, events, the index and the indexer facade),
 //! `kv-tokenize` (prompts in) and `kv-proto` (the gRPC types).
@@ -20,6 +21,7 @@
 
 pub mod config;
 pub mod daemon;
+mod heap;
 mod ingest;
 mod metrics;
 pub mod replication;

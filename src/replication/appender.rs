@@ -1,7 +1,8 @@
 //! The appender: drains the append queue into the log, a pipelined batch per round trip.
 //! While Redis fails it keeps its batch, backs off (100 ms doubling to 5 s) and reconnects;
 //! the queue meanwhile fills up to `appendQueue` entries or `appendQueueBytes`, beyond which the
-//! workers' appends are dropped and counted (they never wait).
+//! workers' appends are dropped and counted (they never wait). Once a backlog of at least
+//! [`TRIM_BACKLOG`] bytes has drained, the freed heap is handed back to the OS (`crate::heap`).
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -17,6 +18,8 @@ use crate::warn_budget::WarnThrottle;
 const BATCH: usize = 512;
 /// Attempts to flush what is left once the queue has closed (shutdown).
 const FINAL_ATTEMPTS: u32 = 3;
+/// A backlog this large (bytes queued at once), once drained, is worth a `malloc_trim`.
+const TRIM_BACKLOG: usize = 32 << 20;
 
 pub(super) async fn run(
     rep: Replication,
@@ -37,6 +40,8 @@ pub(super) async fn run(
     let mut failing = false;
     let mut closed = false;
     let mut final_attempts = 0;
+    // The most bytes queued since the heap was last trimmed.
+    let mut backlog_peak = 0usize;
     loop {
         if batch.is_empty() {
             if closed {
@@ -55,6 +60,7 @@ pub(super) async fn run(
             }
         }
         metrics.append_queue(rx.len());
+        backlog_peak = backlog_peak.max(queued.load(Ordering::Relaxed));
         if conn.is_none() {
             match rep.connect().await {
                 Ok(c) => conn = Some(c),
@@ -96,6 +102,11 @@ pub(super) async fn run(
                     metrics.reconnected();
                     tracing::info!(queued = rx.len(), "replication: appending again");
                 }
+                if backlog_peak >= TRIM_BACKLOG && queued.load(Ordering::Relaxed) < TRIM_BACKLOG / 8
+                {
+                    backlog_peak = 0;
+                    release_heap_after_backlog();
+                }
             }
             Err(e) => {
                 metrics.redis_error("append");
@@ -121,4 +132,18 @@ pub(super) async fn run(
             "replication: stopped with appends Redis never took"
         );
     }
+}
+
+/// Hands the heap a drained backlog held back to the OS, off the runtime's threads (a trim of
+/// a large heap takes milliseconds).
+fn release_heap_after_backlog() {
+    tokio::task::spawn_blocking(|| {
+        if let Some((before, after)) = crate::heap::release_free_heap() {
+            tracing::info!(
+                resident_before_mb = before >> 20,
+                resident_after_mb = after >> 20,
+                "replication: append backlog drained; freed heap returned to the OS"
+            );
+        }
+    });
 }
