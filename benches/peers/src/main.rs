@@ -9,7 +9,8 @@
 //! of every backend, interleaved; the table shows medians.
 //!
 //! Usage: `cargo run --release --manifest-path benches/peers/Cargo.toml [-- TRACE.jsonl]`;
-//! `KV_BENCH_FLEETS=16,80` picks fleets (`1024s` = 1,024 pods with the system prompt);
+//! `KV_BENCH_FLEETS=16,80` picks fleets (`1024s` = 1,024 pods with the system prompt; `16e` and
+//! `16h`: 16 pods with one hash per removal call, in LRU order and shuffled);
 //! `KV_BENCH_BACKENDS=smg,ours` picks backends (keys in `backends()`; the flat map always runs).
 
 use std::time::Instant;
@@ -24,7 +25,7 @@ use kv_index::{ChainBlockMap, ChainIndex, ContentHash, SequenceHash, StoredBlock
 use kv_lab::alloc::{live_heap_bytes, CountingAllocator};
 use kv_lab::index_bench::{
     drive, median, BenchReport, FlatMapBackend, IndexBackend, IndexWorkload, IndexerFacadeBackend,
-    KvIndexerBackend, QueryAnswer, WorkloadShape,
+    KvIndexerBackend, QueryAnswer, Removals, RunIndexBackend, WorkloadShape,
 };
 use kv_lab::trace::load_mooncake;
 
@@ -221,6 +222,22 @@ fn fleets() -> Vec<Fleet> {
     let base = WorkloadShape::default();
     let all = [
         ("16", "16 pods", base),
+        (
+            "16e",
+            "16 pods, one hash per removal event",
+            WorkloadShape {
+                removals: Removals::OnePerEvent,
+                ..base
+            },
+        ),
+        (
+            "16h",
+            "16 pods, one hash per removal event, shuffled eviction order (holes)",
+            WorkloadShape {
+                removals: Removals::Shuffled,
+                ..base
+            },
+        ),
         ("80", "80 pods", WorkloadShape { pods: 80, ..base }),
         ("1024", "1,024 pods", WorkloadShape { pods: 1024, ..base }),
         (
@@ -261,6 +278,7 @@ fn backends() -> Vec<(&'static str, Maker)> {
             "ours",
             Box::new(|pods| Box::new(KvIndexerBackend::new(pods))),
         ),
+        ("runs", Box::new(|_| Box::new(RunIndexBackend::new()))),
         (
             "facade",
             Box::new(|pods| Box::new(IndexerFacadeBackend::new(pods))),
@@ -296,6 +314,7 @@ struct Rounds {
     bytes: Vec<f64>,
     mismatches: Vec<usize>,
     short: Vec<usize>,
+    shape: Option<String>,
 }
 
 fn main() {
@@ -345,6 +364,7 @@ fn main() {
                 let mut backend = make(fleet.shape.pods);
                 let report = drive(&workload, backend.as_mut());
                 let bytes = live_heap_bytes().saturating_sub(before);
+                acc.shape = backend.shape();
                 drop(backend);
                 acc.name = report.backend.clone();
                 acc.ops.push(report.block_ops_per_sec());
@@ -386,6 +406,11 @@ fn main() {
                 acc.mismatches.iter().max().copied().unwrap_or(0),
                 acc.short.iter().max().copied().unwrap_or(0),
             );
+        }
+        for acc in rounds.iter() {
+            if let Some(shape) = &acc.shape {
+                println!("- {}, last round: {shape}", acc.name);
+            }
         }
         println!();
     }

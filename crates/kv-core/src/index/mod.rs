@@ -56,6 +56,7 @@ mod table;
 
 mod directory;
 mod read;
+mod runs;
 mod seqlock;
 mod types;
 mod write;
@@ -68,6 +69,7 @@ use parking_lot::Mutex;
 use crate::BlockHash;
 use directory::DirectoryBuilder;
 pub use directory::EngineDirectory;
+pub use runs::{RunIndex, RunStats};
 use slab::Slab;
 use table::Table;
 pub use types::{

@@ -48,6 +48,11 @@ impl Table {
         }
     }
 
+    /// The seed positions are mixed with (a rebuild keeps it).
+    pub fn seed(&self) -> u64 {
+        self.seed
+    }
+
     /// Slot count.
     pub fn capacity(&self) -> usize {
         self.slots.len()

@@ -109,6 +109,76 @@ impl IndexBackend for KvIndexerBackend {
     }
 }
 
+/// The run index (index v3's single-threaded core, [`kv_core::RunIndex`]): pod `p` is member `p`.
+pub struct RunIndexBackend {
+    index: kv_core::RunIndex,
+    alive: Vec<(u32, u64)>,
+}
+
+impl RunIndexBackend {
+    /// An empty run index.
+    pub fn new() -> Self {
+        Self {
+            index: kv_core::RunIndex::new(0x5EED),
+            alive: Vec::new(),
+        }
+    }
+
+    /// The index (for its shape and split counters after a run).
+    pub fn index(&self) -> &kv_core::RunIndex {
+        &self.index
+    }
+}
+
+impl Default for RunIndexBackend {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl IndexBackend for RunIndexBackend {
+    fn name(&self) -> &str {
+        "kv-indexer v3 RunIndex (core)"
+    }
+
+    fn query(&mut self, hashes: &[BlockHash], _content: &[u64]) -> QueryAnswer {
+        let mut answer = QueryAnswer::default();
+        self.index.score(hashes, &mut self.alive, |pod, matched| {
+            answer.add(pod, matched)
+        });
+        answer
+    }
+
+    fn store(
+        &mut self,
+        pod: u32,
+        parent: Option<BlockHash>,
+        hashes: &[BlockHash],
+        _content: &[u64],
+    ) {
+        self.index.store(pod, parent, hashes);
+    }
+
+    fn remove(&mut self, pod: u32, hashes: &[BlockHash]) {
+        self.index.remove(pod, hashes);
+    }
+
+    fn shape(&self) -> Option<String> {
+        let s = self.index.stats();
+        Some(format!(
+            "{:.1} runs per 1k blocks ({} runs, {} blocks); splits: {} join, {} hole, {} leave; {} merges; {} relabels",
+            s.runs as f64 * 1000.0 / s.blocks.max(1) as f64,
+            s.runs,
+            s.blocks,
+            s.splits_join,
+            s.splits_hole,
+            s.splits_leave,
+            s.merges,
+            s.relabels
+        ))
+    }
+}
+
 /// kv-indexer through its facade ([`kv_core::Indexer`]), as a transport drives it: events as
 /// decoded batches (one per store run or removal list, built per call as the decoder would),
 /// scores by pod name into a reused result.

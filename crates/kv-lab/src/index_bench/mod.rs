@@ -21,7 +21,7 @@ use kv_core::BlockHash;
 
 mod backends;
 
-pub use backends::{FlatMapBackend, IndexerFacadeBackend, KvIndexerBackend};
+pub use backends::{FlatMapBackend, IndexerFacadeBackend, KvIndexerBackend, RunIndexBackend};
 
 use crate::lru::LruSet;
 use crate::trace::MooncakeRequest;
@@ -40,6 +40,20 @@ pub struct WorkloadShape {
     /// Engine blocks of a system prompt put before every request (0: none), so every pod that
     /// serves a request holds them: the many-holders case.
     pub shared_prefix_blocks: u64,
+    /// How evictions reach the index.
+    pub removals: Removals,
+}
+
+/// How a pod's evictions are sent to the index.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Removals {
+    /// One call per request with everything its LRU evicted, oldest first.
+    #[default]
+    Batched,
+    /// One hash per call (vLLM sends one `BlockRemoved` per freed block), oldest first.
+    OnePerEvent,
+    /// One hash per call in a shuffled order: holes anywhere in a chain.
+    Shuffled,
 }
 
 impl Default for WorkloadShape {
@@ -51,6 +65,7 @@ impl Default for WorkloadShape {
             pods: 16,
             pod_capacity_blocks: 65_536,
             shared_prefix_blocks: 0,
+            removals: Removals::Batched,
         }
     }
 }
@@ -94,13 +109,19 @@ pub struct IndexWorkload {
     pub removed: Vec<BlockHash>,
     /// Memberships held at the end (sum of the pods' LRU sizes).
     pub final_memberships: usize,
+    /// Whether removals are sent one hash per call ([`Removals`]).
+    pub one_per_event: bool,
 }
 
 impl IndexWorkload {
     /// Simulates the fleet over `requests` (see the module docs).
     pub fn simulate(requests: &[MooncakeRequest], shape: WorkloadShape) -> Self {
         let sub = (shape.trace_block_tokens / shape.engine_block_tokens).max(1);
-        let mut w = IndexWorkload::default();
+        let mut w = IndexWorkload {
+            one_per_event: shape.removals != Removals::Batched,
+            ..Default::default()
+        };
+        let mut shuffle = kv_core::SplitMix64::new(0x5407_F1ED);
         let mut lrus: Vec<LruSet<BlockHash>> = (0..shape.pods).map(|_| LruSet::new()).collect();
         let mut present = Vec::new();
         for (r, req) in requests.iter().enumerate() {
@@ -157,6 +178,12 @@ impl IndexWorkload {
                 match lru.pop_oldest() {
                     Some(h) => w.removed.push(h),
                     None => break,
+                }
+            }
+            if shape.removals == Removals::Shuffled {
+                let evicted = &mut w.removed[r0..];
+                for i in (1..evicted.len()).rev() {
+                    evicted.swap(i, (shuffle.next_u64() % (i as u64 + 1)) as usize);
                 }
             }
             w.steps.push(Step {
@@ -228,6 +255,10 @@ pub trait IndexBackend {
     fn store(&mut self, pod: u32, parent: Option<BlockHash>, hashes: &[BlockHash], content: &[u64]);
     /// `pod` evicted `hashes`.
     fn remove(&mut self, pod: u32, hashes: &[BlockHash]);
+    /// The backend's own shape figures after a run (runs, splits), for the report.
+    fn shape(&self) -> Option<String> {
+        None
+    }
 }
 
 /// What one run of the benchmark measured.
@@ -318,8 +349,13 @@ pub fn drive(workload: &IndexWorkload, backend: &mut dyn IndexBackend) -> BenchR
                 &workload.stored_content[op.blocks.clone()],
             );
         }
-        if !step.removed.is_empty() {
-            backend.remove(step.pod, &workload.removed[step.removed.clone()]);
+        let removed = &workload.removed[step.removed.clone()];
+        if workload.one_per_event {
+            for h in removed {
+                backend.remove(step.pod, std::slice::from_ref(h));
+            }
+        } else if !removed.is_empty() {
+            backend.remove(step.pod, removed);
         }
         apply_ns += t.elapsed().as_nanos();
     }

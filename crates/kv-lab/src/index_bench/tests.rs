@@ -19,6 +19,7 @@ fn simulation_stores_missing_runs_and_evicts_lru() {
         pods: 1,
         pod_capacity_blocks: 6,
         shared_prefix_blocks: 0,
+        ..Default::default()
     };
     // 2 trace blocks = 4 engine blocks; the second request shares the first trace block.
     let w = IndexWorkload::simulate(&[req(&[0, 1], 64), req(&[0, 2], 60)], shape);
@@ -48,14 +49,19 @@ fn the_flat_map_and_kv_indexer_agree_on_a_small_trace() {
         pods: 3,
         pod_capacity_blocks: 10,
         shared_prefix_blocks: 0,
+        ..Default::default()
     };
-    let w = IndexWorkload::simulate(&reqs, shape);
-    let a = drive(&w, &mut FlatMapBackend::default());
-    let b = drive(&w, &mut KvIndexerBackend::new(3));
-    let c = drive(&w, &mut IndexerFacadeBackend::new(3));
-    assert!(a.checksum > 0);
-    assert_eq!(b.mismatches(&a), 0);
-    assert_eq!(c.mismatches(&a), 0);
+    for removals in [Removals::Batched, Removals::OnePerEvent, Removals::Shuffled] {
+        let w = IndexWorkload::simulate(&reqs, WorkloadShape { removals, ..shape });
+        let a = drive(&w, &mut FlatMapBackend::default());
+        let b = drive(&w, &mut KvIndexerBackend::new(3));
+        let c = drive(&w, &mut IndexerFacadeBackend::new(3));
+        let d = drive(&w, &mut RunIndexBackend::new());
+        assert!(a.checksum > 0);
+        assert_eq!(b.mismatches(&a), 0, "{removals:?}");
+        assert_eq!(c.mismatches(&a), 0, "{removals:?}");
+        assert_eq!(d.mismatches(&a), 0, "{removals:?}");
+    }
 }
 
 #[test]
@@ -67,6 +73,7 @@ fn every_holder_of_a_shared_prefix_is_reported_and_a_bound_under_counts() {
         pods: 100,
         pod_capacity_blocks: 1000,
         shared_prefix_blocks: 4,
+        ..Default::default()
     };
     let w = IndexWorkload::simulate(&reqs, shape);
     let flat = drive(&w, &mut FlatMapBackend::default());

@@ -1,0 +1,614 @@
+//! The run index (index v3, under construction): block hashes to the members that hold them,
+//! with holders kept per **run** instead of per block.
+//!
+//! Shape:
+//! - every block in the index has an id; its hash is `hashes[id]` and the table (shared with
+//!   the v2 index: key-less tagged slots) maps hash -> id. New blocks of a stored run take
+//!   consecutive ids where free ids allow, so a chain is a stretch of ids;
+//! - a **run** is a stretch of ids `start .. end` whose blocks all have one holder set;
+//!   `run_of[id]` names the run of each block. Runs split where a store, a removal or a block
+//!   leaving cuts them, and merge with a neighbour of equal holders again, always relabelling the
+//!   smaller side;
+//! - holders are bitmaps ([`holders`]): inline up to one 64-member window, pooled words beyond.
+//!
+//! Costs: a block entering the index pays one table insert; a store that joins blocks others
+//! hold, or a removal that leaves other holders, pays per run it touches (stretches are found by
+//! comparing `hashes[id + 1]` with the event's next hash, without probing), plus the relabels of
+//! split-off parts; only a block leaving the index pays a table delete. A query compares the
+//! prompt's next hash with `hashes[id + 1]` (sequential memory) and probes only where the chain
+//! leaves the stretch; it intersects holder sets only where the run changes.
+//!
+//! Exactness does not depend on the structure being a chain: a block is named by its hash at
+//! every step of a query, so a publisher whose "chain" is not one (a forged run) can only put
+//! its own blocks in odd places; other members' holdings are never read through its runs.
+//!
+//! Invariants: `run_of[id] == NONE` iff `id` is free, and then `hashes[id] == 0`; the table
+//! holds live ids only; a live run's ids all map to it; two
+//! adjacent runs never have equal holder sets after an operation (merged); a run's holder set is
+//! never empty.
+//!
+//! Not yet here (the v2 [`super::ModelIndex`] has them): tiers, lock-free readers, writer
+//! lanes, CLOCK eviction under `size`, `podCacheSize`, export. This is the single-threaded core
+//! measured against SMG in `benches/peers` before the rest is built on it.
+
+mod holders;
+
+use super::table::Table;
+use crate::BlockHash;
+pub use holders::{Holders, WordPool};
+
+/// `run_of` of a free id.
+const NONE: u32 = u32::MAX;
+
+/// One run: ids `start .. end` held by `holders`.
+#[derive(Clone, Copy, Debug)]
+struct Run {
+    start: u32,
+    end: u32,
+    holders: Holders,
+}
+
+/// Why a run was split (reported per cause).
+#[derive(Clone, Copy)]
+enum Cause {
+    /// A store added a member to part of a run.
+    Join,
+    /// A removal took a member off part of a run others still hold.
+    Hole,
+    /// Blocks left the index from part of a run.
+    Leave,
+}
+
+/// Shape and work counters of a [`RunIndex`].
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct RunStats {
+    /// Blocks in the index.
+    pub blocks: u64,
+    /// Live runs.
+    pub runs: u64,
+    /// Runs split by a store joining part of them.
+    pub splits_join: u64,
+    /// Runs split by a removal leaving other holders.
+    pub splits_hole: u64,
+    /// Runs split by blocks leaving the index.
+    pub splits_leave: u64,
+    /// Adjacent runs merged (equal holders).
+    pub merges: u64,
+    /// Block ids relabelled to another run (what splits and merges cost).
+    pub relabels: u64,
+    /// Pooled words of holder sets wider than one 64-member window.
+    pub holder_words: u64,
+}
+
+/// The single-threaded run index (see the module docs).
+pub struct RunIndex {
+    table: Table,
+    /// Table slots in use (live entries and tombstones) and live entries.
+    table_used: usize,
+    table_live: usize,
+    hashes: Vec<u64>,
+    run_of: Vec<u32>,
+    runs: Vec<Run>,
+    free_runs: Vec<u32>,
+    /// Freed ids (may hold ids reused since: checked when popped).
+    free_ids: Vec<u32>,
+    pool: WordPool,
+    /// Per member: id ranges it was given (stale entries allowed), so a clear walks its runs.
+    ranges: Vec<Vec<(u32, u32)>>,
+    /// Per member: `ranges` length after its last compaction.
+    compacted: Vec<usize>,
+    stats: RunStats,
+}
+
+impl RunIndex {
+    /// An empty index; `seed` mixes block hashes into table positions.
+    pub fn new(seed: u64) -> Self {
+        Self {
+            table: Table::with_capacity(1024, seed),
+            table_used: 0,
+            table_live: 0,
+            hashes: Vec::new(),
+            run_of: Vec::new(),
+            runs: Vec::new(),
+            free_runs: Vec::new(),
+            free_ids: Vec::new(),
+            pool: WordPool::default(),
+            ranges: Vec::new(),
+            compacted: Vec::new(),
+            stats: RunStats::default(),
+        }
+    }
+
+    /// Counters (splits, merges, relabels) and shape (blocks, runs).
+    pub fn stats(&self) -> RunStats {
+        RunStats {
+            holder_words: self.pool.live_words() as u64,
+            ..self.stats
+        }
+    }
+
+    /// Bytes held: ids (hash and run), table, runs, pooled holder words, member ranges.
+    pub fn allocated_bytes(&self) -> usize {
+        self.hashes.capacity() * 8
+            + self.run_of.capacity() * 4
+            + self.table.allocated_bytes()
+            + self.runs.capacity() * std::mem::size_of::<Run>()
+            + self.free_runs.capacity() * 4
+            + self.free_ids.capacity() * 4
+            + self.pool.allocated_bytes()
+            + self.ranges.iter().map(|r| r.capacity() * 8).sum::<usize>()
+    }
+
+    /// The id of the block with `hash`, if indexed. The table holds live ids only, so a tag
+    /// match is confirmed by the hash alone.
+    #[inline]
+    fn find(&self, hash: u64) -> Option<u32> {
+        let hashes = &self.hashes;
+        self.table.find(hash, |id| hashes[id as usize])
+    }
+
+    /// Whether `id` is a live block with `hash` (the stretch test: no probe). A freed id's
+    /// hash is 0, so only a hash of 0 needs the run check.
+    #[inline]
+    fn is_block(&self, id: u32, hash: u64) -> bool {
+        self.hashes.get(id as usize) == Some(&hash)
+            && (hash != 0 || self.run_of[id as usize] != NONE)
+    }
+
+    /// The members holding `hash`.
+    pub fn holders(&self, hash: BlockHash) -> Vec<u32> {
+        let Some(id) = self.find(hash.get()) else {
+            return Vec::new();
+        };
+        let set = self.runs[self.run_of[id as usize] as usize].holders;
+        let mut out = Vec::new();
+        for (w, mut bits) in set.windows(&self.pool) {
+            while bits != 0 {
+                out.push(w * 64 + bits.trailing_zeros());
+                bits &= bits - 1;
+            }
+        }
+        out
+    }
+
+    /// Grows the table before a batch of up to `more` new blocks could fill it past 85%.
+    fn reserve(&mut self, more: usize) {
+        if (self.table_used + more) * 20 <= self.table.capacity() * 17 {
+            return;
+        }
+        let capacity = ((self.table_live + more) * 3 / 2).max(1024);
+        let fresh = Table::with_capacity(capacity, self.table_seed());
+        self.table_live = self.table.copy_into(&fresh);
+        self.table_used = self.table_live;
+        self.table = fresh;
+    }
+
+    fn table_seed(&self) -> u64 {
+        self.table.seed()
+    }
+
+    /// `member` stores `hashes` after `parent` (a `BlockStored`).
+    pub fn store(&mut self, member: u32, parent: Option<BlockHash>, hashes: &[BlockHash]) {
+        self.reserve(hashes.len());
+        for h in hashes {
+            self.table.prefetch(h.get());
+        }
+        let mut prev = parent.and_then(|p| self.find(p.get()));
+        let mut i = 0;
+        while i < hashes.len() {
+            let h = hashes[i].get();
+            let found = match prev {
+                Some(p) if self.is_block(p + 1, h) => Some(p + 1),
+                _ => self.find(h),
+            };
+            let Some(id) = found else {
+                let id = self.add_block(member, prev, h);
+                prev = Some(id);
+                i += 1;
+                continue;
+            };
+            let run = self.runs[self.run_of[id as usize] as usize];
+            let mut k = 1;
+            while i + k < hashes.len()
+                && id + (k as u32) < run.end
+                && self.hashes[(id + k as u32) as usize] == hashes[i + k].get()
+            {
+                k += 1;
+            }
+            let end = id + k as u32;
+            if !run.holders.contains(member, &self.pool) {
+                let joined = self.pool.with(&run.holders, member, true);
+                self.recolor(id, end, joined, Cause::Join);
+                self.note_range(member, id, end);
+            }
+            prev = Some(end - 1);
+            i += k;
+        }
+    }
+
+    /// A new block `hash` held by `member` alone, at `prev + 1` when that id is free.
+    fn add_block(&mut self, member: u32, prev: Option<u32>, hash: u64) -> u32 {
+        let id = self.alloc_id(prev);
+        self.hashes[id as usize] = hash;
+        if self.table.insert(hash, id) {
+            self.table_live += 1;
+        } else {
+            self.table_used += 1;
+            self.table_live += 1;
+        }
+        self.stats.blocks += 1;
+        let alone = Holders::one(member);
+        let left = id.checked_sub(1).map(|l| self.run_of[l as usize]);
+        let r = match left {
+            Some(l) if l != NONE && self.pool.same(&self.runs[l as usize].holders, &alone) => {
+                self.runs[l as usize].end = id + 1;
+                l
+            }
+            _ => self.new_run(id, id + 1, alone),
+        };
+        self.run_of[id as usize] = r;
+        self.merge_right(r);
+        self.note_range(member, id, id + 1);
+        id
+    }
+
+    fn alloc_id(&mut self, prev: Option<u32>) -> u32 {
+        if let Some(p) = prev {
+            let next = p as usize + 1;
+            if next == self.hashes.len() {
+                return self.grow_id();
+            }
+            if next < self.hashes.len() && self.run_of[next] == NONE {
+                return next as u32;
+            }
+        }
+        while let Some(id) = self.free_ids.pop() {
+            if self.run_of[id as usize] == NONE {
+                return id;
+            }
+        }
+        self.grow_id()
+    }
+
+    fn grow_id(&mut self) -> u32 {
+        self.hashes.push(0);
+        self.run_of.push(NONE);
+        (self.hashes.len() - 1) as u32
+    }
+
+    /// Records that `member` was given ids `start .. end` (extending its last range when
+    /// adjacent), compacting its list when stale entries have doubled it.
+    fn note_range(&mut self, member: u32, start: u32, end: u32) {
+        let m = member as usize;
+        if self.ranges.len() <= m {
+            self.ranges.resize_with(m + 1, Vec::new);
+            self.compacted.resize(m + 1, 0);
+        }
+        let list = &mut self.ranges[m];
+        match list.last_mut() {
+            Some(last) if last.1 == start => last.1 = end,
+            _ => list.push((start, end)),
+        }
+        if list.len() > 2 * self.compacted[m] + 64 {
+            self.compact(member);
+        }
+    }
+
+    /// Rewrites `member`'s ranges to exactly the runs it holds now, merged.
+    fn compact(&mut self, member: u32) {
+        let m = member as usize;
+        let mut old = std::mem::take(&mut self.ranges[m]);
+        old.sort_unstable();
+        let mut fresh: Vec<(u32, u32)> = Vec::new();
+        let mut covered = 0;
+        for &(start, end) in &old {
+            let mut id = start.max(covered);
+            while id < end {
+                let r = self.run_of[id as usize];
+                if r == NONE {
+                    id += 1;
+                    continue;
+                }
+                let run = self.runs[r as usize];
+                if run.holders.contains(member, &self.pool) {
+                    match fresh.last_mut() {
+                        Some(last) if last.1 >= run.start => last.1 = last.1.max(run.end),
+                        _ => fresh.push((run.start, run.end)),
+                    }
+                }
+                id = run.end;
+            }
+            covered = covered.max(end);
+        }
+        self.compacted[m] = fresh.len();
+        self.ranges[m] = fresh;
+    }
+
+    fn new_run(&mut self, start: u32, end: u32, holders: Holders) -> u32 {
+        let run = Run {
+            start,
+            end,
+            holders,
+        };
+        self.stats.runs += 1;
+        match self.free_runs.pop() {
+            Some(r) => {
+                self.runs[r as usize] = run;
+                r
+            }
+            None => {
+                self.runs.push(run);
+                (self.runs.len() - 1) as u32
+            }
+        }
+    }
+
+    fn drop_run(&mut self, r: u32) {
+        self.pool.release(self.runs[r as usize].holders);
+        self.runs[r as usize].holders = Holders::default();
+        self.free_runs.push(r);
+        self.stats.runs -= 1;
+    }
+
+    fn relabel(&mut self, start: u32, end: u32, r: u32) {
+        self.run_of[start as usize..end as usize].fill(r);
+        self.stats.relabels += (end - start) as u64;
+    }
+
+    /// Gives ids `a .. b` (inside one run) the holder set `set` (owned; empty: the blocks left
+    /// the index and the ids become free). The run is split around them and the result merged
+    /// with equal neighbours; the largest part keeps the run's number, so only the smaller
+    /// parts are relabelled.
+    fn recolor(&mut self, a: u32, b: u32, set: Holders, cause: Cause) {
+        let r = self.run_of[a as usize];
+        let run = self.runs[r as usize];
+        let (left, mid, right) = (a - run.start, b - a, run.end - b);
+        if left > 0 || right > 0 {
+            match cause {
+                Cause::Join => self.stats.splits_join += 1,
+                Cause::Hole => self.stats.splits_hole += 1,
+                Cause::Leave => self.stats.splits_leave += 1,
+            }
+        }
+        let keep_mid = !set.is_empty() && mid >= left && mid >= right;
+        let old = run.holders;
+        let mid_run = if set.is_empty() {
+            None
+        } else if keep_mid {
+            self.runs[r as usize] = Run {
+                start: a,
+                end: b,
+                holders: set,
+            };
+            Some(r)
+        } else {
+            let m = self.new_run(a, b, set);
+            self.relabel(a, b, m);
+            Some(m)
+        };
+        // The parts that keep the old holders: the first takes `old` itself, others a copy.
+        let mut old_owned = false;
+        let (big, small) = if left >= right {
+            ((run.start, a), (b, run.end))
+        } else {
+            ((b, run.end), (run.start, a))
+        };
+        for (i, (s, e)) in [big, small].into_iter().enumerate() {
+            if s == e {
+                continue;
+            }
+            let holders = if old_owned {
+                self.pool.copy(old)
+            } else {
+                old_owned = true;
+                old
+            };
+            if i == 0 && !keep_mid {
+                self.runs[r as usize] = Run {
+                    start: s,
+                    end: e,
+                    holders,
+                };
+            } else {
+                let n = self.new_run(s, e, holders);
+                self.relabel(s, e, n);
+            }
+        }
+        if !old_owned {
+            self.pool.release(old);
+        }
+        if set.is_empty() && left == 0 && right == 0 {
+            self.runs[r as usize].holders = Holders::default();
+            self.free_runs.push(r);
+            self.stats.runs -= 1;
+        }
+        match mid_run {
+            Some(m) => {
+                let m = self.merge_left(m);
+                self.merge_right(m);
+            }
+            None => self.run_of[a as usize..b as usize].fill(NONE),
+        }
+    }
+
+    /// Merges run `r` into its left neighbour (or the reverse) when their holders are equal;
+    /// returns the surviving run.
+    fn merge_left(&mut self, r: u32) -> u32 {
+        let run = self.runs[r as usize];
+        let Some(l) = run.start.checked_sub(1).map(|i| self.run_of[i as usize]) else {
+            return r;
+        };
+        if l == NONE || !self.pool.same(&self.runs[l as usize].holders, &run.holders) {
+            return r;
+        }
+        self.join(l, r)
+    }
+
+    fn merge_right(&mut self, r: u32) -> u32 {
+        let run = self.runs[r as usize];
+        let Some(&n) = self.run_of.get(run.end as usize) else {
+            return r;
+        };
+        if n == NONE || !self.pool.same(&self.runs[n as usize].holders, &run.holders) {
+            return r;
+        }
+        self.join(r, n)
+    }
+
+    /// Joins adjacent runs `l` then `r` (equal holders), relabelling the shorter.
+    fn join(&mut self, l: u32, r: u32) -> u32 {
+        self.stats.merges += 1;
+        let (lr, rr) = (self.runs[l as usize], self.runs[r as usize]);
+        let (keep, gone) = if lr.end - lr.start >= rr.end - rr.start {
+            (l, r)
+        } else {
+            (r, l)
+        };
+        let g = self.runs[gone as usize];
+        self.relabel(g.start, g.end, keep);
+        self.runs[keep as usize].start = lr.start;
+        self.runs[keep as usize].end = rr.end;
+        self.drop_run(gone);
+        keep
+    }
+
+    /// `member` no longer holds `hashes` (a `BlockRemoved`); hashes it does not hold are
+    /// ignored. Consecutive hashes on a stretch (either direction) are taken as one range.
+    pub fn remove(&mut self, member: u32, hashes: &[BlockHash]) {
+        for h in hashes {
+            self.table.prefetch(h.get());
+        }
+        let mut i = 0;
+        while i < hashes.len() {
+            let Some(id) = self.find(hashes[i].get()) else {
+                i += 1;
+                continue;
+            };
+            let run = self.runs[self.run_of[id as usize] as usize];
+            let mut k = 1;
+            let (mut a, mut b) = (id, id + 1);
+            while i + k < hashes.len() {
+                let h = hashes[i + k].get();
+                if b < run.end && self.hashes[b as usize] == h {
+                    b += 1;
+                } else if a > run.start && self.hashes[a as usize - 1] == h {
+                    a -= 1;
+                } else {
+                    break;
+                }
+                k += 1;
+            }
+            self.take_off(member, a, b);
+            i += k;
+        }
+    }
+
+    /// Takes `member` off ids `a .. b` (inside one run), if it holds them.
+    fn take_off(&mut self, member: u32, a: u32, b: u32) {
+        let holders = self.runs[self.run_of[a as usize] as usize].holders;
+        if !holders.contains(member, &self.pool) {
+            return;
+        }
+        let left = self.pool.with(&holders, member, false);
+        if left.is_empty() {
+            for id in a..b {
+                let hash = self.hashes[id as usize];
+                if let Some(emptied) = self.table.remove(hash, id) {
+                    self.table_used -= emptied;
+                    self.table_live -= 1;
+                }
+                self.hashes[id as usize] = 0;
+                self.free_ids.push(id);
+            }
+            self.stats.blocks -= (b - a) as u64;
+            self.recolor(a, b, left, Cause::Leave);
+        } else {
+            self.recolor(a, b, left, Cause::Hole);
+        }
+    }
+
+    /// Drops every holding of `member` (its engine cleared or gone).
+    pub fn clear_member(&mut self, member: u32) {
+        let Some(list) = self.ranges.get_mut(member as usize).map(std::mem::take) else {
+            return;
+        };
+        for (start, end) in list {
+            let mut id = start;
+            while id < end {
+                let r = self.run_of[id as usize];
+                if r == NONE {
+                    id += 1;
+                    continue;
+                }
+                let stop = self.runs[r as usize].end.min(end);
+                self.take_off(member, id, stop);
+                id = stop;
+            }
+        }
+        self.compacted[member as usize] = 0;
+    }
+
+    /// Every holder's matched prefix of `prompt`: `emit(member, blocks)` once per member that
+    /// holds the first block. `alive` is the caller's scratch (reused across calls).
+    pub fn score(
+        &self,
+        prompt: &[BlockHash],
+        alive: &mut Vec<(u32, u64)>,
+        mut emit: impl FnMut(u32, u32),
+    ) {
+        alive.clear();
+        let Some(first) = prompt.first() else {
+            return;
+        };
+        let Some(mut id) = self.find(first.get()) else {
+            return;
+        };
+        let mut r = self.run_of[id as usize];
+        alive.extend(self.runs[r as usize].holders.windows(&self.pool));
+        for (j, h) in prompt.iter().enumerate().skip(1) {
+            let h = h.get();
+            let next = if self.is_block(id + 1, h) {
+                Some(id + 1)
+            } else {
+                self.find(h)
+            };
+            let Some(next) = next else {
+                return emit_all(alive, j as u32, &mut emit);
+            };
+            id = next;
+            let q = self.run_of[id as usize];
+            if q == r {
+                continue;
+            }
+            r = q;
+            let holders = &self.runs[r as usize].holders;
+            alive.retain_mut(|(w, bits)| {
+                let kept = *bits & holders.bits_of(*w, &self.pool);
+                emit_bits(*w, *bits & !kept, j as u32, &mut emit);
+                *bits = kept;
+                kept != 0
+            });
+            if alive.is_empty() {
+                return;
+            }
+        }
+        emit_all(alive, prompt.len() as u32, &mut emit);
+    }
+}
+
+fn emit_all(alive: &[(u32, u64)], depth: u32, emit: &mut impl FnMut(u32, u32)) {
+    for &(w, bits) in alive {
+        emit_bits(w, bits, depth, emit);
+    }
+}
+
+#[inline]
+fn emit_bits(window: u32, mut bits: u64, depth: u32, emit: &mut impl FnMut(u32, u32)) {
+    while bits != 0 {
+        emit(window * 64 + bits.trailing_zeros(), depth);
+        bits &= bits - 1;
+    }
+}
+
+#[cfg(test)]
+mod tests;
