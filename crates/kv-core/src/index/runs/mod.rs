@@ -2,13 +2,13 @@
 //! with holders kept per **run** instead of per block.
 //!
 //! Shape:
-//! - every block in the index has an id; its hash is `hashes[id]` and the table (shared with
-//!   the v2 index: key-less tagged slots) maps hash -> id. New blocks of a stored run take
-//!   consecutive ids where free ids allow, so a chain is a stretch of ids;
-//! - a **run** is a stretch of ids `start .. end` whose blocks all have one holder set;
-//!   `run_of[id]` names the run of each block. Runs split where a store, a removal or a block
-//!   leaving cuts them, and merge with a neighbour of equal holders again, always relabelling the
-//!   smaller side;
+//! - every block in the index has an id, whose slot holds its hash and its run (side by side:
+//!   a jump to an id reads one cache line); the table (shared with the v2 index: key-less
+//!   tagged slots) maps hash -> id. New blocks of a stored run take consecutive ids where free
+//!   ids allow, so a chain is a stretch of ids;
+//! - a **run** is a stretch of ids `start .. end` whose blocks all have one holder set. Runs
+//!   split where a store, a removal or a block leaving cuts them, and merge with a neighbour of
+//!   equal holders again, always relabelling the smaller side;
 //! - holders are bitmaps ([`holders`]): inline up to one 64-member window, pooled words beyond.
 //!
 //! Costs: a block entering the index pays one table insert; a store that joins blocks others
@@ -22,7 +22,7 @@
 //! every step of a query, so a publisher whose "chain" is not one (a forged run) can only put
 //! its own blocks in odd places; other members' holdings are never read through its runs.
 //!
-//! Invariants: `run_of[id] == NONE` iff `id` is free, and then `hashes[id] == 0`; the table
+//! Invariants: an id's run is `NONE` iff the id is free, and then its hash is 0; the table
 //! holds live ids only; a live run's ids all map to it; two
 //! adjacent runs never have equal holder sets after an operation (merged); a run's holder set is
 //! never empty.
@@ -37,8 +37,21 @@ use super::table::Table;
 use crate::BlockHash;
 pub use holders::{Holders, WordPool};
 
-/// `run_of` of a free id.
+/// The run of a free id.
 const NONE: u32 = u32::MAX;
+/// How far ahead of the block in hand a write prefetches table slots: enough to cover a
+/// miss's latency, few enough that a stretch found without probing wastes little.
+const PREFETCH_AHEAD: usize = 12;
+
+/// One block id's slot.
+#[derive(Clone, Copy, Debug)]
+struct IdSlot {
+    /// The block's hash (0 when free).
+    hash: u64,
+    /// The block's run ([`NONE`] when free). The slot's last 4 bytes are padding (where
+    /// CLOCK reference bits will go).
+    run: u32,
+}
 
 /// One run: ids `start .. end` held by `holders`.
 #[derive(Clone, Copy, Debug)]
@@ -86,12 +99,14 @@ pub struct RunIndex {
     /// Table slots in use (live entries and tombstones) and live entries.
     table_used: usize,
     table_live: usize,
-    hashes: Vec<u64>,
-    run_of: Vec<u32>,
+    /// Per block id: its hash and its run, side by side (a jump to an id costs one line).
+    ids: Vec<IdSlot>,
     runs: Vec<Run>,
     free_runs: Vec<u32>,
-    /// Freed ids (may hold ids reused since: checked when popped).
-    free_ids: Vec<u32>,
+    /// Freed ids as ranges `start .. end`, newest last; an id taken by `prev + 1` stays in its
+    /// range until it is reached (checked when taken). Allocation takes a range from its start,
+    /// so a new run gets ascending ids, whichever order its ids were freed in.
+    free_ranges: Vec<(u32, u32)>,
     pool: WordPool,
     /// Per member: id ranges it was given (stale entries allowed), so a clear walks its runs.
     ranges: Vec<Vec<(u32, u32)>>,
@@ -107,11 +122,10 @@ impl RunIndex {
             table: Table::with_capacity(1024, seed),
             table_used: 0,
             table_live: 0,
-            hashes: Vec::new(),
-            run_of: Vec::new(),
+            ids: Vec::new(),
             runs: Vec::new(),
             free_runs: Vec::new(),
-            free_ids: Vec::new(),
+            free_ranges: Vec::new(),
             pool: WordPool::default(),
             ranges: Vec::new(),
             compacted: Vec::new(),
@@ -129,12 +143,11 @@ impl RunIndex {
 
     /// Bytes held: ids (hash and run), table, runs, pooled holder words, member ranges.
     pub fn allocated_bytes(&self) -> usize {
-        self.hashes.capacity() * 8
-            + self.run_of.capacity() * 4
+        self.ids.capacity() * std::mem::size_of::<IdSlot>()
             + self.table.allocated_bytes()
             + self.runs.capacity() * std::mem::size_of::<Run>()
             + self.free_runs.capacity() * 4
-            + self.free_ids.capacity() * 4
+            + self.free_ranges.capacity() * 8
             + self.pool.allocated_bytes()
             + self.ranges.iter().map(|r| r.capacity() * 8).sum::<usize>()
     }
@@ -143,16 +156,17 @@ impl RunIndex {
     /// match is confirmed by the hash alone.
     #[inline]
     fn find(&self, hash: u64) -> Option<u32> {
-        let hashes = &self.hashes;
-        self.table.find(hash, |id| hashes[id as usize])
+        let ids = &self.ids;
+        self.table.find(hash, |id| ids[id as usize].hash)
     }
 
     /// Whether `id` is a live block with `hash` (the stretch test: no probe). A freed id's
     /// hash is 0, so only a hash of 0 needs the run check.
     #[inline]
     fn is_block(&self, id: u32, hash: u64) -> bool {
-        self.hashes.get(id as usize) == Some(&hash)
-            && (hash != 0 || self.run_of[id as usize] != NONE)
+        self.ids
+            .get(id as usize)
+            .is_some_and(|slot| slot.hash == hash && (hash != 0 || slot.run != NONE))
     }
 
     /// The members holding `hash`.
@@ -160,7 +174,7 @@ impl RunIndex {
         let Some(id) = self.find(hash.get()) else {
             return Vec::new();
         };
-        let set = self.runs[self.run_of[id as usize] as usize].holders;
+        let set = self.runs[self.ids[id as usize].run as usize].holders;
         let mut out = Vec::new();
         for (w, mut bits) in set.windows(&self.pool) {
             while bits != 0 {
@@ -176,7 +190,7 @@ impl RunIndex {
         if (self.table_used + more) * 20 <= self.table.capacity() * 17 {
             return;
         }
-        let capacity = ((self.table_live + more) * 3 / 2).max(1024);
+        let capacity = ((self.table_live + more) * 5 / 2).max(1024);
         let fresh = Table::with_capacity(capacity, self.table_seed());
         self.table_live = self.table.copy_into(&fresh);
         self.table_used = self.table_live;
@@ -187,15 +201,26 @@ impl RunIndex {
         self.table.seed()
     }
 
+    /// Prefetches the table slots of the hashes up to [`PREFETCH_AHEAD`] past `i` (from where
+    /// the last call stopped, or from `i` after a stretch skipped ahead).
+    #[inline]
+    fn prefetch_ahead(&self, hashes: &[BlockHash], i: usize, prefetched: &mut usize) {
+        let until = (i + PREFETCH_AHEAD).min(hashes.len());
+        *prefetched = (*prefetched).max(i);
+        while *prefetched < until {
+            self.table.prefetch(hashes[*prefetched].get());
+            *prefetched += 1;
+        }
+    }
+
     /// `member` stores `hashes` after `parent` (a `BlockStored`).
     pub fn store(&mut self, member: u32, parent: Option<BlockHash>, hashes: &[BlockHash]) {
         self.reserve(hashes.len());
-        for h in hashes {
-            self.table.prefetch(h.get());
-        }
+        let mut prefetched = 0;
         let mut prev = parent.and_then(|p| self.find(p.get()));
         let mut i = 0;
         while i < hashes.len() {
+            self.prefetch_ahead(hashes, i, &mut prefetched);
             let h = hashes[i].get();
             let found = match prev {
                 Some(p) if self.is_block(p + 1, h) => Some(p + 1),
@@ -207,11 +232,11 @@ impl RunIndex {
                 i += 1;
                 continue;
             };
-            let run = self.runs[self.run_of[id as usize] as usize];
+            let run = self.runs[self.ids[id as usize].run as usize];
             let mut k = 1;
             while i + k < hashes.len()
                 && id + (k as u32) < run.end
-                && self.hashes[(id + k as u32) as usize] == hashes[i + k].get()
+                && self.ids[(id + k as u32) as usize].hash == hashes[i + k].get()
             {
                 k += 1;
             }
@@ -229,7 +254,7 @@ impl RunIndex {
     /// A new block `hash` held by `member` alone, at `prev + 1` when that id is free.
     fn add_block(&mut self, member: u32, prev: Option<u32>, hash: u64) -> u32 {
         let id = self.alloc_id(prev);
-        self.hashes[id as usize] = hash;
+        self.ids[id as usize].hash = hash;
         if self.table.insert(hash, id) {
             self.table_live += 1;
         } else {
@@ -238,7 +263,7 @@ impl RunIndex {
         }
         self.stats.blocks += 1;
         let alone = Holders::one(member);
-        let left = id.checked_sub(1).map(|l| self.run_of[l as usize]);
+        let left = id.checked_sub(1).map(|l| self.ids[l as usize].run);
         let r = match left {
             Some(l) if l != NONE && self.pool.same(&self.runs[l as usize].holders, &alone) => {
                 self.runs[l as usize].end = id + 1;
@@ -246,7 +271,7 @@ impl RunIndex {
             }
             _ => self.new_run(id, id + 1, alone),
         };
-        self.run_of[id as usize] = r;
+        self.ids[id as usize].run = r;
         self.merge_right(r);
         self.note_range(member, id, id + 1);
         id
@@ -255,25 +280,39 @@ impl RunIndex {
     fn alloc_id(&mut self, prev: Option<u32>) -> u32 {
         if let Some(p) = prev {
             let next = p as usize + 1;
-            if next == self.hashes.len() {
+            if next == self.ids.len() {
                 return self.grow_id();
             }
-            if next < self.hashes.len() && self.run_of[next] == NONE {
+            if next < self.ids.len() && self.ids[next].run == NONE {
                 return next as u32;
             }
         }
-        while let Some(id) = self.free_ids.pop() {
-            if self.run_of[id as usize] == NONE {
+        while let Some(range) = self.free_ranges.last_mut() {
+            let id = range.0;
+            range.0 += 1;
+            if range.0 == range.1 {
+                self.free_ranges.pop();
+            }
+            if self.ids[id as usize].run == NONE {
                 return id;
             }
         }
         self.grow_id()
     }
 
+    /// Records `id` as free, extending the newest range when adjacent (ascending or descending
+    /// frees of a stretch make one range).
+    fn free_id(&mut self, id: u32) {
+        match self.free_ranges.last_mut() {
+            Some(range) if range.1 == id => range.1 += 1,
+            Some(range) if range.0 == id + 1 => range.0 = id,
+            _ => self.free_ranges.push((id, id + 1)),
+        }
+    }
+
     fn grow_id(&mut self) -> u32 {
-        self.hashes.push(0);
-        self.run_of.push(NONE);
-        (self.hashes.len() - 1) as u32
+        self.ids.push(IdSlot { hash: 0, run: NONE });
+        (self.ids.len() - 1) as u32
     }
 
     /// Records that `member` was given ids `start .. end` (extending its last range when
@@ -304,7 +343,7 @@ impl RunIndex {
         for &(start, end) in &old {
             let mut id = start.max(covered);
             while id < end {
-                let r = self.run_of[id as usize];
+                let r = self.ids[id as usize].run;
                 if r == NONE {
                     id += 1;
                     continue;
@@ -351,7 +390,9 @@ impl RunIndex {
     }
 
     fn relabel(&mut self, start: u32, end: u32, r: u32) {
-        self.run_of[start as usize..end as usize].fill(r);
+        for slot in &mut self.ids[start as usize..end as usize] {
+            slot.run = r;
+        }
         self.stats.relabels += (end - start) as u64;
     }
 
@@ -360,7 +401,7 @@ impl RunIndex {
     /// with equal neighbours; the largest part keeps the run's number, so only the smaller
     /// parts are relabelled.
     fn recolor(&mut self, a: u32, b: u32, set: Holders, cause: Cause) {
-        let r = self.run_of[a as usize];
+        let r = self.ids[a as usize].run;
         let run = self.runs[r as usize];
         let (left, mid, right) = (a - run.start, b - a, run.end - b);
         if left > 0 || right > 0 {
@@ -368,6 +409,26 @@ impl RunIndex {
                 Cause::Join => self.stats.splits_join += 1,
                 Cause::Hole => self.stats.splits_hole += 1,
                 Cause::Leave => self.stats.splits_leave += 1,
+            }
+        }
+        if !set.is_empty() && (left == 0) != (right == 0) {
+            // The part touches one end of its run: when the neighbour there already has `set`,
+            // the part joins it (no new run, one relabel per id).
+            let at = if left == 0 { a.checked_sub(1) } else { Some(b) };
+            let neighbour = at
+                .and_then(|i| self.ids.get(i as usize).map(|slot| slot.run))
+                .filter(|&n| n != NONE && self.pool.same(&self.runs[n as usize].holders, &set));
+            if let Some(n) = neighbour {
+                self.pool.release(set);
+                self.relabel(a, b, n);
+                if left == 0 {
+                    self.runs[n as usize].end = b;
+                    self.runs[r as usize].start = b;
+                } else {
+                    self.runs[n as usize].start = a;
+                    self.runs[r as usize].end = a;
+                }
+                return;
             }
         }
         let keep_mid = !set.is_empty() && mid >= left && mid >= right;
@@ -427,7 +488,11 @@ impl RunIndex {
                 let m = self.merge_left(m);
                 self.merge_right(m);
             }
-            None => self.run_of[a as usize..b as usize].fill(NONE),
+            None => {
+                for slot in &mut self.ids[a as usize..b as usize] {
+                    slot.run = NONE;
+                }
+            }
         }
     }
 
@@ -435,7 +500,7 @@ impl RunIndex {
     /// returns the surviving run.
     fn merge_left(&mut self, r: u32) -> u32 {
         let run = self.runs[r as usize];
-        let Some(l) = run.start.checked_sub(1).map(|i| self.run_of[i as usize]) else {
+        let Some(l) = run.start.checked_sub(1).map(|i| self.ids[i as usize].run) else {
             return r;
         };
         if l == NONE || !self.pool.same(&self.runs[l as usize].holders, &run.holders) {
@@ -446,7 +511,7 @@ impl RunIndex {
 
     fn merge_right(&mut self, r: u32) -> u32 {
         let run = self.runs[r as usize];
-        let Some(&n) = self.run_of.get(run.end as usize) else {
+        let Some(n) = self.ids.get(run.end as usize).map(|slot| slot.run) else {
             return r;
         };
         if n == NONE || !self.pool.same(&self.runs[n as usize].holders, &run.holders) {
@@ -475,23 +540,22 @@ impl RunIndex {
     /// `member` no longer holds `hashes` (a `BlockRemoved`); hashes it does not hold are
     /// ignored. Consecutive hashes on a stretch (either direction) are taken as one range.
     pub fn remove(&mut self, member: u32, hashes: &[BlockHash]) {
-        for h in hashes {
-            self.table.prefetch(h.get());
-        }
+        let mut prefetched = 0;
         let mut i = 0;
         while i < hashes.len() {
+            self.prefetch_ahead(hashes, i, &mut prefetched);
             let Some(id) = self.find(hashes[i].get()) else {
                 i += 1;
                 continue;
             };
-            let run = self.runs[self.run_of[id as usize] as usize];
+            let run = self.runs[self.ids[id as usize].run as usize];
             let mut k = 1;
             let (mut a, mut b) = (id, id + 1);
             while i + k < hashes.len() {
                 let h = hashes[i + k].get();
-                if b < run.end && self.hashes[b as usize] == h {
+                if b < run.end && self.ids[b as usize].hash == h {
                     b += 1;
-                } else if a > run.start && self.hashes[a as usize - 1] == h {
+                } else if a > run.start && self.ids[a as usize - 1].hash == h {
                     a -= 1;
                 } else {
                     break;
@@ -505,20 +569,20 @@ impl RunIndex {
 
     /// Takes `member` off ids `a .. b` (inside one run), if it holds them.
     fn take_off(&mut self, member: u32, a: u32, b: u32) {
-        let holders = self.runs[self.run_of[a as usize] as usize].holders;
+        let holders = self.runs[self.ids[a as usize].run as usize].holders;
         if !holders.contains(member, &self.pool) {
             return;
         }
         let left = self.pool.with(&holders, member, false);
         if left.is_empty() {
             for id in a..b {
-                let hash = self.hashes[id as usize];
+                let hash = self.ids[id as usize].hash;
                 if let Some(emptied) = self.table.remove(hash, id) {
                     self.table_used -= emptied;
                     self.table_live -= 1;
                 }
-                self.hashes[id as usize] = 0;
-                self.free_ids.push(id);
+                self.ids[id as usize].hash = 0;
+                self.free_id(id);
             }
             self.stats.blocks -= (b - a) as u64;
             self.recolor(a, b, left, Cause::Leave);
@@ -535,7 +599,7 @@ impl RunIndex {
         for (start, end) in list {
             let mut id = start;
             while id < end {
-                let r = self.run_of[id as usize];
+                let r = self.ids[id as usize].run;
                 if r == NONE {
                     id += 1;
                     continue;
@@ -563,7 +627,7 @@ impl RunIndex {
         let Some(mut id) = self.find(first.get()) else {
             return;
         };
-        let mut r = self.run_of[id as usize];
+        let mut r = self.ids[id as usize].run;
         alive.extend(self.runs[r as usize].holders.windows(&self.pool));
         for (j, h) in prompt.iter().enumerate().skip(1) {
             let h = h.get();
@@ -576,7 +640,7 @@ impl RunIndex {
                 return emit_all(alive, j as u32, &mut emit);
             };
             id = next;
-            let q = self.run_of[id as usize];
+            let q = self.ids[id as usize].run;
             if q == r {
                 continue;
             }
