@@ -10,7 +10,7 @@
 //!
 //! Usage: `cargo run --release --manifest-path benches/peers/Cargo.toml [-- TRACE.jsonl]`;
 //! `KV_BENCH_FLEETS=16,80` picks fleets (`1024s` = 1,024 pods with the system prompt; `16e` and
-//! `16h`: 16 pods with one hash per removal call, in LRU order and shuffled);
+//! `16h`: 16 pods with one hash per removal call, tail first as vLLM evicts, and shuffled);
 //! `KV_BENCH_BACKENDS=smg,ours` picks backends (keys in `backends()`; the flat map always runs).
 
 use std::time::Instant;
@@ -224,7 +224,7 @@ fn fleets() -> Vec<Fleet> {
         ("16", "16 pods", base),
         (
             "16e",
-            "16 pods, one hash per removal event",
+            "16 pods, one hash per removal event, tail first (as vLLM evicts)",
             WorkloadShape {
                 removals: Removals::OnePerEvent,
                 ..base

@@ -50,7 +50,9 @@ pub enum Removals {
     /// One call per request with everything its LRU evicted, oldest first.
     #[default]
     Batched,
-    /// One hash per call (vLLM sends one `BlockRemoved` per freed block), oldest first.
+    /// One hash per call, each evicted batch tail first: vLLM sends one `BlockRemoved` per
+    /// evicted block, and its free queue hands out a finished request's blocks last block
+    /// first.
     OnePerEvent,
     /// One hash per call in a shuffled order: holes anywhere in a chain.
     Shuffled,
@@ -109,8 +111,8 @@ pub struct IndexWorkload {
     pub removed: Vec<BlockHash>,
     /// Memberships held at the end (sum of the pods' LRU sizes).
     pub final_memberships: usize,
-    /// Whether removals are sent one hash per call ([`Removals`]).
-    pub one_per_event: bool,
+    /// How removals are sent ([`Removals`]; `Shuffled` batches are already shuffled).
+    pub removals: Removals,
 }
 
 impl IndexWorkload {
@@ -118,7 +120,7 @@ impl IndexWorkload {
     pub fn simulate(requests: &[MooncakeRequest], shape: WorkloadShape) -> Self {
         let sub = (shape.trace_block_tokens / shape.engine_block_tokens).max(1);
         let mut w = IndexWorkload {
-            one_per_event: shape.removals != Removals::Batched,
+            removals: shape.removals,
             ..Default::default()
         };
         let mut shuffle = kv_core::SplitMix64::new(0x5407_F1ED);
@@ -350,12 +352,19 @@ pub fn drive(workload: &IndexWorkload, backend: &mut dyn IndexBackend) -> BenchR
             );
         }
         let removed = &workload.removed[step.removed.clone()];
-        if workload.one_per_event {
-            for h in removed {
-                backend.remove(step.pod, std::slice::from_ref(h));
+        match workload.removals {
+            Removals::Batched if !removed.is_empty() => backend.remove(step.pod, removed),
+            Removals::Batched => {}
+            Removals::OnePerEvent => {
+                for h in removed.iter().rev() {
+                    backend.remove(step.pod, std::slice::from_ref(h));
+                }
             }
-        } else if !removed.is_empty() {
-            backend.remove(step.pod, removed);
+            Removals::Shuffled => {
+                for h in removed {
+                    backend.remove(step.pod, std::slice::from_ref(h));
+                }
+            }
         }
         apply_ns += t.elapsed().as_nanos();
     }

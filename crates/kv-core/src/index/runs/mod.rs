@@ -32,6 +32,7 @@
 //! measured against SMG in `benches/peers` before the rest is built on it.
 
 mod holders;
+mod surgery;
 
 use super::table::Table;
 use crate::BlockHash;
@@ -48,9 +49,12 @@ const PREFETCH_AHEAD: usize = 12;
 struct IdSlot {
     /// The block's hash (0 when free).
     hash: u64,
-    /// The block's run ([`NONE`] when free). The slot's last 4 bytes are padding (where
-    /// CLOCK reference bits will go).
+    /// The block's run ([`NONE`] when free).
     run: u32,
+    /// Where this block's chain went on when it did not go on at the next id: the id its most
+    /// recently stored child took (a hint, confirmed by the child's hash; [`NONE`]: none). It
+    /// fills the slot's padding, and saves a table probe where a chain jumps.
+    next: u32,
 }
 
 /// One run: ids `start .. end` held by `holders`.
@@ -112,6 +116,8 @@ pub struct RunIndex {
     ranges: Vec<Vec<(u32, u32)>>,
     /// Per member: `ranges` length after its last compaction.
     compacted: Vec<usize>,
+    /// Per member: the first id of its last removal ([`RunIndex::near_cursor`]).
+    cursors: Vec<u32>,
     stats: RunStats,
 }
 
@@ -129,6 +135,7 @@ impl RunIndex {
             pool: WordPool::default(),
             ranges: Vec::new(),
             compacted: Vec::new(),
+            cursors: Vec::new(),
             stats: RunStats::default(),
         }
     }
@@ -167,6 +174,22 @@ impl RunIndex {
         self.ids
             .get(id as usize)
             .is_some_and(|slot| slot.hash == hash && (hash != 0 || slot.run != NONE))
+    }
+
+    /// The chain child `hash` of block `parent`, if its hint names it.
+    #[inline]
+    fn by_hint(&self, parent: u32, hash: u64) -> Option<u32> {
+        let next = self.ids[parent as usize].next;
+        (next != NONE && self.is_block(next, hash)).then_some(next)
+    }
+
+    /// Records that block `child` continues block `parent`'s chain (a hint, where it is not
+    /// the next id).
+    #[inline]
+    fn link(&mut self, parent: u32, child: u32) {
+        if child != parent + 1 {
+            self.ids[parent as usize].next = child;
+        }
     }
 
     /// The members holding `hash`.
@@ -224,8 +247,12 @@ impl RunIndex {
             let h = hashes[i].get();
             let found = match prev {
                 Some(p) if self.is_block(p + 1, h) => Some(p + 1),
-                _ => self.find(h),
+                Some(p) => self.by_hint(p, h).or_else(|| self.find(h)),
+                None => self.find(h),
             };
+            if let (Some(p), Some(id)) = (prev, found) {
+                self.link(p, id);
+            }
             let Some(id) = found else {
                 let id = self.add_block(member, prev, h);
                 prev = Some(id);
@@ -255,6 +282,10 @@ impl RunIndex {
     fn add_block(&mut self, member: u32, prev: Option<u32>, hash: u64) -> u32 {
         let id = self.alloc_id(prev);
         self.ids[id as usize].hash = hash;
+        self.ids[id as usize].next = NONE;
+        if let Some(p) = prev {
+            self.link(p, id);
+        }
         if self.table.insert(hash, id) {
             self.table_live += 1;
         } else {
@@ -311,7 +342,11 @@ impl RunIndex {
     }
 
     fn grow_id(&mut self) -> u32 {
-        self.ids.push(IdSlot { hash: 0, run: NONE });
+        self.ids.push(IdSlot {
+            hash: 0,
+            run: NONE,
+            next: NONE,
+        });
         (self.ids.len() - 1) as u32
     }
 
@@ -322,6 +357,7 @@ impl RunIndex {
         if self.ranges.len() <= m {
             self.ranges.resize_with(m + 1, Vec::new);
             self.compacted.resize(m + 1, 0);
+            self.cursors.resize(m + 1, NONE);
         }
         let list = &mut self.ranges[m];
         match list.last_mut() {
@@ -363,188 +399,19 @@ impl RunIndex {
         self.ranges[m] = fresh;
     }
 
-    fn new_run(&mut self, start: u32, end: u32, holders: Holders) -> u32 {
-        let run = Run {
-            start,
-            end,
-            holders,
-        };
-        self.stats.runs += 1;
-        match self.free_runs.pop() {
-            Some(r) => {
-                self.runs[r as usize] = run;
-                r
-            }
-            None => {
-                self.runs.push(run);
-                (self.runs.len() - 1) as u32
-            }
-        }
-    }
-
-    fn drop_run(&mut self, r: u32) {
-        self.pool.release(self.runs[r as usize].holders);
-        self.runs[r as usize].holders = Holders::default();
-        self.free_runs.push(r);
-        self.stats.runs -= 1;
-    }
-
-    fn relabel(&mut self, start: u32, end: u32, r: u32) {
-        for slot in &mut self.ids[start as usize..end as usize] {
-            slot.run = r;
-        }
-        self.stats.relabels += (end - start) as u64;
-    }
-
-    /// Gives ids `a .. b` (inside one run) the holder set `set` (owned; empty: the blocks left
-    /// the index and the ids become free). The run is split around them and the result merged
-    /// with equal neighbours; the largest part keeps the run's number, so only the smaller
-    /// parts are relabelled.
-    fn recolor(&mut self, a: u32, b: u32, set: Holders, cause: Cause) {
-        let r = self.ids[a as usize].run;
-        let run = self.runs[r as usize];
-        let (left, mid, right) = (a - run.start, b - a, run.end - b);
-        if left > 0 || right > 0 {
-            match cause {
-                Cause::Join => self.stats.splits_join += 1,
-                Cause::Hole => self.stats.splits_hole += 1,
-                Cause::Leave => self.stats.splits_leave += 1,
-            }
-        }
-        if !set.is_empty() && (left == 0) != (right == 0) {
-            // The part touches one end of its run: when the neighbour there already has `set`,
-            // the part joins it (no new run, one relabel per id).
-            let at = if left == 0 { a.checked_sub(1) } else { Some(b) };
-            let neighbour = at
-                .and_then(|i| self.ids.get(i as usize).map(|slot| slot.run))
-                .filter(|&n| n != NONE && self.pool.same(&self.runs[n as usize].holders, &set));
-            if let Some(n) = neighbour {
-                self.pool.release(set);
-                self.relabel(a, b, n);
-                if left == 0 {
-                    self.runs[n as usize].end = b;
-                    self.runs[r as usize].start = b;
-                } else {
-                    self.runs[n as usize].start = a;
-                    self.runs[r as usize].end = a;
-                }
-                return;
-            }
-        }
-        let keep_mid = !set.is_empty() && mid >= left && mid >= right;
-        let old = run.holders;
-        let mid_run = if set.is_empty() {
-            None
-        } else if keep_mid {
-            self.runs[r as usize] = Run {
-                start: a,
-                end: b,
-                holders: set,
-            };
-            Some(r)
-        } else {
-            let m = self.new_run(a, b, set);
-            self.relabel(a, b, m);
-            Some(m)
-        };
-        // The parts that keep the old holders: the first takes `old` itself, others a copy.
-        let mut old_owned = false;
-        let (big, small) = if left >= right {
-            ((run.start, a), (b, run.end))
-        } else {
-            ((b, run.end), (run.start, a))
-        };
-        for (i, (s, e)) in [big, small].into_iter().enumerate() {
-            if s == e {
-                continue;
-            }
-            let holders = if old_owned {
-                self.pool.copy(old)
-            } else {
-                old_owned = true;
-                old
-            };
-            if i == 0 && !keep_mid {
-                self.runs[r as usize] = Run {
-                    start: s,
-                    end: e,
-                    holders,
-                };
-            } else {
-                let n = self.new_run(s, e, holders);
-                self.relabel(s, e, n);
-            }
-        }
-        if !old_owned {
-            self.pool.release(old);
-        }
-        if set.is_empty() && left == 0 && right == 0 {
-            self.runs[r as usize].holders = Holders::default();
-            self.free_runs.push(r);
-            self.stats.runs -= 1;
-        }
-        match mid_run {
-            Some(m) => {
-                let m = self.merge_left(m);
-                self.merge_right(m);
-            }
-            None => {
-                for slot in &mut self.ids[a as usize..b as usize] {
-                    slot.run = NONE;
-                }
-            }
-        }
-    }
-
-    /// Merges run `r` into its left neighbour (or the reverse) when their holders are equal;
-    /// returns the surviving run.
-    fn merge_left(&mut self, r: u32) -> u32 {
-        let run = self.runs[r as usize];
-        let Some(l) = run.start.checked_sub(1).map(|i| self.ids[i as usize].run) else {
-            return r;
-        };
-        if l == NONE || !self.pool.same(&self.runs[l as usize].holders, &run.holders) {
-            return r;
-        }
-        self.join(l, r)
-    }
-
-    fn merge_right(&mut self, r: u32) -> u32 {
-        let run = self.runs[r as usize];
-        let Some(n) = self.ids.get(run.end as usize).map(|slot| slot.run) else {
-            return r;
-        };
-        if n == NONE || !self.pool.same(&self.runs[n as usize].holders, &run.holders) {
-            return r;
-        }
-        self.join(r, n)
-    }
-
-    /// Joins adjacent runs `l` then `r` (equal holders), relabelling the shorter.
-    fn join(&mut self, l: u32, r: u32) -> u32 {
-        self.stats.merges += 1;
-        let (lr, rr) = (self.runs[l as usize], self.runs[r as usize]);
-        let (keep, gone) = if lr.end - lr.start >= rr.end - rr.start {
-            (l, r)
-        } else {
-            (r, l)
-        };
-        let g = self.runs[gone as usize];
-        self.relabel(g.start, g.end, keep);
-        self.runs[keep as usize].start = lr.start;
-        self.runs[keep as usize].end = rr.end;
-        self.drop_run(gone);
-        keep
-    }
-
     /// `member` no longer holds `hashes` (a `BlockRemoved`); hashes it does not hold are
     /// ignored. Consecutive hashes on a stretch (either direction) are taken as one range.
     pub fn remove(&mut self, member: u32, hashes: &[BlockHash]) {
         let mut prefetched = 0;
         let mut i = 0;
         while i < hashes.len() {
-            self.prefetch_ahead(hashes, i, &mut prefetched);
-            let Some(id) = self.find(hashes[i].get()) else {
+            let h = hashes[i].get();
+            // The cursor serves vLLM's one-hash events; a batch finds its stretches itself.
+            let near = (hashes.len() == 1).then(|| self.near_cursor(member, h));
+            let Some(id) = near.flatten().or_else(|| {
+                self.prefetch_ahead(hashes, i, &mut prefetched);
+                self.find(h)
+            }) else {
                 i += 1;
                 continue;
             };
@@ -567,8 +434,24 @@ impl RunIndex {
         }
     }
 
+    /// The block `hash` if it sits next to `member`'s last removal (vLLM frees a request's
+    /// blocks one event each, tail first: the next one is usually the id before).
+    #[inline]
+    fn near_cursor(&self, member: u32, hash: u64) -> Option<u32> {
+        let c = *self.cursors.get(member as usize)?;
+        if c == NONE {
+            return None;
+        }
+        [c.wrapping_sub(1), c + 1]
+            .into_iter()
+            .find(|&id| id != NONE && self.is_block(id, hash))
+    }
+
     /// Takes `member` off ids `a .. b` (inside one run), if it holds them.
     fn take_off(&mut self, member: u32, a: u32, b: u32) {
+        if let Some(c) = self.cursors.get_mut(member as usize) {
+            *c = a;
+        }
         let holders = self.runs[self.ids[a as usize].run as usize].holders;
         if !holders.contains(member, &self.pool) {
             return;
@@ -634,7 +517,7 @@ impl RunIndex {
             let next = if self.is_block(id + 1, h) {
                 Some(id + 1)
             } else {
-                self.find(h)
+                self.by_hint(id, h).or_else(|| self.find(h))
             };
             let Some(next) = next else {
                 return emit_all(alive, j as u32, &mut emit);
