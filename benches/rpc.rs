@@ -15,6 +15,7 @@
 use std::time::{Duration, Instant};
 
 use kv_core::{BlockStored, EventBatch, KvEvent};
+use kv_lab::index_bench::median;
 use kv_proto::kvindexer_v1::kv_indexer_client::KvIndexerClient;
 use kv_proto::kvindexer_v1::score_pods_request::Input;
 use kv_proto::kvindexer_v1::{ScorePodsRequest, ScorePodsResponse, TokenIds};
@@ -29,12 +30,6 @@ const ROUNDS: usize = 3;
 fn percentile(sorted: &[f64], p: f64) -> f64 {
     let rank = ((p / 100.0) * sorted.len() as f64).ceil() as usize;
     sorted[rank.clamp(1, sorted.len()) - 1]
-}
-
-fn median(v: &[f64]) -> f64 {
-    let mut v = v.to_vec();
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
 }
 
 /// One stage's rounds: per round (p50, p99) in microseconds.

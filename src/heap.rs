@@ -17,7 +17,7 @@ use std::time::Duration;
 use tokio::sync::watch;
 
 /// Growth of resident memory since the last trim that is worth a periodic one.
-pub(crate) const TRIM_GROWTH: u64 = 32 << 20;
+const TRIM_GROWTH: u64 = 32 << 20;
 /// How often [`trim_periodically`] looks.
 const TRIM_EVERY: Duration = Duration::from_secs(60);
 
@@ -29,6 +29,15 @@ pub(crate) fn release_free_heap() -> Option<(u64, u64)> {
         return None;
     }
     Some((before, crate::metrics::resident_memory_bytes()?))
+}
+
+/// [`release_free_heap`] on a blocking thread, off the runtime's (a trim of a large heap takes
+/// milliseconds); what both triggers call.
+pub(crate) async fn release_off_runtime() -> Option<(u64, u64)> {
+    tokio::task::spawn_blocking(release_free_heap)
+        .await
+        .ok()
+        .flatten()
 }
 
 /// Until shutdown: every minute, trims the heap if resident memory grew by [`TRIM_GROWTH`]
@@ -49,7 +58,7 @@ pub(crate) async fn trim_periodically(mut shutdown: watch::Receiver<bool>) {
             floor = Some(last.min(now));
             continue;
         }
-        if let Ok(Some((before, after))) = tokio::task::spawn_blocking(release_free_heap).await {
+        if let Some((before, after)) = release_off_runtime().await {
             tracing::debug!(
                 resident_before_mb = before >> 20,
                 resident_after_mb = after >> 20,

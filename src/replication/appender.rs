@@ -134,11 +134,10 @@ pub(super) async fn run(
     }
 }
 
-/// Hands the heap a drained backlog held back to the OS, off the runtime's threads (a trim of
-/// a large heap takes milliseconds).
+/// Hands the heap a drained backlog held back to the OS (without holding up the appender).
 fn release_heap_after_backlog() {
-    tokio::task::spawn_blocking(|| {
-        if let Some((before, after)) = crate::heap::release_free_heap() {
+    tokio::spawn(async {
+        if let Some((before, after)) = crate::heap::release_off_runtime().await {
             tracing::info!(
                 resident_before_mb = before >> 20,
                 resident_after_mb = after >> 20,

@@ -176,6 +176,16 @@ impl RunIndex {
             .is_some_and(|slot| slot.hash == hash && (hash != 0 || slot.run != NONE))
     }
 
+    /// The block `hash`, which follows block `parent` on its chain: at the next id, where the
+    /// parent's hint says, or else through the table. What stores and the walk both use.
+    #[inline]
+    fn child(&self, parent: u32, hash: u64) -> Option<u32> {
+        if self.is_block(parent + 1, hash) {
+            return Some(parent + 1);
+        }
+        self.by_hint(parent, hash).or_else(|| self.find(hash))
+    }
+
     /// The chain child `hash` of block `parent`, if its hint names it.
     #[inline]
     fn by_hint(&self, parent: u32, hash: u64) -> Option<u32> {
@@ -214,14 +224,10 @@ impl RunIndex {
             return;
         }
         let capacity = ((self.table_live + more) * 5 / 2).max(1024);
-        let fresh = Table::with_capacity(capacity, self.table_seed());
+        let fresh = Table::with_capacity(capacity, self.table.seed());
         self.table_live = self.table.copy_into(&fresh);
         self.table_used = self.table_live;
         self.table = fresh;
-    }
-
-    fn table_seed(&self) -> u64 {
-        self.table.seed()
     }
 
     /// Prefetches the table slots of the hashes up to [`PREFETCH_AHEAD`] past `i` (from where
@@ -246,8 +252,7 @@ impl RunIndex {
             self.prefetch_ahead(hashes, i, &mut prefetched);
             let h = hashes[i].get();
             let found = match prev {
-                Some(p) if self.is_block(p + 1, h) => Some(p + 1),
-                Some(p) => self.by_hint(p, h).or_else(|| self.find(h)),
+                Some(p) => self.child(p, h),
                 None => self.find(h),
             };
             if let (Some(p), Some(id)) = (prev, found) {
@@ -286,12 +291,11 @@ impl RunIndex {
         if let Some(p) = prev {
             self.link(p, id);
         }
-        if self.table.insert(hash, id) {
-            self.table_live += 1;
-        } else {
+        // `insert` reports whether it reused a tombstone (a slot already counted as used).
+        if !self.table.insert(hash, id) {
             self.table_used += 1;
-            self.table_live += 1;
         }
+        self.table_live += 1;
         self.stats.blocks += 1;
         let alone = Holders::one(member);
         let left = id.checked_sub(1).map(|l| self.ids[l as usize].run);
@@ -514,12 +518,7 @@ impl RunIndex {
         alive.extend(self.runs[r as usize].holders.windows(&self.pool));
         for (j, h) in prompt.iter().enumerate().skip(1) {
             let h = h.get();
-            let next = if self.is_block(id + 1, h) {
-                Some(id + 1)
-            } else {
-                self.by_hint(id, h).or_else(|| self.find(h))
-            };
-            let Some(next) = next else {
+            let Some(next) = self.child(id, h) else {
                 return emit_all(alive, j as u32, &mut emit);
             };
             id = next;
