@@ -107,11 +107,11 @@ pub struct IndexWorkload {
     pub stored: Vec<BlockHash>,
     /// Content hashes parallel to `stored`.
     pub stored_content: Vec<u64>,
-    /// Removed block hashes.
+    /// Removed block hashes, each step's in the order the backend is sent them ([`Removals`]).
     pub removed: Vec<BlockHash>,
     /// Memberships held at the end (sum of the pods' LRU sizes).
     pub final_memberships: usize,
-    /// How removals are sent ([`Removals`]; `Shuffled` batches are already shuffled).
+    /// How removals are sent ([`Removals`]; `removed` is already in the order they go in).
     pub removals: Removals,
 }
 
@@ -182,10 +182,14 @@ impl IndexWorkload {
                     None => break,
                 }
             }
-            if shape.removals == Removals::Shuffled {
-                let evicted = &mut w.removed[r0..];
-                for i in (1..evicted.len()).rev() {
-                    evicted.swap(i, (shuffle.next_u64() % (i as u64 + 1)) as usize);
+            let evicted = &mut w.removed[r0..];
+            match shape.removals {
+                Removals::Batched => {}
+                Removals::OnePerEvent => evicted.reverse(),
+                Removals::Shuffled => {
+                    for i in (1..evicted.len()).rev() {
+                        evicted.swap(i, (shuffle.next_u64() % (i as u64 + 1)) as usize);
+                    }
                 }
             }
             w.steps.push(Step {
@@ -352,18 +356,13 @@ pub fn drive(workload: &IndexWorkload, backend: &mut dyn IndexBackend) -> BenchR
             );
         }
         let removed = &workload.removed[step.removed.clone()];
-        match workload.removals {
-            Removals::Batched if !removed.is_empty() => backend.remove(step.pod, removed),
-            Removals::Batched => {}
-            Removals::OnePerEvent => {
-                for h in removed.iter().rev() {
-                    backend.remove(step.pod, std::slice::from_ref(h));
-                }
+        if workload.removals == Removals::Batched {
+            if !removed.is_empty() {
+                backend.remove(step.pod, removed);
             }
-            Removals::Shuffled => {
-                for h in removed {
-                    backend.remove(step.pod, std::slice::from_ref(h));
-                }
+        } else {
+            for h in removed {
+                backend.remove(step.pod, std::slice::from_ref(h));
             }
         }
         apply_ns += t.elapsed().as_nanos();
