@@ -32,30 +32,17 @@
 //! measured against SMG in `benches/peers` before the rest is built on it.
 
 mod holders;
+mod slots;
 mod surgery;
 
 use super::table::Table;
 use crate::BlockHash;
 pub use holders::{Holders, WordPool};
+use slots::{IdSlots, NONE};
 
-/// The run of a free id.
-const NONE: u32 = u32::MAX;
 /// How far ahead of the block in hand a write prefetches table slots: enough to cover a
 /// miss's latency, few enough that a stretch found without probing wastes little.
 const PREFETCH_AHEAD: usize = 12;
-
-/// One block id's slot.
-#[derive(Clone, Copy, Debug)]
-struct IdSlot {
-    /// The block's hash (0 when free).
-    hash: u64,
-    /// The block's run ([`NONE`] when free).
-    run: u32,
-    /// Where this block's chain went on when it did not go on at the next id: the id its most
-    /// recently stored child took (a hint, confirmed by the child's hash; [`NONE`]: none). It
-    /// fills the slot's padding, and saves a table probe where a chain jumps.
-    next: u32,
-}
 
 /// One run: ids `start .. end` held by `holders`.
 #[derive(Clone, Copy, Debug)]
@@ -104,7 +91,7 @@ pub struct RunIndex {
     table_used: usize,
     table_live: usize,
     /// Per block id: its hash and its run, side by side (a jump to an id costs one line).
-    ids: Vec<IdSlot>,
+    ids: IdSlots,
     runs: Vec<Run>,
     free_runs: Vec<u32>,
     /// Freed ids as ranges `start .. end`, newest last; an id taken by `prev + 1` stays in its
@@ -128,7 +115,7 @@ impl RunIndex {
             table: Table::with_capacity(1024, seed),
             table_used: 0,
             table_live: 0,
-            ids: Vec::new(),
+            ids: IdSlots::default(),
             runs: Vec::new(),
             free_runs: Vec::new(),
             free_ranges: Vec::new(),
@@ -150,7 +137,7 @@ impl RunIndex {
 
     /// Bytes held: ids (hash and run), table, runs, pooled holder words, member ranges.
     pub fn allocated_bytes(&self) -> usize {
-        self.ids.capacity() * std::mem::size_of::<IdSlot>()
+        self.ids.allocated_bytes()
             + self.table.allocated_bytes()
             + self.runs.capacity() * std::mem::size_of::<Run>()
             + self.free_runs.capacity() * 4
@@ -164,7 +151,7 @@ impl RunIndex {
     #[inline]
     fn find(&self, hash: u64) -> Option<u32> {
         let ids = &self.ids;
-        self.table.find(hash, |id| ids[id as usize].hash)
+        self.table.find(hash, |id| ids[id].hash)
     }
 
     /// Whether `id` is a live block with `hash` (the stretch test: no probe). A freed id's
@@ -172,7 +159,7 @@ impl RunIndex {
     #[inline]
     fn is_block(&self, id: u32, hash: u64) -> bool {
         self.ids
-            .get(id as usize)
+            .get(id)
             .is_some_and(|slot| slot.hash == hash && (hash != 0 || slot.run != NONE))
     }
 
@@ -189,7 +176,7 @@ impl RunIndex {
     /// The chain child `hash` of block `parent`, if its hint names it.
     #[inline]
     fn by_hint(&self, parent: u32, hash: u64) -> Option<u32> {
-        let next = self.ids[parent as usize].next;
+        let next = self.ids[parent].next;
         (next != NONE && self.is_block(next, hash)).then_some(next)
     }
 
@@ -198,7 +185,7 @@ impl RunIndex {
     #[inline]
     fn link(&mut self, parent: u32, child: u32) {
         if child != parent + 1 {
-            self.ids[parent as usize].next = child;
+            self.ids[parent].next = child;
         }
     }
 
@@ -207,7 +194,7 @@ impl RunIndex {
         let Some(id) = self.find(hash.get()) else {
             return Vec::new();
         };
-        let set = self.runs[self.ids[id as usize].run as usize].holders;
+        let set = self.runs[self.ids[id].run as usize].holders;
         let mut out = Vec::new();
         for (w, mut bits) in set.windows(&self.pool) {
             while bits != 0 {
@@ -264,11 +251,11 @@ impl RunIndex {
                 i += 1;
                 continue;
             };
-            let run = self.runs[self.ids[id as usize].run as usize];
+            let run = self.runs[self.ids[id].run as usize];
             let mut k = 1;
             while i + k < hashes.len()
                 && id + (k as u32) < run.end
-                && self.ids[(id + k as u32) as usize].hash == hashes[i + k].get()
+                && self.ids[id + k as u32].hash == hashes[i + k].get()
             {
                 k += 1;
             }
@@ -286,8 +273,8 @@ impl RunIndex {
     /// A new block `hash` held by `member` alone, at `prev + 1` when that id is free.
     fn add_block(&mut self, member: u32, prev: Option<u32>, hash: u64) -> u32 {
         let id = self.alloc_id(prev);
-        self.ids[id as usize].hash = hash;
-        self.ids[id as usize].next = NONE;
+        self.ids[id].hash = hash;
+        self.ids[id].next = NONE;
         if let Some(p) = prev {
             self.link(p, id);
         }
@@ -298,7 +285,7 @@ impl RunIndex {
         self.table_live += 1;
         self.stats.blocks += 1;
         let alone = Holders::one(member);
-        let left = id.checked_sub(1).map(|l| self.ids[l as usize].run);
+        let left = id.checked_sub(1).map(|l| self.ids[l].run);
         let r = match left {
             Some(l) if l != NONE && self.pool.same(&self.runs[l as usize].holders, &alone) => {
                 self.runs[l as usize].end = id + 1;
@@ -306,7 +293,7 @@ impl RunIndex {
             }
             _ => self.new_run(id, id + 1, alone),
         };
-        self.ids[id as usize].run = r;
+        self.ids[id].run = r;
         self.merge_right(r);
         self.note_range(member, id, id + 1);
         id
@@ -314,12 +301,12 @@ impl RunIndex {
 
     fn alloc_id(&mut self, prev: Option<u32>) -> u32 {
         if let Some(p) = prev {
-            let next = p as usize + 1;
+            let next = p + 1;
             if next == self.ids.len() {
-                return self.grow_id();
+                return self.ids.push();
             }
             if next < self.ids.len() && self.ids[next].run == NONE {
-                return next as u32;
+                return next;
             }
         }
         while let Some(range) = self.free_ranges.last_mut() {
@@ -328,11 +315,11 @@ impl RunIndex {
             if range.0 == range.1 {
                 self.free_ranges.pop();
             }
-            if self.ids[id as usize].run == NONE {
+            if self.ids[id].run == NONE {
                 return id;
             }
         }
-        self.grow_id()
+        self.ids.push()
     }
 
     /// Records `id` as free, extending the newest range when adjacent (ascending or descending
@@ -343,15 +330,6 @@ impl RunIndex {
             Some(range) if range.0 == id + 1 => range.0 = id,
             _ => self.free_ranges.push((id, id + 1)),
         }
-    }
-
-    fn grow_id(&mut self) -> u32 {
-        self.ids.push(IdSlot {
-            hash: 0,
-            run: NONE,
-            next: NONE,
-        });
-        (self.ids.len() - 1) as u32
     }
 
     /// Records that `member` was given ids `start .. end` (extending its last range when
@@ -383,7 +361,7 @@ impl RunIndex {
         for &(start, end) in &old {
             let mut id = start.max(covered);
             while id < end {
-                let r = self.ids[id as usize].run;
+                let r = self.ids[id].run;
                 if r == NONE {
                     id += 1;
                     continue;
@@ -419,14 +397,14 @@ impl RunIndex {
                 i += 1;
                 continue;
             };
-            let run = self.runs[self.ids[id as usize].run as usize];
+            let run = self.runs[self.ids[id].run as usize];
             let mut k = 1;
             let (mut a, mut b) = (id, id + 1);
             while i + k < hashes.len() {
                 let h = hashes[i + k].get();
-                if b < run.end && self.ids[b as usize].hash == h {
+                if b < run.end && self.ids[b].hash == h {
                     b += 1;
-                } else if a > run.start && self.ids[a as usize - 1].hash == h {
+                } else if a > run.start && self.ids[a - 1].hash == h {
                     a -= 1;
                 } else {
                     break;
@@ -456,19 +434,19 @@ impl RunIndex {
         if let Some(c) = self.cursors.get_mut(member as usize) {
             *c = a;
         }
-        let holders = self.runs[self.ids[a as usize].run as usize].holders;
+        let holders = self.runs[self.ids[a].run as usize].holders;
         if !holders.contains(member, &self.pool) {
             return;
         }
         let left = self.pool.with(&holders, member, false);
         if left.is_empty() {
             for id in a..b {
-                let hash = self.ids[id as usize].hash;
+                let hash = self.ids[id].hash;
                 if let Some(emptied) = self.table.remove(hash, id) {
                     self.table_used -= emptied;
                     self.table_live -= 1;
                 }
-                self.ids[id as usize].hash = 0;
+                self.ids[id].hash = 0;
                 self.free_id(id);
             }
             self.stats.blocks -= (b - a) as u64;
@@ -486,7 +464,7 @@ impl RunIndex {
         for (start, end) in list {
             let mut id = start;
             while id < end {
-                let r = self.ids[id as usize].run;
+                let r = self.ids[id].run;
                 if r == NONE {
                     id += 1;
                     continue;
@@ -514,7 +492,7 @@ impl RunIndex {
         let Some(mut id) = self.find(first.get()) else {
             return;
         };
-        let mut r = self.ids[id as usize].run;
+        let mut r = self.ids[id].run;
         alive.extend(self.runs[r as usize].holders.windows(&self.pool));
         for (j, h) in prompt.iter().enumerate().skip(1) {
             let h = h.get();
@@ -522,7 +500,7 @@ impl RunIndex {
                 return emit_all(alive, j as u32, &mut emit);
             };
             id = next;
-            let q = self.ids[id as usize].run;
+            let q = self.ids[id].run;
             if q == r {
                 continue;
             }

@@ -32,9 +32,7 @@ impl RunIndex {
     }
 
     fn relabel(&mut self, start: u32, end: u32, r: u32) {
-        for slot in &mut self.ids[start as usize..end as usize] {
-            slot.run = r;
-        }
+        self.ids.set_run(start, end, r);
         self.stats.relabels += (end - start) as u64;
     }
 
@@ -43,7 +41,7 @@ impl RunIndex {
     /// with equal neighbours; the largest part keeps the run's number, so only the smaller
     /// parts are relabelled.
     pub(super) fn recolor(&mut self, a: u32, b: u32, set: Holders, cause: Cause) {
-        let r = self.ids[a as usize].run;
+        let r = self.ids[a].run;
         let run = self.runs[r as usize];
         let (left, mid, right) = (a - run.start, b - a, run.end - b);
         if left > 0 || right > 0 {
@@ -58,7 +56,7 @@ impl RunIndex {
             // the part joins it (no new run, one relabel per id).
             let at = if left == 0 { a.checked_sub(1) } else { Some(b) };
             let neighbour = at
-                .and_then(|i| self.ids.get(i as usize).map(|slot| slot.run))
+                .and_then(|i| self.ids.get(i).map(|slot| slot.run))
                 .filter(|&n| n != NONE && self.pool.same(&self.runs[n as usize].holders, &set));
             if let Some(n) = neighbour {
                 self.pool.release(set);
@@ -131,9 +129,7 @@ impl RunIndex {
                 self.merge_right(m);
             }
             None => {
-                for slot in &mut self.ids[a as usize..b as usize] {
-                    slot.run = NONE;
-                }
+                self.ids.set_run(a, b, NONE);
             }
         }
     }
@@ -142,7 +138,7 @@ impl RunIndex {
     /// returns the surviving run.
     fn merge_left(&mut self, r: u32) -> u32 {
         let run = self.runs[r as usize];
-        let Some(l) = run.start.checked_sub(1).map(|i| self.ids[i as usize].run) else {
+        let Some(l) = run.start.checked_sub(1).map(|i| self.ids[i].run) else {
             return r;
         };
         if l == NONE || !self.pool.same(&self.runs[l as usize].holders, &run.holders) {
@@ -153,7 +149,7 @@ impl RunIndex {
 
     pub(super) fn merge_right(&mut self, r: u32) -> u32 {
         let run = self.runs[r as usize];
-        let Some(n) = self.ids.get(run.end as usize).map(|slot| slot.run) else {
+        let Some(n) = self.ids.get(run.end).map(|slot| slot.run) else {
             return r;
         };
         if n == NONE || !self.pool.same(&self.runs[n as usize].holders, &run.holders) {
