@@ -7,10 +7,13 @@
 //! Stages, 2,000 calls each, three rounds, medians of each round's p50 and p99:
 //! - **rpc floor**: ScorePods for a one-block prompt and one pod: tonic, h2, loopback TCP and
 //!   the task hops, with almost no payload or work;
-//! - **rpc full**: the loadgen request;
+//! - **rpc full**: the loadgen request (token ids as a varint list, `tokens`);
+//! - **rpc full, packed**: the same ids as `token_ids_le` (little-endian u32 bytes);
 //! - in process, no transport: the client's request encoding, the server's decoding, hashing
 //!   the 500 blocks, the index walk with 64 candidates (`score_hashes`), the whole server-side
-//!   work (`score_tokens`: hashing and walk), the response's encoding.
+//!   work (`score_tokens`: hashing and walk), the response's encoding; the request encoded
+//!   into a `BytesMut` as tonic's encoder does (byte by byte through `BufMut`), and the packed
+//!   request's encoding and decoding.
 
 use std::time::{Duration, Instant};
 
@@ -160,6 +163,11 @@ fn main() {
     let full = request(&tokens, &pods);
     let floor = request(&tokens[..16], &pods[..1]);
     let full_bytes = full.encode_to_vec();
+    let packed = ScorePodsRequest {
+        input: Some(Input::TokenIdsLe(kv_proto::token_ids_le::encode(&tokens))),
+        ..full.clone()
+    };
+    let packed_bytes = packed.encode_to_vec();
     let response = ScorePodsResponse {
         scores: indexer
             .score_tokens(MODEL, &tokens, &pods, None, None)
@@ -189,6 +197,10 @@ fn main() {
         "index walk, 64 candidates",
         "score_tokens (hash + walk)",
         "encode response",
+        "rpc full, packed token ids (token_ids_le)",
+        "encode request into a BytesMut (tonic's buffer)",
+        "encode packed request (client)",
+        "decode packed request and unpack ids (server)",
     ];
     let mut stages: Vec<Stage> = names.iter().map(|_| Stage::default()).collect();
     for _ in 0..ROUNDS {
@@ -220,10 +232,27 @@ fn main() {
         stages[7].time(|| {
             std::hint::black_box(response.encode_to_vec());
         });
+        stages[8].round(rpc_round(&endpoint, &packed));
+        stages[9].time(|| {
+            let mut buf = bytes::BytesMut::with_capacity(8 << 10);
+            full.encode(&mut buf).expect("fits");
+            std::hint::black_box(buf);
+        });
+        stages[10].time(|| {
+            std::hint::black_box(packed.encode_to_vec());
+        });
+        stages[11].time(|| {
+            let req = ScorePodsRequest::decode(packed_bytes.as_slice()).expect("decodes");
+            let Some(Input::TokenIdsLe(ids)) = req.input else {
+                unreachable!("the packed request")
+            };
+            std::hint::black_box(kv_proto::token_ids_le::decode(&ids));
+        });
     }
     println!(
-        "ScorePods breakdown: {PODS} pods x {BLOCKS}-block prompt ({} request bytes), {CALLS} calls x {ROUNDS} rounds, medians",
-        full_bytes.len()
+        "ScorePods breakdown: {PODS} pods x {BLOCKS}-block prompt ({} request bytes; packed {}), {CALLS} calls x {ROUNDS} rounds, medians",
+        full_bytes.len(),
+        packed_bytes.len()
     );
     println!("| stage | p50 us | p99 us |");
     println!("|---|---:|---:|");

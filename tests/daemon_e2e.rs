@@ -185,6 +185,19 @@ async fn bind_mode_scores_what_vllm_published_for_every_wire_format() {
             3,
             "{version} {scenario}"
         );
+        // The packed form of the same tokens scores the same.
+        let packed = g
+            .score_pods(ScorePodsRequest {
+                model: MODEL.into(),
+                input: Some(Input::TokenIdsLe(kv_proto::token_ids_le::encode(&c.tokens))),
+                pods: vec![pod.clone()],
+                ..Default::default()
+            })
+            .await
+            .expect("packed ScorePods")
+            .into_inner();
+        assert_eq!(packed.scores[0].matched_blocks, 3, "packed {version}");
+        assert_eq!(packed.prompt_tokens as usize, c.tokens.len());
         // seq 1: three BlockRemoved (evictions, leaf first) and AllBlocksCleared.
         publisher
             .send(message(&topic, 1, &batch(&c, &[2, 3, 4, 5])))
@@ -517,6 +530,14 @@ async fn grpc_errors_health_and_reflection() {
                 .await
         ),
         Some(tonic::Code::NotFound)
+    );
+    // Packed token ids whose length is not a multiple of 4.
+    assert_eq!(
+        code(
+            grpc.score_pods(score(MODEL, Some(Input::TokenIdsLe(vec![1, 0, 0, 0, 2]))))
+                .await
+        ),
+        Some(tonic::Code::InvalidArgument)
     );
     let too_many = ScorePodsRequest {
         pods: vec!["p".into(); 10_001],

@@ -43,6 +43,23 @@ impl ScoreService {
         Ok(())
     }
 
+    /// The ids of a packed `token_ids_le`, its length checked before anything is allocated.
+    fn unpack_tokens(&self, bytes: &[u8]) -> Result<Vec<u32>, Status> {
+        if bytes.len() / 4 > self.limits.max_prompt_tokens {
+            return Err(Status::invalid_argument(format!(
+                "the prompt has {} tokens; at most {} (server.maxPromptTokens)",
+                bytes.len() / 4,
+                self.limits.max_prompt_tokens
+            )));
+        }
+        kv_proto::token_ids_le::decode(bytes).ok_or_else(|| {
+            Status::invalid_argument(format!(
+                "token_ids_le has {} bytes, not a multiple of 4 (little-endian u32 ids)",
+                bytes.len()
+            ))
+        })
+    }
+
     /// Fails fast for a model neither configured nor seen in events (before any tokenizing).
     fn check_model(&self, model: &str) -> Result<(), Status> {
         if self.indexer.model(model).is_none() {
@@ -70,6 +87,7 @@ impl ScoreService {
                 ))
             }
             Some(Input::Tokens(t)) => (t.ids, "tokens"),
+            Some(Input::TokenIdsLe(bytes)) => (self.unpack_tokens(&bytes)?, "token_ids_le"),
             Some(Input::Prompt(text)) => {
                 self.check_prompt_text(&text)?;
                 self.check_model(&req.model)?;

@@ -135,6 +135,10 @@ pub struct LoadgenArgs {
     /// is the highest one without sequence gaps.
     #[arg(long, default_value_t = 1_200_000)]
     pub rate: u64,
+    /// Send the prompt's token ids packed (`token_ids_le`, little-endian u32 bytes) instead
+    /// of the varint list (`tokens`): the form a gateway should send (docs/benchmarks.md).
+    #[arg(long)]
+    pub packed_tokens: bool,
     /// Seconds of idle ScorePods calls first (the latency baseline).
     #[arg(long, default_value_t = 2)]
     pub baseline: u64,
@@ -330,6 +334,7 @@ async fn score_loop(
     pods: Vec<String>,
     stop: Arc<AtomicBool>,
     offset: usize,
+    packed: bool,
 ) -> Result<(Vec<u64>, u64), LoadgenError> {
     let mut latencies = Vec::new();
     let mut matched = 0u64;
@@ -337,11 +342,16 @@ async fn score_loop(
     while !stop.load(Ordering::Relaxed) {
         let doc = &docs[i % docs.len()];
         i += 1;
+        let input = if packed {
+            Input::TokenIdsLe(kv_proto::token_ids_le::encode(&doc.tokens))
+        } else {
+            Input::Tokens(TokenIds {
+                ids: doc.tokens.clone(),
+            })
+        };
         let req = ScorePodsRequest {
             model: model.clone(),
-            input: Some(Input::Tokens(TokenIds {
-                ids: doc.tokens.clone(),
-            })),
+            input: Some(input),
             pods: pods.clone(),
             ..Default::default()
         };
@@ -392,6 +402,7 @@ async fn score_phase(
             pods.to_vec(),
             stop.clone(),
             c * 7,
+            args.packed_tokens,
         )));
     }
     tokio::time::sleep(Duration::from_secs(seconds)).await;
