@@ -16,9 +16,6 @@
 //! the log, the sweeper's proposal), so it is ordered with the pod's messages and drops the
 //! pod's parked gap fills: a fill that reports after the clear finds nobody waiting.
 //!
-//! A worker yields to the runtime after every job, so scoring calls sharing its thread wait
-//! for at most one job, however busy the inbox.
-//!
 //! A marker of messages dropped from the pod's queue ([`Job::Dropped`]) is a hole too: the
 //! publisher is resynchronised the same way ([`fills`]: the fill tasks, their reports, backoff).
 
@@ -130,10 +127,6 @@ pub(super) async fn run(index: usize, inbox: Arc<Inbox>, shared: Arc<Shared>) {
                 None => break,
             },
         }
-        // A busy inbox never makes `next` wait, so without this a worker would keep its
-        // runtime thread for as long as events arrive, and ScorePods calls on that thread
-        // would wait behind them: one job, then the queued tasks get their turn.
-        tokio::task::yield_now().await;
     }
     // Shutdown: wait for the fills in flight (each ends within its timeout), then stop.
     while !worker.parked.is_empty() {
