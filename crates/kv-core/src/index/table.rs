@@ -41,11 +41,11 @@ impl Table {
     /// An empty table with `capacity` (at least 16) slots.
     pub fn with_capacity(capacity: usize, seed: u64) -> Self {
         let capacity = capacity.max(16);
-        Self {
-            // EMPTY is 0: a zeroed allocation is an empty table.
-            slots: super::memory::zeroed_slice(capacity),
-            seed,
-        }
+        // EMPTY is 0: a zeroed allocation is an empty table.
+        let slots = super::memory::zeroed_slice(capacity);
+        // Inserts land at random: every page is written soon, so fault them in at once.
+        super::memory::prefault(&slots);
+        Self { slots, seed }
     }
 
     /// The seed positions are mixed with (a rebuild keeps it).
