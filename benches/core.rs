@@ -2,7 +2,8 @@
 //! the same run (these machines are noisy; ratios are what to compare).
 //!
 //! - hashing: vLLM block hashes per second (block size 16) vs raw SHA-256 over inputs of the
-//!   same size (the floor: CBOR encoding is all we add);
+//!   same size (the floor: CBOR encoding is all we add), and through the digest memo (hits,
+//!   misses);
 //! - decoding: blocks per second from vLLM-shaped payloads (map form 0.24+, array form <= 0.23)
 //!   vs rmp-serde decoding the same bytes into a generic value;
 //! - index: the Mooncake conversation trace driven on one thread (see `kv_lab::index_bench`):
@@ -19,7 +20,7 @@ use kv_core::BlockHash;
 use kv_core::{
     decode_batch, encode_batch_as, BlockRemoved, BlockStored, EventBatch, KvEvent, Medium, WireForm,
 };
-use kv_core::{HashScratch, RequestExtras, TokenProcessor, TokenProcessorConfig};
+use kv_core::{DigestMemo, HashScratch, RequestExtras, TokenProcessor, TokenProcessorConfig};
 use kv_lab::alloc::{live_heap_bytes, CountingAllocator};
 use kv_lab::index_bench::{
     apply_in_lanes, drive, median, FlatMapBackend, IndexBackend, IndexWorkload, KvIndexerBackend,
@@ -101,6 +102,32 @@ fn bench_hashing() {
         blocks as f64 / ours / 1e6,
         raw / ours
     );
+    // Through the daemon's default digest memo: the same prompt again (every block a hit),
+    // and prompts never seen (the first token changes each round: every block a miss, looked
+    // up and then written).
+    let memo = DigestMemo::new(16, 16 << 20);
+    let mut hash_via_memo = |tokens: &[u32]| {
+        out.clear();
+        processor.block_hashes_memo_into(black_box(tokens), &extras, &memo, &mut scratch, &mut out);
+        black_box(&out);
+    };
+    hash_via_memo(&tokens);
+    let hit = best_of(7, || hash_via_memo(&tokens));
+    let mut unseen = tokens.clone();
+    let miss = best_of(7, || {
+        unseen[0] += 1;
+        hash_via_memo(&unseen)
+    });
+    for (what, secs) in [
+        ("digest memo, prompt seen before (all hits)", hit),
+        ("digest memo, prompt never seen (all misses)", miss),
+    ] {
+        println!(
+            "| {what} | {:.2}M | {:.2} |",
+            blocks as f64 / secs / 1e6,
+            raw / secs
+        );
+    }
     println!();
 }
 

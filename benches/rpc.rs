@@ -13,7 +13,10 @@
 //!   the 500 blocks, the index walk with 64 candidates (`score_hashes`), the whole server-side
 //!   work (`score_tokens`: hashing and walk), the response's encoding; the request encoded
 //!   into a `BytesMut` as tonic's encoder does (byte by byte through `BufMut`), and the packed
-//!   request's encoding and decoding.
+//!   request's encoding and decoding;
+//! - hashing three ways: SHA-256 alone, through the digest memo for the prompt seen before
+//!   (what the calls above do), and through the memo for prompts never seen (every block a
+//!   miss, written to the memo); and the packed call against a second daemon with the memo off.
 
 use std::time::{Duration, Instant};
 
@@ -117,25 +120,31 @@ fn rpc_round(endpoint: &str, req: &ScorePodsRequest) -> Vec<f64> {
     .expect("client thread")
 }
 
-fn main() {
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .expect("runtime");
-    let tokens = tokens();
-    let pods: Vec<String> = (0..PODS).map(|p| format!("pod-{p}")).collect();
+/// A daemon (default configuration; `memo` overrides `scoring.digestMemoBytes`) whose index
+/// has every pod holding the prompt: the walk visits all 500 blocks for all 64 candidates.
+fn start(
+    runtime: &tokio::runtime::Runtime,
+    tokens: &[u32],
+    pods: &[String],
+    memo: Option<usize>,
+) -> (
+    String,
+    std::sync::Arc<kv_core::Indexer>,
+    kv_indexer::daemon::RunningDaemon,
+) {
     let (endpoint, indexer, daemon) = runtime.block_on(async {
         let mut config = kv_indexer::config::Config::default();
         config.server.grpc_addr = "127.0.0.1:0".into();
         config.server.metrics_addr = "127.0.0.1:0".into();
         config.kv_events_config.zmq_endpoint = "tcp://127.0.0.1:0".into();
+        if let Some(bytes) = memo {
+            config.scoring.digest_memo_bytes = bytes;
+        }
         let d = kv_indexer::daemon::start(config)
             .await
             .expect("daemon starts");
         (format!("http://{}", d.grpc_addr), d.indexer.clone(), d)
     });
-    // Every pod holds the prompt: the walk visits all 500 blocks for all 64 candidates.
     let empty = EventBatch {
         ts: 0.0,
         events: Vec::new(),
@@ -145,10 +154,10 @@ fn main() {
         .apply_batch(MODEL, "pod-0", &empty)
         .expect("model admitted");
     let hashes = indexer
-        .block_hashes(MODEL, &tokens, None, None)
+        .block_hashes(MODEL, tokens, None, None)
         .expect("model known");
     assert_eq!(hashes.len(), BLOCKS);
-    for pod in &pods {
+    for pod in pods {
         let batch = EventBatch {
             ts: 0.0,
             events: vec![KvEvent::BlockStored(Box::new(BlockStored {
@@ -160,6 +169,28 @@ fn main() {
         };
         indexer.apply_batch(MODEL, pod, &batch).expect("applies");
     }
+    (endpoint, indexer, daemon)
+}
+
+fn main() {
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("runtime");
+    let tokens = tokens();
+    let pods: Vec<String> = (0..PODS).map(|p| format!("pod-{p}")).collect();
+    // The default daemon (digest memo on), and one with the memo off: the same run's baseline.
+    let (endpoint, indexer, daemon) = start(&runtime, &tokens, &pods, None);
+    let (endpoint_no_memo, _, daemon_no_memo) = start(&runtime, &tokens, &pods, Some(0));
+    let hashes = indexer
+        .block_hashes(MODEL, &tokens, None, None)
+        .expect("model known");
+    let processor = indexer.model(MODEL).expect("known").processor().clone();
+    let mut scratch = kv_core::HashScratch::default();
+    let mut sha_out = Vec::with_capacity(BLOCKS);
+    // Prompts never seen before: the first token counts up, so every block's parent is new.
+    let mut unseen = tokens.clone();
     let full = request(&tokens, &pods);
     let floor = request(&tokens[..16], &pods[..1]);
     let full_bytes = full.encode_to_vec();
@@ -193,7 +224,7 @@ fn main() {
         "rpc full (500 blocks, 64 pods)",
         "encode request (client)",
         "decode request (server)",
-        "hash 500 blocks",
+        "hash 500 blocks (digest memo, prompt seen before)",
         "index walk, 64 candidates",
         "score_tokens (hash + walk)",
         "encode response",
@@ -201,6 +232,9 @@ fn main() {
         "encode request into a BytesMut (tonic's buffer)",
         "encode packed request (client)",
         "decode packed request and unpack ids (server)",
+        "hash 500 blocks (SHA-256 only, no memo)",
+        "hash 500 blocks (digest memo, prompt never seen)",
+        "rpc full, packed, digest memo off",
     ];
     let mut stages: Vec<Stage> = names.iter().map(|_| Stage::default()).collect();
     for _ in 0..ROUNDS {
@@ -248,6 +282,25 @@ fn main() {
             };
             std::hint::black_box(kv_proto::token_ids_le::decode(&ids));
         });
+        stages[12].time(|| {
+            sha_out.clear();
+            processor.block_hashes_into(
+                &tokens,
+                &kv_core::RequestExtras::default(),
+                &mut scratch,
+                &mut sha_out,
+            );
+            std::hint::black_box(&sha_out);
+        });
+        stages[13].time(|| {
+            unseen[0] = unseen[0].wrapping_add(1);
+            std::hint::black_box(
+                indexer
+                    .block_hashes(MODEL, &unseen, None, None)
+                    .expect("ok"),
+            );
+        });
+        stages[14].round(rpc_round(&endpoint_no_memo, &packed));
     }
     println!(
         "ScorePods breakdown: {PODS} pods x {BLOCKS}-block prompt ({} request bytes; packed {}), {CALLS} calls x {ROUNDS} rounds, medians",
@@ -270,6 +323,7 @@ fn main() {
     );
     runtime.block_on(async {
         daemon.shutdown().await;
+        daemon_no_memo.shutdown().await;
         tokio::time::sleep(Duration::from_millis(10)).await;
     });
 }

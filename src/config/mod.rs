@@ -397,6 +397,9 @@ impl Default for ServerConfig {
     }
 }
 
+/// The digest memo's default size: 131,072 units of 16 tokens (2M prompt tokens), 16 MiB.
+pub const DEFAULT_DIGEST_MEMO_BYTES: usize = 16 << 20;
+
 /// Scoring settings.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 #[serde(rename_all = "camelCase", deny_unknown_fields, default)]
@@ -411,6 +414,9 @@ pub struct ScoringConfig {
     pub speculative_pod_blocks: usize,
     /// Most prompt blocks all recorded routings of a model hold.
     pub speculative_max_blocks: usize,
+    /// Bytes of the digest memo (per hash unit size in use; 0 disables it): prompt blocks
+    /// scored before are not hashed again.
+    pub digest_memo_bytes: usize,
 }
 
 impl Default for ScoringConfig {
@@ -421,6 +427,7 @@ impl Default for ScoringConfig {
             speculative_ttl: ConfigDuration(s.ttl),
             speculative_pod_blocks: s.pod_blocks,
             speculative_max_blocks: s.max_blocks,
+            digest_memo_bytes: DEFAULT_DIGEST_MEMO_BYTES,
         }
     }
 }

@@ -56,6 +56,7 @@ impl Config {
                 pod_blocks: self.scoring.speculative_pod_blocks,
                 max_blocks: self.scoring.speculative_max_blocks,
             },
+            digest_memo_bytes: self.scoring.digest_memo_bytes,
         }
     }
 

@@ -6,6 +6,9 @@ use std::time::Duration;
 
 use super::{invalid, Config, ConfigError};
 
+/// The largest digest memo a configuration may ask for (one per hash unit size in use).
+const MAX_DIGEST_MEMO_BYTES: usize = 4 << 30;
+
 impl Config {
     /// Checks every range; the error names the field.
     pub fn validate(&self) -> Result<(), ConfigError> {
@@ -209,6 +212,12 @@ impl Config {
                     format!("must be between 1 and {}", u32::MAX - 2),
                 ));
             }
+        }
+        if sc.digest_memo_bytes > MAX_DIGEST_MEMO_BYTES {
+            return Err(invalid(
+                "scoring.digestMemoBytes",
+                format!("must be at most {MAX_DIGEST_MEMO_BYTES} (4 GiB; 0 disables the memo)"),
+            ));
         }
         for (model, m) in &self.models {
             if model.is_empty() {

@@ -89,6 +89,7 @@ impl Metrics {
         self.index.refresh(indexer);
         self.speculation.refresh(indexer);
         self.translation.refresh(indexer);
+        self.scoring.refresh(indexer);
         if let Some(rss) = resident_memory_bytes() {
             self.resident_memory.set(rss as i64);
         }

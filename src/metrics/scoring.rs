@@ -2,9 +2,10 @@
 
 use std::time::Duration;
 
-use prometheus::{Histogram, HistogramVec, IntCounter, IntCounterVec, Registry};
+use kv_core::Indexer;
+use prometheus::{Histogram, HistogramVec, IntCounter, IntCounterVec, IntGauge, Registry};
 
-use super::registry::{counter, counter_vec, latency, latency_vec};
+use super::registry::{counter, counter_vec, gauge, latency, latency_vec};
 
 /// ScorePods / GetPodScores activity.
 pub struct ScoringMetrics {
@@ -13,6 +14,8 @@ pub struct ScoringMetrics {
     lookup_latency: Histogram,
     score_requests: IntCounterVec,
     score_latency: HistogramVec,
+    memo_units: IntCounterVec,
+    memo_bytes: IntGauge,
 }
 
 impl ScoringMetrics {
@@ -45,7 +48,28 @@ impl ScoringMetrics {
                 "ScorePods latency inside the server (hashing + index walk), by input kind",
                 &["input"],
             ),
+            memo_units: counter_vec(
+                r,
+                "kvindexer_digest_memo_units_total",
+                "Prompt hash units scored: taken from the digest memo (hit) or hashed (miss)",
+                &["result"],
+            ),
+            memo_bytes: gauge(
+                r,
+                "kvindexer_digest_memo_bytes",
+                "Bytes of the digest memos (scoring.digestMemoBytes per hash unit size in use)",
+            ),
         }
+    }
+
+    /// Brings the digest-memo series up to the indexer's totals (at scrape time).
+    pub(super) fn refresh(&self, indexer: &Indexer) {
+        let stats = indexer.digest_memo_stats();
+        for (result, total) in [("hit", stats.hits), ("miss", stats.misses)] {
+            let counter = self.memo_units.with_label_values(&[result]);
+            counter.inc_by(total.saturating_sub(counter.get()));
+        }
+        self.memo_bytes.set(stats.bytes as i64);
     }
 
     /// One index walk: whether any pod matched, and how long the walk took.

@@ -22,7 +22,11 @@ mod hashing;
 mod index;
 mod indexer;
 mod marks;
+// Memory for randomly probed structures: with the index's slab, the only `unsafe` in kv-core.
+#[allow(unsafe_code)]
+mod memory;
 mod mix;
+mod seqlock;
 
 // The public surface: everything a transport, a gateway, the lab or a benchmark uses. Modules
 // stay private; what is not listed here is an implementation detail.
@@ -31,8 +35,9 @@ pub use block_hash::BlockHash;
 
 /// vLLM's block hashes (`hashing`).
 pub use hashing::{
-    event_hash, none_hash, BlockDigest, ExtraKeysFormat, HashScratch, LoraAdapter, MultiModalItem,
-    RequestExtras, TokenProcessor, TokenProcessorConfig, TokenProcessorError, DEFAULT_HASH_SEED,
+    event_hash, none_hash, BlockDigest, DigestMemo, ExtraKeysFormat, HashScratch, LoraAdapter,
+    MemoStats, MultiModalItem, RequestExtras, TokenProcessor, TokenProcessorConfig,
+    TokenProcessorError, DEFAULT_HASH_SEED,
 };
 
 /// KV events on the wire (`events`).

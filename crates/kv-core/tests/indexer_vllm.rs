@@ -51,56 +51,73 @@ fn captured_events_score_the_request_that_produced_them() {
             "int_hashes_topic_kv-events_dp0",
             "bytes_hashes_topic_kv-events_dp0",
         ] {
-            let ctx = format!("{version} {scenario}");
-            let (batch, tokens) = captured(version, scenario);
-            let ix = Indexer::new(settings(Some("12345"), 16)).expect("valid");
-            // The two BlockStored events: blocks 0-1 (root), then block 2 (parent = block 1).
-            let report = ix
-                .apply_batch(MODEL, "10.0.0.1:8000", &prefix(&batch, 2))
-                .expect("applies");
-            assert_eq!(report.blocks_stored, 3, "{ctx}");
-            assert_eq!(
-                (report.hash_matches, report.hash_mismatches),
-                (1, 0),
-                "{ctx}"
-            );
-            assert_eq!(report.orphan_runs, 0, "{ctx}");
-            let pods = vec!["10.0.0.1:8000".to_owned(), "10.0.0.2:8000".to_owned()];
-            let r = ix
-                .score_tokens(MODEL, &tokens, &pods, None, None)
-                .expect("known model");
-            assert_eq!(r.total_blocks, 3, "{ctx}: 56 tokens = 3 full blocks");
-            assert_eq!(r.prompt_tokens, 56);
-            assert_eq!(r.pod(&r.scores[0]), "10.0.0.1:8000", "{ctx}");
-            assert_eq!(r.pod(&r.scores[1]), "10.0.0.2:8000", "{ctx}: listed with 0");
-            assert_eq!(r.scores[0].matched_blocks, 3, "{ctx}");
-            assert!(
-                (r.scores[0].score - 3.0).abs() < 1e-9,
-                "{ctx}: GPU weight 1.0"
-            );
-            assert_eq!(
-                r.scores[1].matched_blocks, 0,
-                "{ctx}: candidate with nothing scores 0"
-            );
-            // The rest: three BlockRemoved (eviction) and AllBlocksCleared.
-            let rest = EventBatch {
-                events: batch.events[2..].to_vec(),
-                ..batch.clone()
-            };
-            let report = ix
-                .apply_batch(MODEL, "10.0.0.1:8000", &rest)
-                .expect("applies");
-            assert_eq!(report.removed_events, 3, "{ctx}");
-            assert_eq!(report.blocks_removed, 3, "{ctx}");
-            let r = ix
-                .score_tokens(MODEL, &tokens, &pods, None, None)
-                .expect("known");
-            assert!(
-                r.scores.iter().all(|s| s.matched_blocks == 0),
-                "{ctx}: {r:?}"
-            );
-            let stats = ix.stats();
-            assert_eq!(stats[0].1.keys, 0, "{ctx}: every node freed");
+            // Without and with the digest memo (scores hash the prompt twice: the second time
+            // from the memo).
+            for memo_bytes in [0, 1 << 20] {
+                let ctx = format!("{version} {scenario} memo {memo_bytes}");
+                let (batch, tokens) = captured(version, scenario);
+                let ix = Indexer::new(IndexerSettings {
+                    digest_memo_bytes: memo_bytes,
+                    ..settings(Some("12345"), 16)
+                })
+                .expect("valid");
+                // The two BlockStored events: blocks 0-1 (root), then block 2 (parent = block 1).
+                let report = ix
+                    .apply_batch(MODEL, "10.0.0.1:8000", &prefix(&batch, 2))
+                    .expect("applies");
+                assert_eq!(report.blocks_stored, 3, "{ctx}");
+                assert_eq!(
+                    (report.hash_matches, report.hash_mismatches),
+                    (1, 0),
+                    "{ctx}"
+                );
+                assert_eq!(report.orphan_runs, 0, "{ctx}");
+                let pods = vec!["10.0.0.1:8000".to_owned(), "10.0.0.2:8000".to_owned()];
+                let r = ix
+                    .score_tokens(MODEL, &tokens, &pods, None, None)
+                    .expect("known model");
+                assert_eq!(r.total_blocks, 3, "{ctx}: 56 tokens = 3 full blocks");
+                assert_eq!(r.prompt_tokens, 56);
+                assert_eq!(r.pod(&r.scores[0]), "10.0.0.1:8000", "{ctx}");
+                assert_eq!(r.pod(&r.scores[1]), "10.0.0.2:8000", "{ctx}: listed with 0");
+                assert_eq!(r.scores[0].matched_blocks, 3, "{ctx}");
+                assert!(
+                    (r.scores[0].score - 3.0).abs() < 1e-9,
+                    "{ctx}: GPU weight 1.0"
+                );
+                assert_eq!(
+                    r.scores[1].matched_blocks, 0,
+                    "{ctx}: candidate with nothing scores 0"
+                );
+                // The rest: three BlockRemoved (eviction) and AllBlocksCleared.
+                let rest = EventBatch {
+                    events: batch.events[2..].to_vec(),
+                    ..batch.clone()
+                };
+                let report = ix
+                    .apply_batch(MODEL, "10.0.0.1:8000", &rest)
+                    .expect("applies");
+                assert_eq!(report.removed_events, 3, "{ctx}");
+                assert_eq!(report.blocks_removed, 3, "{ctx}");
+                let r = ix
+                    .score_tokens(MODEL, &tokens, &pods, None, None)
+                    .expect("known");
+                assert!(
+                    r.scores.iter().all(|s| s.matched_blocks == 0),
+                    "{ctx}: {r:?}"
+                );
+                let stats = ix.stats();
+                assert_eq!(stats[0].1.keys, 0, "{ctx}: every node freed");
+                let model = ix.model(MODEL).expect("known");
+                match model.digest_memo() {
+                    None => assert_eq!(memo_bytes, 0, "{ctx}"),
+                    Some(memo) => assert_eq!(
+                        (memo.stats().misses, memo.stats().hits),
+                        (3, 3),
+                        "{ctx}: hashed once, then from the memo"
+                    ),
+                }
+            }
         }
     }
 }

@@ -3,8 +3,8 @@
 //! case, byte for byte.
 
 use kv_core::{
-    event_hash, ExtraKeysFormat, HashScratch, LoraAdapter, MultiModalItem, RequestExtras,
-    TokenProcessor, TokenProcessorConfig,
+    event_hash, DigestMemo, ExtraKeysFormat, HashScratch, LoraAdapter, MultiModalItem,
+    RequestExtras, TokenProcessor, TokenProcessorConfig,
 };
 use serde_json::Value;
 
@@ -90,6 +90,7 @@ fn check_version(version: &str, expect_checked: usize) {
     };
     let mut checked = 0;
     let mut skipped = Vec::new();
+    let mut memos = std::collections::HashMap::new();
     for case in doc["cases"].as_array().expect("cases") {
         let id = case["id"].as_str().expect("id");
         if let Some(why) = not_applicable(case, version) {
@@ -165,6 +166,37 @@ fn check_version(version: &str, expect_checked: usize) {
                 .collect(),
         };
         assert_eq!(keys, want_keys, "{version} {id}: index keys");
+        // Through a digest memo: one memo per unit size shared by every case of the version
+        // (other seeds, other tokens), and a one-bucket memo where every unit collides. The
+        // second pass takes plain units from the memo; the keys stay vLLM's.
+        let shared = memos
+            .entry(hash_unit)
+            .or_insert_with(|| DigestMemo::new(hash_unit, 1 << 20));
+        let tiny = DigestMemo::new(hash_unit, 1);
+        for memo in [&*shared, &tiny] {
+            let mut hits = Vec::new();
+            for pass in 0..2 {
+                let mut out = Vec::new();
+                hits.push(processor.block_hashes_memo_into(
+                    &tokens,
+                    &extras,
+                    memo,
+                    &mut HashScratch::default(),
+                    &mut out,
+                ));
+                let got: Vec<u64> = out.iter().map(|h| h.get()).collect();
+                assert_eq!(got, want_keys, "{version} {id}: memoised keys, pass {pass}");
+            }
+            if !extras.is_empty() {
+                assert_eq!(
+                    hits,
+                    [0, 0],
+                    "{version} {id}: extra keys are never memoised"
+                );
+            } else if memo.entries() > 64 && !units.is_empty() {
+                assert!(hits[1] > 0, "{version} {id}: the second pass hit the memo");
+            }
+        }
         if let Some(view) = case["group_view_hash_hex"].as_array() {
             let digests: Vec<String> = processor
                 .block_digests(&tokens, &extras)

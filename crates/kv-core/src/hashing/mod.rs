@@ -16,11 +16,18 @@
 //!   in int mode the same value 0.12-0.23 published).
 
 mod cbor;
+mod memo;
 
 use sha2::{Digest, Sha256};
 use thiserror::Error;
 
 use crate::BlockHash;
+use memo::digest_tail;
+pub use memo::{DigestMemo, MemoStats};
+
+/// How many units ahead of the one in hand the memoised path prefetches entries: enough to
+/// cover a miss's latency while the unit in hand is verified or hashed.
+const MEMO_PREFETCH_AHEAD: usize = 8;
 
 /// vLLM's root seed when `PYTHONHASHSEED` is unset (vLLM >= 0.29, `DEFAULT_NONE_HASH_SEED`).
 pub const DEFAULT_HASH_SEED: &str = "vllm-none-hash";
@@ -154,6 +161,8 @@ pub struct HashScratch {
     input: Vec<u8>,
     /// The request-wide extra keys (LoRA) encoded once, reused for every block.
     constant_extras: Vec<u8>,
+    /// The memo bucket of every unit of the prompt in hand (memoised path only).
+    memo_buckets: Vec<usize>,
 }
 
 impl TokenProcessor {
@@ -238,11 +247,7 @@ impl TokenProcessor {
         for (unit_index, chunk) in tokens.chunks_exact(unit).enumerate() {
             let start = unit_index * unit;
             let input = &mut scratch.input;
-            input.clear();
-            input.extend_from_slice(&[0x83, 0x58, 0x20]);
-            input.extend_from_slice(&parent);
-            cbor::write_array_head(input, chunk.len());
-            cbor::write_u32s(input, chunk);
+            write_unit_head(input, &parent, chunk);
             if plain {
                 input.push(cbor::NULL);
             } else {
@@ -293,6 +298,60 @@ impl TokenProcessor {
         });
     }
 
+    /// [`TokenProcessor::block_hashes_into`] through a digest memo: units seen before (after
+    /// the same parent) are taken from `memo`, the others hashed and offered to it. The result
+    /// is identical; requests with extra keys, and a memo of another unit size, hash as usual.
+    /// Returns the units taken from the memo.
+    pub fn block_hashes_memo_into(
+        &self,
+        tokens: &[u32],
+        extras: &RequestExtras,
+        memo: &DigestMemo,
+        scratch: &mut HashScratch,
+        out: &mut Vec<BlockHash>,
+    ) -> usize {
+        let unit = self.hash_block_size;
+        if !extras.is_empty() || memo.unit() != unit {
+            self.block_hashes_into(tokens, extras, scratch, out);
+            return 0;
+        }
+        out.reserve(tokens.len() / self.block_size);
+        let group = self.block_size / unit;
+        scratch.memo_buckets.clear();
+        let mut key = digest_tail(&self.none_hash);
+        for chunk in tokens.chunks_exact(unit) {
+            key = DigestMemo::chain(key, chunk);
+            scratch.memo_buckets.push(memo.bucket_of(key));
+        }
+        for &bucket in scratch.memo_buckets.iter().take(MEMO_PREFETCH_AHEAD) {
+            memo.prefetch(bucket);
+        }
+        let (mut hits, mut misses) = (0usize, 0usize);
+        let mut parent = self.none_hash;
+        for (unit_index, chunk) in tokens.chunks_exact(unit).enumerate() {
+            if let Some(&ahead) = scratch.memo_buckets.get(unit_index + MEMO_PREFETCH_AHEAD) {
+                memo.prefetch(ahead);
+            }
+            let bucket = scratch.memo_buckets[unit_index];
+            let parent_tail = digest_tail(&parent);
+            if let Some(child) = memo.get(bucket, parent_tail, chunk) {
+                parent = child;
+                hits += 1;
+            } else {
+                write_unit_head(&mut scratch.input, &parent, chunk);
+                scratch.input.push(cbor::NULL);
+                parent = Sha256::digest(scratch.input.as_slice()).into();
+                memo.put(bucket, parent_tail, chunk, &parent);
+                misses += 1;
+            }
+            if (unit_index + 1) % group == 0 {
+                out.push(event_hash(&parent));
+            }
+        }
+        memo.count(hits as u64, misses as u64);
+        hits
+    }
+
     /// The event-form hashes of every full block (convenience; allocates the result).
     pub fn block_hashes(&self, tokens: &[u32], extras: &RequestExtras) -> Vec<BlockHash> {
         let mut out = Vec::new();
@@ -308,6 +367,16 @@ impl TokenProcessor {
         });
         out
     }
+}
+
+/// Starts a unit's CBOR input, `(parent, tuple(tokens), ...`: everything but the extra keys.
+#[inline(always)]
+fn write_unit_head(input: &mut Vec<u8>, parent: &BlockDigest, tokens: &[u32]) {
+    input.clear();
+    input.extend_from_slice(&[0x83, 0x58, 0x20]);
+    input.extend_from_slice(parent);
+    cbor::write_array_head(input, tokens.len());
+    cbor::write_u32s(input, tokens);
 }
 
 /// Encodes the LoRA extra key (identical for every block of a request).
@@ -451,5 +520,84 @@ mod tests {
             TokenProcessor::new(&bad),
             Err(TokenProcessorError::BadHashBlockSize { .. })
         ));
+    }
+
+    #[test]
+    fn a_memo_answers_only_for_the_same_parent_and_seed() {
+        // Every block has the same tokens, so only the parent tells them apart; two seeds
+        // share one memo; a one-bucket memo makes every unit collide.
+        let tokens = vec![7u32; 16 * 12];
+        let plain = RequestExtras::default();
+        let processors: Vec<TokenProcessor> = [None, Some("42")]
+            .into_iter()
+            .map(|seed| {
+                TokenProcessor::new(&TokenProcessorConfig {
+                    hash_seed: seed.map(str::to_owned),
+                    ..Default::default()
+                })
+                .expect("valid")
+            })
+            .collect();
+        for memo in [DigestMemo::new(16, 1), DigestMemo::new(16, 1 << 16)] {
+            for _pass in 0..3 {
+                for p in &processors {
+                    let mut out = Vec::new();
+                    p.block_hashes_memo_into(
+                        &tokens,
+                        &plain,
+                        &memo,
+                        &mut HashScratch::default(),
+                        &mut out,
+                    );
+                    assert_eq!(out, p.block_hashes(&tokens, &plain));
+                }
+            }
+            let stats = memo.stats();
+            assert_eq!(stats.hits + stats.misses, 3 * 2 * 12);
+            if memo.entries() > 64 {
+                assert!(stats.hits >= 2 * 2 * 12 - 4, "repeats hit: {stats:?}");
+            }
+        }
+    }
+
+    #[test]
+    fn callers_sharing_a_small_memo_at_once_all_get_exact_hashes() {
+        // Four threads score prompts that share prefixes of different lengths through one
+        // memo far smaller than what they hash, so entries are read while others rewrite them.
+        let processor = TokenProcessor::new(&TokenProcessorConfig::default()).expect("valid");
+        let memo = DigestMemo::new(16, 64 * 128);
+        let prompts: Vec<Vec<u32>> = (0..8u32)
+            .map(|p| {
+                (0..16 * 40)
+                    .map(|t| if t < 16 * 5 * p { t } else { t * 31 + p })
+                    .collect()
+            })
+            .collect();
+        let want: Vec<Vec<BlockHash>> = prompts
+            .iter()
+            .map(|t| processor.block_hashes(t, &RequestExtras::default()))
+            .collect();
+        std::thread::scope(|scope| {
+            for thread in 0..4 {
+                let (processor, memo, prompts, want) = (&processor, &memo, &prompts, &want);
+                scope.spawn(move || {
+                    let mut scratch = HashScratch::default();
+                    let mut out = Vec::new();
+                    for round in 0..200 {
+                        let i = (thread * 3 + round) % prompts.len();
+                        out.clear();
+                        processor.block_hashes_memo_into(
+                            &prompts[i],
+                            &RequestExtras::default(),
+                            memo,
+                            &mut scratch,
+                            &mut out,
+                        );
+                        assert_eq!(out, want[i], "thread {thread} round {round}");
+                    }
+                });
+            }
+        });
+        assert!(memo.stats().hits > 0);
     }
 }

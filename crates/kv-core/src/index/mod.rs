@@ -45,11 +45,8 @@
 //! Memory per block: 24 bytes (node) + 8 / load-factor bytes (table, load 0.67-0.85) + 4 bytes
 //! per membership (reverse list; up to 1.25x before compaction) + 1 bit (CLOCK).
 
-// The index's memory modules: the only code in kv-core allowed `unsafe` (zeroed huge-page
-// allocations, the `Zeroable` contract of the slab's atomics, prefetch hints), each block with
-// its `// SAFETY:` argument.
-#[allow(unsafe_code)]
-mod memory;
+// The slab: with `crate::memory`, the only code in kv-core allowed `unsafe` (the `Zeroable`
+// contract of its atomics), each block with its `// SAFETY:` argument.
 #[allow(unsafe_code)]
 mod slab;
 mod table;
@@ -57,7 +54,6 @@ mod table;
 mod directory;
 mod read;
 mod runs;
-mod seqlock;
 mod types;
 mod write;
 

@@ -30,8 +30,9 @@ use rustc_hash::FxHashMap as HashMap;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::OnceLock;
 
-use super::memory::{zeroed_slice, Zeroable};
-use super::seqlock::{StdFence, PROTOCOL};
+use crate::memory::prefetch_read;
+use crate::memory::{zeroed_slice, Zeroable};
+use crate::seqlock::{StdFence, PROTOCOL};
 
 /// An unused member word (never a valid member: engine ids stop below 2^23 - 1).
 pub const EMPTY: u32 = u32::MAX;
@@ -462,20 +463,6 @@ impl SetPool {
             .sum::<usize>()
             + self.free_pages.capacity() * 4
     }
-}
-
-/// Asks the CPU to bring the cache line at `ptr` in; a pure hint (never faults, no effect on
-/// results), used to overlap the misses of a batch.
-#[inline(always)]
-pub fn prefetch_read(ptr: *const u8) {
-    #[cfg(target_arch = "x86_64")]
-    // SAFETY: prefetch is a hint; it never faults or reads memory architecturally, whatever the
-    // address.
-    unsafe {
-        std::arch::x86_64::_mm_prefetch(ptr as *const i8, std::arch::x86_64::_MM_HINT_T0);
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    let _ = ptr;
 }
 
 #[cfg(test)]

@@ -18,7 +18,7 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use super::seqlock::PROTOCOL;
+use crate::seqlock::PROTOCOL;
 
 const EMPTY: u64 = 0;
 const TOMBSTONE: u64 = 1;
@@ -42,9 +42,9 @@ impl Table {
     pub fn with_capacity(capacity: usize, seed: u64) -> Self {
         let capacity = capacity.max(16);
         // EMPTY is 0: a zeroed allocation is an empty table.
-        let slots = super::memory::zeroed_slice(capacity);
+        let slots = crate::memory::zeroed_slice(capacity);
         // Inserts land at random: every page is written soon, so fault them in at once.
-        super::memory::prefault(&slots);
+        crate::memory::prefault(&slots);
         Self { slots, seed }
     }
 
@@ -77,7 +77,7 @@ impl Table {
     #[inline(always)]
     pub fn prefetch(&self, hash: u64) {
         let pos = self.home(mix(hash, self.seed) as u32);
-        super::slab::prefetch_read(&self.slots[pos] as *const AtomicU64 as *const u8);
+        crate::memory::prefetch_read(&self.slots[pos] as *const AtomicU64 as *const u8);
     }
 
     /// Bytes of slot storage.

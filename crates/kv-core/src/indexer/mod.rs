@@ -37,11 +37,13 @@ use parking_lot::Mutex;
 use thiserror::Error;
 
 use crate::hashing::{
-    ExtraKeysFormat, LoraAdapter, TokenProcessor, TokenProcessorConfig, TokenProcessorError,
+    DigestMemo, ExtraKeysFormat, HashScratch, LoraAdapter, MemoStats, RequestExtras,
+    TokenProcessor, TokenProcessorConfig, TokenProcessorError,
 };
 use crate::index::{
     EngineKey, IndexConfig, IndexConfigError, IndexStats, KeyBudget, ModelIndex, TierWeights,
 };
+use crate::BlockHash;
 pub use apply::ApplyReport;
 pub use score::{PodRef, PodScore, ScoreError, ScoreResult, ALL_PODS};
 use speculation::Speculation;
@@ -82,6 +84,10 @@ pub struct IndexerSettings {
     pub weights: TierWeights,
     /// Speculative entries (recorded routings): lifetime, weight, bounds.
     pub speculation: SpeculationSettings,
+    /// Bytes of the digest memo that lets scoring skip SHA-256 for prompt blocks seen before
+    /// ([`DigestMemo`]): one memo of this size per hash unit size in use, shared by the models
+    /// of that size; 0 disables it.
+    pub digest_memo_bytes: usize,
 }
 
 /// Invalid settings.
@@ -144,6 +150,8 @@ pub struct ModelState {
     /// Set (under `engine_keys`) when the model gave its place to another (`max_models`): a
     /// batch that finds it set applies nothing.
     evicted: AtomicBool,
+    /// The digest memo of the model's hash unit size, when memos are enabled.
+    memo: Option<Arc<DigestMemo>>,
 }
 
 impl ModelState {
@@ -155,6 +163,30 @@ impl ModelState {
     /// The model's token processor.
     pub fn processor(&self) -> &TokenProcessor {
         &self.processor
+    }
+
+    /// The digest memo scoring uses for this model (shared with models of its unit size).
+    pub fn digest_memo(&self) -> Option<&DigestMemo> {
+        self.memo.as_deref()
+    }
+
+    /// A prompt's block hashes for scoring: through the digest memo when there is one.
+    fn hashes_into(
+        &self,
+        tokens: &[u32],
+        extras: &RequestExtras,
+        scratch: &mut HashScratch,
+        out: &mut Vec<BlockHash>,
+    ) {
+        match &self.memo {
+            Some(memo) => {
+                self.processor
+                    .block_hashes_memo_into(tokens, extras, memo, scratch, out);
+            }
+            None => self
+                .processor
+                .block_hashes_into(tokens, extras, scratch, out),
+        }
     }
 
     /// The model's name.
@@ -247,7 +279,8 @@ struct Totals {
 pub struct Indexer {
     settings: IndexerSettings,
     models: ArcSwap<HashMap<Arc<str>, Arc<ModelState>>>,
-    create: Mutex<()>,
+    /// Serialises model creation; holds the digest memos by hash unit size.
+    create: Mutex<HashMap<usize, Arc<DigestMemo>>>,
     totals: Totals,
     /// `size` keys shared by every model's index.
     budget: Arc<KeyBudget>,
@@ -269,7 +302,7 @@ impl Indexer {
             budget: KeyBudget::new(settings.index.max_keys as u64),
             settings,
             models: ArcSwap::from_pointee(HashMap::new()),
-            create: Mutex::new(()),
+            create: Mutex::new(HashMap::new()),
             totals: Totals::default(),
             started: std::time::Instant::now(),
         };
@@ -311,7 +344,7 @@ impl Indexer {
         if let Some(m) = self.model(name) {
             return Ok((m, None));
         }
-        let _guard = self.create.lock();
+        let mut memos = self.create.lock();
         if let Some(m) = self.model(name) {
             return Ok((m, None));
         }
@@ -353,6 +386,13 @@ impl Indexer {
                 source,
             }
         })?;
+        let memo = (self.settings.digest_memo_bytes > 0).then(|| {
+            let unit = processor.hash_block_size();
+            memos
+                .entry(unit)
+                .or_insert_with(|| Arc::new(DigestMemo::new(unit, self.settings.digest_memo_bytes)))
+                .clone()
+        });
         let state = Arc::new(ModelState {
             name: name.into(),
             index: ModelIndex::with_budget(self.settings.index.clone(), self.budget.clone())?,
@@ -365,6 +405,7 @@ impl Indexer {
             engine_keys: Mutex::new(Default::default()),
             evicted: AtomicBool::new(false),
             last_write: AtomicU64::new(self.clock()),
+            memo,
         });
         next.insert(name.into(), state.clone());
         self.models.store(Arc::new(next));
@@ -386,6 +427,16 @@ impl Indexer {
     /// Milliseconds since the indexer started (the models' write clock).
     fn clock(&self) -> u64 {
         u64::try_from(self.started.elapsed().as_millis()).unwrap_or(u64::MAX)
+    }
+
+    /// Every digest memo's hits, misses and bytes, summed (memos are never dropped, so the
+    /// counts only grow).
+    pub fn digest_memo_stats(&self) -> MemoStats {
+        let mut total = MemoStats::default();
+        for memo in self.create.lock().values() {
+            total += memo.stats();
+        }
+        total
     }
 
     /// Models that gave their place to another (`max_models`) so far.

@@ -176,9 +176,7 @@ impl Indexer {
                 Err(_) => &mut fresh,
             };
             hashes.clear();
-            state
-                .processor
-                .block_hashes_into(tokens, &extras, scratch, hashes);
+            state.hashes_into(tokens, &extras, scratch, hashes);
             self.score_hashes_in(&state, hashes, pods, out);
         });
         out.prompt_tokens = tokens.len() as u32;
@@ -199,12 +197,7 @@ impl Indexer {
             .ok_or_else(|| ScoreError::UnknownModel(model.to_owned()))?;
         let extras = self.request_extras(&state, lora_name, cache_salt)?;
         let mut hashes = Vec::with_capacity(tokens.len() / state.processor.block_size().max(1));
-        state.processor.block_hashes_into(
-            tokens,
-            &extras,
-            &mut HashScratch::default(),
-            &mut hashes,
-        );
+        state.hashes_into(tokens, &extras, &mut HashScratch::default(), &mut hashes);
         Ok(hashes)
     }
 

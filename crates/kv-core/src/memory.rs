@@ -1,4 +1,6 @@
-//! Large zeroed allocations for the index, with a transparent-huge-page hint.
+//! Memory for structures probed at random (the index's table and node chunks, the digest
+//! memo): large zeroed allocations with a transparent-huge-page hint, prefaulting, and the one
+//! software-prefetch hint.
 //!
 //! The index's table and node chunks are probed at random; on 4 KiB pages nearly every probe
 //! also misses the TLB. On Linux, `madvise(MADV_HUGEPAGE)` lets the kernel back them with 2 MiB
@@ -13,6 +15,14 @@ pub unsafe trait Zeroable: Sized {}
 
 // SAFETY: atomics of integers are plain integers; zero is a valid value.
 unsafe impl Zeroable for std::sync::atomic::AtomicU64 {}
+
+/// One cache line of 32-bit atomics, aligned to the line: a unit of memory a probe reads at
+/// once (the digest memo's entries are whole lines).
+#[repr(C, align(64))]
+pub struct CacheLine(pub [std::sync::atomic::AtomicU32; 16]);
+
+// SAFETY: an array of integer atomics; zero is a valid value of each.
+unsafe impl Zeroable for CacheLine {}
 
 /// Allocations at least this large get the huge-page hint.
 const HUGE_HINT_MIN: usize = 2 << 20;
@@ -92,6 +102,20 @@ fn advise_huge(ptr: *mut u8, len: usize) {
 
 #[cfg(not(target_os = "linux"))]
 fn advise_huge(_ptr: *mut u8, _len: usize) {}
+
+/// Asks the CPU to bring the cache line at `ptr` in; a pure hint (never faults, no effect on
+/// results), used to overlap the misses of a batch.
+#[inline(always)]
+pub fn prefetch_read(ptr: *const u8) {
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: prefetch is a hint; it never faults or reads memory architecturally, whatever the
+    // address.
+    unsafe {
+        std::arch::x86_64::_mm_prefetch(ptr as *const i8, std::arch::x86_64::_MM_HINT_T0);
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = ptr;
+}
 
 #[cfg(test)]
 mod tests {

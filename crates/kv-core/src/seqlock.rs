@@ -1,8 +1,8 @@
-//! The publication protocol between the index's one writer and its lock-free readers, written
-//! once, generic over the atomics, so that the model check (`loom`, under `cfg(loom)`) runs the
-//! code the index runs, and a deliberately broken variant shows the check can fail.
+//! The publication protocol between writers and lock-free readers, written once, generic over
+//! the atomics, so that the model check (`loom`, under `cfg(loom)`) runs the code the index and
+//! the digest memo run, and a deliberately broken variant shows the check can fail.
 //!
-//! Two primitives:
+//! Three primitives:
 //! - **Seqlock** (every node: hash and member words). The writer makes the sequence odd,
 //!   fences (Release), changes the data with relaxed stores, and publishes the next even
 //!   sequence with a Release store. A reader loads the sequence (Acquire), reads the data
@@ -10,6 +10,11 @@
 //!   A kept read is one version of the node, never a mix of two, and never older than the
 //!   sequence it saw. Anything the writer stored before the write (a fresh set's pages, the
 //!   largest-set bound) is visible to a reader that keeps the read.
+//! - **Claimed seqlock** (the digest memo's entries: many writers, readers that never wait).
+//!   A writer claims the entry by a compare-and-swap of the even sequence to odd (Acquire, so
+//!   its stores follow the previous writer's), then writes as above; a writer that finds the
+//!   entry claimed gives up. A reader makes one attempt and treats an odd or changed sequence
+//!   as a miss.
 //! - **Flag after data** (continuation bits; a rebuilt table). The data is complete before a
 //!   Release store of the flag; a reader that loads the flag with Acquire sees that data.
 //!   ([`arc_swap`] gives a table swap the same store/load semantics.)
@@ -20,6 +25,13 @@ use std::sync::atomic::Ordering;
 pub(crate) trait Word {
     fn load(&self, order: Ordering) -> u32;
     fn store(&self, value: u32, order: Ordering);
+    fn compare_exchange(
+        &self,
+        current: u32,
+        new: u32,
+        success: Ordering,
+        failure: Ordering,
+    ) -> Result<u32, u32>;
 }
 
 /// A memory fence (std's in the index, loom's in the model).
@@ -36,6 +48,16 @@ impl Word for std::sync::atomic::AtomicU32 {
     fn store(&self, value: u32, order: Ordering) {
         std::sync::atomic::AtomicU32::store(self, value, order)
     }
+    #[inline(always)]
+    fn compare_exchange(
+        &self,
+        current: u32,
+        new: u32,
+        success: Ordering,
+        failure: Ordering,
+    ) -> Result<u32, u32> {
+        std::sync::atomic::AtomicU32::compare_exchange(self, current, new, success, failure)
+    }
 }
 
 /// The hardware fence.
@@ -51,6 +73,12 @@ impl Fence for StdFence {
 /// The orderings of the protocol, as data so the model can also check a broken variant.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Protocol {
+    /// Whether a claiming writer takes the sequence by one compare-and-swap (the protocol) or
+    /// by a load and a store (the broken variant the model must catch: two writers can both
+    /// believe they hold the claim).
+    pub claim_atomically: bool,
+    /// A claiming writer's compare-and-swap of the sequence to odd, on success.
+    pub write_claim: Ordering,
     /// The writer's fence after making the sequence odd.
     pub write_fence: Ordering,
     /// The writer's store of the next even sequence.
@@ -67,6 +95,8 @@ pub(crate) struct Protocol {
 
 /// The protocol the index runs.
 pub(crate) const PROTOCOL: Protocol = Protocol {
+    claim_atomically: true,
+    write_claim: Ordering::Acquire,
     write_fence: Ordering::Release,
     write_publish: Ordering::Release,
     read_load: Ordering::Acquire,
@@ -85,6 +115,43 @@ impl Protocol {
         let result = change();
         seq.store(s.wrapping_add(2), self.write_publish);
         result
+    }
+
+    /// One of several writers: claims `seq` and runs `change` (relaxed stores) as one seqlock
+    /// write, or returns `None` without running it if another writer holds the claim.
+    #[inline(always)]
+    pub fn try_write<W: Word, F: Fence, R>(
+        &self,
+        seq: &W,
+        change: impl FnOnce() -> R,
+    ) -> Option<R> {
+        let s = seq.load(Ordering::Relaxed);
+        if s & 1 == 1 {
+            return None;
+        }
+        if self.claim_atomically {
+            seq.compare_exchange(s, s.wrapping_add(1), self.write_claim, Ordering::Relaxed)
+                .ok()?;
+        } else {
+            seq.store(s.wrapping_add(1), Ordering::Relaxed);
+        }
+        F::fence(self.write_fence);
+        let result = change();
+        seq.store(s.wrapping_add(2), self.write_publish);
+        Some(result)
+    }
+
+    /// Reader, one attempt: what `read` (relaxed loads) saw if it saw one version, else
+    /// `None` (a write was under way).
+    #[inline(always)]
+    pub fn try_read<W: Word, F: Fence, T>(&self, seq: &W, read: impl FnOnce() -> T) -> Option<T> {
+        let s1 = seq.load(self.read_load);
+        if s1 & 1 == 1 {
+            return None;
+        }
+        let seen = read();
+        F::fence(self.read_fence);
+        (seq.load(Ordering::Relaxed) == s1).then_some(seen)
     }
 
     /// Reader: runs `read` (relaxed loads) until it saw one version, and returns what it saw.
@@ -136,6 +203,15 @@ mod model {
         fn store(&self, value: u32, order: Ordering) {
             AtomicU32::store(self, value, order)
         }
+        fn compare_exchange(
+            &self,
+            current: u32,
+            new: u32,
+            success: Ordering,
+            failure: Ordering,
+        ) -> Result<u32, u32> {
+            AtomicU32::compare_exchange(self, current, new, success, failure)
+        }
     }
 
     struct LoomFence;
@@ -153,6 +229,39 @@ mod model {
         hash: AtomicU32,
         m0: AtomicU32,
         m1: AtomicU32,
+    }
+
+    impl Node {
+        /// A node holding version `v`: hash `v`, members `v + 1`, `v + 2`.
+        fn holding(v: u32) -> Arc<Self> {
+            let node = Arc::new(Node::default());
+            node.store_version(v);
+            node
+        }
+
+        /// Relaxed stores of version `v` (inside a write, or before the node is shared).
+        fn store_version(&self, v: u32) {
+            self.hash.store(v, Relaxed);
+            self.m0.store(v + 1, Relaxed);
+            self.m1.store(v + 2, Relaxed);
+        }
+
+        /// Relaxed loads of hash and members (inside a read).
+        fn load_words(&self) -> (u32, u32, u32) {
+            (
+                self.hash.load(Relaxed),
+                self.m0.load(Relaxed),
+                self.m1.load(Relaxed),
+            )
+        }
+    }
+
+    /// Asserts a read saw one version (`message` names the model's failure).
+    fn assert_one_version((h, a, b): (u32, u32, u32), message: &str) {
+        assert!(
+            a == h + 1 && b == h + 2,
+            "{message}: hash {h}, members {a}, {b}"
+        );
     }
 
     /// Runs `model` under loom (every interleaving with up to 3 preemptions): `Ok` if all
@@ -187,31 +296,15 @@ mod model {
     /// exactly the old version or the new one.
     fn seqlock_model(p: Protocol) -> impl Fn() + Sync + Send + 'static {
         move || {
-            let node = Arc::new(Node::default());
-            node.hash.store(10, Relaxed);
-            node.m0.store(11, Relaxed);
-            node.m1.store(12, Relaxed);
+            let node = Node::holding(10);
             let writer = {
                 let node = node.clone();
                 thread::spawn(move || {
-                    p.write::<_, LoomFence, _>(&node.seq, || {
-                        node.hash.store(20, Relaxed);
-                        node.m0.store(21, Relaxed);
-                        node.m1.store(22, Relaxed);
-                    });
+                    p.write::<_, LoomFence, _>(&node.seq, || node.store_version(20));
                 })
             };
-            let (h, a, b) = p.read::<_, LoomFence, _>(&node.seq, || {
-                (
-                    node.hash.load(Relaxed),
-                    node.m0.load(Relaxed),
-                    node.m1.load(Relaxed),
-                )
-            });
-            assert!(
-                a == h + 1 && b == h + 2,
-                "torn read: hash {h}, members {a}, {b}"
-            );
+            let seen = p.read::<_, LoomFence, _>(&node.seq, || node.load_words());
+            assert_one_version(seen, "torn read");
             writer.join().expect("writer");
         }
     }
@@ -228,6 +321,48 @@ mod model {
             ..PROTOCOL
         };
         fails_with(seqlock_model(broken), "torn read");
+    }
+
+    /// The digest memo's entries: two writers claim the same entry, each to write a version of
+    /// its own; a reader makes one attempt. A kept read is one whole version, and a writer
+    /// that lost the claim wrote nothing.
+    fn claimed_model(p: Protocol) -> impl Fn() + Sync + Send + 'static {
+        move || {
+            let node = Node::holding(10);
+            let writers: Vec<_> = [20u32, 30]
+                .into_iter()
+                .map(|v| {
+                    let node = node.clone();
+                    thread::spawn(move || {
+                        p.try_write::<_, LoomFence, _>(&node.seq, || node.store_version(v))
+                    })
+                })
+                .collect();
+            let read = || p.try_read::<_, LoomFence, _>(&node.seq, || node.load_words());
+            if let Some(seen) = read() {
+                assert_one_version(seen, "torn claimed read");
+            }
+            for w in writers {
+                w.join().expect("writer");
+            }
+            // Once both writers are done the entry is stable: one whole version.
+            let last = read().expect("an entry no one writes reads at once");
+            assert_one_version(last, "torn claimed read");
+        }
+    }
+
+    #[test]
+    fn a_kept_read_of_a_claimed_entry_is_one_version() {
+        assert_eq!(check(claimed_model(PROTOCOL)), Ok(()));
+    }
+
+    #[test]
+    fn negative_control_a_claim_by_load_and_store_lets_two_writers_tear_an_entry() {
+        let broken = Protocol {
+            claim_atomically: false,
+            ..PROTOCOL
+        };
+        fails_with(claimed_model(broken), "torn claimed read");
     }
 
     /// Set interning: the writer fills a fresh page (relaxed, no seqlock: nothing names it
