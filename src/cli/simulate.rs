@@ -11,7 +11,9 @@ use clap::Args;
 
 use kv_lab::simulate::charts;
 use kv_lab::simulate::engine::EngineConfig;
-use kv_lab::simulate::policies::{self, parse_weights, PolicySettings, POLICIES};
+use kv_lab::simulate::policies::{
+    self, parse_prefix_score, parse_weights, PolicySettings, POLICIES,
+};
 use kv_lab::simulate::report::{self, LadderRun};
 use kv_lab::simulate::routers::{self, Router};
 use kv_lab::simulate::workloads::{mooncake, MultiTurn, SharedPrefix};
@@ -80,6 +82,13 @@ pub struct SimulateArgs {
     /// three numbers (e.g. 2:1:1) for every scoring policy.
     #[arg(long, default_value = "equal")]
     pub weights: String,
+    /// How the precise policies turn the index's scores into the prefix scorer's value:
+    /// `min-max` (llm-d's precise-prefix-cache scorer on kv-indexer's scores: min-max over
+    /// every candidate, 1.0 each when all are equal), `min-max-holders` (the same scorer on
+    /// llm-d's own indexer, which returns only the pods holding the prompt's first block) or
+    /// `share` (matched blocks over prompt blocks, what the lab used before).
+    #[arg(long, default_value = "min-max")]
+    pub precise_prefix_score: String,
     /// The approximate scorer's capacity guess per pod, in its blocks (lruCapacityPerServer).
     #[arg(long, default_value_t = routers::APPROX_CAPACITY_GUESS)]
     pub approx_capacity: usize,
@@ -149,6 +158,7 @@ fn policy_settings(args: &SimulateArgs) -> anyhow::Result<PolicySettings> {
         approx_capacity: args.approx_capacity,
         approx_weights,
         precise_weights,
+        precise_prefix: parse_prefix_score(&args.precise_prefix_score)?,
     })
 }
 
@@ -246,6 +256,7 @@ fn check(args: &SimulateArgs) -> anyhow::Result<()> {
         bail!("--seeds must be between 1 and 100, got {}", args.seeds);
     }
     parse_weights(&args.weights)?;
+    parse_prefix_score(&args.precise_prefix_score)?;
     Ok(())
 }
 
@@ -415,19 +426,21 @@ fn ladder(args: &SimulateArgs, names: &[String]) -> anyhow::Result<()> {
             "{}",
             serde_json::to_string_pretty(&serde_json::json!({
                 "workload": args.workload, "slo_ttft_p90_ms": args.slo_ttft_p90_ms,
+                "weights": args.weights, "precise_prefix_score": args.precise_prefix_score,
                 "runs": runs, "max_sustainable_rate": verdict,
             }))?
         );
         return Ok(());
     }
     println!(
-        "load ladder ({}), {} pods, {} gateway replica(s), seeds {}..{}, weights {}: mean [95% interval]",
+        "load ladder ({}), {} pods, {} gateway replica(s), seeds {}..{}, weights {}, precise prefix score {}: mean [95% interval]",
         args.workload,
         args.pods,
         args.routers,
         args.seed,
         args.seed + args.seeds - 1,
-        args.weights
+        args.weights,
+        args.precise_prefix_score
     );
     print!("{}", report::ladder_table(&runs));
     println!(

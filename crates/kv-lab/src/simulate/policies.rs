@@ -7,7 +7,7 @@ use std::sync::Mutex;
 use thiserror::Error;
 
 use super::rng;
-use super::routers::{self, CapacityGuess, Router, Weights};
+use super::routers::{self, CapacityGuess, PrefixScore, Router, Weights};
 
 /// Every policy, in the order `all` runs them.
 pub const POLICIES: [&str; 10] = [
@@ -32,6 +32,14 @@ pub enum PolicyError {
     /// Not `equal`, `llm-d` or `prefix:queue:kv`.
     #[error("--weights {0:?}: equal, llm-d, or prefix:queue:kv (e.g. 2:1:1)")]
     BadWeights(String),
+    /// Not one of [`PrefixScore::NAMES`].
+    #[error("--precise-prefix-score {0:?}: min-max, min-max-holders or share")]
+    BadPrefixScore(String),
+}
+
+/// The precise policies' prefix normalisation by name (`min-max`, `min-max-holders`, `share`).
+pub fn parse_prefix_score(text: &str) -> Result<PrefixScore, PolicyError> {
+    PrefixScore::parse(text).ok_or_else(|| PolicyError::BadPrefixScore(text.to_owned()))
 }
 
 /// The scorer weights of the approximate and the precise policies: `equal` (both 1:1:1),
@@ -68,6 +76,9 @@ pub struct PolicySettings {
     pub approx_weights: Weights,
     /// The precise policies' scorer weights.
     pub precise_weights: Weights,
+    /// How the precise policies normalise the index's scores (min-max over every candidate by
+    /// default).
+    pub precise_prefix: PrefixScore,
 }
 
 /// The router `name` stands for, seeded with `seed`.
@@ -93,8 +104,10 @@ pub fn router(
         "aibrix" => Box::new(routers::Aibrix::default()),
         "localai" => Box::new(routers::LocalAi::default()),
         "dynamo" => Box::new(routers::Dynamo::new(seed)),
-        "precise" => Box::new(routers::Precise::new(settings.precise_weights, true, seed)),
-        "precise-nospec" => Box::new(routers::Precise::new(settings.precise_weights, false, seed)),
+        "precise" | "precise-nospec" => Box::new(
+            routers::Precise::new(settings.precise_weights, name == "precise", seed)
+                .with_prefix_score(settings.precise_prefix),
+        ),
         other => return Err(PolicyError::UnknownPolicy(other.to_owned())),
     })
 }
@@ -166,11 +179,26 @@ mod tests {
     }
 
     #[test]
+    fn prefix_scores_parse_by_name_and_others_are_an_error() {
+        assert_eq!(parse_prefix_score("min-max"), Ok(PrefixScore::MinMax));
+        assert_eq!(
+            parse_prefix_score("min-max-holders"),
+            Ok(PrefixScore::MinMaxHolders)
+        );
+        assert_eq!(parse_prefix_score("share"), Ok(PrefixScore::Share));
+        assert_eq!(
+            parse_prefix_score("minmax"),
+            Err(PolicyError::BadPrefixScore("minmax".into()))
+        );
+    }
+
+    #[test]
     fn every_listed_policy_builds_and_others_are_named_in_the_error() {
         let settings = PolicySettings {
             approx_capacity: 1000,
             approx_weights: Weights::EQUAL,
             precise_weights: Weights::EQUAL,
+            precise_prefix: PrefixScore::MinMax,
         };
         for name in POLICIES {
             assert!(router(name, &settings, 1).is_ok(), "{name}");

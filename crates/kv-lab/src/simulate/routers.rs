@@ -10,7 +10,9 @@
 //!   tokens); `approx-autotune` sizes each LRU from the pod's reported KV blocks instead;
 //! - `precise`: kv-indexer's scores from the real index (fed by the pods' events), with the
 //!   speculative entries of `RecordRouting` recorded after each decision (the index's own
-//!   code: confirmed by events, expired by its TTL); `precise-nospec` records none;
+//!   code: confirmed by events, expired by its TTL); `precise-nospec` records none. The raw
+//!   scores become the prefix scorer's value as llm-d's precise-prefix-cache scorer makes them
+//!   of kv-indexer's scores ([`PrefixScore::MinMax`]); the other forms show the difference;
 //! - `dynamo`: Dynamo's KV router cost: `overlap_weight * blocks to prefill + blocks the pod has
 //!   in use`, the lowest wins, with the overlap from the index;
 //! - `aibrix`: AIBrix prefix-cache routing: least loaded when in-flight counts are imbalanced
@@ -20,9 +22,11 @@
 //!   share of the prompt and the pod is not overloaded, otherwise least loaded.
 //!
 //! The scoring routers (`approx*`, `precise*`) add weighted scorers as an EPP does: the prefix
-//! share, the queue scorer and the KV-utilisation scorer, both from metrics scraped every
-//! scrape interval (stale) and min-max normalised over the pods (1 = the shortest queue or the
-//! emptiest cache); the highest sum wins, ties at random.
+//! scorer (the approximate scorer's matched share of the blocks it hashed, as the gateway's
+//! `prefix-cache-scorer` computes it; the precise scorer's as [`PrefixScore`] says), the queue
+//! scorer and the KV-utilisation scorer, both from metrics scraped every scrape interval
+//! (stale) and min-max normalised over the pods (1 = the shortest queue or the emptiest
+//! cache); the highest sum wins, ties at random.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -101,6 +105,83 @@ impl Weights {
 
 fn least_loaded(in_flight: &[usize], among: impl Iterator<Item = usize>) -> usize {
     among.min_by_key(|&p| (in_flight[p], p)).unwrap_or(0)
+}
+
+/// How a precise router turns the indexer's raw scores (tier-weighted consecutive blocks, the
+/// `score` of ScorePods) into the prefix scorer's value in `0..=1`.
+///
+/// llm-d's precise-prefix-cache scorer (`indexedScoresToNormalizedScoredPods` in
+/// llm-d-inference-scheduler's `preciseprefixcache` package) normalises min-max over the pods
+/// its indexer returned, 1.0 for each of them when their scores are equal, 0 for a pod not
+/// returned. Which pods those are depends on the indexer: kv-indexer returns every candidate,
+/// pods holding nothing included with 0 ([`PrefixScore::MinMax`]); llm-d's own indexer returns
+/// only the pods holding the prompt's first block ([`PrefixScore::MinMaxHolders`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub enum PrefixScore {
+    /// Min-max over every candidate (llm-d's scorer on kv-indexer's scores); 1.0 for all when
+    /// all are equal.
+    MinMax,
+    /// Min-max over the pods holding the prompt's first block (llm-d's scorer on llm-d's own
+    /// indexer): the shortest holder scores as low as a pod holding nothing, a single holder
+    /// 1.0 however short its match.
+    MinMaxHolders,
+    /// Matched blocks over prompt blocks (what this lab scored before; no deployed precise
+    /// scorer does this).
+    Share,
+}
+
+impl PrefixScore {
+    /// Every form, by the name `--precise-prefix-score` takes.
+    pub const NAMES: [(&'static str, PrefixScore); 3] = [
+        ("min-max", PrefixScore::MinMax),
+        ("min-max-holders", PrefixScore::MinMaxHolders),
+        ("share", PrefixScore::Share),
+    ];
+
+    /// The form `name` stands for.
+    pub fn parse(name: &str) -> Option<Self> {
+        Self::NAMES
+            .iter()
+            .find(|(n, _)| *n == name)
+            .map(|&(_, form)| form)
+    }
+
+    /// Its name.
+    pub fn name(self) -> &'static str {
+        Self::NAMES
+            .iter()
+            .find(|(_, form)| *form == self)
+            .map_or("min-max", |&(n, _)| n)
+    }
+
+    /// The prefix scorer's values from the raw scores of a prompt of `blocks` blocks.
+    pub fn normalise(self, raw: &[f64], blocks: usize) -> Vec<f64> {
+        match self {
+            PrefixScore::Share => {
+                let n = blocks.max(1) as f64;
+                raw.iter().map(|r| r / n).collect()
+            }
+            PrefixScore::MinMax => min_max(raw, |_| true),
+            PrefixScore::MinMaxHolders => min_max(raw, |r| r > 0.0),
+        }
+    }
+}
+
+/// `(v - min) / (max - min)` over the values `counted` admits (1.0 for each when they are
+/// equal), 0 for the others.
+fn min_max(raw: &[f64], counted: impl Fn(f64) -> bool) -> Vec<f64> {
+    let (min, max) = raw
+        .iter()
+        .copied()
+        .filter(|&r| counted(r))
+        .fold((f64::MAX, f64::MIN), |(lo, hi), r| (lo.min(r), hi.max(r)));
+    raw.iter()
+        .map(|&r| match counted(r) {
+            false => 0.0,
+            true if max > min => (r - min) / (max - min),
+            true => 1.0,
+        })
+        .collect()
 }
 
 /// `(max - v) / (max - min)` per value; 1 for all when they are equal.
@@ -287,21 +368,33 @@ pub struct Precise {
     pub weights: Weights,
     /// Record each decision as speculative entries (`RecordRouting`).
     pub speculation: bool,
+    /// How raw scores become the prefix scorer's value (min-max over every candidate by
+    /// default, as llm-d's scorer makes it of kv-indexer's scores).
+    pub prefix_score: PrefixScore,
     rng: SplitMix64,
 }
 
 impl Precise {
-    /// Precise scoring, recording routings when `speculation`.
+    /// Precise scoring as llm-d's scorer makes it of kv-indexer's scores, recording routings
+    /// when `speculation`.
     pub fn new(weights: Weights, speculation: bool, seed: u64) -> Self {
         Self {
             weights,
             speculation,
+            prefix_score: PrefixScore::MinMax,
             rng: super::rng(seed ^ 0x9E_C1),
         }
     }
+
+    /// The same router with another prefix normalisation.
+    pub fn with_prefix_score(mut self, prefix_score: PrefixScore) -> Self {
+        self.prefix_score = prefix_score;
+        self
+    }
 }
 
-/// Per pod, the blocks of `req` the index says it holds (real, and speculative at weight 1).
+/// Per pod, the index's score for `req`: consecutive blocks from the start, tier-weighted
+/// (`score` of ScorePods; speculative blocks included, at their weight, 1 by default).
 fn indexed_blocks(req: &SimRequest, ctx: &RouterContext<'_>) -> Vec<f64> {
     let mut matched = vec![0.0; ctx.pod_names.len()];
     if let Ok(result) = ctx
@@ -310,7 +403,7 @@ fn indexed_blocks(req: &SimRequest, ctx: &RouterContext<'_>) -> Vec<f64> {
     {
         for (name, s) in result.named() {
             if let Some(p) = ctx.pod_names.iter().position(|n| **n == *name) {
-                matched[p] = (s.matched_blocks + s.speculative_blocks) as f64;
+                matched[p] = s.score;
             }
         }
     }
@@ -326,9 +419,9 @@ impl Router for Precise {
         }
     }
     fn route(&mut self, req: &SimRequest, ctx: &RouterContext<'_>) -> usize {
-        let n = req.blocks.len().max(1) as f64;
-        let share: Vec<f64> = indexed_blocks(req, ctx).iter().map(|m| m / n).collect();
-        pick(&share, ctx, self.weights, &mut self.rng)
+        let raw = indexed_blocks(req, ctx);
+        let prefix = self.prefix_score.normalise(&raw, req.blocks.len());
+        pick(&prefix, ctx, self.weights, &mut self.rng)
     }
     fn routed(&mut self, req: &SimRequest, pod: usize, ctx: &RouterContext<'_>) {
         if self.speculation && !req.blocks.is_empty() {
@@ -506,6 +599,42 @@ impl Router for LocalAi {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn prefix_scores_normalise_as_llm_d_does_over_the_pods_returned() {
+        let raw = [0.0, 375.0, 450.0, 375.0];
+        // kv-indexer returns every candidate: the lower holders keep their place.
+        let all = PrefixScore::MinMax.normalise(&raw, 450);
+        assert_eq!(all[0], 0.0);
+        assert!((all[1] - 375.0 / 450.0).abs() < 1e-12 && all[2] == 1.0);
+        // llm-d's indexer returns the holders only: the lowest holder scores as a pod holding
+        // nothing.
+        assert_eq!(
+            PrefixScore::MinMaxHolders.normalise(&raw, 450),
+            [0.0, 0.0, 1.0, 0.0]
+        );
+        // One holder, or equal holders: 1.0 each, however short their match.
+        for form in [PrefixScore::MinMax, PrefixScore::MinMaxHolders] {
+            assert_eq!(form.normalise(&[0.0, 3.0], 450), [0.0, 1.0]);
+            assert_eq!(form.normalise(&[2.0, 2.0, 0.0], 450), [1.0, 1.0, 0.0]);
+        }
+        // Nobody holds anything: nothing pulls (equal values, whatever they are).
+        assert_eq!(PrefixScore::MinMax.normalise(&[0.0, 0.0], 450), [1.0, 1.0]);
+        assert_eq!(
+            PrefixScore::MinMaxHolders.normalise(&[0.0, 0.0], 450),
+            [0.0, 0.0]
+        );
+        // The share: blocks over prompt blocks.
+        assert_eq!(
+            PrefixScore::Share.normalise(&[0.0, 375.0], 450)[1],
+            375.0 / 450.0
+        );
+        for (name, form) in PrefixScore::NAMES {
+            assert_eq!(PrefixScore::parse(name), Some(form));
+            assert_eq!(form.name(), name);
+        }
+        assert_eq!(PrefixScore::parse("minmax"), None);
+    }
 
     #[test]
     fn min_max_normalisation_ranks_the_lowest_first_and_ties_all_at_one() {
