@@ -440,7 +440,14 @@ impl RunIndex {
         }
         let left = self.pool.with(&holders, member, false);
         if left.is_empty() {
+            // Each block leaving costs its table slot, at random: fetch them ahead.
+            for id in a..b.min(a + PREFETCH_AHEAD as u32) {
+                self.table.prefetch(self.ids[id].hash);
+            }
             for id in a..b {
+                if let Some(ahead) = id.checked_add(PREFETCH_AHEAD as u32).filter(|&i| i < b) {
+                    self.table.prefetch(self.ids[ahead].hash);
+                }
                 let hash = self.ids[id].hash;
                 if let Some(emptied) = self.table.remove(hash, id) {
                     self.table_used -= emptied;
@@ -493,28 +500,48 @@ impl RunIndex {
             return;
         };
         let mut r = self.ids[id].run;
+        let mut end = self.runs[r as usize].end;
         alive.extend(self.runs[r as usize].holders.windows(&self.pool));
-        for (j, h) in prompt.iter().enumerate().skip(1) {
-            let h = h.get();
-            let Some(next) = self.child(id, h) else {
+        let mut j = 1;
+        while j < prompt.len() {
+            // Inside the run (one holder set): the next ids hold the next blocks for as long
+            // as their hashes agree; one pass over the slots, no run or table read.
+            let same = self
+                .ids
+                .stretch(id + 1, end)
+                .iter()
+                .zip(&prompt[j..])
+                .take_while(|(slot, h)| slot.hash == h.get())
+                .count();
+            id += same as u32;
+            j += same;
+            if j == prompt.len() {
+                break;
+            }
+            if same > 0 && id + 1 < end {
+                continue; // stopped at a chunk's end
+            }
+            let Some(next) = self.child(id, prompt[j].get()) else {
                 return emit_all(alive, j as u32, &mut emit);
             };
             id = next;
             let q = self.ids[id].run;
-            if q == r {
-                continue;
+            let run = &self.runs[q as usize];
+            end = run.end;
+            if q != r {
+                r = q;
+                let holders = &run.holders;
+                alive.retain_mut(|(w, bits)| {
+                    let kept = *bits & holders.bits_of(*w, &self.pool);
+                    emit_bits(*w, *bits & !kept, j as u32, &mut emit);
+                    *bits = kept;
+                    kept != 0
+                });
+                if alive.is_empty() {
+                    return;
+                }
             }
-            r = q;
-            let holders = &self.runs[r as usize].holders;
-            alive.retain_mut(|(w, bits)| {
-                let kept = *bits & holders.bits_of(*w, &self.pool);
-                emit_bits(*w, *bits & !kept, j as u32, &mut emit);
-                *bits = kept;
-                kept != 0
-            });
-            if alive.is_empty() {
-                return;
-            }
+            j += 1;
         }
         emit_all(alive, prompt.len() as u32, &mut emit);
     }

@@ -63,6 +63,19 @@ impl IdSlots {
         Some(&self.chunks[(id >> CHUNK_BITS) as usize][id as usize & (CHUNK - 1)])
     }
 
+    /// The slots of ids `from .. to`, or of the part of them in `from`'s chunk (empty when
+    /// `from >= to` or `from` was never handed out): what a walk compares in one pass.
+    #[inline]
+    pub fn stretch(&self, from: u32, to: u32) -> &[IdSlot] {
+        let to = to.min(self.len);
+        if from >= to {
+            return &[];
+        }
+        let offset = from as usize & (CHUNK - 1);
+        let stop = (offset + (to - from) as usize).min(CHUNK);
+        &self.chunks[(from >> CHUNK_BITS) as usize][offset..stop]
+    }
+
     /// A new free id (`len`), allocating its chunk when it starts one.
     pub fn push(&mut self) -> u32 {
         let id = self.len;
@@ -134,6 +147,10 @@ mod tests {
             let want = if (a..b).contains(&id) { 7 } else { NONE };
             assert_eq!(slots[id].run, want, "id {id}");
         }
+        assert_eq!(slots.stretch(a, b).len(), 3, "up to the chunk's end");
+        assert_eq!(slots.stretch(CHUNK as u32, b).len(), 4);
+        assert!(slots.stretch(b, a).is_empty());
+        assert_eq!(slots.stretch(b, u32::MAX).len(), 6, "up to the last id");
         slots[CHUNK as u32].hash = 42;
         assert_eq!(slots.get(CHUNK as u32).map(|s| s.hash), Some(42));
         assert_eq!(slots.allocated_bytes() / (1 << 20), 2, "two 1 MiB chunks");

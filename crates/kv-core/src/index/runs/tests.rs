@@ -241,3 +241,31 @@ fn a_forged_run_cannot_change_what_others_score() {
     );
     assert!(got.get(&7).is_none_or(|&d| d <= 1));
 }
+
+#[test]
+fn a_walk_crosses_id_chunks_and_run_ends_at_any_offset() {
+    // 70,000 blocks take ids across the first 64Ki chunk; a second member holds a prefix that
+    // ends past the chunk boundary and a third a stretch inside it, so runs end on both sides.
+    let mut index = RunIndex::new(7);
+    let mut model = Model::default();
+    let chain: Vec<BlockHash> = (1..=70_000u64).map(|h| BlockHash::new(mix64(h))).collect();
+    for (member, part) in [
+        (0, &chain[..]),
+        (1, &chain[..66_000]),
+        (2, &chain[..65_530]),
+    ] {
+        index.store(member, None, part);
+        model.store(member, part);
+    }
+    index.remove(2, &chain[65_000..65_010]);
+    model.remove(2, &chain[65_000..65_010]);
+    for len in [
+        1, 65_000, 65_011, 65_535, 65_536, 65_537, 66_000, 66_001, 70_000,
+    ] {
+        assert_eq!(
+            scores(&index, &chain[..len]),
+            model.score(&chain[..len]),
+            "prompt of {len} blocks"
+        );
+    }
+}
