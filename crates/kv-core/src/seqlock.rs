@@ -18,6 +18,9 @@
 //! - **Flag after data** (continuation bits; a rebuilt table). The data is complete before a
 //!   Release store of the flag; a reader that loads the flag with Acquire sees that data.
 //!   ([`arc_swap`] gives a table swap the same store/load semantics.)
+//!
+//! The model also fixes the order the run index (index v3) will move ids between runs with
+//! under lock-free readers: receiving run written, slots pointed at it, old run shrunk.
 
 use std::sync::atomic::Ordering;
 
@@ -447,6 +450,101 @@ mod model {
         fails_with(
             flag_model(broken),
             "a set flag is never newer than its node",
+        );
+    }
+
+    /// A run of the run index (index v3): its ids `start .. end` and their holder set, under a
+    /// seqlock.
+    #[derive(Default)]
+    struct RunCell {
+        seq: AtomicU32,
+        start: AtomicU32,
+        end: AtomicU32,
+        holders: AtomicU32,
+    }
+
+    /// The order in which the run index's writer moves ids from one run to another (a split:
+    /// a store joins part of a run; merges move ids the same way).
+    #[derive(Clone, Copy)]
+    enum Relabel {
+        /// The protocol: publish the receiving run, point the ids' slots at it, then shrink
+        /// the run they leave.
+        ReceiverFirst,
+        /// The negative control: shrink the old run before the slots point elsewhere.
+        ShrinkFirst,
+    }
+
+    /// Run A holds ids 0..2 (holders 1); a store by member 2 joins id 1, which moves to run B
+    /// (holders 3). A reader of id 1 reads its slot's run, then that run under its seqlock,
+    /// and retries if the run no longer covers the id. It must find a covering run within
+    /// two reads, with the holders of before (1) or after (3) the store.
+    fn relabel_model(p: Protocol, order: Relabel) -> impl Fn() + Sync + Send + 'static {
+        move || {
+            let runs = Arc::new([RunCell::default(), RunCell::default()]);
+            runs[0].end.store(2, Relaxed);
+            runs[0].holders.store(1, Relaxed);
+            let slot = Arc::new(AtomicU32::new(0));
+            let writer = {
+                let (runs, slot) = (runs.clone(), slot.clone());
+                thread::spawn(move || {
+                    let receive = || {
+                        p.write::<_, LoomFence, _>(&runs[1].seq, || {
+                            runs[1].start.store(1, Relaxed);
+                            runs[1].end.store(2, Relaxed);
+                            runs[1].holders.store(3, Relaxed);
+                        })
+                    };
+                    let shrink = || {
+                        p.write::<_, LoomFence, _>(&runs[0].seq, || runs[0].end.store(1, Relaxed))
+                    };
+                    match order {
+                        Relabel::ReceiverFirst => {
+                            receive();
+                            slot.store(1, p.flag_publish);
+                            shrink();
+                        }
+                        Relabel::ShrinkFirst => {
+                            receive();
+                            shrink();
+                            slot.store(1, p.flag_publish);
+                        }
+                    }
+                })
+            };
+            let find = || {
+                let r = slot.load(p.flag_observe) as usize;
+                let run = &runs[r];
+                let (start, end, holders) = p.read::<_, LoomFence, _>(&run.seq, || {
+                    (
+                        run.start.load(Relaxed),
+                        run.end.load(Relaxed),
+                        run.holders.load(Relaxed),
+                    )
+                });
+                (start <= 1 && 1 < end).then_some(holders)
+            };
+            let found = find().or_else(find);
+            assert!(
+                matches!(found, Some(1) | Some(3)),
+                "a reader finds its block's run within two reads: {found:?}"
+            );
+            writer.join().expect("writer");
+        }
+    }
+
+    #[test]
+    fn a_relabelled_block_is_found_in_its_old_or_new_run() {
+        assert_eq!(
+            check(relabel_model(PROTOCOL, Relabel::ReceiverFirst)),
+            Ok(())
+        );
+    }
+
+    #[test]
+    fn negative_control_shrinking_the_old_run_first_loses_the_block() {
+        fails_with(
+            relabel_model(PROTOCOL, Relabel::ShrinkFirst),
+            "a reader finds its block's run within two reads",
         );
     }
 }
