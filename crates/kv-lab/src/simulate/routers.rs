@@ -184,14 +184,10 @@ fn min_max(raw: &[f64], counted: impl Fn(f64) -> bool) -> Vec<f64> {
         .collect()
 }
 
-/// `(max - v) / (max - min)` per value; 1 for all when they are equal.
+/// `(max - v) / (max - min)` per value (lower is better); 1 for all when they are equal.
 fn min_max_inverted(values: &[f64]) -> Vec<f64> {
-    let max = values.iter().copied().fold(f64::MIN, f64::max);
-    let min = values.iter().copied().fold(f64::MAX, f64::min);
-    if max.partial_cmp(&min) != Some(std::cmp::Ordering::Greater) {
-        return vec![1.0; values.len()];
-    }
-    values.iter().map(|v| (max - v) / (max - min)).collect()
+    let negated: Vec<f64> = values.iter().map(|v| -v).collect();
+    min_max(&negated, |_| true)
 }
 
 /// The EPP's weighted sum of prefix, queue and KV-utilisation scores; the highest wins, ties

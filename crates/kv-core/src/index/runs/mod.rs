@@ -506,9 +506,8 @@ impl RunIndex {
         while j < prompt.len() {
             // Inside the run (one holder set): the next ids hold the next blocks for as long
             // as their hashes agree; one pass over the slots, no run or table read.
-            let same = self
-                .ids
-                .stretch(id + 1, end)
+            let slots = self.ids.stretch(id + 1, end);
+            let same = slots
                 .iter()
                 .zip(&prompt[j..])
                 .take_while(|(slot, h)| slot.hash == h.get())
@@ -518,8 +517,8 @@ impl RunIndex {
             if j == prompt.len() {
                 break;
             }
-            if same > 0 && id + 1 < end {
-                continue; // stopped at a chunk's end
+            if same == slots.len() && id + 1 < end {
+                continue; // the slots' chunk ended, the run did not
             }
             let Some(next) = self.child(id, prompt[j].get()) else {
                 return emit_all(alive, j as u32, &mut emit);
