@@ -49,8 +49,8 @@ pub use events::{
 /// The block index (`index`).
 pub use index::{
     EngineDirectory, EngineId, EngineKey, EngineScore, IndexConfig, IndexConfigError, IndexStats,
-    IndexWriter, KeyBudget, ModelIndex, RunIndex, RunStats, StoreOutcome, Tier, TierWeights,
-    MAX_ENGINES, MAX_WRITER_LANES,
+    IndexWriter, KeyBudget, ModelIndex, RunIndex, RunReader, RunScratch, RunStats, StoreOutcome,
+    Tier, TierWeights, MAX_ENGINES, MAX_RUN_ENGINES, MAX_WRITER_LANES,
 };
 
 /// The facade transports call (`indexer`).

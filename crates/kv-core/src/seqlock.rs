@@ -157,6 +157,21 @@ impl Protocol {
         (seq.load(Ordering::Relaxed) == s1).then_some(seen)
     }
 
+    /// Reader, in two steps for a read section that spans other work: the even sequence
+    /// `seq` holds now (`None`: a write is under way); read relaxed after it...
+    #[inline(always)]
+    pub fn begin_read<W: Word>(&self, seq: &W) -> Option<u32> {
+        let s = seq.load(self.read_load);
+        (s & 1 == 0).then_some(s)
+    }
+
+    /// ...then keep what was read only if `seq` still holds `begun` (no write since).
+    #[inline(always)]
+    pub fn still<W: Word, F: Fence>(&self, seq: &W, begun: u32) -> bool {
+        F::fence(self.read_fence);
+        seq.load(Ordering::Relaxed) == begun
+    }
+
     /// Reader: runs `read` (relaxed loads) until it saw one version, and returns what it saw.
     #[inline(always)]
     pub fn read<W: Word, F: Fence, T>(&self, seq: &W, mut read: impl FnMut() -> T) -> T {

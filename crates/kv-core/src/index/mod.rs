@@ -65,7 +65,7 @@ use parking_lot::Mutex;
 use crate::BlockHash;
 use directory::DirectoryBuilder;
 pub use directory::EngineDirectory;
-pub use runs::{RunIndex, RunStats};
+pub use runs::{RunIndex, RunReader, RunScratch, RunStats, MAX_RUN_ENGINES};
 use slab::Slab;
 use table::Table;
 pub use types::{

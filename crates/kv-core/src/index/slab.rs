@@ -28,7 +28,7 @@
 
 use rustc_hash::FxHashMap as HashMap;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
-use std::sync::OnceLock;
+use std::sync::{Arc, OnceLock};
 
 use crate::memory::prefetch_read;
 use crate::memory::{zeroed_slice, Zeroable};
@@ -74,17 +74,26 @@ pub struct Page {
 // SAFETY: integer atomics only.
 unsafe impl Zeroable for Page {}
 
-/// A directory of lazily allocated chunks of `2^BITS` items `T`, addressed by `u32` ids.
-pub struct Chunked<T, const BITS: u32> {
-    chunks: Box<[OnceLock<Box<[T]>>]>,
+/// A directory of lazily allocated chunks of `N` items `T` (a power of two), addressed by
+/// `u32` ids. A chunk is a fixed-size array, so a masked offset needs no bounds check: an
+/// access is a directory entry and the item.
+///
+/// Chunks are reference-counted, so a writer can keep its own handles on them
+/// ([`Chunked::chunk`]) and skip the directory on its accesses.
+pub struct Chunked<T, const N: usize> {
+    chunks: Box<[OnceLock<Arc<[T; N]>>]>,
 }
 
-impl<T: Zeroable, const BITS: u32> Chunked<T, BITS> {
-    const CHUNK: usize = 1 << BITS;
+impl<T: Zeroable, const N: usize> Chunked<T, N> {
+    /// Bits of an id that select its item inside a chunk.
+    const BITS: u32 = {
+        assert!(N.is_power_of_two(), "chunks hold a power of two items");
+        N.trailing_zeros()
+    };
 
     /// A directory able to hold `capacity` items.
     pub fn new(capacity: usize) -> Self {
-        let n = capacity.div_ceil(Self::CHUNK).max(1);
+        let n = capacity.div_ceil(N).max(1);
         Self {
             chunks: (0..n).map(|_| OnceLock::new()).collect(),
         }
@@ -93,29 +102,51 @@ impl<T: Zeroable, const BITS: u32> Chunked<T, BITS> {
     /// The item, if its chunk exists (readers; never allocates).
     #[inline(always)]
     pub fn get(&self, id: u32) -> Option<&T> {
-        let chunk = self.chunks.get((id >> BITS) as usize)?.get()?;
-        chunk.get(id as usize & (Self::CHUNK - 1))
+        let chunk = self.chunks.get((id >> Self::BITS) as usize)?.get()?;
+        Some(&chunk[id as usize & (N - 1)])
+    }
+
+    /// The items from `id` to the end of its chunk (empty if the chunk does not exist): what
+    /// a reader compares in one pass.
+    #[inline(always)]
+    pub fn tail(&self, id: u32) -> &[T] {
+        match self
+            .chunks
+            .get((id >> Self::BITS) as usize)
+            .and_then(OnceLock::get)
+        {
+            Some(chunk) => &chunk[id as usize & (N - 1)..],
+            None => &[],
+        }
     }
 
     /// The item, allocating its chunk if needed (the writer). `None` past the directory's end.
     pub fn get_or_alloc(&self, id: u32) -> Option<&T> {
         let chunk = self
             .chunks
-            .get((id >> BITS) as usize)?
-            .get_or_init(|| zeroed_slice(Self::CHUNK));
-        chunk.get(id as usize & (Self::CHUNK - 1))
+            .get((id >> Self::BITS) as usize)?
+            .get_or_init(|| match Arc::<[T]>::from(zeroed_slice(N)).try_into() {
+                Ok(chunk) => chunk,
+                Err(_) => unreachable!("a zeroed slice of N items is an array of N"),
+            });
+        Some(&chunk[id as usize & (N - 1)])
+    }
+
+    /// The chunk holding `id`, if allocated: a handle for a writer that addresses it often.
+    pub fn chunk(&self, id: u32) -> Option<&Arc<[T; N]>> {
+        self.chunks.get((id >> Self::BITS) as usize)?.get()
     }
 
     /// Bytes held from the allocator (allocated chunks plus the directory).
     pub fn allocated_bytes(&self) -> usize {
         let chunks = self.chunks.iter().filter(|c| c.get().is_some()).count();
-        chunks * Self::CHUNK * std::mem::size_of::<T>()
-            + self.chunks.len() * std::mem::size_of::<OnceLock<Box<[T]>>>()
+        chunks * N * std::mem::size_of::<T>()
+            + self.chunks.len() * std::mem::size_of::<OnceLock<Arc<[T; N]>>>()
     }
 
     /// How many ids the directory can address.
     pub fn capacity(&self) -> usize {
-        self.chunks.len() * Self::CHUNK
+        self.chunks.len() * N
     }
 }
 
@@ -133,11 +164,11 @@ pub enum NodeRead {
 /// Nodes plus interned member-set pages.
 pub struct Slab {
     /// One node per distinct block, in chunks of 16Ki nodes (384 KiB).
-    pub nodes: Chunked<Node, 14>,
+    pub nodes: Chunked<Node, { 1 << 14 }>,
     /// Pages of interned member sets, in chunks of 4Ki pages (128 KiB).
-    pub pages: Chunked<Page, 12>,
+    pub pages: Chunked<Page, { 1 << 12 }>,
     /// Continuation bits, one per node id (chunks of 256 words = 16Ki ids, like `nodes`).
-    cont: Chunked<AtomicU64, 8>,
+    cont: Chunked<AtomicU64, { 1 << 8 }>,
     /// Members of the largest set ever interned (only grows): bounds every decode.
     largest_set: AtomicU32,
 }

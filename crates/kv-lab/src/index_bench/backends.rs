@@ -109,18 +109,23 @@ impl IndexBackend for KvIndexerBackend {
     }
 }
 
-/// The run index (index v3's single-threaded core, [`kv_core::RunIndex`]): pod `p` is member `p`.
+/// The run index (index v3's core, [`kv_core::RunIndex`]): pod `p` is engine `p`, GPU tier.
 pub struct RunIndexBackend {
     index: kv_core::RunIndex,
-    alive: Vec<(u32, u64)>,
+    scratch: kv_core::RunScratch,
+    scores: Vec<kv_core::EngineScore>,
 }
+
+/// Blocks the benchmark's run index may hold (more than any workload here stores).
+const RUN_INDEX_CAPACITY: u32 = 1 << 24;
 
 impl RunIndexBackend {
     /// An empty run index.
     pub fn new() -> Self {
         Self {
-            index: kv_core::RunIndex::new(0x5EED),
-            alive: Vec::new(),
+            index: kv_core::RunIndex::new(0x5EED, RUN_INDEX_CAPACITY),
+            scratch: kv_core::RunScratch::default(),
+            scores: Vec::new(),
         }
     }
 
@@ -143,9 +148,18 @@ impl IndexBackend for RunIndexBackend {
 
     fn query(&mut self, hashes: &[BlockHash], _content: &[u64]) -> QueryAnswer {
         let mut answer = QueryAnswer::default();
-        self.index.score(hashes, &mut self.alive, |pod, matched| {
-            answer.add(pod, matched)
-        });
+        self.scores.clear();
+        let weights = kv_core::TierWeights::default();
+        self.index.score(
+            hashes,
+            &weights,
+            |_| true,
+            &mut self.scratch,
+            &mut self.scores,
+        );
+        for s in &self.scores {
+            answer.add(s.engine, s.matched_blocks);
+        }
         answer
     }
 
@@ -156,11 +170,11 @@ impl IndexBackend for RunIndexBackend {
         hashes: &[BlockHash],
         _content: &[u64],
     ) {
-        self.index.store(pod, parent, hashes);
+        self.index.store(pod, kv_core::Tier::Gpu, parent, hashes);
     }
 
     fn remove(&mut self, pod: u32, hashes: &[BlockHash]) {
-        self.index.remove(pod, hashes);
+        self.index.remove(pod, kv_core::Tier::Gpu, hashes);
     }
 
     fn shape(&self) -> Option<String> {

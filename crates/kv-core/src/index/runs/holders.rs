@@ -2,12 +2,24 @@
 //!
 //! A set is a bitmap over member ids. One 64-member window is kept inline in the run (a pod
 //! fleet's first 64 members, or any set whose members fall in one window); a set spanning
-//! windows `base .. base + len` keeps its `len` words in the [`WordPool`], so 1,024 holders cost
-//! 16 words, never a list copied per change. Sets are values: a change builds a new set and
-//! releases the old one, so two runs never share pool words.
+//! windows `base .. base + len` keeps its `len` words in the pool ([`Words`], shared with
+//! readers; [`WordPool`] is the writer's bookkeeping of it), so 1,024 holders cost 16 words,
+//! never a list copied per change. Sets are values: a change builds a new set and releases the
+//! old one, so two runs never share pool words, and a reader reads a run's words inside the
+//! run's seqlock section (words released and reused under it fail the section's check).
+//!
+//! Invariant: a pooled set's words lie in one chunk of the pool (a reader's torn view of a
+//! set's place is bounded by [`MAX_WORDS`] and by the chunks that exist).
+
+use std::sync::atomic::Ordering::Relaxed;
+
+use super::cells::{Words, WORD_BITS};
 
 /// Bits per window.
-const WINDOW: u32 = 64;
+pub(super) const WINDOW: u32 = 64;
+
+/// The longest pooled set (windows): one pool chunk.
+pub(super) const MAX_WORDS: u32 = 1 << WORD_BITS;
 
 /// A holder set. `len == 0`: empty; `len == 1`: `word` holds window `base`'s bits; `len > 1`:
 /// `word` is the pool offset of the `len` words of windows `base ..`. Equality of pooled sets
@@ -19,15 +31,24 @@ pub struct Holders {
     word: u64,
 }
 
-/// Storage for holder sets wider than one window, with free lists by length.
+/// The writer's bookkeeping of the pool: where the next fresh words are, free lists by length.
 #[derive(Default)]
 pub struct WordPool {
-    words: Vec<u64>,
+    /// The first word never handed out.
+    top: u64,
     free: Vec<Vec<u32>>,
     /// Words handed out now.
     live: usize,
     /// Where [`WordPool::with`] assembles a set (kept: a change allocates nothing).
     scratch: Vec<u64>,
+}
+
+#[inline(always)]
+fn word(words: &Words, at: u64) -> u64 {
+    u32::try_from(at)
+        .ok()
+        .and_then(|at| words.get(at))
+        .map_or(0, |w| w.load(Relaxed))
 }
 
 impl Holders {
@@ -40,55 +61,69 @@ impl Holders {
         }
     }
 
+    /// A set from the fields a run slot stores.
+    #[inline(always)]
+    pub(super) fn from_parts(base: u32, len: u32, word: u64) -> Self {
+        Self { base, len, word }
+    }
+
+    /// The fields a run slot stores.
+    #[inline(always)]
+    pub(super) fn parts(&self) -> (u32, u32, u64) {
+        (self.base, self.len, self.word)
+    }
+
     /// Whether no member holds the run.
     pub fn is_empty(&self) -> bool {
         self.len == 0
     }
 
-    /// Whether `member` is in the set.
-    #[inline]
-    pub fn contains(&self, member: u32, pool: &WordPool) -> bool {
-        let w = member / WINDOW;
-        if w < self.base || w >= self.base + self.len {
-            return false;
-        }
-        let bits = match self.len {
-            1 => self.word,
-            _ => pool.words[(self.word + (w - self.base) as u64) as usize],
-        };
-        bits & (1 << (member % WINDOW)) != 0
+    /// Whether the set's shape is one the writer builds (a torn read may show another).
+    #[inline(always)]
+    pub(super) fn is_plausible(&self) -> bool {
+        self.len <= MAX_WORDS
     }
 
     /// The bits of window `w` (0 outside the set's windows).
     #[inline]
-    pub fn bits_of(&self, w: u32, pool: &WordPool) -> u64 {
+    pub fn bits_of(&self, w: u32, words: &Words) -> u64 {
         if w < self.base || w >= self.base + self.len {
             0
         } else if self.len == 1 {
             self.word
         } else {
-            pool.words[(self.word + (w - self.base) as u64) as usize]
+            word(words, self.word + (w - self.base) as u64)
         }
+    }
+
+    /// Whether any of `bits` of window `w` is in the set.
+    #[inline]
+    pub fn any_of(&self, w: u32, bits: u64, words: &Words) -> bool {
+        self.bits_of(w, words) & bits != 0
+    }
+
+    /// Whether `member` is in the set.
+    #[cfg(test)]
+    pub fn contains(&self, member: u32, words: &Words) -> bool {
+        self.any_of(member / WINDOW, 1 << (member % WINDOW), words)
     }
 
     /// Words `(window, bits)` of the set, in window order.
     #[inline]
-    pub fn windows<'a>(&'a self, pool: &'a WordPool) -> impl Iterator<Item = (u32, u64)> + 'a {
-        let words: &[u64] = match self.len {
-            0 => &[],
-            1 => std::slice::from_ref(&self.word),
-            n => &pool.words[self.word as usize..self.word as usize + n as usize],
-        };
-        words
-            .iter()
-            .enumerate()
-            .map(move |(i, &bits)| (self.base + i as u32, bits))
+    pub fn windows<'a>(&'a self, words: &'a Words) -> impl Iterator<Item = (u32, u64)> + 'a {
+        (0..self.len).map(move |i| {
+            let bits = match self.len {
+                1 => self.word,
+                _ => word(words, self.word + i as u64),
+            };
+            (self.base + i, bits)
+        })
     }
 
     /// Members in the set.
     #[cfg(test)]
-    pub fn count(&self, pool: &WordPool) -> u32 {
-        self.windows(pool).map(|(_, b)| b.count_ones()).sum()
+    pub fn count(&self, words: &Words) -> u32 {
+        self.windows(words).map(|(_, b)| b.count_ones()).sum()
     }
 }
 
@@ -98,19 +133,25 @@ impl WordPool {
         self.live
     }
 
-    /// Bytes allocated for pooled words.
-    pub fn allocated_bytes(&self) -> usize {
-        self.words.capacity() * 8
-    }
-
-    fn alloc(&mut self, len: u32) -> u64 {
-        self.live += len as usize;
+    /// `len` words, in one chunk; `None` when the pool's chunks are all used.
+    fn alloc(&mut self, len: u32, words: &Words) -> Option<u64> {
         if let Some(at) = self.free.get_mut(len as usize).and_then(Vec::pop) {
-            return at as u64;
+            self.live += len as usize;
+            return Some(at as u64);
         }
-        let at = self.words.len();
-        self.words.resize(at + len as usize, 0);
-        at as u64
+        let chunk = 1u64 << WORD_BITS;
+        let mut at = self.top;
+        if at % chunk + len as u64 > chunk {
+            at = at.div_ceil(chunk) * chunk; // never straddle chunks
+        }
+        let end = at + len as u64;
+        if end > words.capacity() as u64 {
+            return None;
+        }
+        words.get_or_alloc(u32::try_from(at).ok()?)?;
+        self.top = end;
+        self.live += len as usize;
+        Some(at)
     }
 
     /// Returns a set's words to the pool (a set that is replaced or whose run died).
@@ -124,37 +165,43 @@ impl WordPool {
         }
     }
 
-    /// A copy of `set` the caller owns (a run split in two: each part owns its set).
-    pub fn copy(&mut self, set: Holders) -> Holders {
+    /// A copy of `set` the caller owns (a run split in two: each part owns its set); `None`
+    /// when the pool is exhausted.
+    pub fn copy(&mut self, set: Holders, words: &Words) -> Option<Holders> {
         if set.len <= 1 {
-            return set;
+            return Some(set);
         }
-        let at = self.alloc(set.len);
-        let (from, to) = (set.word as usize, at as usize);
-        self.words.copy_within(from..from + set.len as usize, to);
-        Holders { word: at, ..set }
+        let at = self.alloc(set.len, words)?;
+        for i in 0..set.len as u64 {
+            let bits = word(words, set.word + i);
+            store(words, at + i, bits);
+        }
+        Some(Holders { word: at, ..set })
     }
 
     /// Whether two sets have the same members.
-    pub fn same(&self, a: &Holders, b: &Holders) -> bool {
+    pub fn same(&self, a: &Holders, b: &Holders, words: &Words) -> bool {
         if a.base != b.base || a.len != b.len {
             return false;
         }
         match a.len {
             0 => true,
             1 => a.word == b.word,
-            n => {
-                let (x, y) = (a.word as usize, b.word as usize);
-                self.words[x..x + n as usize] == self.words[y..y + n as usize]
-            }
+            n => (0..n as u64).all(|i| word(words, a.word + i) == word(words, b.word + i)),
         }
     }
 
-    /// `set` with `member` added or removed, as a new set (the old one is not released).
-    /// Trims empty windows at either end, so equal sets have equal shapes.
-    pub fn with(&mut self, set: &Holders, member: u32, present: bool) -> Holders {
-        let w = member / WINDOW;
-        let bit = 1u64 << (member % WINDOW);
+    /// `set` with `bits` of window `w` added (`present`) or removed, as a new set (the old
+    /// one is not released); `None` when the pool is exhausted. Trims empty windows at either
+    /// end, so equal sets have equal shapes.
+    pub fn with(
+        &mut self,
+        set: &Holders,
+        w: u32,
+        bits: u64,
+        present: bool,
+        words: &Words,
+    ) -> Option<Holders> {
         let (lo, hi) = if set.len == 0 {
             (w, w + 1)
         } else if present {
@@ -166,40 +213,50 @@ impl WordPool {
         let mut buf = std::mem::take(&mut self.scratch);
         buf.clear();
         buf.resize((hi - lo) as usize, 0);
-        for (win, bits) in set.windows(self) {
-            buf[(win - lo) as usize] = bits;
+        for (win, word) in set.windows(words) {
+            buf[(win - lo) as usize] = word;
         }
         if w >= lo && w < hi {
             let slot = &mut buf[(w - lo) as usize];
             if present {
-                *slot |= bit;
+                *slot |= bits;
             } else {
-                *slot &= !bit;
+                *slot &= !bits;
             }
         }
         let first = buf.iter().position(|&b| b != 0);
         let last = buf.iter().rposition(|&b| b != 0);
         let set = match (first, last) {
-            (Some(first), Some(last)) if first == last => Holders {
+            (Some(first), Some(last)) if first == last => Some(Holders {
                 base: lo + first as u32,
                 len: 1,
                 word: buf[first],
-            },
+            }),
             (Some(first), Some(last)) => {
                 let len = (last - first + 1) as u32;
-                let at = self.alloc(len);
-                self.words[at as usize..at as usize + len as usize]
-                    .copy_from_slice(&buf[first..=last]);
-                Holders {
-                    base: lo + first as u32,
-                    len,
-                    word: at,
-                }
+                self.alloc(len, words).map(|at| {
+                    for (i, &bits) in buf[first..=last].iter().enumerate() {
+                        store(words, at + i as u64, bits);
+                    }
+                    Holders {
+                        base: lo + first as u32,
+                        len,
+                        word: at,
+                    }
+                })
             }
-            _ => Holders::default(),
+            _ => Some(Holders::default()),
         };
         self.scratch = buf;
         set
+    }
+}
+
+/// Stores a pooled word the writer owns (allocated, not yet or no longer read by any run).
+#[inline(always)]
+fn store(words: &Words, at: u64, bits: u64) {
+    if let Some(w) = u32::try_from(at).ok().and_then(|at| words.get(at)) {
+        w.store(bits, Relaxed);
     }
 }
 
@@ -209,20 +266,39 @@ mod tests {
 
     #[test]
     fn sets_across_windows_add_remove_and_compare_by_content() {
+        let words = Words::new(1 << 20);
         let mut pool = WordPool::default();
+        let one = |m: u32| (m / WINDOW, 1u64 << (m % WINDOW));
         let a = Holders::one(3);
-        let b = pool.with(&a, 1000, true);
-        assert!(b.contains(3, &pool) && b.contains(1000, &pool));
-        assert!(!b.contains(999, &pool) && !b.contains(64, &pool));
-        assert_eq!(b.count(&pool), 2);
-        let c = pool.with(&Holders::one(1000), 3, true);
-        assert!(pool.same(&b, &c), "same members, different pool words");
-        let d = pool.with(&b, 1000, false);
-        assert!(pool.same(&d, &a), "trimmed back to one inline window");
-        let e = pool.with(&d, 3, false);
+        let (w, bit) = one(1000);
+        let b = pool.with(&a, w, bit, true, &words).expect("room");
+        assert!(b.contains(3, &words) && b.contains(1000, &words));
+        assert!(!b.contains(999, &words) && !b.contains(64, &words));
+        assert_eq!(b.count(&words), 2);
+        let (w3, bit3) = one(3);
+        let c = pool
+            .with(&Holders::one(1000), w3, bit3, true, &words)
+            .expect("room");
+        assert!(pool.same(&b, &c, &words), "same members, different words");
+        let d = pool.with(&b, w, bit, false, &words).expect("room");
+        assert!(pool.same(&d, &a, &words), "trimmed back to one window");
+        let e = pool.with(&d, w3, bit3, false, &words).expect("room");
         assert!(e.is_empty());
         pool.release(b);
         pool.release(c);
         assert_eq!(pool.live_words(), 0);
+    }
+
+    #[test]
+    fn a_pooled_set_never_straddles_chunks_and_a_full_pool_says_so() {
+        let words = Words::new(2 << WORD_BITS);
+        let mut pool = WordPool {
+            top: (1 << WORD_BITS) - 3,
+            ..WordPool::default()
+        };
+        let at = pool.alloc(5, &words).expect("the second chunk has room");
+        assert_eq!(at, 1 << WORD_BITS, "moved to the next chunk's start");
+        pool.top = (2 << WORD_BITS) - 2;
+        assert!(pool.alloc(5, &words).is_none(), "no third chunk");
     }
 }

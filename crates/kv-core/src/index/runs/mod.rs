@@ -1,5 +1,5 @@
-//! The run index (index v3, under construction): block hashes to the members that hold them,
-//! with holders kept per **run** instead of per block.
+//! The run index (index v3): block hashes to the engines (and tiers) that hold them, with
+//! holders kept per **run** instead of per block; one writer, lock-free readers.
 //!
 //! Shape:
 //! - every block in the index has an id, whose slot holds its hash and its run (side by side:
@@ -9,7 +9,9 @@
 //! - a **run** is a stretch of ids `start .. end` whose blocks all have one holder set. Runs
 //!   split where a store, a removal or a block leaving cuts them, and merge with a neighbour of
 //!   equal holders again, always relabelling the smaller side;
-//! - holders are bitmaps ([`holders`]): inline up to one 64-member window, pooled words beyond.
+//! - holders are bitmaps ([`holders`]) over **members**, `engine * 4 + tier` (an engine's four
+//!   tiers share a nibble of one window): inline up to one 64-member window (16 engines),
+//!   pooled words beyond.
 //!
 //! Costs: a block entering the index pays one table insert; a store that joins blocks others
 //! hold, or a removal that leaves other holders, pays per run it touches (stretches are found by
@@ -18,38 +20,69 @@
 //! prompt's next hash with `hashes[id + 1]` (sequential memory) and probes only where the chain
 //! leaves the stretch; it intersects holder sets only where the run changes.
 //!
+//! Concurrency: [`RunIndex`] is the writer (`&mut self`); [`RunReader`]s (any number, any
+//! thread) score and look up without a lock. Ids, runs and pooled words are atomics in chunks
+//! that never move ([`cells`] has the publication rules); a reader checks that the run it read
+//! still covers its id under the run's seqlock and retries otherwise; the table is replaced
+//! through `ArcSwap` when it grows.
+//!
 //! Exactness does not depend on the structure being a chain: a block is named by its hash at
 //! every step of a query, so a publisher whose "chain" is not one (a forged run) can only put
 //! its own blocks in odd places; other members' holdings are never read through its runs.
 //!
-//! Invariants: an id's run is `NONE` iff the id is free, and then its hash is 0; the table
-//! holds live ids only; a live run's ids all map to it; two
-//! adjacent runs never have equal holder sets after an operation (merged); a run's holder set is
-//! never empty.
+//! Bounds: at most `capacity` block ids (a store past it drops the new blocks, counted); runs
+//! never outnumber live ids by more than the two a split creates before the old run shrinks.
 //!
-//! Not yet here (the v2 [`super::ModelIndex`] has them): tiers, lock-free readers, writer
-//! lanes, CLOCK eviction under `size`, `podCacheSize`, export. This is the single-threaded core
-//! measured against SMG in `benches/peers` before the rest is built on it.
+//! Invariants: an id's run is `NONE` iff the id is free, and then its hash is 0; the table
+//! holds live ids only; a live run's ids all map to it (between operations); two adjacent runs
+//! never have equal holder sets after an operation (merged); a run's holder set is never empty
+//! (unless the word pool was exhausted, counted in [`RunStats::pool_exhausted`]).
+//!
+//! Not yet here (the v2 [`super::ModelIndex`] has them): CLOCK eviction under `size`,
+//! `podCacheSize`, export, several lanes behind the [`super::ModelIndex`] facade.
 
+#[allow(unsafe_code)] // `Zeroable` for the slots, each with its `SAFETY:` argument
+mod cells;
 mod holders;
-mod slots;
+mod read;
 mod surgery;
+mod write;
+
+use std::sync::Arc;
+
+use arc_swap::ArcSwap;
 
 use super::table::Table;
-use crate::BlockHash;
-pub use holders::{Holders, WordPool};
-use slots::{IdSlots, NONE};
+use super::types::{EngineId, Tier};
+use cells::{
+    IdSlot, IdSlots, Run, RunSlot, RunSlots, Words, WriterChunks, ID_CHUNK, RUN_CHUNK, SINK_ID,
+    SINK_RUN,
+};
+pub use holders::Holders;
+use holders::{WordPool, WINDOW};
+pub use read::{RunReader, RunScratch};
 
 /// How far ahead of the block in hand a write prefetches table slots: enough to cover a
 /// miss's latency, few enough that a stretch found without probing wastes little.
 const PREFETCH_AHEAD: usize = 12;
 
-/// One run: ids `start .. end` held by `holders`.
-#[derive(Clone, Copy, Debug)]
-struct Run {
-    start: u32,
-    end: u32,
-    holders: Holders,
+/// Members per engine: one per tier.
+const TIERS: u32 = 4;
+
+/// The most engines a run index holds (its members must fit the pool's longest set).
+pub const MAX_RUN_ENGINES: u32 = holders::MAX_WORDS / TIERS * WINDOW;
+
+/// The member of `engine` in `tier`.
+#[inline(always)]
+fn member(engine: EngineId, tier: Tier) -> u32 {
+    engine * TIERS + tier as u32
+}
+
+/// The window of `engine`'s members and their four bits in it.
+#[inline(always)]
+fn engine_bits(engine: EngineId) -> (u32, u64) {
+    let m = engine * TIERS;
+    (m / WINDOW, 0xF << (m % WINDOW))
 }
 
 /// Why a run was split (reported per cause).
@@ -82,41 +115,78 @@ pub struct RunStats {
     pub relabels: u64,
     /// Pooled words of holder sets wider than one 64-member window.
     pub holder_words: u64,
+    /// New blocks not stored because every id was in use (the capacity).
+    pub dropped_full: u64,
+    /// Holder changes the word pool had no room for (the part scores for no one).
+    pub pool_exhausted: u64,
 }
 
-/// The single-threaded run index (see the module docs).
+/// What readers share with the writer.
+struct Shared {
+    table: ArcSwap<Table>,
+    ids: IdSlots,
+    runs: RunSlots,
+    words: Words,
+}
+
+/// The run index's writer (see the module docs); [`RunIndex::reader`] hands out readers.
 pub struct RunIndex {
-    table: Table,
+    shared: Arc<Shared>,
+    /// The published table (the writer's handle: no `ArcSwap` load per probe).
+    table: Arc<Table>,
+    /// The writer's handles on the id and run chunks.
+    id_chunks: WriterChunks<IdSlot, ID_CHUNK>,
+    run_chunks: WriterChunks<RunSlot, RUN_CHUNK>,
     /// Table slots in use (live entries and tombstones) and live entries.
     table_used: usize,
     table_live: usize,
-    /// Per block id: its hash and its run, side by side (a jump to an id costs one line).
-    ids: IdSlots,
-    runs: Vec<Run>,
+    /// Ids handed out so far (live or free), and the most there may be.
+    ids_len: u32,
+    capacity: u32,
+    /// Run numbers handed out so far (live or free).
+    runs_len: u32,
     free_runs: Vec<u32>,
     /// Freed ids as ranges `start .. end`, newest last; an id taken by `prev + 1` stays in its
     /// range until it is reached (checked when taken). Allocation takes a range from its start,
     /// so a new run gets ascending ids, whichever order its ids were freed in.
     free_ranges: Vec<(u32, u32)>,
     pool: WordPool,
-    /// Per member: id ranges it was given (stale entries allowed), so a clear walks its runs.
+    /// Per engine: id ranges it was given (stale entries allowed), so a clear walks its runs.
     ranges: Vec<Vec<(u32, u32)>>,
-    /// Per member: `ranges` length after its last compaction.
+    /// Per engine: `ranges` length after its last compaction.
     compacted: Vec<usize>,
-    /// Per member: the first id of its last removal ([`RunIndex::near_cursor`]).
+    /// Per engine: the first id of its last removal ([`RunIndex::near_cursor`]).
     cursors: Vec<u32>,
     stats: RunStats,
 }
 
 impl RunIndex {
-    /// An empty index; `seed` mixes block hashes into table positions.
-    pub fn new(seed: u64) -> Self {
+    /// An empty index of at most `capacity` blocks; `seed` mixes block hashes into table
+    /// positions.
+    pub fn new(seed: u64, capacity: u32) -> Self {
+        let capacity = capacity.clamp(1, u32::MAX - 2);
+        let table = Arc::new(Table::with_capacity(1024, seed));
+        // A split writes up to two runs before the run it splits shrinks.
+        let runs = capacity as usize + 2;
+        // Pooled words (sets wider than one window): sixteen per block (a run per block, each
+        // held by a thousand engines), allocated in chunks as sets need them. Past that, a
+        // change that needs words is counted and scores for no one (`pool_exhausted`).
+        let words = (capacity as usize * 16).clamp(1 << 16, 1 << 32);
         Self {
-            table: Table::with_capacity(1024, seed),
+            shared: Arc::new(Shared {
+                table: ArcSwap::new(table.clone()),
+                ids: IdSlots::new(capacity as usize),
+                runs: RunSlots::new(runs),
+                words: Words::new(words),
+            }),
+            table,
+            id_chunks: WriterChunks::default(),
+            run_chunks: WriterChunks::default(),
             table_used: 0,
             table_live: 0,
-            ids: IdSlots::default(),
-            runs: Vec::new(),
+            ids_len: 0,
+            capacity,
+            runs_len: 0,
             free_runs: Vec::new(),
             free_ranges: Vec::new(),
             pool: WordPool::default(),
@@ -127,6 +197,11 @@ impl RunIndex {
         }
     }
 
+    /// A lock-free reader of this index (cheap: a reference count).
+    pub fn reader(&self) -> RunReader {
+        RunReader::new(self.shared.clone())
+    }
+
     /// Counters (splits, merges, relabels) and shape (blocks, runs).
     pub fn stats(&self) -> RunStats {
         RunStats {
@@ -135,428 +210,93 @@ impl RunIndex {
         }
     }
 
-    /// Bytes held: ids (hash and run), table, runs, pooled holder words, member ranges.
+    /// Bytes held: id and run slots, table, pooled words, the writer's lists.
     pub fn allocated_bytes(&self) -> usize {
-        self.ids.allocated_bytes()
+        self.shared.ids.allocated_bytes()
+            + self.shared.runs.allocated_bytes()
+            + self.shared.words.allocated_bytes()
             + self.table.allocated_bytes()
-            + self.runs.capacity() * std::mem::size_of::<Run>()
             + self.free_runs.capacity() * 4
             + self.free_ranges.capacity() * 8
-            + self.pool.allocated_bytes()
             + self.ranges.iter().map(|r| r.capacity() * 8).sum::<usize>()
+    }
+
+    /// The slot of `id` (the writer's view).
+    #[inline(always)]
+    fn id(&self, id: u32) -> &IdSlot {
+        self.id_chunks.get(id, &SINK_ID)
+    }
+
+    /// The slot of run `r`.
+    #[inline(always)]
+    fn run_slot(&self, r: u32) -> &RunSlot {
+        self.run_chunks.get(r, &SINK_RUN)
+    }
+
+    /// Run `r` as it is now.
+    #[inline(always)]
+    fn run(&self, r: u32) -> Run {
+        self.run_slot(r).load()
+    }
+
+    /// Writes run `r` whole (one seqlock write).
+    #[inline(always)]
+    fn put_run(&self, r: u32, run: Run) {
+        self.run_slot(r).store(run);
     }
 
     /// The id of the block with `hash`, if indexed. The table holds live ids only, so a tag
     /// match is confirmed by the hash alone.
     #[inline]
     fn find(&self, hash: u64) -> Option<u32> {
-        let ids = &self.ids;
-        self.table.find(hash, |id| ids[id].hash)
+        self.table.find(hash, |id| self.id(id).hash())
     }
 
     /// Whether `id` is a live block with `hash` (the stretch test: no probe). A freed id's
     /// hash is 0, so only a hash of 0 needs the run check.
     #[inline]
     fn is_block(&self, id: u32, hash: u64) -> bool {
-        self.ids
-            .get(id)
-            .is_some_and(|slot| slot.hash == hash && (hash != 0 || slot.run != NONE))
+        id < self.ids_len && {
+            let slot = self.id(id);
+            slot.hash() == hash && (hash != 0 || slot.run() != cells::NONE)
+        }
     }
 
     /// The block `hash`, which follows block `parent` on its chain: at the next id, where the
-    /// parent's hint says, or else through the table. What stores and the walk both use.
+    /// parent's hint says, or else through the table. What stores use.
     #[inline]
     fn child(&self, parent: u32, hash: u64) -> Option<u32> {
         if self.is_block(parent + 1, hash) {
             return Some(parent + 1);
         }
-        self.by_hint(parent, hash).or_else(|| self.find(hash))
-    }
-
-    /// The chain child `hash` of block `parent`, if its hint names it.
-    #[inline]
-    fn by_hint(&self, parent: u32, hash: u64) -> Option<u32> {
-        let next = self.ids[parent].next;
-        (next != NONE && self.is_block(next, hash)).then_some(next)
+        let next = self.id(parent).next();
+        if next != cells::NONE && self.is_block(next, hash) {
+            return Some(next);
+        }
+        self.find(hash)
     }
 
     /// Records that block `child` continues block `parent`'s chain (a hint, where it is not
     /// the next id).
     #[inline]
-    fn link(&mut self, parent: u32, child: u32) {
+    fn link(&self, parent: u32, child: u32) {
         if child != parent + 1 {
-            self.ids[parent].next = child;
+            self.id(parent).set_next(child);
         }
     }
 
-    /// The members holding `hash`.
-    pub fn holders(&self, hash: BlockHash) -> Vec<u32> {
-        let Some(id) = self.find(hash.get()) else {
-            return Vec::new();
-        };
-        let set = self.runs[self.ids[id].run as usize].holders;
-        let mut out = Vec::new();
-        for (w, mut bits) in set.windows(&self.pool) {
-            while bits != 0 {
-                out.push(w * 64 + bits.trailing_zeros());
-                bits &= bits - 1;
-            }
-        }
-        out
-    }
-
-    /// Grows the table before a batch of up to `more` new blocks could fill it past 85%.
+    /// Grows the table before a batch of up to `more` new blocks could fill it past 85%; the
+    /// new table is published to readers (those on the old one finish on it).
     fn reserve(&mut self, more: usize) {
         if (self.table_used + more) * 20 <= self.table.capacity() * 17 {
             return;
         }
         let capacity = ((self.table_live + more) * 5 / 2).max(1024);
-        let fresh = Table::with_capacity(capacity, self.table.seed());
+        let fresh = Arc::new(Table::with_capacity(capacity, self.table.seed()));
         self.table_live = self.table.copy_into(&fresh);
         self.table_used = self.table_live;
+        self.shared.table.store(fresh.clone());
         self.table = fresh;
-    }
-
-    /// Prefetches the table slots of the hashes up to [`PREFETCH_AHEAD`] past `i` (from where
-    /// the last call stopped, or from `i` after a stretch skipped ahead).
-    #[inline]
-    fn prefetch_ahead(&self, hashes: &[BlockHash], i: usize, prefetched: &mut usize) {
-        let until = (i + PREFETCH_AHEAD).min(hashes.len());
-        *prefetched = (*prefetched).max(i);
-        while *prefetched < until {
-            self.table.prefetch(hashes[*prefetched].get());
-            *prefetched += 1;
-        }
-    }
-
-    /// `member` stores `hashes` after `parent` (a `BlockStored`).
-    pub fn store(&mut self, member: u32, parent: Option<BlockHash>, hashes: &[BlockHash]) {
-        self.reserve(hashes.len());
-        let mut prefetched = 0;
-        let mut prev = parent.and_then(|p| self.find(p.get()));
-        let mut i = 0;
-        while i < hashes.len() {
-            self.prefetch_ahead(hashes, i, &mut prefetched);
-            let h = hashes[i].get();
-            let found = match prev {
-                Some(p) => self.child(p, h),
-                None => self.find(h),
-            };
-            if let (Some(p), Some(id)) = (prev, found) {
-                self.link(p, id);
-            }
-            let Some(id) = found else {
-                let id = self.add_block(member, prev, h);
-                prev = Some(id);
-                i += 1;
-                continue;
-            };
-            let run = self.runs[self.ids[id].run as usize];
-            let mut k = 1;
-            while i + k < hashes.len()
-                && id + (k as u32) < run.end
-                && self.ids[id + k as u32].hash == hashes[i + k].get()
-            {
-                k += 1;
-            }
-            let end = id + k as u32;
-            if !run.holders.contains(member, &self.pool) {
-                let joined = self.pool.with(&run.holders, member, true);
-                self.recolor(id, end, joined, Cause::Join);
-                self.note_range(member, id, end);
-            }
-            prev = Some(end - 1);
-            i += k;
-        }
-    }
-
-    /// A new block `hash` held by `member` alone, at `prev + 1` when that id is free.
-    fn add_block(&mut self, member: u32, prev: Option<u32>, hash: u64) -> u32 {
-        let id = self.alloc_id(prev);
-        self.ids[id].hash = hash;
-        self.ids[id].next = NONE;
-        if let Some(p) = prev {
-            self.link(p, id);
-        }
-        // `insert` reports whether it reused a tombstone (a slot already counted as used).
-        if !self.table.insert(hash, id) {
-            self.table_used += 1;
-        }
-        self.table_live += 1;
-        self.stats.blocks += 1;
-        let alone = Holders::one(member);
-        let left = id.checked_sub(1).map(|l| self.ids[l].run);
-        let r = match left {
-            Some(l) if l != NONE && self.pool.same(&self.runs[l as usize].holders, &alone) => {
-                self.runs[l as usize].end = id + 1;
-                l
-            }
-            _ => self.new_run(id, id + 1, alone),
-        };
-        self.ids[id].run = r;
-        self.merge_right(r);
-        self.note_range(member, id, id + 1);
-        id
-    }
-
-    fn alloc_id(&mut self, prev: Option<u32>) -> u32 {
-        if let Some(p) = prev {
-            let next = p + 1;
-            if next == self.ids.len() {
-                return self.ids.push();
-            }
-            if next < self.ids.len() && self.ids[next].run == NONE {
-                return next;
-            }
-        }
-        while let Some(range) = self.free_ranges.last_mut() {
-            let id = range.0;
-            range.0 += 1;
-            if range.0 == range.1 {
-                self.free_ranges.pop();
-            }
-            if self.ids[id].run == NONE {
-                return id;
-            }
-        }
-        self.ids.push()
-    }
-
-    /// Records `id` as free, extending the newest range when adjacent (ascending or descending
-    /// frees of a stretch make one range).
-    fn free_id(&mut self, id: u32) {
-        match self.free_ranges.last_mut() {
-            Some(range) if range.1 == id => range.1 += 1,
-            Some(range) if range.0 == id + 1 => range.0 = id,
-            _ => self.free_ranges.push((id, id + 1)),
-        }
-    }
-
-    /// Records that `member` was given ids `start .. end` (extending its last range when
-    /// adjacent), compacting its list when stale entries have doubled it.
-    fn note_range(&mut self, member: u32, start: u32, end: u32) {
-        let m = member as usize;
-        if self.ranges.len() <= m {
-            self.ranges.resize_with(m + 1, Vec::new);
-            self.compacted.resize(m + 1, 0);
-            self.cursors.resize(m + 1, NONE);
-        }
-        let list = &mut self.ranges[m];
-        match list.last_mut() {
-            Some(last) if last.1 == start => last.1 = end,
-            _ => list.push((start, end)),
-        }
-        if list.len() > 2 * self.compacted[m] + 64 {
-            self.compact(member);
-        }
-    }
-
-    /// Rewrites `member`'s ranges to exactly the runs it holds now, merged.
-    fn compact(&mut self, member: u32) {
-        let m = member as usize;
-        let mut old = std::mem::take(&mut self.ranges[m]);
-        old.sort_unstable();
-        let mut fresh: Vec<(u32, u32)> = Vec::new();
-        let mut covered = 0;
-        for &(start, end) in &old {
-            let mut id = start.max(covered);
-            while id < end {
-                let r = self.ids[id].run;
-                if r == NONE {
-                    id += 1;
-                    continue;
-                }
-                let run = self.runs[r as usize];
-                if run.holders.contains(member, &self.pool) {
-                    match fresh.last_mut() {
-                        Some(last) if last.1 >= run.start => last.1 = last.1.max(run.end),
-                        _ => fresh.push((run.start, run.end)),
-                    }
-                }
-                id = run.end;
-            }
-            covered = covered.max(end);
-        }
-        self.compacted[m] = fresh.len();
-        self.ranges[m] = fresh;
-    }
-
-    /// `member` no longer holds `hashes` (a `BlockRemoved`); hashes it does not hold are
-    /// ignored. Consecutive hashes on a stretch (either direction) are taken as one range.
-    pub fn remove(&mut self, member: u32, hashes: &[BlockHash]) {
-        let mut prefetched = 0;
-        let mut i = 0;
-        while i < hashes.len() {
-            let h = hashes[i].get();
-            // The cursor serves vLLM's one-hash events; a batch finds its stretches itself.
-            let near = (hashes.len() == 1).then(|| self.near_cursor(member, h));
-            let Some(id) = near.flatten().or_else(|| {
-                self.prefetch_ahead(hashes, i, &mut prefetched);
-                self.find(h)
-            }) else {
-                i += 1;
-                continue;
-            };
-            let run = self.runs[self.ids[id].run as usize];
-            let mut k = 1;
-            let (mut a, mut b) = (id, id + 1);
-            while i + k < hashes.len() {
-                let h = hashes[i + k].get();
-                if b < run.end && self.ids[b].hash == h {
-                    b += 1;
-                } else if a > run.start && self.ids[a - 1].hash == h {
-                    a -= 1;
-                } else {
-                    break;
-                }
-                k += 1;
-            }
-            self.take_off(member, a, b);
-            i += k;
-        }
-    }
-
-    /// The block `hash` if it sits next to `member`'s last removal (vLLM frees a request's
-    /// blocks one event each, tail first: the next one is usually the id before).
-    #[inline]
-    fn near_cursor(&self, member: u32, hash: u64) -> Option<u32> {
-        let c = *self.cursors.get(member as usize)?;
-        if c == NONE {
-            return None;
-        }
-        [c.wrapping_sub(1), c + 1]
-            .into_iter()
-            .find(|&id| id != NONE && self.is_block(id, hash))
-    }
-
-    /// Takes `member` off ids `a .. b` (inside one run), if it holds them.
-    fn take_off(&mut self, member: u32, a: u32, b: u32) {
-        if let Some(c) = self.cursors.get_mut(member as usize) {
-            *c = a;
-        }
-        let holders = self.runs[self.ids[a].run as usize].holders;
-        if !holders.contains(member, &self.pool) {
-            return;
-        }
-        let left = self.pool.with(&holders, member, false);
-        if left.is_empty() {
-            // Each block leaving costs its table slot, at random: fetch them ahead.
-            for id in a..b.min(a + PREFETCH_AHEAD as u32) {
-                self.table.prefetch(self.ids[id].hash);
-            }
-            for id in a..b {
-                if let Some(ahead) = id.checked_add(PREFETCH_AHEAD as u32).filter(|&i| i < b) {
-                    self.table.prefetch(self.ids[ahead].hash);
-                }
-                let hash = self.ids[id].hash;
-                if let Some(emptied) = self.table.remove(hash, id) {
-                    self.table_used -= emptied;
-                    self.table_live -= 1;
-                }
-                self.ids[id].hash = 0;
-                self.free_id(id);
-            }
-            self.stats.blocks -= (b - a) as u64;
-            self.recolor(a, b, left, Cause::Leave);
-        } else {
-            self.recolor(a, b, left, Cause::Hole);
-        }
-    }
-
-    /// Drops every holding of `member` (its engine cleared or gone).
-    pub fn clear_member(&mut self, member: u32) {
-        let Some(list) = self.ranges.get_mut(member as usize).map(std::mem::take) else {
-            return;
-        };
-        for (start, end) in list {
-            let mut id = start;
-            while id < end {
-                let r = self.ids[id].run;
-                if r == NONE {
-                    id += 1;
-                    continue;
-                }
-                let stop = self.runs[r as usize].end.min(end);
-                self.take_off(member, id, stop);
-                id = stop;
-            }
-        }
-        self.compacted[member as usize] = 0;
-    }
-
-    /// Every holder's matched prefix of `prompt`: `emit(member, blocks)` once per member that
-    /// holds the first block. `alive` is the caller's scratch (reused across calls).
-    pub fn score(
-        &self,
-        prompt: &[BlockHash],
-        alive: &mut Vec<(u32, u64)>,
-        mut emit: impl FnMut(u32, u32),
-    ) {
-        alive.clear();
-        let Some(first) = prompt.first() else {
-            return;
-        };
-        let Some(mut id) = self.find(first.get()) else {
-            return;
-        };
-        let mut r = self.ids[id].run;
-        let mut end = self.runs[r as usize].end;
-        alive.extend(self.runs[r as usize].holders.windows(&self.pool));
-        let mut j = 1;
-        while j < prompt.len() {
-            // Inside the run (one holder set): the next ids hold the next blocks for as long
-            // as their hashes agree; one pass over the slots, no run or table read.
-            let slots = self.ids.stretch(id + 1, end);
-            let same = slots
-                .iter()
-                .zip(&prompt[j..])
-                .take_while(|(slot, h)| slot.hash == h.get())
-                .count();
-            id += same as u32;
-            j += same;
-            if j == prompt.len() {
-                break;
-            }
-            if same == slots.len() && id + 1 < end {
-                continue; // the slots' chunk ended, the run did not
-            }
-            let Some(next) = self.child(id, prompt[j].get()) else {
-                return emit_all(alive, j as u32, &mut emit);
-            };
-            id = next;
-            let q = self.ids[id].run;
-            let run = &self.runs[q as usize];
-            end = run.end;
-            if q != r {
-                r = q;
-                let holders = &run.holders;
-                alive.retain_mut(|(w, bits)| {
-                    let kept = *bits & holders.bits_of(*w, &self.pool);
-                    emit_bits(*w, *bits & !kept, j as u32, &mut emit);
-                    *bits = kept;
-                    kept != 0
-                });
-                if alive.is_empty() {
-                    return;
-                }
-            }
-            j += 1;
-        }
-        emit_all(alive, prompt.len() as u32, &mut emit);
-    }
-}
-
-fn emit_all(alive: &[(u32, u64)], depth: u32, emit: &mut impl FnMut(u32, u32)) {
-    for &(w, bits) in alive {
-        emit_bits(w, bits, depth, emit);
-    }
-}
-
-#[inline]
-fn emit_bits(window: u32, mut bits: u64, depth: u32, emit: &mut impl FnMut(u32, u32)) {
-    while bits != 0 {
-        emit(window * 64 + bits.trailing_zeros(), depth);
-        bits &= bits - 1;
     }
 }
 

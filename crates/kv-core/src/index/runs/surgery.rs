@@ -1,39 +1,76 @@
 //! Run surgery: giving part of a run a new holder set (split around it, merged with equal
 //! neighbours), always relabelling the smaller side. Every holder change of the run index goes
 //! through [`RunIndex::recolor`].
+//!
+//! Order (what keeps lock-free readers right, `seqlock`'s relabel model): ids move to another
+//! run only after that run is written to cover them, and the run they leave is shrunk after
+//! their slots point elsewhere; so at every moment each live id is covered by its slot's run,
+//! or by the run it is moving to, and both hold its holders of before or after the change. A
+//! set's pool words are released only after the run that held them was rewritten.
 
-use super::{Cause, Holders, Run, RunIndex, NONE};
+use super::cells::{Run, NONE};
+use super::{Cause, Holders, RunIndex};
 
 impl RunIndex {
-    pub(super) fn new_run(&mut self, start: u32, end: u32, holders: Holders) -> u32 {
-        let run = Run {
-            start,
-            end,
-            holders,
-        };
-        self.stats.runs += 1;
-        match self.free_runs.pop() {
-            Some(r) => {
-                self.runs[r as usize] = run;
+    /// A new run (a free number reused first), written before any id points at it.
+    pub(super) fn new_run(&mut self, start: u32, end: u32, holders: Holders) -> Option<u32> {
+        let r = match self.free_runs.pop() {
+            Some(r) => r,
+            None => {
+                let r = self.runs_len;
+                self.run_chunks.reach(r, &self.shared.runs)?;
+                self.runs_len += 1;
                 r
             }
-            None => {
-                self.runs.push(run);
-                (self.runs.len() - 1) as u32
-            }
-        }
+        };
+        self.stats.runs += 1;
+        self.put_run(
+            r,
+            Run {
+                start,
+                end,
+                holders,
+            },
+        );
+        Some(r)
     }
 
+    /// Frees run `r`: it covers nothing from now on, then its words go back to the pool.
     fn drop_run(&mut self, r: u32) {
-        self.pool.release(self.runs[r as usize].holders);
-        self.runs[r as usize].holders = Holders::default();
+        let holders = self.run(r).holders;
+        self.put_run(r, Run::default());
+        self.pool.release(holders);
         self.free_runs.push(r);
         self.stats.runs -= 1;
     }
 
+    /// Points ids `start .. end` at run `r` (written before).
     fn relabel(&mut self, start: u32, end: u32, r: u32) {
-        self.ids.set_run(start, end, r);
-        self.stats.relabels += (end - start) as u64;
+        let mut id = start;
+        while id < end {
+            let slots = self.id_chunks.tail(id);
+            let n = ((end - id) as usize).min(slots.len());
+            if n == 0 {
+                break; // past the allocated ids (never: every id handed out has its chunk)
+            }
+            for slot in &slots[..n] {
+                slot.set_run(r);
+            }
+            id += n as u32;
+        }
+        if r != NONE {
+            self.stats.relabels += (end - start) as u64;
+        }
+    }
+
+    /// A copy of `set` for a second part of a split run; when the pool is exhausted, an
+    /// empty set (the part then scores for no one: an underestimate, never a false hit).
+    fn copy_or_empty(&mut self, set: Holders) -> Holders {
+        let words = &self.shared.words;
+        self.pool.copy(set, words).unwrap_or_else(|| {
+            self.stats.pool_exhausted += 1;
+            Holders::default()
+        })
     }
 
     /// Gives ids `a .. b` (inside one run) the holder set `set` (owned; empty: the blocks left
@@ -41,8 +78,8 @@ impl RunIndex {
     /// with equal neighbours; the largest part keeps the run's number, so only the smaller
     /// parts are relabelled.
     pub(super) fn recolor(&mut self, a: u32, b: u32, set: Holders, cause: Cause) {
-        let r = self.ids[a].run;
-        let run = self.runs[r as usize];
+        let r = self.id(a).run();
+        let run = self.run(r);
         let (left, mid, right) = (a - run.start, b - a, run.end - b);
         if left > 0 || right > 0 {
             match cause {
@@ -55,122 +92,149 @@ impl RunIndex {
             // The part touches one end of its run: when the neighbour there already has `set`,
             // the part joins it (no new run, one relabel per id).
             let at = if left == 0 { a.checked_sub(1) } else { Some(b) };
-            let neighbour = at
-                .and_then(|i| self.ids.get(i).map(|slot| slot.run))
-                .filter(|&n| n != NONE && self.pool.same(&self.runs[n as usize].holders, &set));
+            let neighbour = at.map(|i| self.id(i).run()).filter(|&n| {
+                n != NONE
+                    && self
+                        .pool
+                        .same(&self.run(n).holders, &set, &self.shared.words)
+            });
             if let Some(n) = neighbour {
                 self.pool.release(set);
-                self.relabel(a, b, n);
+                let nr = self.run(n);
                 if left == 0 {
-                    self.runs[n as usize].end = b;
-                    self.runs[r as usize].start = b;
+                    self.run_slot(n).set_bounds(nr.start, b);
+                    self.relabel(a, b, n);
+                    self.run_slot(r).set_bounds(b, run.end);
                 } else {
-                    self.runs[n as usize].start = a;
-                    self.runs[r as usize].end = a;
+                    self.run_slot(n).set_bounds(a, nr.end);
+                    self.relabel(a, b, n);
+                    self.run_slot(r).set_bounds(run.start, a);
                 }
                 return;
             }
         }
         let keep_mid = !set.is_empty() && mid >= left && mid >= right;
         let old = run.holders;
-        let mid_run = if set.is_empty() {
-            None
-        } else if keep_mid {
-            self.runs[r as usize] = Run {
-                start: a,
-                end: b,
-                holders: set,
-            };
-            Some(r)
-        } else {
-            let m = self.new_run(a, b, set);
-            self.relabel(a, b, m);
-            Some(m)
-        };
-        // The parts that keep the old holders: the first takes `old` itself, others a copy.
-        let mut old_owned = false;
+        // The middle part, when it moves to a run of its own: written, then pointed at.
+        let mut mid_run = None;
+        if !set.is_empty() && !keep_mid {
+            match self.new_run(a, b, set) {
+                Some(m) => {
+                    self.relabel(a, b, m);
+                    mid_run = Some(m);
+                }
+                None => self.pool.release(set), // no run left: the part keeps its holders
+            }
+        }
+        // The parts that keep the old holders: the larger stays in `r` unless the middle
+        // does; every other part gets a run of its own (the first takes `old` itself).
         let (big, small) = if left >= right {
             ((run.start, a), (b, run.end))
         } else {
             ((b, run.end), (run.start, a))
         };
+        let mut old_owned = false;
+        let mut stays = None;
         for (i, (s, e)) in [big, small].into_iter().enumerate() {
             if s == e {
                 continue;
             }
+            if i == 0 && !keep_mid {
+                stays = Some((s, e));
+                old_owned = true;
+                continue;
+            }
             let holders = if old_owned {
-                self.pool.copy(old)
+                self.copy_or_empty(old)
             } else {
                 old_owned = true;
                 old
             };
-            if i == 0 && !keep_mid {
-                self.runs[r as usize] = Run {
-                    start: s,
-                    end: e,
-                    holders,
-                };
-            } else {
-                let n = self.new_run(s, e, holders);
+            if let Some(n) = self.new_run(s, e, holders) {
                 self.relabel(s, e, n);
+            }
+        }
+        if set.is_empty() {
+            self.relabel(a, b, NONE);
+        }
+        // Only now does `r` shrink (or take the middle's set, or die).
+        match (keep_mid, stays) {
+            (true, _) => {
+                self.put_run(
+                    r,
+                    Run {
+                        start: a,
+                        end: b,
+                        holders: set,
+                    },
+                );
+                mid_run = Some(r);
+            }
+            (false, Some((s, e))) => self.run_slot(r).set_bounds(s, e),
+            (false, None) if mid_run.is_none() && !set.is_empty() => {} // no run: unchanged
+            (false, None) => {
+                self.put_run(r, Run::default());
+                self.free_runs.push(r);
+                self.stats.runs -= 1;
             }
         }
         if !old_owned {
             self.pool.release(old);
         }
-        if set.is_empty() && left == 0 && right == 0 {
-            self.runs[r as usize].holders = Holders::default();
-            self.free_runs.push(r);
-            self.stats.runs -= 1;
-        }
-        match mid_run {
-            Some(m) => {
-                let m = self.merge_left(m);
-                self.merge_right(m);
-            }
-            None => {
-                self.ids.set_run(a, b, NONE);
-            }
+        if let Some(m) = mid_run {
+            let m = self.merge_left(m);
+            self.merge_right(m);
         }
     }
 
     /// Merges run `r` into its left neighbour (or the reverse) when their holders are equal;
     /// returns the surviving run.
     fn merge_left(&mut self, r: u32) -> u32 {
-        let run = self.runs[r as usize];
-        let Some(l) = run.start.checked_sub(1).map(|i| self.ids[i].run) else {
+        let run = self.run(r);
+        let Some(l) = run.start.checked_sub(1).map(|i| self.id(i).run()) else {
             return r;
         };
-        if l == NONE || !self.pool.same(&self.runs[l as usize].holders, &run.holders) {
+        if l == NONE
+            || !self
+                .pool
+                .same(&self.run(l).holders, &run.holders, &self.shared.words)
+        {
             return r;
         }
         self.join(l, r)
     }
 
     pub(super) fn merge_right(&mut self, r: u32) -> u32 {
-        let run = self.runs[r as usize];
-        let Some(n) = self.ids.get(run.end).map(|slot| slot.run) else {
+        let end = self.run_slot(r).end();
+        if end >= self.ids_len {
             return r;
-        };
-        if n == NONE || !self.pool.same(&self.runs[n as usize].holders, &run.holders) {
+        }
+        let n = self.id(end).run();
+        if n == NONE
+            || !self.pool.same(
+                &self.run_slot(n).holders(),
+                &self.run_slot(r).holders(),
+                &self.shared.words,
+            )
+        {
             return r;
         }
         self.join(r, n)
     }
 
-    /// Joins adjacent runs `l` then `r` (equal holders), relabelling the shorter.
+    /// Joins adjacent runs `l` then `r` (equal holders), relabelling the shorter: the kept run
+    /// grows first, the other's ids point at it, then the other dies.
     fn join(&mut self, l: u32, r: u32) -> u32 {
         self.stats.merges += 1;
-        let (lr, rr) = (self.runs[l as usize], self.runs[r as usize]);
+        let (lr, rr) = (self.run(l), self.run(r));
         let (keep, gone) = if lr.end - lr.start >= rr.end - rr.start {
             (l, r)
         } else {
             (r, l)
         };
-        let g = self.runs[gone as usize];
+        let g = self.run(gone);
+        self.run_slot(keep).set_bounds(lr.start, rr.end);
         self.relabel(g.start, g.end, keep);
-        self.runs[keep as usize].start = lr.start;
-        self.runs[keep as usize].end = rr.end;
         self.drop_run(gone);
         keep
     }

@@ -3,26 +3,33 @@
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 
-use super::RunIndex;
+use super::{RunIndex, RunScratch};
+use crate::index::types::{Tier, TierWeights};
 use crate::{mix64, BlockHash, SplitMix64};
+
+/// Room for every test's blocks.
+const CAPACITY: u32 = 1 << 20;
 
 /// The reference: memberships per block, a query walks block by block.
 #[derive(Default)]
 struct Model {
-    held: HashMap<u64, BTreeSet<u32>>,
+    held: HashMap<u64, BTreeSet<(u32, u8)>>,
 }
 
 impl Model {
-    fn store(&mut self, member: u32, hashes: &[BlockHash]) {
+    fn store(&mut self, engine: u32, tier: Tier, hashes: &[BlockHash]) {
         for h in hashes {
-            self.held.entry(h.get()).or_default().insert(member);
+            self.held
+                .entry(h.get())
+                .or_default()
+                .insert((engine, tier as u8));
         }
     }
 
-    fn remove(&mut self, member: u32, hashes: &[BlockHash]) {
+    fn remove(&mut self, engine: u32, tier: Tier, hashes: &[BlockHash]) {
         for h in hashes {
             if let Some(set) = self.held.get_mut(&h.get()) {
-                set.remove(&member);
+                set.remove(&(engine, tier as u8));
                 if set.is_empty() {
                     self.held.remove(&h.get());
                 }
@@ -30,40 +37,95 @@ impl Model {
         }
     }
 
-    fn clear(&mut self, member: u32) {
+    fn clear(&mut self, engine: u32) {
         self.held.retain(|_, set| {
-            set.remove(&member);
+            set.retain(|&(e, _)| e != engine);
             !set.is_empty()
         });
     }
 
-    fn score(&self, prompt: &[BlockHash]) -> BTreeMap<u32, u32> {
+    /// Per engine: blocks matched from block 0 (any tier), and their best tier weights.
+    fn score(&self, prompt: &[BlockHash]) -> BTreeMap<u32, (u32, f64)> {
+        let weights = TierWeights::default();
+        let best = |h: &BlockHash, engine: u32| {
+            self.held.get(&h.get()).and_then(|set| {
+                set.iter()
+                    .filter(|&&(e, _)| e == engine)
+                    .map(|&(_, t)| weights.of(Tier::from_bits(t as u32)))
+                    .reduce(f64::max)
+            })
+        };
         let mut out = BTreeMap::new();
         let Some(first) = prompt.first().and_then(|h| self.held.get(&h.get())) else {
             return out;
         };
-        let mut alive = first.clone();
-        for (j, h) in prompt.iter().enumerate().skip(1) {
-            let here = self.held.get(&h.get()).cloned().unwrap_or_default();
-            for m in alive.difference(&here) {
-                out.insert(*m, j as u32);
+        let engines: BTreeSet<u32> = first.iter().map(|&(e, _)| e).collect();
+        for e in engines {
+            let (mut n, mut sum) = (0, 0.0);
+            while let Some(w) = prompt.get(n).and_then(|h| best(h, e)) {
+                n += 1;
+                sum += w;
             }
-            alive = alive.intersection(&here).copied().collect();
-        }
-        for m in alive {
-            out.insert(m, prompt.len() as u32);
+            out.insert(e, (n as u32, sum));
         }
         out
     }
 }
 
-fn scores(index: &RunIndex, prompt: &[BlockHash]) -> BTreeMap<u32, u32> {
-    let mut out = BTreeMap::new();
-    let mut alive = Vec::new();
-    index.score(prompt, &mut alive, |m, d| {
-        assert!(out.insert(m, d).is_none(), "member {m} reported twice");
-    });
-    out
+fn scores(index: &RunIndex, prompt: &[BlockHash]) -> BTreeMap<u32, (u32, f64)> {
+    let mut out = Vec::new();
+    let mut scratch = RunScratch::default();
+    index.score(
+        prompt,
+        &TierWeights::default(),
+        |_| true,
+        &mut scratch,
+        &mut out,
+    );
+    let mut map = BTreeMap::new();
+    for s in out {
+        assert!(
+            map.insert(s.engine, (s.matched_blocks, s.score)).is_none(),
+            "engine {} reported twice",
+            s.engine
+        );
+    }
+    map
+}
+
+fn assert_same_scores(
+    got: &BTreeMap<u32, (u32, f64)>,
+    want: &BTreeMap<u32, (u32, f64)>,
+    what: &str,
+) {
+    let blocks =
+        |m: &BTreeMap<u32, (u32, f64)>| m.iter().map(|(&e, &(n, _))| (e, n)).collect::<Vec<_>>();
+    assert_eq!(blocks(got), blocks(want), "{what}");
+    for (e, (_, w)) in want {
+        let g = got[e].1;
+        assert!(
+            (g - w).abs() < 1e-9,
+            "{what}: engine {e} weighs {g}, not {w}"
+        );
+    }
+}
+
+/// Store, remove and clear as the index does and as the model does.
+fn store(
+    index: &mut RunIndex,
+    model: &mut Model,
+    e: u32,
+    t: Tier,
+    parent: Option<BlockHash>,
+    hs: &[BlockHash],
+) {
+    index.store(e, t, parent, hs);
+    model.store(e, t, hs);
+}
+
+fn remove(index: &mut RunIndex, model: &mut Model, e: u32, t: Tier, hs: &[BlockHash]) {
+    index.remove(e, t, hs);
+    model.remove(e, t, hs);
 }
 
 /// Chains of a small prompt tree: prompt `p` shares its first blocks with prompt `p / 3`.
@@ -90,42 +152,52 @@ fn prompts(count: usize, len: usize, rng: &mut SplitMix64) -> Vec<Vec<BlockHash>
 
 fn check(index: &RunIndex, model: &Model, prompts: &[Vec<BlockHash>], step: usize) {
     for (p, prompt) in prompts.iter().enumerate() {
-        assert_eq!(
-            scores(index, prompt),
-            model.score(prompt),
-            "step {step}, prompt {p}"
-        );
+        let what = format!("step {step}, prompt {p}");
+        assert_same_scores(&scores(index, prompt), &model.score(prompt), &what);
         for h in prompt {
-            let expected: Vec<u32> = model
+            let expected: Vec<(u32, u8)> = model
                 .held
                 .get(&h.get())
                 .map(|s| s.iter().copied().collect())
                 .unwrap_or_default();
-            assert_eq!(index.holders(*h), expected, "step {step}, holders");
+            let got: Vec<(u32, u8)> = index
+                .lookup(*h)
+                .into_iter()
+                .map(|(e, t)| (e, t as u8))
+                .collect();
+            assert_eq!(got, expected, "step {step}, holders");
         }
     }
     assert_eq!(index.stats().blocks, model.held.len() as u64, "step {step}");
 }
 
-fn random_run(index: &mut RunIndex, model: &mut Model, members: u32, seed: u64, steps: usize) {
+/// Mostly GPU, sometimes another tier (an engine then holds a block in two tiers).
+fn tier(rng: &mut SplitMix64) -> Tier {
+    match rng.next_u64() % 8 {
+        0 => Tier::Cpu,
+        1 => Tier::Storage,
+        _ => Tier::Gpu,
+    }
+}
+
+fn random_run(index: &mut RunIndex, model: &mut Model, engines: u32, seed: u64, steps: usize) {
     let mut rng = SplitMix64::new(seed);
     let prompts = prompts(24, 40, &mut rng);
     for step in 0..steps {
-        let member = (rng.next_u64() % members as u64) as u32;
+        let e = (rng.next_u64() % engines as u64) as u32;
+        let t = tier(&mut rng);
         let prompt = &prompts[(rng.next_u64() % prompts.len() as u64) as usize];
         let a = (rng.next_u64() % prompt.len() as u64) as usize;
         let b = a + 1 + (rng.next_u64() % (prompt.len() - a) as u64) as usize;
         match rng.next_u64() % 10 {
             0..=4 => {
                 let parent = a.checked_sub(1).map(|p| prompt[p]);
-                index.store(member, parent, &prompt[a..b]);
-                model.store(member, &prompt[a..b]);
+                store(index, model, e, t, parent, &prompt[a..b]);
             }
             5 | 6 => {
                 // Tail first, one hash per event (as vLLM does).
                 for h in prompt[a..b].iter().rev() {
-                    index.remove(member, std::slice::from_ref(h));
-                    model.remove(member, std::slice::from_ref(h));
+                    remove(index, model, e, t, std::slice::from_ref(h));
                 }
             }
             7 => {
@@ -134,17 +206,13 @@ fn random_run(index: &mut RunIndex, model: &mut Model, members: u32, seed: u64, 
                 for i in (1..hs.len()).rev() {
                     hs.swap(i, (rng.next_u64() % (i as u64 + 1)) as usize);
                 }
-                index.remove(member, &hs);
-                model.remove(member, &hs);
+                remove(index, model, e, t, &hs);
             }
-            8 => {
-                index.remove(member, &prompt[a..b]);
-                model.remove(member, &prompt[a..b]);
-            }
+            8 => remove(index, model, e, t, &prompt[a..b]),
             _ => {
                 if rng.next_u64().is_multiple_of(4) {
-                    index.clear_member(member);
-                    model.clear(member);
+                    index.clear_engine(e);
+                    model.clear(e);
                 }
             }
         }
@@ -158,7 +226,7 @@ fn random_run(index: &mut RunIndex, model: &mut Model, members: u32, seed: u64, 
 #[test]
 fn random_stores_removals_and_clears_match_the_model() {
     for seed in 0..20 {
-        let mut index = RunIndex::new(seed);
+        let mut index = RunIndex::new(seed, CAPACITY);
         let mut model = Model::default();
         random_run(&mut index, &mut model, 6, seed, 600);
     }
@@ -166,15 +234,15 @@ fn random_stores_removals_and_clears_match_the_model() {
 
 #[test]
 fn many_holders_across_windows_match_the_model() {
-    // Members spread over 1,024 ids: holder sets span many 64-member windows.
+    // Engines spread over 1,024 ids: holder sets span many 64-member windows.
     for seed in 0..4 {
-        let mut index = RunIndex::new(seed);
+        let mut index = RunIndex::new(seed, CAPACITY);
         let mut model = Model::default();
         let mut rng = SplitMix64::new(seed ^ 0xABCD);
         let prompt = prompts(1, 64, &mut rng).remove(0);
-        for m in (0..1024).step_by(7) {
-            index.store(m, None, &prompt[..32 + (m as usize % 32)]);
-            model.store(m, &prompt[..32 + (m as usize % 32)]);
+        for e in (0..1024).step_by(7) {
+            let part = &prompt[..32 + (e as usize % 32)];
+            store(&mut index, &mut model, e, Tier::Gpu, None, part);
         }
         check(&index, &model, std::slice::from_ref(&prompt), 0);
         random_run(&mut index, &mut model, 1024, seed, 300);
@@ -182,22 +250,61 @@ fn many_holders_across_windows_match_the_model() {
 }
 
 #[test]
+fn one_run_held_by_1024_engines_in_mixed_tiers() {
+    let mut rng = SplitMix64::new(17);
+    let chain = prompts(1, 50, &mut rng).remove(0);
+    let mut index = RunIndex::new(17, CAPACITY);
+    let mut model = Model::default();
+    for e in 0..1024 {
+        let t = if e % 3 == 0 { Tier::Cpu } else { Tier::Gpu };
+        store(&mut index, &mut model, e, t, None, &chain);
+    }
+    assert_eq!(index.stats().runs, 1, "one run, 1,024 holders");
+    assert_eq!(
+        index.stats().holder_words,
+        64,
+        "4,096 members: 64 words, once"
+    );
+    // A hole in every 100th engine's copy, at a different offset each.
+    for e in (0..1024).step_by(100) {
+        let t = if e % 3 == 0 { Tier::Cpu } else { Tier::Gpu };
+        remove(
+            &mut index,
+            &mut model,
+            e,
+            t,
+            &chain[(e as usize / 100) * 4..][..1],
+        );
+    }
+    // A second tier for some: the best weight counts.
+    store(&mut index, &mut model, 3, Tier::Gpu, None, &chain[..20]);
+    check(&index, &model, std::slice::from_ref(&chain), 0);
+    for e in 0..1024 {
+        index.clear_engine(e);
+        model.clear(e);
+    }
+    check(&index, &model, std::slice::from_ref(&chain), 1);
+    assert_eq!(index.stats().runs, 0);
+    assert_eq!(index.stats().holder_words, 0);
+}
+
+#[test]
 fn a_hole_splits_a_run_and_a_refill_merges_it_back() {
     let mut rng = SplitMix64::new(9);
     let chain = prompts(1, 100, &mut rng).remove(0);
-    let mut index = RunIndex::new(1);
-    index.store(0, None, &chain);
-    index.store(1, None, &chain);
+    let mut index = RunIndex::new(1, CAPACITY);
+    index.store(0, Tier::Gpu, None, &chain);
+    index.store(1, Tier::Gpu, None, &chain);
     assert_eq!(index.stats().runs, 1, "one run, two holders");
-    index.remove(1, &chain[50..51]);
+    index.remove(1, Tier::Gpu, &chain[50..51]);
     assert_eq!(index.stats().runs, 3, "the hole splits the run in three");
     assert_eq!(index.stats().splits_hole, 1);
-    index.store(1, Some(chain[49]), &chain[50..51]);
+    index.store(1, Tier::Gpu, Some(chain[49]), &chain[50..51]);
     assert_eq!(index.stats().runs, 1, "the refill merges the three back");
-    let mut alive = Vec::new();
-    let mut got = Vec::new();
-    index.score(&chain, &mut alive, |m, d| got.push((m, d)));
-    got.sort_unstable();
+    let got: Vec<_> = scores(&index, &chain)
+        .into_iter()
+        .map(|(e, (n, _))| (e, n))
+        .collect();
     assert_eq!(got, vec![(0, 100), (1, 100)]);
 }
 
@@ -205,12 +312,12 @@ fn a_hole_splits_a_run_and_a_refill_merges_it_back() {
 fn tail_first_removal_relabels_one_block_per_event() {
     let mut rng = SplitMix64::new(4);
     let chain = prompts(1, 1000, &mut rng).remove(0);
-    let mut index = RunIndex::new(2);
-    index.store(0, None, &chain);
-    index.store(1, None, &chain);
+    let mut index = RunIndex::new(2, CAPACITY);
+    index.store(0, Tier::Gpu, None, &chain);
+    index.store(1, Tier::Gpu, None, &chain);
     let before = index.stats().relabels;
     for h in chain.iter().rev().take(500) {
-        index.remove(1, std::slice::from_ref(h));
+        index.remove(1, Tier::Gpu, std::slice::from_ref(h));
     }
     let relabels = index.stats().relabels - before;
     assert!(
@@ -224,48 +331,194 @@ fn tail_first_removal_relabels_one_block_per_event() {
 fn a_forged_run_cannot_change_what_others_score() {
     let mut rng = SplitMix64::new(5);
     let honest = prompts(1, 30, &mut rng).remove(0);
-    let mut index = RunIndex::new(3);
+    let mut index = RunIndex::new(3, CAPACITY);
     // The forger knows the honest chain and stores it out of order, with gaps, before anyone.
     let forged: Vec<BlockHash> = honest.iter().rev().step_by(2).copied().collect();
-    index.store(7, Some(honest[3]), &forged);
-    index.store(0, None, &honest);
-    let mut alive = Vec::new();
-    let mut got = BTreeMap::new();
-    index.score(&honest, &mut alive, |m, d| {
-        got.insert(m, d);
-    });
+    index.store(7, Tier::Gpu, Some(honest[3]), &forged);
+    index.store(0, Tier::Gpu, None, &honest);
+    let got = scores(&index, &honest);
     assert_eq!(
-        got.get(&0),
-        Some(&30),
-        "the honest member scores its whole chain"
+        got.get(&0).map(|s| s.0),
+        Some(30),
+        "the honest engine scores its whole chain"
     );
-    assert!(got.get(&7).is_none_or(|&d| d <= 1));
+    assert!(got.get(&7).is_none_or(|s| s.0 <= 1));
 }
 
 #[test]
 fn a_walk_crosses_id_chunks_and_run_ends_at_any_offset() {
-    // 70,000 blocks take ids across the first 64Ki chunk; a second member holds a prefix that
+    // 70,000 blocks take ids across the first 64Ki chunk; a second engine holds a prefix that
     // ends past the chunk boundary and a third a stretch inside it, so runs end on both sides.
-    let mut index = RunIndex::new(7);
+    let mut index = RunIndex::new(7, CAPACITY);
     let mut model = Model::default();
     let chain: Vec<BlockHash> = (1..=70_000u64).map(|h| BlockHash::new(mix64(h))).collect();
-    for (member, part) in [
+    for (e, part) in [
         (0, &chain[..]),
         (1, &chain[..66_000]),
         (2, &chain[..65_530]),
     ] {
-        index.store(member, None, part);
-        model.store(member, part);
+        store(&mut index, &mut model, e, Tier::Gpu, None, part);
     }
-    index.remove(2, &chain[65_000..65_010]);
-    model.remove(2, &chain[65_000..65_010]);
+    remove(&mut index, &mut model, 2, Tier::Gpu, &chain[65_000..65_010]);
     for len in [
         1, 65_000, 65_011, 65_535, 65_536, 65_537, 66_000, 66_001, 70_000,
     ] {
-        assert_eq!(
-            scores(&index, &chain[..len]),
-            model.score(&chain[..len]),
-            "prompt of {len} blocks"
+        let what = format!("prompt of {len} blocks");
+        assert_same_scores(
+            &scores(&index, &chain[..len]),
+            &model.score(&chain[..len]),
+            &what,
         );
+    }
+}
+
+#[test]
+fn a_full_index_drops_new_blocks_and_counts_them() {
+    let mut rng = SplitMix64::new(6);
+    let chain = prompts(1, 40, &mut rng).remove(0);
+    let mut index = RunIndex::new(8, 32);
+    index.store(0, Tier::Gpu, None, &chain);
+    assert_eq!(index.stats().blocks, 32, "capacity");
+    assert_eq!(index.stats().dropped_full, 8);
+    let got = scores(&index, &chain);
+    assert_eq!(
+        got.get(&0).map(|s| s.0),
+        Some(32),
+        "what was kept still scores"
+    );
+    index.clear_engine(0);
+    index.store(1, Tier::Gpu, None, &chain[..10]);
+    assert_eq!(index.stats().blocks, 10, "freed ids are used again");
+}
+
+#[test]
+fn readers_under_a_busy_writer_never_lose_a_block_or_see_a_false_one() {
+    concurrent::run(20_000);
+}
+
+/// Readers on other threads while the writer splits, merges, relabels and reuses ids and runs.
+mod concurrent {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::Arc;
+
+    use super::*;
+
+    /// The longest prefix of the shared chain engine `e` ever stores (engine 0: all of it).
+    fn reach(e: u32, len: usize) -> usize {
+        if e == 0 {
+            len
+        } else {
+            (60 + 7 * e as usize).min(len)
+        }
+    }
+
+    pub fn run(steps: usize) {
+        const ENGINES: u32 = 40; // 160 members: holder sets span three windows
+        let mut rng = SplitMix64::new(99);
+        let chain = prompts(1, 400, &mut rng).remove(0);
+        let mut index = RunIndex::new(99, CAPACITY);
+        index.store(0, Tier::Gpu, None, &chain);
+        let reader = index.reader();
+        let done = Arc::new(AtomicBool::new(false));
+        // Reader 0 scores the chain and looks up every 7th block; reader 1 looks up every block.
+        let readers: Vec<_> = (0..2)
+            .map(|i| {
+                let (reader, done, chain) = (reader.clone(), done.clone(), chain.clone());
+                std::thread::spawn(move || {
+                    let (mut out, mut scratch) = (Vec::new(), RunScratch::default());
+                    let mut rounds = 0u64;
+                    while !done.load(Ordering::Relaxed) || rounds < 10 {
+                        out.clear();
+                        reader.score(
+                            &chain,
+                            &TierWeights::default(),
+                            |_| true,
+                            &mut scratch,
+                            &mut out,
+                        );
+                        let mut seen = BTreeSet::new();
+                        for s in &out {
+                            assert!(seen.insert(s.engine), "engine {} twice", s.engine);
+                            let most = reach(s.engine, chain.len()) as u32;
+                            assert!(
+                                s.matched_blocks <= most,
+                                "engine {} matched {} > {most}",
+                                s.engine,
+                                s.matched_blocks
+                            );
+                            if s.engine == 0 {
+                                assert_eq!(s.matched_blocks, 400, "engine 0 lost a block");
+                                assert!((s.score - 400.0).abs() < 1e-9);
+                            }
+                        }
+                        assert!(seen.contains(&0), "engine 0 missing");
+                        let step = if i == 0 { 7 } else { 1 };
+                        for k in (rounds as usize % step..chain.len()).step_by(step) {
+                            let holders = reader.lookup(chain[k]);
+                            assert!(holders.contains(&(0, Tier::Gpu)), "lookup lost engine 0");
+                            for (e, _) in holders {
+                                assert!(
+                                    k < reach(e, chain.len()),
+                                    "engine {e} never held block {k}"
+                                );
+                            }
+                        }
+                        rounds += 1;
+                    }
+                    rounds
+                })
+            })
+            .collect();
+        let mut side: Vec<Vec<BlockHash>> = Vec::new();
+        for _ in 0..steps {
+            let e = 1 + (rng.next_u64() % (ENGINES - 1) as u64) as u32;
+            let top = reach(e, chain.len());
+            let a = (rng.next_u64() % top as u64) as usize;
+            let b = a + 1 + (rng.next_u64() % (top - a) as u64) as usize;
+            let t = tier(&mut rng);
+            match rng.next_u64() % 8 {
+                0..=2 => {
+                    index.store(e, t, a.checked_sub(1).map(|p| chain[p]), &chain[a..b]);
+                }
+                3 | 4 => {
+                    for h in chain[a..b].iter().rev() {
+                        index.remove(e, t, std::slice::from_ref(h));
+                    }
+                }
+                5 => {
+                    // Fresh blocks that come and go: ids, runs and pool words are reused, the
+                    // table grows and is replaced.
+                    let fresh: Vec<BlockHash> = (0..1 + rng.next_u64() % 40)
+                        .map(|_| BlockHash::new(mix64(rng.next_u64()) | 1))
+                        .collect();
+                    index.store(e, t, None, &fresh);
+                    side.push(fresh);
+                    if side.len() > 50 {
+                        let gone = side.swap_remove((rng.next_u64() % side.len() as u64) as usize);
+                        for e in 1..ENGINES {
+                            index.remove(e, Tier::Gpu, &gone);
+                            index.remove(e, Tier::Cpu, &gone);
+                            index.remove(e, Tier::Storage, &gone);
+                        }
+                    }
+                }
+                6 => {
+                    let mut hs = chain[a..b].to_vec();
+                    for i in (1..hs.len()).rev() {
+                        hs.swap(i, (rng.next_u64() % (i as u64 + 1)) as usize);
+                    }
+                    index.remove(e, t, &hs);
+                }
+                _ => {
+                    index.clear_engine(e);
+                }
+            }
+        }
+        done.store(true, Ordering::Relaxed);
+        for r in readers {
+            let rounds = r.join().expect("a reader's checks hold");
+            assert!(rounds >= 10);
+        }
+        assert!(index.stats().relabels > 0 && index.stats().merges > 0);
     }
 }

@@ -1,0 +1,285 @@
+//! The run index's shared memory: block-id slots, run slots and pooled holder words, as
+//! atomics in chunks that are never moved or freed while the index lives ([`Chunked`]), so a
+//! reader holds references into them without a lock while the one writer changes them.
+//!
+//! Publication (the orders of `crate::seqlock`, whose relabel model checks them):
+//! - a **run** (`start .. end` and its holder set) changes only inside its seqlock; a reader
+//!   keeps what it read only if the sequence did not move;
+//! - an id's **run number** is stored with Release after the run that receives the id is
+//!   written, and before the run the id leaves is shrunk: a reader that loads it with Acquire
+//!   and finds that run still covering the id reads the holders of before or after the move;
+//! - a block's **hash** changes only while its id is in no run (written before the id joins
+//!   one, zeroed before it leaves), so a reader that finds the id inside its run under an
+//!   unchanged sequence reads the hash of the block the run describes.
+//!
+//! Zeroed memory is a free slot: run numbers and hints are stored plus one (0 = none).
+
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering::Relaxed};
+
+use super::holders::Holders;
+use crate::index::slab::Chunked;
+use crate::memory::Zeroable;
+use crate::seqlock::{StdFence, PROTOCOL};
+
+/// No run, no id (a free id's run; a missing hint).
+pub(super) const NONE: u32 = u32::MAX;
+
+/// Bits of an id that select its slot inside a chunk (64Ki slots: 1 MiB).
+pub(super) const ID_BITS: u32 = 16;
+/// Bits of a run number that select its slot inside a chunk (4Ki runs: 128 KiB).
+const RUN_BITS: u32 = 12;
+/// Bits of a pooled word's offset inside its chunk (64Ki words: 512 KiB). A pooled set never
+/// straddles two chunks, so this also bounds a set: 64Ki windows.
+pub(super) const WORD_BITS: u32 = 16;
+
+/// One block id: its hash, its run and a hint to where its chain went on.
+#[repr(C)]
+pub(super) struct IdSlot {
+    /// The block's hash (0 when free).
+    hash: AtomicU64,
+    /// The block's run plus one (0: free).
+    run: AtomicU32,
+    /// The id its most recently stored chain child took, plus one, where that was not the
+    /// next id (a hint, confirmed by the child's hash; 0: none). Fills the slot's padding.
+    next: AtomicU32,
+}
+
+// SAFETY: integer atomics only; all zero is a free id (hash 0, no run, no hint).
+unsafe impl Zeroable for IdSlot {}
+
+impl IdSlot {
+    /// The block's hash (0: free).
+    #[inline(always)]
+    pub fn hash(&self) -> u64 {
+        self.hash.load(Relaxed)
+    }
+
+    /// The block's run ([`NONE`]: free). Acquire: the run it names was written before.
+    #[inline(always)]
+    pub fn run(&self) -> u32 {
+        self.run.load(PROTOCOL.flag_observe).wrapping_sub(1)
+    }
+
+    /// The hinted chain child ([`NONE`]: none).
+    #[inline(always)]
+    pub fn next(&self) -> u32 {
+        self.next.load(Relaxed).wrapping_sub(1)
+    }
+
+    #[inline(always)]
+    pub fn set_hash(&self, hash: u64) {
+        self.hash.store(hash, Relaxed);
+    }
+
+    /// Points the id at run `r` (Release: after the run was written).
+    #[inline(always)]
+    pub fn set_run(&self, r: u32) {
+        self.run.store(r.wrapping_add(1), PROTOCOL.flag_publish);
+    }
+
+    #[inline(always)]
+    pub fn set_next(&self, id: u32) {
+        self.next.store(id.wrapping_add(1), Relaxed);
+    }
+}
+
+/// One run: ids `start .. end` held by `holders`.
+#[derive(Clone, Copy, Debug, Default)]
+pub(super) struct Run {
+    pub start: u32,
+    pub end: u32,
+    pub holders: Holders,
+}
+
+/// A run's slot: the run's fields under a seqlock (32 bytes, two per cache line).
+#[repr(C)]
+pub(super) struct RunSlot {
+    seq: AtomicU32,
+    start: AtomicU32,
+    end: AtomicU32,
+    base: AtomicU32,
+    len: AtomicU32,
+    _pad: AtomicU32,
+    word: AtomicU64,
+}
+
+// SAFETY: integer atomics only; all zero is an empty run at sequence 0.
+unsafe impl Zeroable for RunSlot {}
+
+impl RunSlot {
+    /// The fields as they are now: the writer's view, or a reader's inside a read section.
+    #[inline(always)]
+    pub fn load(&self) -> Run {
+        Run {
+            start: self.start.load(Relaxed),
+            end: self.end.load(Relaxed),
+            holders: Holders::from_parts(
+                self.base.load(Relaxed),
+                self.len.load(Relaxed),
+                self.word.load(Relaxed),
+            ),
+        }
+    }
+
+    /// The run's end (the writer's view: each load costs, so it loads what it needs).
+    #[inline(always)]
+    pub fn end(&self) -> u32 {
+        self.end.load(Relaxed)
+    }
+
+    /// The run's holders (the writer's view).
+    #[inline(always)]
+    pub fn holders(&self) -> Holders {
+        Holders::from_parts(
+            self.base.load(Relaxed),
+            self.len.load(Relaxed),
+            self.word.load(Relaxed),
+        )
+    }
+
+    /// Moves the run's end (one seqlock write).
+    #[inline]
+    pub fn set_end(&self, end: u32) {
+        PROTOCOL.write::<_, StdFence, _>(&self.seq, || self.end.store(end, Relaxed));
+    }
+
+    /// Writes the whole run (one seqlock write).
+    #[inline]
+    pub fn store(&self, run: Run) {
+        PROTOCOL.write::<_, StdFence, _>(&self.seq, || {
+            let (base, len, word) = run.holders.parts();
+            self.start.store(run.start, Relaxed);
+            self.end.store(run.end, Relaxed);
+            self.base.store(base, Relaxed);
+            self.len.store(len, Relaxed);
+            self.word.store(word, Relaxed);
+        });
+    }
+
+    /// Moves the run's bounds (one seqlock write).
+    #[inline]
+    pub fn set_bounds(&self, start: u32, end: u32) {
+        PROTOCOL.write::<_, StdFence, _>(&self.seq, || {
+            self.start.store(start, Relaxed);
+            self.end.store(end, Relaxed);
+        });
+    }
+
+    /// Starts a reader's section: the sequence to check with [`RunSlot::still`], or `None`
+    /// while a write is under way.
+    #[inline(always)]
+    pub fn begin_read(&self) -> Option<u32> {
+        PROTOCOL.begin_read(&self.seq)
+    }
+
+    /// Whether nothing was written since [`RunSlot::begin_read`] returned `begun`.
+    #[inline(always)]
+    pub fn still(&self, begun: u32) -> bool {
+        PROTOCOL.still::<_, StdFence>(&self.seq, begun)
+    }
+}
+
+/// Slots per id chunk.
+pub(super) const ID_CHUNK: usize = 1 << ID_BITS;
+/// Slots per run chunk.
+pub(super) const RUN_CHUNK: usize = 1 << RUN_BITS;
+
+/// The writer's handles on the chunks it addresses (the memory readers reach through the
+/// directories), so its accesses skip the directory: `chunks[id >> BITS][id & mask]`.
+pub(super) struct WriterChunks<T, const N: usize> {
+    chunks: Vec<std::sync::Arc<[T; N]>>,
+}
+
+impl<T, const N: usize> Default for WriterChunks<T, N> {
+    fn default() -> Self {
+        Self { chunks: Vec::new() }
+    }
+}
+
+impl<T: Zeroable, const N: usize> WriterChunks<T, N> {
+    /// The item `i`, or `sink` past the chunks held.
+    #[inline(always)]
+    pub fn get<'a>(&'a self, i: u32, sink: &'a T) -> &'a T {
+        match self.chunks.get(i as usize / N) {
+            Some(chunk) => &chunk[i as usize & (N - 1)],
+            None => sink,
+        }
+    }
+
+    /// The items from `i` to the end of its chunk (empty past the chunks held).
+    #[inline(always)]
+    pub fn tail(&self, i: u32) -> &[T] {
+        match self.chunks.get(i as usize / N) {
+            Some(chunk) => &chunk[i as usize & (N - 1)..],
+            None => &[],
+        }
+    }
+
+    /// Makes item `i` addressable, allocating its chunk in `shared` when it starts one;
+    /// `None` past `shared`'s capacity.
+    pub fn reach(&mut self, i: u32, shared: &Chunked<T, N>) -> Option<()> {
+        shared.get_or_alloc(i)?;
+        while self.chunks.len() <= i as usize / N {
+            let at = u32::try_from(self.chunks.len() * N).ok()?;
+            self.chunks.push(shared.chunk(at)?.clone());
+        }
+        Some(())
+    }
+}
+
+/// Pooled holder words (sets wider than one window).
+pub(super) type Words = Chunked<AtomicU64, { 1 << WORD_BITS }>;
+/// Block-id slots.
+pub(super) type IdSlots = Chunked<IdSlot, ID_CHUNK>;
+/// Run slots.
+pub(super) type RunSlots = Chunked<RunSlot, RUN_CHUNK>;
+
+/// The slot every id outside the allocated chunks reads as: free.
+pub(super) static FREE_ID: IdSlot = IdSlot {
+    hash: AtomicU64::new(0),
+    run: AtomicU32::new(0),
+    next: AtomicU32::new(0),
+};
+
+/// The slot of `id` (a free one outside the allocated chunks: never written).
+#[inline(always)]
+pub(super) fn id_slot(ids: &IdSlots, id: u32) -> &IdSlot {
+    ids.get(id).unwrap_or(&FREE_ID)
+}
+
+/// The slot every run outside the allocated chunks reads as: empty, covering nothing.
+pub(super) static NO_RUN: RunSlot = RunSlot {
+    seq: AtomicU32::new(0),
+    start: AtomicU32::new(0),
+    end: AtomicU32::new(0),
+    base: AtomicU32::new(0),
+    len: AtomicU32::new(0),
+    _pad: AtomicU32::new(0),
+    word: AtomicU64::new(0),
+};
+
+/// The slot of run `r` (an empty one outside the allocated chunks: never written).
+#[inline(always)]
+pub(super) fn run_slot(runs: &RunSlots, r: u32) -> &RunSlot {
+    runs.get(r).unwrap_or(&NO_RUN)
+}
+
+/// Where the writer's stores would go if it ever addressed an id or run outside the allocated
+/// chunks (a bug: every id and run it hands out has its chunk): somewhere no reader looks, so
+/// [`FREE_ID`] and [`NO_RUN`] stay what they say.
+pub(super) static SINK_ID: IdSlot = IdSlot {
+    hash: AtomicU64::new(0),
+    run: AtomicU32::new(0),
+    next: AtomicU32::new(0),
+};
+
+/// See [`SINK_ID`].
+pub(super) static SINK_RUN: RunSlot = RunSlot {
+    seq: AtomicU32::new(0),
+    start: AtomicU32::new(0),
+    end: AtomicU32::new(0),
+    base: AtomicU32::new(0),
+    len: AtomicU32::new(0),
+    _pad: AtomicU32::new(0),
+    word: AtomicU64::new(0),
+};

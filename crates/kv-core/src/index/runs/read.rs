@@ -1,0 +1,338 @@
+//! The run index's read path: lock-free lookups and the prefix-scoring walk.
+//!
+//! A reader takes no lock and writes nothing shared. Every block it reports is checked inside
+//! the seqlock section of the run it read it from: the id's slot named the run, the run
+//! covered the id, and the id held the block's hash, all under one unchanged sequence. A
+//! stretch of ids compared inside a run is kept only if the run's sequence still holds after
+//! the comparison (nothing in a run changes without a write of it). A failed check re-reads
+//! the block through the table; after [`RETRIES`] failures the block counts as not held (an
+//! underestimate, never a false hit).
+
+use std::sync::Arc;
+
+use super::cells::{id_slot, run_slot, Run, NONE};
+use super::{Holders, RunIndex, Shared, TIERS, WINDOW};
+use crate::index::table::Table;
+use crate::index::types::{EngineId, EngineScore, Tier, TierWeights};
+use crate::BlockHash;
+
+/// Checked reads of one block before a reader gives it up: each failure means the writer
+/// changed that block's run between two loads (a write in progress is waited for instead).
+const RETRIES: usize = 64;
+
+/// Spins before a reader waiting for a write to end yields its thread (the writer may have
+/// been descheduled inside the write).
+const SPINS: u32 = 128;
+
+/// A lock-free reader of a [`RunIndex`] (clone it for each thread).
+#[derive(Clone)]
+pub struct RunReader {
+    shared: Arc<Shared>,
+}
+
+/// A reader's working memory, reused across calls (a score allocates nothing once it has
+/// seen its largest holder set).
+#[derive(Default)]
+pub struct RunScratch {
+    /// Engines still matching, with their score so far.
+    active: Vec<EngineScore>,
+    /// Each active engine's tier weight on the current run.
+    weight: Vec<f64>,
+    /// Each active engine's tier nibble in the run being read (kept once the read checks).
+    nibbles: Vec<u8>,
+}
+
+/// A block read under its run's seqlock.
+struct Found {
+    id: u32,
+    run: u32,
+    seq: u32,
+    end: u32,
+}
+
+impl RunReader {
+    pub(super) fn new(shared: Arc<Shared>) -> Self {
+        Self { shared }
+    }
+
+    /// Who holds `hash` now, as (engine, tier) pairs in engine order.
+    pub fn lookup(&self, hash: BlockHash) -> Vec<(EngineId, Tier)> {
+        self.shared.lookup(hash)
+    }
+
+    /// See [`RunIndex::score`].
+    pub fn score(
+        &self,
+        prompt: &[BlockHash],
+        weights: &TierWeights,
+        admit: impl Fn(EngineId) -> bool,
+        scratch: &mut RunScratch,
+        out: &mut Vec<EngineScore>,
+    ) {
+        self.shared.score(prompt, weights, admit, scratch, out);
+    }
+}
+
+impl RunIndex {
+    /// Who holds `hash` now, as (engine, tier) pairs in engine order.
+    pub fn lookup(&self, hash: BlockHash) -> Vec<(EngineId, Tier)> {
+        self.shared.lookup(hash)
+    }
+
+    /// Scores every engine that holds the prompt's first block (and that `admit` accepts):
+    /// how many consecutive blocks from block 0 it holds, in any tier, and their summed best
+    /// tier weights. Appends one entry per such engine to `out`.
+    pub fn score(
+        &self,
+        prompt: &[BlockHash],
+        weights: &TierWeights,
+        admit: impl Fn(EngineId) -> bool,
+        scratch: &mut RunScratch,
+        out: &mut Vec<EngineScore>,
+    ) {
+        self.shared.score(prompt, weights, admit, scratch, out);
+    }
+}
+
+/// Begins a read of `cell`, waiting while a write is under way; `None` only if the writer
+/// stayed inside one write for `SPINS` spins and as many yields (then the caller retries).
+#[inline]
+fn wait_even(cell: &super::cells::RunSlot) -> Option<u32> {
+    for spin in 0..2 * SPINS {
+        if let Some(seq) = cell.begin_read() {
+            return Some(seq);
+        }
+        if spin < SPINS {
+            std::hint::spin_loop();
+        } else {
+            std::thread::yield_now();
+        }
+    }
+    None
+}
+
+/// The best weight of the tiers in `nibble` (bit `t`: tier `t`), for every nibble.
+fn best_weights(weights: &TierWeights) -> [f64; 16] {
+    let tiers = [Tier::Gpu, Tier::Cpu, Tier::Storage, Tier::Other];
+    let mut best = [0.0; 16];
+    for (nibble, b) in best.iter_mut().enumerate() {
+        *b = tiers
+            .iter()
+            .filter(|t| nibble & (1 << **t as usize) != 0)
+            .map(|&t| weights.of(t))
+            .fold(0.0, f64::max);
+    }
+    best
+}
+
+/// `engine`'s tier nibble in `holders`.
+#[inline(always)]
+fn nibble(holders: &Holders, engine: EngineId, words: &super::Words) -> u8 {
+    let m = engine * TIERS;
+    ((holders.bits_of(m / WINDOW, words) >> (m % WINDOW)) & 0xF) as u8
+}
+
+impl Shared {
+    /// The id of `hash` through `table` (unchecked).
+    #[inline]
+    fn find(&self, table: &Table, hash: u64) -> Option<u32> {
+        table.find(hash, |id| id_slot(&self.ids, id).hash())
+    }
+
+    /// The id of `hash` following block `parent`: the next id, the parent's hint, the table
+    /// (unchecked: the caller reads it under its run's seqlock).
+    #[inline]
+    fn locate(&self, table: &Table, parent: Option<u32>, hash: u64) -> Option<u32> {
+        if let Some(p) = parent {
+            let next = p.wrapping_add(1);
+            if id_slot(&self.ids, next).hash() == hash {
+                return Some(next);
+            }
+            let hint = id_slot(&self.ids, p).next();
+            if hint != NONE && id_slot(&self.ids, hint).hash() == hash {
+                return Some(hint);
+            }
+        }
+        self.find(table, hash)
+    }
+
+    /// Reads block `hash` (found from `parent`) under its run's seqlock, running `inside` on
+    /// the run while the section is open; `None` when the block is not in the index (or kept
+    /// failing its checks). What `inside` computed is valid only when this returns `Some`.
+    #[inline]
+    fn read_block(
+        &self,
+        table: &Table,
+        parent: Option<u32>,
+        hash: u64,
+        mut inside: impl FnMut(u32, u32, &Run),
+    ) -> Option<Found> {
+        let mut from = parent;
+        for _ in 0..RETRIES {
+            let id = self.locate(table, from, hash)?;
+            from = None; // a retry goes through the table
+            let slot = id_slot(&self.ids, id);
+            let r = slot.run();
+            if r == NONE {
+                continue;
+            }
+            let cell = run_slot(&self.runs, r);
+            let Some(seq) = wait_even(cell) else {
+                continue;
+            };
+            let run = cell.load();
+            if run.start > id || id >= run.end || slot.hash() != hash || !run.holders.is_plausible()
+            {
+                continue;
+            }
+            inside(r, seq, &run);
+            if cell.still(seq) {
+                return Some(Found {
+                    id,
+                    run: r,
+                    seq,
+                    end: run.end,
+                });
+            }
+        }
+        None
+    }
+
+    fn lookup(&self, hash: BlockHash) -> Vec<(EngineId, Tier)> {
+        let table = self.table.load();
+        let mut out = Vec::new();
+        let read = self.read_block(&table, None, hash.get(), |_, _, run| {
+            out.clear();
+            for (w, mut bits) in run.holders.windows(&self.words) {
+                while bits != 0 {
+                    let m = w * WINDOW + bits.trailing_zeros();
+                    out.push((m / TIERS, Tier::from_bits(m % TIERS)));
+                    bits &= bits - 1;
+                }
+            }
+        });
+        if read.is_none() {
+            out.clear();
+        }
+        out
+    }
+
+    fn score(
+        &self,
+        prompt: &[BlockHash],
+        weights: &TierWeights,
+        admit: impl Fn(EngineId) -> bool,
+        s: &mut RunScratch,
+        out: &mut Vec<EngineScore>,
+    ) {
+        s.active.clear();
+        s.weight.clear();
+        let Some(first) = prompt.first() else {
+            return;
+        };
+        let best = best_weights(weights);
+        let table = self.table.load();
+        let words = &self.words;
+        // The first block: its holders (the engines `admit` accepts) start the walk.
+        let found = self.read_block(&table, None, first.get(), |_, _, run| {
+            s.active.clear();
+            s.nibbles.clear();
+            for (w, bits) in run.holders.windows(words) {
+                let mut engines =
+                    (bits | bits >> 1 | bits >> 2 | bits >> 3) & 0x1111_1111_1111_1111;
+                while engines != 0 {
+                    let m = w * WINDOW + engines.trailing_zeros();
+                    engines &= engines - 1;
+                    let engine = m / TIERS;
+                    if admit(engine) {
+                        s.active.push(EngineScore {
+                            engine,
+                            matched_blocks: 0,
+                            score: 0.0,
+                        });
+                        s.nibbles.push(((bits >> (m % WINDOW)) & 0xF) as u8);
+                    }
+                }
+            }
+        });
+        let Some(mut at) = found else {
+            s.active.clear();
+            return;
+        };
+        s.weight.extend(s.nibbles.iter().map(|&n| best[n as usize]));
+        if s.active.is_empty() {
+            return;
+        }
+        // `since`: the prompt position where the current run's weights started.
+        let (mut j, mut since) = (0usize, 0usize);
+        while j + 1 < prompt.len() {
+            // Inside the run (one holder set): the next ids hold the next blocks for as long
+            // as their hashes agree; one pass over the slots, kept if the run did not change.
+            let slots = self.ids.tail(at.id + 1);
+            let room = (at.end - at.id - 1) as usize;
+            let slots = &slots[..slots.len().min(room)];
+            let same = slots
+                .iter()
+                .zip(&prompt[j + 1..])
+                .take_while(|(slot, h)| slot.hash() == h.get())
+                .count();
+            if same > 0 && run_slot(&self.runs, at.run).still(at.seq) {
+                at.id += same as u32;
+                j += same;
+                if j + 1 == prompt.len() {
+                    break;
+                }
+                if same == slots.len() && at.id + 1 < at.end {
+                    continue; // the slots' chunk ended, the run did not
+                }
+            }
+            // Where the stretch ends: the next block, wherever it is.
+            let (run, seq) = (at.run, at.seq);
+            let next = self.read_block(&table, Some(at.id), prompt[j + 1].get(), |r, q, cell| {
+                if r != run || q != seq {
+                    s.nibbles.clear();
+                    s.nibbles.extend(
+                        s.active
+                            .iter()
+                            .map(|a| nibble(&cell.holders, a.engine, words)),
+                    );
+                }
+            });
+            let Some(next) = next else {
+                break; // block `j + 1` is held by none of them
+            };
+            j += 1;
+            if next.run != at.run || next.seq != at.seq {
+                // A new holder set from block `j`: credit the blocks before it, then drop the
+                // engines that do not hold block `j`.
+                let mut k = 0;
+                while k < s.active.len() {
+                    let a = &mut s.active[k];
+                    a.score += (j - since) as f64 * s.weight[k];
+                    a.matched_blocks = j as u32;
+                    let n = s.nibbles[k];
+                    if n == 0 {
+                        out.push(s.active.swap_remove(k));
+                        s.weight.swap_remove(k);
+                        s.nibbles.swap_remove(k);
+                    } else {
+                        s.weight[k] = best[n as usize];
+                        k += 1;
+                    }
+                }
+                since = j;
+                if s.active.is_empty() {
+                    return;
+                }
+            }
+            at = next;
+        }
+        // Every engine still active holds blocks `0 ..= j`.
+        let held = j + 1;
+        for (a, w) in s.active.iter_mut().zip(&s.weight) {
+            a.score += (held - since) as f64 * w;
+            a.matched_blocks = held as u32;
+        }
+        out.append(&mut s.active);
+    }
+}

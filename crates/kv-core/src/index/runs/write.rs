@@ -1,0 +1,377 @@
+//! The run index's write path: stores, removals and clears (one writer, `&mut`).
+
+use super::cells::NONE;
+use super::{engine_bits, member, Cause, Holders, RunIndex, PREFETCH_AHEAD};
+use crate::index::types::{EngineId, Tier};
+use crate::BlockHash;
+
+impl RunIndex {
+    /// Prefetches the table slots of the hashes up to [`PREFETCH_AHEAD`] past `i` (from where
+    /// the last call stopped, or from `i` after a stretch skipped ahead).
+    #[inline]
+    fn prefetch_ahead(&self, hashes: &[BlockHash], i: usize, prefetched: &mut usize) {
+        let until = (i + PREFETCH_AHEAD).min(hashes.len());
+        *prefetched = (*prefetched).max(i);
+        while *prefetched < until {
+            self.table.prefetch(hashes[*prefetched].get());
+            *prefetched += 1;
+        }
+    }
+
+    /// `engine` stores `hashes` after `parent` in `tier` (a `BlockStored`). Returns the
+    /// memberships added (blocks it did not hold in that tier before).
+    pub fn store(
+        &mut self,
+        engine: EngineId,
+        tier: Tier,
+        parent: Option<BlockHash>,
+        hashes: &[BlockHash],
+    ) -> usize {
+        let m = member(engine, tier);
+        let (w, bit) = (m / super::WINDOW, 1u64 << (m % super::WINDOW));
+        self.reserve(hashes.len());
+        let mut added = 0;
+        let mut prefetched = 0;
+        let mut prev = parent.and_then(|p| self.find(p.get()));
+        let mut i = 0;
+        while i < hashes.len() {
+            self.prefetch_ahead(hashes, i, &mut prefetched);
+            let h = hashes[i].get();
+            let found = match prev {
+                Some(p) => self.child(p, h),
+                None => self.find(h),
+            };
+            if let (Some(p), Some(id)) = (prev, found) {
+                self.link(p, id);
+            }
+            let Some(id) = found else {
+                prev = self.add_block(engine, m, prev, h);
+                added += usize::from(prev.is_some());
+                i += 1;
+                continue;
+            };
+            let run = self.run(self.id(id).run());
+            // The run's next ids, as far as their hashes agree with the event's (one pass
+            // over the slots, to the run's end or the chunk's).
+            let slots = self.id_chunks.tail(id + 1);
+            let room = ((run.end - id - 1) as usize).min(slots.len());
+            let k = 1 + slots[..room]
+                .iter()
+                .zip(&hashes[i + 1..])
+                .take_while(|(slot, h)| slot.hash() == h.get())
+                .count();
+            let end = id + k as u32;
+            if !run.holders.any_of(w, bit, &self.shared.words) {
+                let words = &self.shared.words;
+                match self.pool.with(&run.holders, w, bit, true, words) {
+                    Some(joined) => {
+                        self.recolor(id, end, joined, Cause::Join);
+                        self.note_range(engine, id, end);
+                        added += k;
+                    }
+                    None => self.stats.pool_exhausted += 1,
+                }
+            }
+            prev = Some(end - 1);
+            i += k;
+        }
+        added
+    }
+
+    /// A new block `hash` held by member `m` of `engine` alone, at `prev + 1` when that id is
+    /// free; `None` when every id is in use (counted).
+    fn add_block(&mut self, engine: EngineId, m: u32, prev: Option<u32>, hash: u64) -> Option<u32> {
+        let Some(id) = self.alloc_id(prev) else {
+            self.stats.dropped_full += 1;
+            return None;
+        };
+        // The hash first: a reader trusts it once the id is inside a run.
+        self.id(id).set_hash(hash);
+        self.id(id).set_next(NONE);
+        if let Some(p) = prev {
+            self.link(p, id);
+        }
+        // `insert` reports whether it reused a tombstone (a slot already counted as used).
+        if !self.table.insert(hash, id) {
+            self.table_used += 1;
+        }
+        self.table_live += 1;
+        self.stats.blocks += 1;
+        let alone = Holders::one(m);
+        let left = id.checked_sub(1).map(|l| self.id(l).run());
+        let joins_left = left.filter(|&l| {
+            l != NONE
+                && self
+                    .pool
+                    .same(&self.run(l).holders, &alone, &self.shared.words)
+        });
+        let r = match joins_left {
+            Some(l) => {
+                // The receiving run grows first, then the id points at it.
+                let run = self.run(l);
+                self.run_slot(l).set_bounds(run.start, id + 1);
+                l
+            }
+            None => match self.new_run(id, id + 1, alone) {
+                Some(r) => r,
+                None => {
+                    // Unreachable while runs never outnumber ids (`new`); undo the block.
+                    self.drop_new_block(id, hash);
+                    return None;
+                }
+            },
+        };
+        self.id(id).set_run(r);
+        self.merge_right(r);
+        self.note_range(engine, id, id + 1);
+        Some(id)
+    }
+
+    /// Takes back a block that got an id and a table entry but no run.
+    fn drop_new_block(&mut self, id: u32, hash: u64) {
+        if let Some(emptied) = self.table.remove(hash, id) {
+            self.table_used -= emptied;
+            self.table_live -= 1;
+        }
+        self.id(id).set_hash(0);
+        self.free_id(id);
+        self.stats.blocks -= 1;
+        self.stats.dropped_full += 1;
+    }
+
+    /// A free id for a block after `prev`: `prev + 1` when free, else the newest freed range,
+    /// else a fresh id; `None` at capacity.
+    fn alloc_id(&mut self, prev: Option<u32>) -> Option<u32> {
+        if let Some(p) = prev {
+            let next = p + 1;
+            if next == self.ids_len {
+                if let Some(id) = self.push_id() {
+                    return Some(id);
+                }
+            } else if next < self.ids_len && self.id(next).run() == NONE {
+                return Some(next);
+            }
+        }
+        while let Some(range) = self.free_ranges.last_mut() {
+            let id = range.0;
+            range.0 += 1;
+            if range.0 == range.1 {
+                self.free_ranges.pop();
+            }
+            if self.id(id).run() == NONE {
+                return Some(id);
+            }
+        }
+        self.push_id()
+    }
+
+    /// A fresh id (`ids_len`), its chunk allocated; `None` at capacity.
+    fn push_id(&mut self) -> Option<u32> {
+        if self.ids_len >= self.capacity {
+            return None;
+        }
+        let id = self.ids_len;
+        self.id_chunks.reach(id, &self.shared.ids)?;
+        self.ids_len += 1;
+        Some(id)
+    }
+
+    /// Records `id` as free (see [`free_id`]).
+    fn free_id(&mut self, id: u32) {
+        free_id(&mut self.free_ranges, id);
+    }
+
+    /// Records that `engine` was given ids `start .. end` (extending its last range when
+    /// adjacent), compacting its list when stale entries have doubled it.
+    fn note_range(&mut self, engine: EngineId, start: u32, end: u32) {
+        let e = engine as usize;
+        if self.ranges.len() <= e {
+            self.ranges.resize_with(e + 1, Vec::new);
+            self.compacted.resize(e + 1, 0);
+            self.cursors.resize(e + 1, NONE);
+        }
+        let list = &mut self.ranges[e];
+        match list.last_mut() {
+            Some(last) if last.1 == start => last.1 = end,
+            _ => list.push((start, end)),
+        }
+        if list.len() > 2 * self.compacted[e] + 64 {
+            self.compact(engine);
+        }
+    }
+
+    /// Rewrites `engine`'s ranges to exactly the runs it holds now (any tier), merged.
+    fn compact(&mut self, engine: EngineId) {
+        let e = engine as usize;
+        let (w, bits) = engine_bits(engine);
+        let mut old = std::mem::take(&mut self.ranges[e]);
+        old.sort_unstable();
+        let mut fresh: Vec<(u32, u32)> = Vec::new();
+        let mut covered = 0;
+        for &(start, end) in &old {
+            let mut id = start.max(covered);
+            while id < end {
+                let r = self.id(id).run();
+                if r == NONE {
+                    id += 1;
+                    continue;
+                }
+                let run = self.run(r);
+                if run.holders.any_of(w, bits, &self.shared.words) {
+                    match fresh.last_mut() {
+                        Some(last) if last.1 >= run.start => last.1 = last.1.max(run.end),
+                        _ => fresh.push((run.start, run.end)),
+                    }
+                }
+                id = run.end;
+            }
+            covered = covered.max(end);
+        }
+        self.compacted[e] = fresh.len();
+        self.ranges[e] = fresh;
+    }
+
+    /// `engine` no longer holds `hashes` in `tier` (a `BlockRemoved`); hashes it does not
+    /// hold are ignored. Consecutive hashes on a stretch (either direction) are taken as one
+    /// range. Returns the memberships removed.
+    pub fn remove(&mut self, engine: EngineId, tier: Tier, hashes: &[BlockHash]) -> usize {
+        let bit = 1u64 << (member(engine, tier) % super::WINDOW);
+        let mut removed = 0;
+        let mut prefetched = 0;
+        let mut i = 0;
+        while i < hashes.len() {
+            let h = hashes[i].get();
+            // The cursor serves vLLM's one-hash events; a batch finds its stretches itself.
+            let near = (hashes.len() == 1).then(|| self.near_cursor(engine, h));
+            let Some(id) = near.flatten().or_else(|| {
+                self.prefetch_ahead(hashes, i, &mut prefetched);
+                self.find(h)
+            }) else {
+                i += 1;
+                continue;
+            };
+            let run = self.run(self.id(id).run());
+            let mut k = 1;
+            let (mut a, mut b) = (id, id + 1);
+            while i + k < hashes.len() {
+                let h = hashes[i + k].get();
+                if b < run.end && self.id(b).hash() == h {
+                    b += 1;
+                } else if a > run.start && self.id(a - 1).hash() == h {
+                    a -= 1;
+                } else {
+                    break;
+                }
+                k += 1;
+            }
+            removed += self.take_off(engine, bit, a, b);
+            i += k;
+        }
+        removed
+    }
+
+    /// The block `hash` if it sits next to `engine`'s last removal (vLLM frees a request's
+    /// blocks one event each, tail first: the next one is usually the id before).
+    #[inline]
+    fn near_cursor(&self, engine: EngineId, hash: u64) -> Option<u32> {
+        let c = *self.cursors.get(engine as usize)?;
+        if c == NONE {
+            return None;
+        }
+        [c.wrapping_sub(1), c + 1]
+            .into_iter()
+            .find(|&id| id != NONE && self.is_block(id, hash))
+    }
+
+    /// Takes `engine`'s members `bits` (a mask of its nibble, in its window) off ids `a .. b`
+    /// (inside one run). Returns the memberships removed.
+    fn take_off(&mut self, engine: EngineId, bits: u64, a: u32, b: u32) -> usize {
+        if let Some(c) = self.cursors.get_mut(engine as usize) {
+            *c = a;
+        }
+        let (w, _) = engine_bits(engine);
+        let holders = self.run(self.id(a).run()).holders;
+        let held = holders.bits_of(w, &self.shared.words) & bits;
+        if held == 0 {
+            return 0;
+        }
+        let words = &self.shared.words;
+        let left = self
+            .pool
+            .with(&holders, w, held, false, words)
+            .unwrap_or_else(|| {
+                // No room for the smaller set: the blocks leave for everyone (an underestimate).
+                self.stats.pool_exhausted += 1;
+                Holders::default()
+            });
+        if left.is_empty() {
+            let mut id = a;
+            while id < b {
+                let slots = self.id_chunks.tail(id);
+                let slots = &slots[..((b - id) as usize).min(slots.len())];
+                if slots.is_empty() {
+                    break; // past the allocated ids (never: every id has its chunk)
+                }
+                // Each block leaving costs its table slot, at random: fetch them ahead.
+                for slot in slots.iter().take(PREFETCH_AHEAD) {
+                    self.table.prefetch(slot.hash());
+                }
+                for (k, slot) in slots.iter().enumerate() {
+                    if let Some(ahead) = slots.get(k + PREFETCH_AHEAD) {
+                        self.table.prefetch(ahead.hash());
+                    }
+                    let hash = slot.hash();
+                    if let Some(emptied) = self.table.remove(hash, id) {
+                        self.table_used -= emptied;
+                        self.table_live -= 1;
+                    }
+                    // Zeroed before the id leaves its run: a reader in the run sees no block.
+                    slot.set_hash(0);
+                    free_id(&mut self.free_ranges, id);
+                    id += 1;
+                }
+            }
+            self.stats.blocks -= (b - a) as u64;
+            self.recolor(a, b, left, Cause::Leave);
+        } else {
+            self.recolor(a, b, left, Cause::Hole);
+        }
+        held.count_ones() as usize * (b - a) as usize
+    }
+
+    /// Drops every holding of `engine`, in every tier (its engine cleared or gone). Returns
+    /// the memberships removed.
+    pub fn clear_engine(&mut self, engine: EngineId) -> usize {
+        let Some(list) = self.ranges.get_mut(engine as usize).map(std::mem::take) else {
+            return 0;
+        };
+        let (_, bits) = engine_bits(engine);
+        let mut removed = 0;
+        for (start, end) in list {
+            let mut id = start;
+            while id < end {
+                let r = self.id(id).run();
+                if r == NONE {
+                    id += 1;
+                    continue;
+                }
+                let stop = self.run(r).end.min(end);
+                removed += self.take_off(engine, bits, id, stop);
+                id = stop;
+            }
+        }
+        self.compacted[engine as usize] = 0;
+        self.cursors[engine as usize] = NONE;
+        removed
+    }
+}
+
+/// Records `id` as free in `ranges`, extending the newest range when adjacent (ascending or
+/// descending frees of a stretch make one range).
+fn free_id(ranges: &mut Vec<(u32, u32)>, id: u32) {
+    match ranges.last_mut() {
+        Some(range) if range.1 == id => range.1 += 1,
+        Some(range) if range.0 == id + 1 => range.0 = id,
+        _ => ranges.push((id, id + 1)),
+    }
+}
