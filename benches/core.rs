@@ -249,6 +249,14 @@ fn bench_index() {
     let backends: Vec<Box<dyn Fn() -> Box<dyn IndexBackend>>> = vec![
         Box::new(|| Box::new(FlatMapBackend::default())),
         Box::new(move || Box::new(KvIndexerBackend::new(shape.pods))),
+        Box::new(move || {
+            let runs = kv_core::IndexConfig {
+                max_keys: 1 << 26,
+                engine: kv_core::IndexEngine::Runs,
+                ..Default::default()
+            };
+            Box::new(KvIndexerBackend::with_config(shape.pods, runs))
+        }),
     ];
     // KV_BENCH_ONLY_OURS=1 skips the baseline (for profiling).
     let skip = usize::from(std::env::var_os("KV_BENCH_ONLY_OURS").is_some());
@@ -298,30 +306,33 @@ fn bench_index() {
 }
 
 /// Writer lanes: the replay's stores and removals (no queries) applied by one or two threads
-/// to an index of one or two lanes; three rounds, medians.
+/// to an index of one or two lanes, on each engine; three rounds, medians.
 fn writer_lanes(workload: &IndexWorkload, pods: u32) {
     println!("## Writer lanes ({pods} pods, apply only, medians of 3 rounds)");
-    println!("| lanes | threads | apply blocks/s | vs 1 lane, 1 thread | busiest thread's share |");
-    println!("|---:|---:|---:|---:|---:|");
+    println!("| engine | lanes | threads | apply blocks/s | vs 1 lane, 1 thread | busiest thread's share |");
+    println!("|---|---:|---:|---:|---:|---:|");
     let configs = [(1, 1), (1, 2), (2, 1), (2, 2)];
-    let mut rounds: Vec<Vec<f64>> = vec![Vec::new(); configs.len()];
-    let mut shares = vec![0.0; configs.len()];
-    for _ in 0..3 {
-        for (k, &(lanes, threads)) in configs.iter().enumerate() {
-            let run = apply_in_lanes(workload, pods, lanes, threads);
-            rounds[k].push(run.apply_blocks_per_sec);
-            shares[k] = run.busiest_share;
+    for engine in [kv_core::IndexEngine::Nodes, kv_core::IndexEngine::Runs] {
+        let mut rounds: Vec<Vec<f64>> = vec![Vec::new(); configs.len()];
+        let mut shares = vec![0.0; configs.len()];
+        for _ in 0..3 {
+            for (k, &(lanes, threads)) in configs.iter().enumerate() {
+                let run = apply_in_lanes(workload, pods, engine, lanes, threads);
+                rounds[k].push(run.apply_blocks_per_sec);
+                shares[k] = run.busiest_share;
+            }
         }
-    }
-    let base = median(&rounds[0]);
-    for (k, &(lanes, threads)) in configs.iter().enumerate() {
-        let m = median(&rounds[k]);
-        println!(
-            "| {lanes} | {threads} | {:.1}M | {:.2} | {:.2} |",
-            m / 1e6,
-            m / base,
-            shares[k]
-        );
+        let base = median(&rounds[0]);
+        for (k, &(lanes, threads)) in configs.iter().enumerate() {
+            let m = median(&rounds[k]);
+            println!(
+                "| {} | {lanes} | {threads} | {:.1}M | {:.2} | {:.2} |",
+                engine.name(),
+                m / 1e6,
+                m / base,
+                shares[k]
+            );
+        }
     }
     println!();
 }

@@ -250,6 +250,30 @@ pub struct InMemoryConfig {
     pub writer_lanes: usize,
     /// Most models indexed; events of further models are dropped and counted.
     pub max_models: usize,
+    /// The index's data structure: `nodes` (one node per block, the default) or `runs` (runs
+    /// of a chain with one holder bitmap each: fewer bytes per membership; no
+    /// `podCacheSize`).
+    pub engine: IndexEngineName,
+}
+
+/// The `engine` names of the config file.
+#[derive(Debug, Clone, Copy, Default, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum IndexEngineName {
+    /// [`kv_core::IndexEngine::Nodes`].
+    #[default]
+    Nodes,
+    /// [`kv_core::IndexEngine::Runs`].
+    Runs,
+}
+
+impl From<IndexEngineName> for kv_core::IndexEngine {
+    fn from(name: IndexEngineName) -> Self {
+        match name {
+            IndexEngineName::Nodes => kv_core::IndexEngine::Nodes,
+            IndexEngineName::Runs => kv_core::IndexEngine::Runs,
+        }
+    }
 }
 
 impl Default for InMemoryConfig {
@@ -259,6 +283,7 @@ impl Default for InMemoryConfig {
             pod_cache_size: None,
             writer_lanes: 2,
             max_models: kv_core::DEFAULT_MAX_MODELS,
+            engine: IndexEngineName::Nodes,
         }
     }
 }

@@ -64,6 +64,25 @@ fn unknown_fields_and_bad_values_name_the_field() {
 }
 
 #[test]
+fn the_index_engine_is_chosen_by_name_and_runs_refuse_pod_cache_size() {
+    let yaml = |mem: &str| {
+        format!("indexerConfig:\n  kvBlockIndexConfig: {{inMemoryConfig: {{{mem}}}}}\n")
+    };
+    let c = Config::from_yaml(&yaml("engine: runs"), "f").expect("parses");
+    c.validate().expect("runs alone is valid");
+    assert_eq!(
+        c.indexer_settings().index.engine,
+        kv_core::IndexEngine::Runs
+    );
+    let e = Config::from_yaml(&yaml("engine: radix"), "f").expect_err("unknown engine");
+    assert!(e.to_string().contains("radix"), "{e}");
+    let c = Config::from_yaml(&yaml("engine: runs, podCacheSize: 10"), "f").expect("parses");
+    let e = c.validate().expect_err("runs with podCacheSize");
+    assert!(e.to_string().contains("podCacheSize"), "{e}");
+    assert!(e.to_string().contains("engine: runs"), "{e}");
+}
+
+#[test]
 fn discovery_settings_are_checked_and_the_error_names_the_field() {
     let check = |services: &str, expect: &str| {
         let yaml = format!("kvEventsConfig:\n  discovery:\n{services}");

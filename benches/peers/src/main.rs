@@ -284,14 +284,36 @@ fn backends() -> Vec<(&'static str, Maker)> {
             Box::new(|pods| Box::new(IndexerFacadeBackend::new(pods))),
         ),
         (
+            "runs-index",
+            Box::new(|pods| {
+                Box::new(KvIndexerBackend::with_config(
+                    pods,
+                    kv_core::IndexConfig {
+                        max_keys: 1 << 26,
+                        engine: kv_core::IndexEngine::Runs,
+                        ..Default::default()
+                    },
+                ))
+            }),
+        ),
+        (
+            "runs-facade",
+            Box::new(|pods| {
+                Box::new(IndexerFacadeBackend::with_engine(
+                    pods,
+                    kv_core::IndexEngine::Runs,
+                ))
+            }),
+        ),
+        (
             "lanes",
             Box::new(|pods| {
                 Box::new(KvIndexerBackend::with_config(
                     pods,
                     kv_core::IndexConfig {
                         max_keys: 1 << 26,
-                        pod_cache_size: None,
                         writer_lanes: 2,
+                        ..Default::default()
                     },
                 ))
             }),

@@ -15,7 +15,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use kv_core::BlockHash;
-use kv_core::{EngineId, EngineKey, EngineScore, IndexConfig, ModelIndex, Tier, TierWeights};
+use kv_core::{
+    EngineId, EngineKey, EngineScore, IndexConfig, IndexEngine, ModelIndex, Tier, TierWeights,
+};
 use support::Rng;
 
 const TIERS: [Tier; 3] = [Tier::Gpu, Tier::Cpu, Tier::Storage];
@@ -208,10 +210,15 @@ fn run(
     engines: u32,
 ) -> Result<(), String> {
     // One writer lane, except on unbounded runs with several engines, which also run with
-    // three lanes (engines spread over the lanes; the answers must not change).
-    run_lanes(chains, ops, pod_cache_size, engines, 1)?;
+    // three lanes (engines spread over the lanes; the answers must not change). Unbounded
+    // runs also run on the run index (`engine: runs`, which has no `podCacheSize`).
+    run_lanes(chains, ops, pod_cache_size, engines, 1, IndexEngine::Nodes)?;
+    if pod_cache_size.is_none() {
+        run_lanes(chains, ops, None, engines, 1, IndexEngine::Runs)?;
+    }
     if pod_cache_size.is_none() && engines > 1 {
-        run_lanes(chains, ops, pod_cache_size, engines, 3)?;
+        run_lanes(chains, ops, None, engines, 3, IndexEngine::Nodes)?;
+        run_lanes(chains, ops, None, engines, 3, IndexEngine::Runs)?;
     }
     Ok(())
 }
@@ -222,11 +229,13 @@ fn run_lanes(
     pod_cache_size: Option<usize>,
     engines: u32,
     writer_lanes: usize,
+    engine: IndexEngine,
 ) -> Result<(), String> {
     let ix = ModelIndex::new(IndexConfig {
         max_keys: 1 << 16,
         pod_cache_size,
         writer_lanes,
+        engine,
     })
     .map_err(|e| e.to_string())?;
     // The reference numbers engines 0..n; the index gives them its own (lane-spread) ids.
@@ -303,14 +312,15 @@ fn run_lanes(
                         .all(|(a, b)| a.0 == b.0 && a.1 == b.1 && (a.2 - b.2).abs() < 1e-9);
                 if !same {
                     return Err(format!(
-                        "step {step} {op:?}: index {got:?}, reference {want:?}"
+                        "step {step} {op:?} ({engine:?}): index {got:?}, reference {want:?}"
                     ));
                 }
             }
         }
         // After every op (every 8th with hundreds of engines, to keep the debug-build test
-        // short): membership of every block (in store order with one lane; lane by lane with
-        // several), and the key count (a block is a key in each lane holding it).
+        // short): membership of every block (in store order with one lane of nodes; lane by
+        // lane with several, in engine order on runs), and the key count (a block is a key in
+        // each lane holding it).
         let check_every = if engines > 50 { 8 } else { 1 };
         if step % check_every != 0 && step + 1 != ops.len() {
             continue;
@@ -324,13 +334,13 @@ fn run_lanes(
                     .map(|(e, t)| (to_ref(e), t))
                     .collect();
                 let mut want = reference.blocks.get(h).cloned().unwrap_or_default();
-                if writer_lanes > 1 {
+                if writer_lanes > 1 || engine == IndexEngine::Runs {
                     got.sort_by_key(|m| (m.0, m.1 as u8));
                     want.sort_by_key(|m| (m.0, m.1 as u8));
                 }
                 if got != want {
                     return Err(format!(
-                        "step {step} {op:?}: block {h:?} index {got:?}, reference {want:?}"
+                        "step {step} {op:?} ({engine:?}): block {h:?} index {got:?}, reference {want:?}"
                     ));
                 }
             }
@@ -348,7 +358,7 @@ fn run_lanes(
             .sum();
         if keys != want_keys {
             return Err(format!(
-                "step {step} ({writer_lanes} lanes): {keys} keys, reference {want_keys}"
+                "step {step} ({writer_lanes} lanes, {engine:?}): {keys} keys, reference {want_keys}"
             ));
         }
     }
@@ -469,12 +479,18 @@ fn the_harness_catches_a_wrong_reference() {
 
 #[test]
 fn concurrent_readers_never_see_impossible_scores() {
-    concurrent_readers(8, 20_000);
+    concurrent_readers(8, 20_000, IndexEngine::Nodes);
 }
 
 #[test]
 fn concurrent_readers_never_see_impossible_scores_with_many_engines() {
-    concurrent_readers(300, 1_000);
+    concurrent_readers(300, 1_000, IndexEngine::Nodes);
+}
+
+#[test]
+fn concurrent_readers_never_see_impossible_scores_on_runs() {
+    concurrent_readers(8, 20_000, IndexEngine::Runs);
+    concurrent_readers(300, 1_000, IndexEngine::Runs);
 }
 
 /// A stable chain held by one engine throughout, and churn by `churners` other engines, from
@@ -482,12 +498,13 @@ fn concurrent_readers_never_see_impossible_scores_with_many_engines() {
 /// prefix. Readers must always score the stable engine at the full stable length (exact
 /// membership: it is never dropped, however many engines join the block) and never score
 /// anyone beyond the prompt, an unknown engine, or any engine twice.
-fn concurrent_readers(churners: u64, reads: usize) {
+fn concurrent_readers(churners: u64, reads: usize, engine: IndexEngine) {
     let ix = Arc::new(
         ModelIndex::new(IndexConfig {
             max_keys: 1 << 16,
             pod_cache_size: None,
             writer_lanes: 2,
+            engine,
         })
         .expect("valid"),
     );

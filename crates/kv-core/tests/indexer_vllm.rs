@@ -356,6 +356,7 @@ fn size_bounds_all_models_together_and_models_are_bounded() {
             max_keys: 100,
             pod_cache_size: Some(10),
             writer_lanes: 1,
+            ..Default::default()
         },
         max_models: 8,
         ..settings(Some("12345"), 16)

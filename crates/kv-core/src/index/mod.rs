@@ -53,9 +53,11 @@ mod table;
 
 mod directory;
 mod read;
+mod run_lane;
 mod runs;
 mod types;
 mod write;
+mod writer;
 
 use std::sync::Arc;
 
@@ -65,15 +67,17 @@ use parking_lot::Mutex;
 use crate::BlockHash;
 use directory::DirectoryBuilder;
 pub use directory::EngineDirectory;
+use run_lane::RunLane;
 pub use runs::{RunIndex, RunReader, RunScratch, RunStats, MAX_RUN_ENGINES};
 use slab::Slab;
 use table::Table;
 pub use types::{
-    EngineId, EngineKey, EngineScore, IndexConfig, IndexConfigError, IndexStats, KeyBudget, Tier,
-    TierWeights, MAX_ENGINES, MAX_WRITER_LANES,
+    EngineId, EngineKey, EngineScore, IndexConfig, IndexConfigError, IndexEngine, IndexStats,
+    KeyBudget, Tier, TierWeights, MAX_ENGINES, MAX_WRITER_LANES,
 };
+pub use write::StoreOutcome;
 use write::{random_seed, Counters, Writer};
-pub use write::{IndexWriter, StoreOutcome};
+pub use writer::IndexWriter;
 
 /// The index for one model: one or more **writer lanes**, each a complete index of the
 /// engines assigned to it (by pod name, so a pod's DP ranks share a lane). Events of engines in
@@ -81,9 +85,56 @@ pub use write::{IndexWriter, StoreOutcome};
 /// global: engine `e` lives in lane `e % lanes`, at slot `e / lanes` of that lane's writer.
 pub struct ModelIndex {
     config: IndexConfig,
-    lanes: Box<[Lane]>,
+    lanes: Lanes,
     directory: ArcSwap<EngineDirectory>,
     registry: Mutex<Registry>,
+}
+
+/// The lanes, of the configured engine.
+enum Lanes {
+    Nodes(Box<[Lane]>),
+    Runs(Box<[RunLane]>),
+}
+
+impl Lanes {
+    fn len(&self) -> usize {
+        match self {
+            Lanes::Nodes(l) => l.len(),
+            Lanes::Runs(l) => l.len(),
+        }
+    }
+
+    /// Runs `f` as lane `i`'s single writer.
+    fn write<R>(&self, i: usize, f: impl FnOnce(&mut IndexWriter<'_>) -> R) -> R {
+        match self {
+            Lanes::Nodes(l) => l[i].write(f),
+            Lanes::Runs(l) => l[i].write(f),
+        }
+    }
+
+    /// Lane `i`'s counters as of its last finished write.
+    fn counters(&self, i: usize) -> IndexStats {
+        match self {
+            Lanes::Nodes(l) => l[i].counters.snapshot(),
+            Lanes::Runs(l) => l[i].counters.snapshot(),
+        }
+    }
+
+    /// Lane `i`'s bytes (takes its writer briefly).
+    fn memory_bytes(&self, i: usize) -> usize {
+        match self {
+            Lanes::Nodes(l) => l[i].memory_bytes(),
+            Lanes::Runs(l) => l[i].memory_bytes(),
+        }
+    }
+
+    /// Lane `i`'s registered engines with their live memberships.
+    fn live_engines(&self, i: usize) -> Vec<(EngineId, u64)> {
+        match self {
+            Lanes::Nodes(l) => l[i].writer.lock().live_engines(l[i].lane, l[i].lanes),
+            Lanes::Runs(l) => l[i].live_engines(),
+        }
+    }
 }
 
 /// One writer lane: nodes, table and writer state for its engines' blocks.
@@ -156,23 +207,38 @@ impl ModelIndex {
     ) -> Result<Self, IndexConfigError> {
         config.validate()?;
         let lanes = config.writer_lanes as u32;
-        let lanes_built = (0..lanes)
-            .map(|lane| {
-                let seed = random_seed();
-                let table = Arc::new(Table::with_capacity(INITIAL_TABLE, seed));
-                Lane {
-                    config: config.clone(),
-                    seed,
-                    slab: Slab::new(config.max_keys),
-                    table: ArcSwap::new(table.clone()),
-                    writer: Mutex::new(Writer::new(table)),
-                    counters: Counters::default(),
-                    budget: budget.clone(),
-                    lane,
-                    lanes,
-                }
-            })
-            .collect();
+        let lanes_built = match config.engine {
+            IndexEngine::Nodes => Lanes::Nodes(
+                (0..lanes)
+                    .map(|lane| {
+                        let seed = random_seed();
+                        let table = Arc::new(Table::with_capacity(INITIAL_TABLE, seed));
+                        Lane {
+                            config: config.clone(),
+                            seed,
+                            slab: Slab::new(config.max_keys),
+                            table: ArcSwap::new(table.clone()),
+                            writer: Mutex::new(Writer::new(table)),
+                            counters: Counters::default(),
+                            budget: budget.clone(),
+                            lane,
+                            lanes,
+                        }
+                    })
+                    .collect(),
+            ),
+            IndexEngine::Runs => Lanes::Runs(
+                (0..lanes)
+                    .map(|lane| {
+                        // Room past `size` for one store's new blocks, which the lane
+                        // pays for by eviction after the store (`run_lane`).
+                        let capacity = u32::try_from(config.max_keys.saturating_add(1 << 16))
+                            .unwrap_or(u32::MAX - 2);
+                        RunLane::new(random_seed(), capacity, budget.clone(), lane, lanes)
+                    })
+                    .collect(),
+            ),
+        };
         Ok(Self {
             lanes: lanes_built,
             directory: ArcSwap::from_pointee(EngineDirectory::default()),
@@ -198,22 +264,24 @@ impl ModelIndex {
     /// Distinct block keys as of the last finished writes, all lanes (lock-free). A block
     /// held by engines of two lanes is a key in each.
     pub fn key_count(&self) -> u64 {
-        self.lanes.iter().map(|l| l.counters.snapshot().keys).sum()
+        (0..self.lanes.len())
+            .map(|i| self.lanes.counters(i).keys)
+            .sum()
     }
 
     /// Size and activity counters (as of the last finished writes, all lanes) and memory held.
     pub fn stats(&self) -> IndexStats {
         let mut total = IndexStats::default();
-        for lane in self.lanes.iter() {
-            total.add(&lane.counters.snapshot());
+        for i in 0..self.lanes.len() {
+            total.add(&self.lanes.counters(i));
         }
         total.memory_bytes = self.memory_bytes() as u64;
         total
     }
 
     /// The lane of an engine id.
-    fn lane_of(&self, engine: EngineId) -> Option<&Lane> {
-        self.lanes.get((engine % self.lanes.len() as u32) as usize)
+    fn lane_of(&self, engine: EngineId) -> usize {
+        (engine % self.lanes.len() as u32) as usize
     }
 
     /// The id of `key`, registering the engine on first sight in the lane its pod hashes to.
@@ -234,7 +302,8 @@ impl ModelIndex {
             None => {
                 let slot = registry.next_slot[lane as usize];
                 let id = slot as u64 * lanes as u64 + lane as u64;
-                if id >= MAX_ENGINES as u64 {
+                let runs_full = matches!(self.lanes, Lanes::Runs(_)) && slot >= MAX_RUN_ENGINES;
+                if id >= MAX_ENGINES as u64 || runs_full {
                     return None;
                 }
                 registry.next_slot[lane as usize] += 1;
@@ -247,7 +316,7 @@ impl ModelIndex {
         }
         registry.keys[id as usize] = Some(key.clone());
         registry.ids.insert(key.clone(), id);
-        self.lanes[lane as usize].write(|w| w.register(id));
+        self.lanes.write(lane as usize, |w| w.register(id));
         registry.directory.add(id, key);
         self.directory.store(Arc::new(registry.directory.publish()));
         Some(id)
@@ -306,8 +375,7 @@ impl ModelIndex {
     /// Runs `f` as the single writer of `engine`'s lane (hold it for a whole event batch of
     /// that engine). Writers of other lanes run in parallel; readers never wait.
     pub fn write<R>(&self, engine: EngineId, f: impl FnOnce(&mut IndexWriter<'_>) -> R) -> R {
-        let lane = self.lane_of(engine).unwrap_or(&self.lanes[0]);
-        lane.write(f)
+        self.lanes.write(self.lane_of(engine), f)
     }
 
     /// Registers `key` if needed and runs `f` as its lane's writer with its id; `None` when
@@ -324,10 +392,9 @@ impl ModelIndex {
     /// Evicts up to `n` blocks (CLOCK) from the lane holding the most keys: room for another
     /// index sharing the key budget. Returns the blocks evicted.
     pub fn evict(&self, n: usize) -> usize {
-        self.lanes
-            .iter()
-            .max_by_key(|l| l.counters.snapshot().keys)
-            .map_or(0, |lane| lane.write(|w| w.evict(n)))
+        (0..self.lanes.len())
+            .max_by_key(|&i| self.lanes.counters(i).keys)
+            .map_or(0, |i| self.lanes.write(i, |w| w.evict(n)))
     }
 
     /// Calls `f` with every engine and the blocks it holds, with their tiers: what a snapshot
@@ -337,8 +404,8 @@ impl ModelIndex {
     pub fn export_each(&self, mut f: impl FnMut(&EngineKey, &[(BlockHash, Tier)])) {
         let registry = self.registry.lock();
         let mut blocks = Vec::new();
-        for lane in self.lanes.iter() {
-            lane.write(|w| {
+        for i in 0..self.lanes.len() {
+            self.lanes.write(i, |w| {
                 for id in w.engines() {
                     if let Some(Some(key)) = registry.keys.get(id as usize) {
                         blocks.clear();
@@ -354,9 +421,8 @@ impl ModelIndex {
     pub fn engine_blocks(&self) -> Vec<(EngineKey, u64)> {
         let registry = self.registry.lock();
         let mut out = Vec::new();
-        for lane in self.lanes.iter() {
-            let w = lane.writer.lock();
-            for (id, live) in w.live_engines(lane.lane, lane.lanes) {
+        for i in 0..self.lanes.len() {
+            for (id, live) in self.lanes.live_engines(i) {
                 if let Some(Some(key)) = registry.keys.get(id as usize) {
                     out.push((key.clone(), live));
                 }
@@ -379,6 +445,17 @@ mod tests {
             max_keys,
             pod_cache_size,
             writer_lanes,
+            engine: IndexEngine::Nodes,
+        })
+        .expect("valid config")
+    }
+
+    fn runs(max_keys: usize, writer_lanes: usize) -> ModelIndex {
+        ModelIndex::new(IndexConfig {
+            max_keys,
+            pod_cache_size: None,
+            writer_lanes,
+            engine: IndexEngine::Runs,
         })
         .expect("valid config")
     }
@@ -400,8 +477,10 @@ mod tests {
 
     #[test]
     fn consecutive_prefix_with_holes_and_tiers() {
-        for lanes in [1, 2, 3] {
-            let ix = index(1000, None, lanes);
+        for (lanes, ix) in [1, 2, 3]
+            .into_iter()
+            .flat_map(|l| [(l, index(1000, None, l)), (l, runs(1000, l))])
+        {
             let a = ix.engine(&EngineKey::new("a", 0)).expect("room");
             let b = ix.engine(&EngineKey::new("b", 0)).expect("room");
             store(&ix, a, Tier::Gpu, None, &[1, 2, 3, 4]);
@@ -471,6 +550,42 @@ mod tests {
         let stats = ix.stats();
         assert!(stats.keys <= 4, "size bound holds: {stats:?}");
         assert!(stats.capacity_evictions >= 2, "{stats:?}");
+    }
+
+    #[test]
+    fn runs_evict_at_size_and_keep_the_count() {
+        let ix = runs(10, 1);
+        let e = ix.engine(&EngineKey::new("a", 0)).expect("room");
+        store(&ix, e, Tier::Gpu, None, &[1, 2, 3, 4, 5, 6]);
+        store(&ix, e, Tier::Gpu, None, &[11, 12, 13, 14, 15, 16]);
+        let stats = ix.stats();
+        assert!(stats.keys <= 10, "size bound holds: {stats:?}");
+        // Both chains share one run (one holder, adjacent ids): the hand evicts just what the
+        // second store needs, the oldest blocks first.
+        assert_eq!(stats.capacity_evictions, 2, "{stats:?}");
+        assert_eq!(stats.memberships, 10);
+        assert_eq!(scores(&ix, &[11, 12, 13]), vec![(e, 3)]);
+        assert!(scores(&ix, &[1, 2]).is_empty());
+        assert_eq!(scores(&ix, &[3, 4]), vec![(e, 2)]);
+        let mut exported = Vec::new();
+        ix.export_each(|_, blocks| exported.extend_from_slice(blocks));
+        assert_eq!(exported.len(), 10);
+        assert_eq!(ix.engine_blocks()[0].1, 10);
+        assert_eq!(ix.remove_pod("a"), 10);
+        assert_eq!(ix.stats().keys, 0);
+    }
+
+    #[test]
+    fn runs_reject_pod_cache_size() {
+        let config = IndexConfig {
+            pod_cache_size: Some(4),
+            engine: IndexEngine::Runs,
+            ..IndexConfig::default()
+        };
+        assert_eq!(
+            ModelIndex::new(config).err(),
+            Some(IndexConfigError::PodCacheSizeWithRuns)
+        );
     }
 
     #[test]

@@ -7,10 +7,11 @@
 
 use std::cell::RefCell;
 
+use super::runs::RunScratch;
 use super::slab::{NodeRead, Slab, NO_WORDS};
 use super::table::Table;
 use super::types::{EngineId, EngineScore, Tier, TierWeights};
-use super::{key, member_engine, Lane, ModelIndex};
+use super::{key, member_engine, Lane, Lanes, ModelIndex};
 use crate::marks::RoundMarks;
 use crate::BlockHash;
 
@@ -33,6 +34,8 @@ struct Scratch {
     seen_weight: Vec<f64>,
     /// The engines this call is restricted to.
     candidates: RoundMarks,
+    /// The run index's working memory (`engine: runs`).
+    runs: RunScratch,
 }
 
 impl Scratch {
@@ -98,10 +101,20 @@ thread_local! {
 impl ModelIndex {
     /// Who holds `hash` right now, as (engine, tier) pairs: lane by lane, each in store order.
     pub fn lookup(&self, hash: BlockHash) -> Vec<(EngineId, Tier)> {
-        let hash = key(hash);
         let mut out = Vec::new();
+        let lanes = match &self.lanes {
+            Lanes::Nodes(lanes) => lanes,
+            Lanes::Runs(lanes) => {
+                for lane in lanes.iter() {
+                    let held = lane.reader.lookup(hash);
+                    out.extend(held.into_iter().map(|(s, t)| (lane.engine_of(s), t)));
+                }
+                return out;
+            }
+        };
+        let hash = key(hash);
         let mut buf = Vec::new();
-        for lane in self.lanes.iter() {
+        for lane in lanes.iter() {
             let table = lane.table.load();
             let found = table
                 .find(hash, |id| lane.slab.peek_hash(id))
@@ -131,8 +144,24 @@ impl ModelIndex {
         let mut walk_lanes = |s: &mut Scratch| {
             let restricted = s.mark_candidates(candidates);
             // An engine lives in one lane, so the lanes' results never overlap.
-            for lane in self.lanes.iter() {
-                lane.walk(hashes, restricted, weights, s, out);
+            match &self.lanes {
+                Lanes::Nodes(lanes) => {
+                    for lane in lanes.iter() {
+                        lane.walk(hashes, restricted, weights, s, out);
+                    }
+                }
+                Lanes::Runs(lanes) => {
+                    for lane in lanes.iter() {
+                        let from = out.len();
+                        let marks = &s.candidates;
+                        let admit =
+                            |slot| !restricted || marks.is_marked(lane.engine_of(slot) as usize);
+                        lane.reader.score(hashes, weights, admit, &mut s.runs, out);
+                        for score in &mut out[from..] {
+                            score.engine = lane.engine_of(score.engine);
+                        }
+                    }
+                }
             }
         };
         SCRATCH.with(|cell| match cell.try_borrow_mut() {

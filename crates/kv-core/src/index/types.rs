@@ -119,6 +119,17 @@ impl KeyBudget {
             .is_ok()
     }
 
+    /// Takes up to `n` keys; returns how many it got.
+    pub(crate) fn take_up_to(&self, n: u64) -> u64 {
+        use std::sync::atomic::Ordering::Relaxed;
+        match self.used.fetch_update(Relaxed, Relaxed, |u| {
+            (u < self.limit).then(|| u.saturating_add(n).min(self.limit))
+        }) {
+            Ok(before) => before.saturating_add(n).min(self.limit) - before,
+            Err(_) => 0,
+        }
+    }
+
     /// Gives `n` keys back.
     pub(crate) fn give_back(&self, n: u64) {
         use std::sync::atomic::Ordering::Relaxed;
@@ -141,6 +152,29 @@ pub struct IndexConfig {
     /// Writer lanes (`writerLanes`): events of engines in different lanes apply in parallel;
     /// a query walks every lane. 1 to [`MAX_WRITER_LANES`].
     pub writer_lanes: usize,
+    /// The data structure each lane is (`engine`).
+    pub engine: IndexEngine,
+}
+
+/// The data structure of an index's lanes.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum IndexEngine {
+    /// One node per distinct block with its member list (index v2; `podCacheSize` honoured).
+    #[default]
+    Nodes,
+    /// Runs of a chain with one holder bitmap each (index v3): fewer bytes per membership and
+    /// work per run rather than per block; `podCacheSize` is not supported.
+    Runs,
+}
+
+impl IndexEngine {
+    /// The configuration name (`nodes`, `runs`).
+    pub fn name(self) -> &'static str {
+        match self {
+            IndexEngine::Nodes => "nodes",
+            IndexEngine::Runs => "runs",
+        }
+    }
 }
 
 /// The most writer lanes an index may have.
@@ -152,6 +186,7 @@ impl Default for IndexConfig {
             max_keys: 100_000_000,
             pod_cache_size: None,
             writer_lanes: 1,
+            engine: IndexEngine::Nodes,
         }
     }
 }
@@ -178,6 +213,11 @@ pub enum IndexConfigError {
     /// `podCacheSize` set to 0 (leave it out for exact membership).
     #[error("podCacheSize must be at least 1 when set (leave it out for exact membership)")]
     PodCacheSize,
+    /// `podCacheSize` with `engine: runs`, which does not bound holders per block.
+    #[error(
+        "podCacheSize is not supported with engine: runs (leave it out, or use engine: nodes)"
+    )]
+    PodCacheSizeWithRuns,
 }
 
 impl IndexConfig {
@@ -192,6 +232,9 @@ impl IndexConfig {
         }
         if self.pod_cache_size == Some(0) {
             return Err(IndexConfigError::PodCacheSize);
+        }
+        if self.engine == IndexEngine::Runs && self.pod_cache_size.is_some() {
+            return Err(IndexConfigError::PodCacheSizeWithRuns);
         }
         if self.writer_lanes == 0 || self.writer_lanes > MAX_WRITER_LANES {
             return Err(IndexConfigError::WriterLanes {

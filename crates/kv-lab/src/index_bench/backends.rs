@@ -33,7 +33,7 @@ impl KvIndexerBackend {
             kv_core::IndexConfig {
                 max_keys: 1 << 26,
                 pod_cache_size: bound,
-                writer_lanes: 1,
+                ..Default::default()
             },
         )
     }
@@ -41,6 +41,9 @@ impl KvIndexerBackend {
     /// An index for `pods` engines (`pod-0`...) with `config`.
     pub fn with_config(pods: u32, config: kv_core::IndexConfig) -> Self {
         let mut name = "kv-indexer".to_owned();
+        if config.engine != kv_core::IndexEngine::Nodes {
+            name.push_str(&format!(", engine {}", config.engine.name()));
+        }
         if let Some(b) = config.pod_cache_size {
             name.push_str(&format!(", podCacheSize {b}"));
         }
@@ -197,6 +200,7 @@ impl IndexBackend for RunIndexBackend {
 /// decoded batches (one per store run or removal list, built per call as the decoder would),
 /// scores by pod name into a reused result.
 pub struct IndexerFacadeBackend {
+    name: &'static str,
     indexer: kv_core::Indexer,
     pods: Vec<String>,
     result: kv_core::ScoreResult,
@@ -211,14 +215,24 @@ const BENCH_MODEL: &str = "bench";
 impl IndexerFacadeBackend {
     /// A facade with default settings (exact membership) and `pods` pods.
     pub fn new(pods: u32) -> Self {
+        Self::with_engine(pods, kv_core::IndexEngine::Nodes)
+    }
+
+    /// A facade whose index lanes are `engine`, with `pods` pods.
+    pub fn with_engine(pods: u32, engine: kv_core::IndexEngine) -> Self {
         let settings = kv_core::IndexerSettings {
             index: kv_core::IndexConfig {
                 max_keys: 1 << 26,
+                engine,
                 ..Default::default()
             },
             ..Default::default()
         };
         Self {
+            name: match engine {
+                kv_core::IndexEngine::Nodes => "kv-indexer through Indexer (facade)",
+                kv_core::IndexEngine::Runs => "kv-indexer through Indexer (facade), engine runs",
+            },
             indexer: kv_core::Indexer::new(settings).expect("benchmark config is valid"),
             pods: (0..pods).map(|p| format!("pod-{p}")).collect(),
             result: kv_core::ScoreResult::default(),
@@ -242,7 +256,7 @@ impl IndexerFacadeBackend {
 
 impl IndexBackend for IndexerFacadeBackend {
     fn name(&self) -> &str {
-        "kv-indexer through Indexer (facade)"
+        self.name
     }
 
     fn query(&mut self, hashes: &[BlockHash], _content: &[u64]) -> QueryAnswer {

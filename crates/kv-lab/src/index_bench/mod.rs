@@ -397,6 +397,7 @@ pub struct LaneRun {
 pub fn apply_in_lanes(
     workload: &IndexWorkload,
     pods: u32,
+    engine: kv_core::IndexEngine,
     lanes: usize,
     threads: usize,
 ) -> LaneRun {
@@ -404,8 +405,9 @@ pub fn apply_in_lanes(
         pods,
         kv_core::IndexConfig {
             max_keys: 1 << 26,
-            pod_cache_size: None,
             writer_lanes: lanes,
+            engine,
+            ..Default::default()
         },
     );
     let index = &backend.index;

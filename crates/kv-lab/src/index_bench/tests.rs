@@ -1,6 +1,7 @@
 //! The index benchmark's unit tests: the simulated stream, and every backend's answers against the flat map.
 
 use super::*;
+use kv_core::IndexEngine;
 
 fn req(ids: &[u64], input: u64) -> MooncakeRequest {
     MooncakeRequest {
@@ -57,7 +58,20 @@ fn the_flat_map_and_kv_indexer_agree_on_a_small_trace() {
         let b = drive(&w, &mut KvIndexerBackend::new(3));
         let c = drive(&w, &mut IndexerFacadeBackend::new(3));
         let d = drive(&w, &mut RunIndexBackend::new());
+        let e = drive(
+            &w,
+            &mut IndexerFacadeBackend::with_engine(3, IndexEngine::Runs),
+        );
+        let runs = kv_core::IndexConfig {
+            max_keys: 1 << 20,
+            engine: IndexEngine::Runs,
+            writer_lanes: 2,
+            ..Default::default()
+        };
+        let f = drive(&w, &mut KvIndexerBackend::with_config(3, runs));
         assert!(a.checksum > 0);
+        assert_eq!(e.mismatches(&a), 0, "facade on runs, {removals:?}");
+        assert_eq!(f.mismatches(&a), 0, "runs in two lanes, {removals:?}");
         assert_eq!(b.mismatches(&a), 0, "{removals:?}");
         assert_eq!(c.mismatches(&a), 0, "{removals:?}");
         assert_eq!(d.mismatches(&a), 0, "{removals:?}");

@@ -38,11 +38,11 @@
 //! never have equal holder sets after an operation (merged); a run's holder set is never empty
 //! (unless the word pool was exhausted, counted in [`RunStats::pool_exhausted`]).
 //!
-//! Not yet here (the v2 [`super::ModelIndex`] has them): CLOCK eviction under `size`,
-//! `podCacheSize`, export, several lanes behind the [`super::ModelIndex`] facade.
+//! Not here (the v2 index has it): `podCacheSize`.
 
 #[allow(unsafe_code)] // `Zeroable` for the slots, each with its `SAFETY:` argument
 mod cells;
+mod evict;
 mod holders;
 mod read;
 mod surgery;
@@ -157,6 +157,9 @@ pub struct RunIndex {
     compacted: Vec<usize>,
     /// Per engine: the first id of its last removal ([`RunIndex::near_cursor`]).
     cursors: Vec<u32>,
+    /// CLOCK reference bits, one per run number, and the hand (an id).
+    referenced: Vec<u64>,
+    hand: u32,
     stats: RunStats,
 }
 
@@ -193,6 +196,8 @@ impl RunIndex {
             ranges: Vec::new(),
             compacted: Vec::new(),
             cursors: Vec::new(),
+            referenced: Vec::new(),
+            hand: 0,
             stats: RunStats::default(),
         }
     }
@@ -219,6 +224,7 @@ impl RunIndex {
             + self.free_runs.capacity() * 4
             + self.free_ranges.capacity() * 8
             + self.ranges.iter().map(|r| r.capacity() * 8).sum::<usize>()
+            + self.referenced.capacity() * 8
     }
 
     /// The slot of `id` (the writer's view).

@@ -392,6 +392,74 @@ fn a_full_index_drops_new_blocks_and_counts_them() {
 }
 
 #[test]
+fn export_lists_every_membership_of_an_engine() {
+    for seed in 0..4 {
+        let mut index = RunIndex::new(seed, CAPACITY);
+        let mut model = Model::default();
+        random_run(&mut index, &mut model, 6, seed + 100, 300);
+        for e in 0..6 {
+            let mut out = Vec::new();
+            index.export(e, &mut out);
+            let got: BTreeSet<(u64, u8)> = out.iter().map(|(h, t)| (h.get(), *t as u8)).collect();
+            assert_eq!(got.len(), out.len(), "each membership once");
+            let want: BTreeSet<(u64, u8)> = model
+                .held
+                .iter()
+                .flat_map(|(&h, set)| set.iter().filter(|m| m.0 == e).map(move |m| (h, m.1)))
+                .collect();
+            assert_eq!(got, want, "seed {seed}, engine {e}");
+        }
+    }
+}
+
+#[test]
+fn eviction_takes_unreferenced_runs_whole_and_the_rest_stays_exact() {
+    let mut rng = SplitMix64::new(12);
+    let chains = prompts(8, 30, &mut rng);
+    let mut index = RunIndex::new(12, CAPACITY);
+    let mut model = Model::default();
+    for (e, chain) in chains.iter().enumerate() {
+        store(&mut index, &mut model, e as u32 % 3, Tier::Gpu, None, chain);
+    }
+    let before = index.stats().blocks;
+    let mut dropped = BTreeMap::new();
+    let evicted = index.evict(40, |e, n| *dropped.entry(e).or_insert(0) += n);
+    assert!(evicted >= 40, "{evicted}");
+    assert_eq!(index.stats().blocks, before - evicted as u64);
+    // Whatever is left is exactly as the model says; what left, left for every holder.
+    let mut gone = 0u64;
+    let mut memberships = 0u64;
+    for (h, set) in model.held.clone() {
+        let got: Vec<(u32, u8)> = index
+            .lookup(BlockHash::new(h))
+            .into_iter()
+            .map(|(e, t)| (e, t as u8))
+            .collect();
+        if got.is_empty() {
+            gone += 1;
+            memberships += set.len() as u64;
+            model.held.remove(&h);
+        } else {
+            assert_eq!(got, set.into_iter().collect::<Vec<_>>());
+        }
+    }
+    assert_eq!(gone, evicted as u64);
+    assert_eq!(dropped.values().sum::<u64>(), memberships);
+    check(&index, &model, &chains, 0);
+    // Second chance: a chain stored again is referenced; the next eviction passes it by.
+    let kept = &chains[7];
+    if model.held.contains_key(&kept[0].get()) {
+        index.store(2, Tier::Gpu, None, kept);
+        let all = index.stats().blocks as usize - kept.len();
+        index.evict(all.max(1), |_, _| {});
+        assert!(
+            !index.lookup(kept[0]).is_empty(),
+            "the referenced chain survived"
+        );
+    }
+}
+
+#[test]
 fn readers_under_a_busy_writer_never_lose_a_block_or_see_a_false_one() {
     concurrent::run(20_000);
 }

@@ -3,6 +3,7 @@
 use super::cells::NONE;
 use super::{engine_bits, member, Cause, Holders, RunIndex, PREFETCH_AHEAD};
 use crate::index::types::{EngineId, Tier};
+use crate::index::StoreOutcome;
 use crate::BlockHash;
 
 impl RunIndex {
@@ -18,21 +19,41 @@ impl RunIndex {
         }
     }
 
-    /// `engine` stores `hashes` after `parent` in `tier` (a `BlockStored`). Returns the
-    /// memberships added (blocks it did not hold in that tier before).
+    /// `engine` stores `hashes` after `parent` in `tier` (a `BlockStored`).
     pub fn store(
         &mut self,
         engine: EngineId,
         tier: Tier,
         parent: Option<BlockHash>,
         hashes: &[BlockHash],
-    ) -> usize {
+    ) -> StoreOutcome {
+        self.store_each(engine, tier, parent, hashes, |_, _| {})
+    }
+
+    /// [`RunIndex::store`], telling `held(hash, added)` for every block the engine holds
+    /// afterwards: `added` when the membership is new, not when the engine already held the
+    /// block in that tier.
+    pub fn store_each(
+        &mut self,
+        engine: EngineId,
+        tier: Tier,
+        parent: Option<BlockHash>,
+        hashes: &[BlockHash],
+        mut held: impl FnMut(BlockHash, bool),
+    ) -> StoreOutcome {
         let m = member(engine, tier);
         let (w, bit) = (m / super::WINDOW, 1u64 << (m % super::WINDOW));
+        let (ew, ebits) = engine_bits(engine);
         self.reserve(hashes.len());
-        let mut added = 0;
+        let mut outcome = StoreOutcome::default();
         let mut prefetched = 0;
         let mut prev = parent.and_then(|p| self.find(p.get()));
+        if parent.is_some() {
+            outcome.orphan = !prev.is_some_and(|p| {
+                let holders = self.run_slot(self.id(p).run()).holders();
+                holders.any_of(ew, ebits, &self.shared.words)
+            });
+        }
         let mut i = 0;
         while i < hashes.len() {
             self.prefetch_ahead(hashes, i, &mut prefetched);
@@ -46,36 +67,46 @@ impl RunIndex {
             }
             let Some(id) = found else {
                 prev = self.add_block(engine, m, prev, h);
-                added += usize::from(prev.is_some());
+                if prev.is_some() {
+                    outcome.added += 1;
+                    held(hashes[i], true);
+                }
                 i += 1;
                 continue;
             };
-            let run = self.run(self.id(id).run());
+            let run = self.run_slot(self.id(id).run());
             // The run's next ids, as far as their hashes agree with the event's (one pass
             // over the slots, to the run's end or the chunk's).
             let slots = self.id_chunks.tail(id + 1);
-            let room = ((run.end - id - 1) as usize).min(slots.len());
+            let room = ((run.end() - id - 1) as usize).min(slots.len());
             let k = 1 + slots[..room]
                 .iter()
                 .zip(&hashes[i + 1..])
                 .take_while(|(slot, h)| slot.hash() == h.get())
                 .count();
             let end = id + k as u32;
-            if !run.holders.any_of(w, bit, &self.shared.words) {
+            let holders = run.holders();
+            let mut added = false;
+            if !holders.any_of(w, bit, &self.shared.words) {
                 let words = &self.shared.words;
-                match self.pool.with(&run.holders, w, bit, true, words) {
+                match self.pool.with(&holders, w, bit, true, words) {
                     Some(joined) => {
                         self.recolor(id, end, joined, Cause::Join);
                         self.note_range(engine, id, end);
-                        added += k;
+                        outcome.added += k;
+                        added = true;
                     }
                     None => self.stats.pool_exhausted += 1,
                 }
             }
+            self.set_referenced(self.id(id).run());
+            for &h in &hashes[i..i + k] {
+                held(h, added);
+            }
             prev = Some(end - 1);
             i += k;
         }
-        added
+        outcome
     }
 
     /// A new block `hash` held by member `m` of `engine` alone, at `prev + 1` when that id is
@@ -103,13 +134,12 @@ impl RunIndex {
             l != NONE
                 && self
                     .pool
-                    .same(&self.run(l).holders, &alone, &self.shared.words)
+                    .same(&self.run_slot(l).holders(), &alone, &self.shared.words)
         });
         let r = match joins_left {
             Some(l) => {
                 // The receiving run grows first, then the id points at it.
-                let run = self.run(l);
-                self.run_slot(l).set_bounds(run.start, id + 1);
+                self.run_slot(l).set_end(id + 1);
                 l
             }
             None => match self.new_run(id, id + 1, alone) {
@@ -122,7 +152,8 @@ impl RunIndex {
             },
         };
         self.id(id).set_run(r);
-        self.merge_right(r);
+        let r = self.merge_right(r);
+        self.set_referenced(r);
         self.note_range(engine, id, id + 1);
         Some(id)
     }
@@ -201,7 +232,7 @@ impl RunIndex {
     }
 
     /// Rewrites `engine`'s ranges to exactly the runs it holds now (any tier), merged.
-    fn compact(&mut self, engine: EngineId) {
+    pub(super) fn compact(&mut self, engine: EngineId) {
         let e = engine as usize;
         let (w, bits) = engine_bits(engine);
         let mut old = std::mem::take(&mut self.ranges[e]);
@@ -290,7 +321,7 @@ impl RunIndex {
             *c = a;
         }
         let (w, _) = engine_bits(engine);
-        let holders = self.run(self.id(a).run()).holders;
+        let holders = self.run_slot(self.id(a).run()).holders();
         let held = holders.bits_of(w, &self.shared.words) & bits;
         if held == 0 {
             return 0;
@@ -305,38 +336,44 @@ impl RunIndex {
                 Holders::default()
             });
         if left.is_empty() {
-            let mut id = a;
-            while id < b {
-                let slots = self.id_chunks.tail(id);
-                let slots = &slots[..((b - id) as usize).min(slots.len())];
-                if slots.is_empty() {
-                    break; // past the allocated ids (never: every id has its chunk)
-                }
-                // Each block leaving costs its table slot, at random: fetch them ahead.
-                for slot in slots.iter().take(PREFETCH_AHEAD) {
-                    self.table.prefetch(slot.hash());
-                }
-                for (k, slot) in slots.iter().enumerate() {
-                    if let Some(ahead) = slots.get(k + PREFETCH_AHEAD) {
-                        self.table.prefetch(ahead.hash());
-                    }
-                    let hash = slot.hash();
-                    if let Some(emptied) = self.table.remove(hash, id) {
-                        self.table_used -= emptied;
-                        self.table_live -= 1;
-                    }
-                    // Zeroed before the id leaves its run: a reader in the run sees no block.
-                    slot.set_hash(0);
-                    free_id(&mut self.free_ranges, id);
-                    id += 1;
-                }
-            }
-            self.stats.blocks -= (b - a) as u64;
-            self.recolor(a, b, left, Cause::Leave);
+            self.leave(a, b);
         } else {
             self.recolor(a, b, left, Cause::Hole);
         }
         held.count_ones() as usize * (b - a) as usize
+    }
+
+    /// Blocks `a .. b` (inside one run) leave the index, with every membership: table
+    /// entries deleted, hashes zeroed, ids freed, the run cut.
+    pub(super) fn leave(&mut self, a: u32, b: u32) {
+        let mut id = a;
+        while id < b {
+            let slots = self.id_chunks.tail(id);
+            let slots = &slots[..((b - id) as usize).min(slots.len())];
+            if slots.is_empty() {
+                break; // past the allocated ids (never: every id has its chunk)
+            }
+            // Each block leaving costs its table slot, at random: fetch them ahead.
+            for slot in slots.iter().take(PREFETCH_AHEAD) {
+                self.table.prefetch(slot.hash());
+            }
+            for (k, slot) in slots.iter().enumerate() {
+                if let Some(ahead) = slots.get(k + PREFETCH_AHEAD) {
+                    self.table.prefetch(ahead.hash());
+                }
+                let hash = slot.hash();
+                if let Some(emptied) = self.table.remove(hash, id) {
+                    self.table_used -= emptied;
+                    self.table_live -= 1;
+                }
+                // Zeroed before the id leaves its run: a reader in the run sees no block.
+                slot.set_hash(0);
+                free_id(&mut self.free_ranges, id);
+                id += 1;
+            }
+        }
+        self.stats.blocks -= (b - a) as u64;
+        self.recolor(a, b, Holders::default(), Cause::Leave);
     }
 
     /// Drops every holding of `engine`, in every tier (its engine cleared or gone). Returns

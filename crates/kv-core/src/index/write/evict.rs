@@ -2,9 +2,9 @@
 //! as the hand passes; a block whose bit is clear when the hand reaches it leaves with all its
 //! memberships (counted as capacity evictions, not removals).
 
-use super::IndexWriter;
+use super::NodeWriter;
 
-impl IndexWriter<'_> {
+impl NodeWriter<'_> {
     pub(super) fn set_referenced(&mut self, id: u32) {
         let word = id as usize / 64;
         if word >= self.state.referenced.len() {

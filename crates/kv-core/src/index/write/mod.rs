@@ -21,20 +21,20 @@ use super::read::locate;
 use super::slab::SetPool;
 use super::table::Table;
 use super::types::{EngineId, IndexStats, Tier};
-use super::{key, member, member_engine, Lane, ModelIndex, INITIAL_TABLE};
+use super::{key, member, member_engine, IndexWriter, Lane, Lanes, ModelIndex, INITIAL_TABLE};
 use crate::BlockHash;
 
 /// The writer's running totals; published to [`Counters`] when each write ends.
 #[derive(Debug, Default, Clone, Copy)]
-struct Tally {
-    keys: u64,
-    memberships: u64,
-    admissions: u64,
-    removals: u64,
-    capacity_evictions: u64,
-    pod_cache_evictions: u64,
-    orphan_runs: u64,
-    dropped_full: u64,
+pub(super) struct Tally {
+    pub keys: u64,
+    pub memberships: u64,
+    pub admissions: u64,
+    pub removals: u64,
+    pub capacity_evictions: u64,
+    pub pod_cache_evictions: u64,
+    pub orphan_runs: u64,
+    pub dropped_full: u64,
 }
 
 /// Counters, readable at any time without the writer (as of the last finished write).
@@ -89,7 +89,7 @@ pub(super) struct Writer {
 
 impl Counters {
     /// Publishes the writer's totals (relaxed: each counter is a statistic on its own).
-    fn publish(&self, t: &Tally) {
+    pub(super) fn publish(&self, t: &Tally) {
         for (counter, value) in [
             (&self.keys, t.keys),
             (&self.memberships, t.memberships),
@@ -164,16 +164,16 @@ impl Lane {
     /// Runs `f` as the lane's single writer.
     pub(super) fn write<R>(&self, f: impl FnOnce(&mut IndexWriter<'_>) -> R) -> R {
         let mut guard = self.writer.lock();
-        let result = f(&mut IndexWriter {
+        let result = f(&mut IndexWriter::nodes(NodeWriter {
             index: self,
             state: &mut guard,
-        });
+        }));
         self.counters.publish(&guard.tally);
         result
     }
 
     /// Bytes the lane holds: slab chunks, the table, reverse lists (takes its writer briefly).
-    fn memory_bytes(&self) -> usize {
+    pub(super) fn memory_bytes(&self) -> usize {
         let w = self.writer.lock();
         self.slab.allocated_bytes()
             + w.table.allocated_bytes()
@@ -203,12 +203,20 @@ impl ModelIndex {
     /// Bytes the index holds: every lane's slab chunks, table, reverse lists and bookkeeping
     /// (takes each lane's writer briefly).
     pub fn memory_bytes(&self) -> usize {
-        self.lanes.iter().map(Lane::memory_bytes).sum()
+        (0..self.lanes.len())
+            .map(|i| self.lanes.memory_bytes(i))
+            .sum()
     }
 
     /// Memory breakdown per lane (debugging).
     pub fn debug_memory(&self) -> String {
-        let lanes: Vec<String> = self.lanes.iter().map(Lane::debug_memory).collect();
+        let lanes: Vec<String> = match &self.lanes {
+            Lanes::Nodes(lanes) => lanes.iter().map(Lane::debug_memory).collect(),
+            Lanes::Runs(lanes) => lanes
+                .iter()
+                .map(|l| format!("runs {} bytes", l.memory_bytes()))
+                .collect(),
+        };
         lanes.join("; ")
     }
 }
@@ -222,14 +230,13 @@ pub struct StoreOutcome {
     pub orphan: bool,
 }
 
-/// A lane's writer, held for a batch of operations on engines of that lane (an engine of
-/// another lane is ignored: nothing stored, removed or cleared).
-pub struct IndexWriter<'a> {
+/// A node lane's writer (see [`IndexWriter`], which dispatches to it).
+pub(super) struct NodeWriter<'a> {
     index: &'a Lane,
     state: &'a mut Writer,
 }
 
-impl IndexWriter<'_> {
+impl NodeWriter<'_> {
     /// The writer's slot of `engine`, if the engine belongs to this lane.
     #[inline(always)]
     fn slot(&self, engine: EngineId) -> Option<usize> {
@@ -282,18 +289,7 @@ impl IndexWriter<'_> {
         self.state.list.iter().any(|&m| member_engine(m) == engine)
     }
 
-    /// `BlockStored`: `engine` holds `hashes` (a chain continuing `parent`) in `tier`.
-    pub fn store(
-        &mut self,
-        engine: EngineId,
-        tier: Tier,
-        parent: Option<BlockHash>,
-        hashes: &[BlockHash],
-    ) -> StoreOutcome {
-        self.store_each(engine, tier, parent, hashes, |_, _| {})
-    }
-
-    /// [`IndexWriter::store`], telling `held(hash, added)` for every block the engine holds
+    /// [`IndexWriter::store_each`] on a node lane: tells `held(hash, added)` for every block the engine holds
     /// afterwards: `added` when the membership is new, not when the engine already held the
     /// block in that tier (a second copy, which the caller may count).
     pub fn store_each(

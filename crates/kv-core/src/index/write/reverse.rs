@@ -2,10 +2,10 @@
 //! engine costs O(its blocks). Lazy: a list may hold stale or duplicate ids (checked against
 //! the node when used) and is compacted when it grows past 1.25x the engine's live memberships.
 
-use super::{IndexWriter, PREFETCH_AHEAD};
+use super::{NodeWriter, PREFETCH_AHEAD};
 use crate::index::types::EngineId;
 
-impl IndexWriter<'_> {
+impl NodeWriter<'_> {
     pub(super) fn note_membership(&mut self, engine: EngineId, id: u32) {
         let Some(state) = self.engine_state(engine) else {
             return;

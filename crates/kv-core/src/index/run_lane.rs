@@ -1,0 +1,249 @@
+//! A writer lane on the run index (`engine: runs`): a [`RunIndex`] behind the lane's writer
+//! lock, read lock-free through its [`RunReader`], with the facade's bookkeeping around it.
+//!
+//! The run index knows engines by their slot in the lane (`engine id / lanes`), so holder
+//! bitmaps stay dense whatever the lane count; this module maps slots to global ids and back.
+//!
+//! `size` (the key budget shared by lanes and models) is charged after each store with the
+//! blocks it added; when the budget is spent, the lane evicts whole runs (CLOCK, second chance
+//! for runs stored into since the hand passed) until the store is paid for. The index may so
+//! exceed `size` by at most one store's new blocks, for the length of that write.
+
+use std::sync::Arc;
+
+use parking_lot::Mutex;
+
+use super::runs::{RunIndex, RunReader};
+use super::types::{EngineId, KeyBudget, Tier};
+use super::write::{Counters, StoreOutcome, Tally};
+use super::IndexWriter;
+use crate::BlockHash;
+
+/// One writer lane of run-index engines.
+pub(super) struct RunLane {
+    pub reader: RunReader,
+    writer: Mutex<RunState>,
+    pub counters: Counters,
+    budget: Arc<KeyBudget>,
+    /// This lane's number and the lane count (engine `e` is here iff `e % lanes == lane`).
+    lane: u32,
+    lanes: u32,
+}
+
+/// What only the lane's writer touches.
+struct RunState {
+    index: RunIndex,
+    /// Per slot: `Some(live memberships)` for a registered engine.
+    engines: Vec<Option<u64>>,
+    tally: Tally,
+}
+
+/// The writer of a [`RunLane`] (see [`IndexWriter`], which dispatches to it).
+pub(super) struct RunLaneWriter<'a> {
+    lane: &'a RunLane,
+    state: &'a mut RunState,
+}
+
+impl RunLane {
+    /// An empty lane of at most `capacity` blocks.
+    pub fn new(seed: u64, capacity: u32, budget: Arc<KeyBudget>, lane: u32, lanes: u32) -> Self {
+        let index = RunIndex::new(seed, capacity);
+        Self {
+            reader: index.reader(),
+            writer: Mutex::new(RunState {
+                index,
+                engines: Vec::new(),
+                tally: Tally::default(),
+            }),
+            counters: Counters::default(),
+            budget,
+            lane,
+            lanes,
+        }
+    }
+
+    /// The global id of the engine in `slot`.
+    #[inline]
+    pub fn engine_of(&self, slot: u32) -> EngineId {
+        slot * self.lanes + self.lane
+    }
+
+    /// Runs `f` as the lane's single writer.
+    pub fn write<R>(&self, f: impl FnOnce(&mut IndexWriter<'_>) -> R) -> R {
+        let mut guard = self.writer.lock();
+        let result = f(&mut IndexWriter::runs(RunLaneWriter {
+            lane: self,
+            state: &mut guard,
+        }));
+        let stats = guard.index.stats();
+        guard.tally.keys = stats.blocks;
+        guard.tally.dropped_full = stats.dropped_full;
+        self.counters.publish(&guard.tally);
+        result
+    }
+
+    /// Bytes the lane holds (takes its writer briefly).
+    pub fn memory_bytes(&self) -> usize {
+        let w = self.writer.lock();
+        w.index.allocated_bytes() + w.engines.capacity() * 16
+    }
+
+    /// The lane's registered engines with their live memberships.
+    pub fn live_engines(&self) -> Vec<(EngineId, u64)> {
+        let w = self.writer.lock();
+        w.engines
+            .iter()
+            .enumerate()
+            .filter_map(|(slot, e)| e.map(|live| (self.engine_of(slot as u32), live)))
+            .collect()
+    }
+}
+
+impl RunLaneWriter<'_> {
+    /// The slot of `engine`, if it is a registered engine of this lane.
+    #[inline]
+    fn slot(&self, engine: EngineId) -> Option<u32> {
+        let lane = self.lane;
+        let slot = (engine % lane.lanes == lane.lane).then_some(engine / lane.lanes)?;
+        matches!(self.state.engines.get(slot as usize), Some(Some(_))).then_some(slot)
+    }
+
+    /// Adds `delta` to the live memberships of the engine in `slot` (registered).
+    fn count(&mut self, slot: u32, delta: i64) {
+        if let Some(Some(live)) = self.state.engines.get_mut(slot as usize) {
+            *live = live.saturating_add_signed(delta);
+        }
+    }
+
+    pub fn register(&mut self, engine: EngineId) {
+        let lane = self.lane;
+        if engine % lane.lanes == lane.lane {
+            let slot = (engine / lane.lanes) as usize;
+            if self.state.engines.len() <= slot {
+                self.state.engines.resize(slot + 1, None);
+            }
+            self.state.engines[slot] = Some(0);
+        }
+    }
+
+    pub fn unregister(&mut self, engine: EngineId) {
+        let lane = self.lane;
+        if engine % lane.lanes == lane.lane {
+            if let Some(e) = self.state.engines.get_mut((engine / lane.lanes) as usize) {
+                *e = None;
+            }
+            while matches!(self.state.engines.last(), Some(None)) {
+                self.state.engines.pop();
+            }
+        }
+    }
+
+    pub fn engines(&self) -> Vec<EngineId> {
+        (0..self.state.engines.len() as u32)
+            .filter(|&s| self.state.engines[s as usize].is_some())
+            .map(|s| self.lane.engine_of(s))
+            .collect()
+    }
+
+    pub fn store_each(
+        &mut self,
+        engine: EngineId,
+        tier: Tier,
+        parent: Option<BlockHash>,
+        hashes: &[BlockHash],
+        held: impl FnMut(BlockHash, bool),
+    ) -> StoreOutcome {
+        let Some(slot) = self.slot(engine) else {
+            return StoreOutcome::default();
+        };
+        let before = self.state.index.stats().blocks;
+        let outcome = self
+            .state
+            .index
+            .store_each(slot, tier, parent, hashes, held);
+        let added = outcome.added as u64;
+        self.count(slot, added as i64);
+        let t = &mut self.state.tally;
+        t.admissions += added;
+        t.memberships += added;
+        t.orphan_runs += u64::from(outcome.orphan);
+        let new_blocks = self.state.index.stats().blocks - before;
+        self.charge(new_blocks);
+        outcome
+    }
+
+    /// Takes `new_blocks` keys from the budget, evicting this lane's runs for what it lacks.
+    fn charge(&mut self, new_blocks: u64) {
+        if new_blocks == 0 {
+            return;
+        }
+        let granted = self.lane.budget.take_up_to(new_blocks);
+        if granted == new_blocks {
+            return;
+        }
+        let evicted = self.evict_blocks((new_blocks - granted) as usize) as u64;
+        // The lane grew by `new_blocks - evicted`; `granted` was taken.
+        let grew = new_blocks.saturating_sub(evicted);
+        if granted > grew {
+            self.lane.budget.give_back(granted - grew);
+        }
+    }
+
+    /// Evicts at least `n` blocks with their memberships (counted as capacity evictions).
+    fn evict_blocks(&mut self, n: usize) -> usize {
+        let state = &mut *self.state;
+        let (engines, tally) = (&mut state.engines, &mut state.tally);
+        state.index.evict(n, |slot, memberships| {
+            if let Some(Some(live)) = engines.get_mut(slot as usize) {
+                *live -= memberships;
+            }
+            tally.memberships -= memberships;
+            tally.capacity_evictions += memberships;
+        })
+    }
+
+    pub fn evict(&mut self, n: usize) -> usize {
+        let evicted = self.evict_blocks(n);
+        self.lane.budget.give_back(evicted as u64);
+        evicted
+    }
+
+    /// Runs a removal on the index and settles the counters and the budget.
+    fn settle(&mut self, slot: u32, op: impl FnOnce(&mut RunIndex) -> usize) -> usize {
+        let before = self.state.index.stats().blocks;
+        let removed = op(&mut self.state.index);
+        let left = before - self.state.index.stats().blocks;
+        self.lane.budget.give_back(left);
+        self.count(slot, -(removed as i64));
+        let t = &mut self.state.tally;
+        t.removals += removed as u64;
+        t.memberships -= removed as u64;
+        removed
+    }
+
+    pub fn remove(&mut self, engine: EngineId, tier: Tier, hashes: &[BlockHash]) -> usize {
+        match self.slot(engine) {
+            Some(slot) => self.settle(slot, |index| index.remove(slot, tier, hashes)),
+            None => 0,
+        }
+    }
+
+    pub fn clear_engine(&mut self, engine: EngineId) -> usize {
+        match self.slot(engine) {
+            Some(slot) => self.settle(slot, |index| index.clear_engine(slot)),
+            None => 0,
+        }
+    }
+
+    pub fn export_engine(&mut self, engine: EngineId, out: &mut Vec<(BlockHash, Tier)>) {
+        if let Some(slot) = self.slot(engine) {
+            self.state.index.export(slot, out);
+        }
+    }
+
+    pub fn engine_blocks(&mut self, engine: EngineId) -> u64 {
+        self.slot(engine)
+            .and_then(|slot| self.state.engines.get(slot as usize).copied().flatten())
+            .unwrap_or(0)
+    }
+}
