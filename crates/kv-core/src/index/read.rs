@@ -154,8 +154,8 @@ impl ModelIndex {
                     for lane in lanes.iter() {
                         let from = out.len();
                         let marks = &s.candidates;
-                        let admit =
-                            |slot| !restricted || marks.is_marked(lane.engine_of(slot) as usize);
+                        let admit = restricted
+                            .then_some(|slot| marks.is_marked(lane.engine_of(slot) as usize));
                         lane.reader.score(hashes, weights, admit, &mut s.runs, out);
                         for score in &mut out[from..] {
                             score.engine = lane.engine_of(score.engine);

@@ -156,7 +156,7 @@ impl IndexBackend for RunIndexBackend {
         self.index.score(
             hashes,
             &weights,
-            |_| true,
+            None::<fn(u32) -> bool>,
             &mut self.scratch,
             &mut self.scores,
         );

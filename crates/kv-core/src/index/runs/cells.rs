@@ -16,7 +16,7 @@
 
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering::Relaxed};
 
-use super::holders::Holders;
+use super::holders::{Holders, RunHolders};
 use crate::index::slab::Chunked;
 use crate::memory::Zeroable;
 use crate::seqlock::{StdFence, PROTOCOL};
@@ -26,7 +26,7 @@ pub(super) const NONE: u32 = u32::MAX;
 
 /// Bits of an id that select its slot inside a chunk (64Ki slots: 1 MiB).
 pub(super) const ID_BITS: u32 = 16;
-/// Bits of a run number that select its slot inside a chunk (4Ki runs: 128 KiB).
+/// Bits of a run number that select its slot inside a chunk (4Ki runs: 192 KiB).
 const RUN_BITS: u32 = 12;
 /// Bits of a pooled word's offset inside its chunk (64Ki words: 512 KiB). A pooled set never
 /// straddles two chunks, so this also bounds a set: 64Ki windows.
@@ -88,19 +88,22 @@ impl IdSlot {
 pub(super) struct Run {
     pub start: u32,
     pub end: u32,
-    pub holders: Holders,
+    pub holders: RunHolders,
 }
 
-/// A run's slot: the run's fields under a seqlock (32 bytes, two per cache line).
+/// A run's slot: the run's fields under a seqlock (48 bytes).
 #[repr(C)]
 pub(super) struct RunSlot {
     seq: AtomicU32,
     start: AtomicU32,
     end: AtomicU32,
-    base: AtomicU32,
-    len: AtomicU32,
+    gpu_base: AtomicU32,
+    gpu_len: AtomicU32,
+    other_base: AtomicU32,
+    other_len: AtomicU32,
     _pad: AtomicU32,
-    word: AtomicU64,
+    gpu_word: AtomicU64,
+    other_word: AtomicU64,
 }
 
 // SAFETY: integer atomics only; all zero is an empty run at sequence 0.
@@ -113,11 +116,7 @@ impl RunSlot {
         Run {
             start: self.start.load(Relaxed),
             end: self.end.load(Relaxed),
-            holders: Holders::from_parts(
-                self.base.load(Relaxed),
-                self.len.load(Relaxed),
-                self.word.load(Relaxed),
-            ),
+            holders: self.holders(),
         }
     }
 
@@ -127,14 +126,21 @@ impl RunSlot {
         self.end.load(Relaxed)
     }
 
-    /// The run's holders (the writer's view).
+    /// The run's holders (the writer's view, or a reader's inside a read section).
     #[inline(always)]
-    pub fn holders(&self) -> Holders {
-        Holders::from_parts(
-            self.base.load(Relaxed),
-            self.len.load(Relaxed),
-            self.word.load(Relaxed),
-        )
+    pub fn holders(&self) -> RunHolders {
+        RunHolders {
+            gpu: Holders::from_parts(
+                self.gpu_base.load(Relaxed),
+                self.gpu_len.load(Relaxed),
+                self.gpu_word.load(Relaxed),
+            ),
+            other: Holders::from_parts(
+                self.other_base.load(Relaxed),
+                self.other_len.load(Relaxed),
+                self.other_word.load(Relaxed),
+            ),
+        }
     }
 
     /// Moves the run's end (one seqlock write).
@@ -147,12 +153,16 @@ impl RunSlot {
     #[inline]
     pub fn store(&self, run: Run) {
         PROTOCOL.write::<_, StdFence, _>(&self.seq, || {
-            let (base, len, word) = run.holders.parts();
+            let (gb, gl, gw) = run.holders.gpu.parts();
+            let (ob, ol, ow) = run.holders.other.parts();
             self.start.store(run.start, Relaxed);
             self.end.store(run.end, Relaxed);
-            self.base.store(base, Relaxed);
-            self.len.store(len, Relaxed);
-            self.word.store(word, Relaxed);
+            self.gpu_base.store(gb, Relaxed);
+            self.gpu_len.store(gl, Relaxed);
+            self.gpu_word.store(gw, Relaxed);
+            self.other_base.store(ob, Relaxed);
+            self.other_len.store(ol, Relaxed);
+            self.other_word.store(ow, Relaxed);
         });
     }
 
@@ -217,7 +227,11 @@ impl<T: Zeroable, const N: usize> WriterChunks<T, N> {
 
     /// Makes item `i` addressable, allocating its chunk in `shared` when it starts one;
     /// `None` past `shared`'s capacity.
+    #[inline]
     pub fn reach(&mut self, i: u32, shared: &Chunked<T, N>) -> Option<()> {
+        if (i as usize / N) < self.chunks.len() {
+            return Some(()); // the chunk is held already (the common case)
+        }
         shared.get_or_alloc(i)?;
         while self.chunks.len() <= i as usize / N {
             let at = u32::try_from(self.chunks.len() * N).ok()?;
@@ -252,10 +266,13 @@ pub(super) static NO_RUN: RunSlot = RunSlot {
     seq: AtomicU32::new(0),
     start: AtomicU32::new(0),
     end: AtomicU32::new(0),
-    base: AtomicU32::new(0),
-    len: AtomicU32::new(0),
+    gpu_base: AtomicU32::new(0),
+    gpu_len: AtomicU32::new(0),
+    other_base: AtomicU32::new(0),
+    other_len: AtomicU32::new(0),
     _pad: AtomicU32::new(0),
-    word: AtomicU64::new(0),
+    gpu_word: AtomicU64::new(0),
+    other_word: AtomicU64::new(0),
 };
 
 /// The slot of run `r` (an empty one outside the allocated chunks: never written).
@@ -278,8 +295,11 @@ pub(super) static SINK_RUN: RunSlot = RunSlot {
     seq: AtomicU32::new(0),
     start: AtomicU32::new(0),
     end: AtomicU32::new(0),
-    base: AtomicU32::new(0),
-    len: AtomicU32::new(0),
+    gpu_base: AtomicU32::new(0),
+    gpu_len: AtomicU32::new(0),
+    other_base: AtomicU32::new(0),
+    other_len: AtomicU32::new(0),
     _pad: AtomicU32::new(0),
-    word: AtomicU64::new(0),
+    gpu_word: AtomicU64::new(0),
+    other_word: AtomicU64::new(0),
 };

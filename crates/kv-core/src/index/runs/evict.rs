@@ -7,7 +7,7 @@
 //! O(1) run bookkeeping plus a table delete per block.
 
 use super::cells::NONE;
-use super::{engine_bits, RunIndex, TIERS, WINDOW};
+use super::RunIndex;
 use crate::index::types::{EngineId, Tier};
 use crate::BlockHash;
 
@@ -63,12 +63,8 @@ impl RunIndex {
             // can be long: a pod's whole cache, when no other pod shares it).
             let stop = run.end.min(id.saturating_add((n - evicted) as u32));
             let blocks = (stop - id) as u64;
-            for (w, mut bits) in run.holders.windows(&self.shared.words) {
-                while bits != 0 {
-                    let m = w * WINDOW + bits.trailing_zeros();
-                    bits &= bits - 1;
-                    dropped(m / TIERS, blocks);
-                }
+            for (engine, _) in run.holders.members(&self.shared.words) {
+                dropped(engine, blocks);
             }
             self.leave(id, stop);
             self.hand = stop;
@@ -85,8 +81,6 @@ impl RunIndex {
             return;
         }
         self.compact(engine);
-        let (w, bits) = engine_bits(engine);
-        let shift = bits.trailing_zeros();
         for &(start, end) in &self.ranges[engine as usize] {
             let mut id = start;
             while id < end {
@@ -96,9 +90,9 @@ impl RunIndex {
                     continue;
                 }
                 let run = self.run(r);
-                let nibble = (run.holders.bits_of(w, &self.shared.words) & bits) >> shift;
+                let nibble = run.holders.nibble(engine, &self.shared.words);
                 let stop = run.end.min(end);
-                for tier in (0..TIERS).filter(|t| nibble & (1 << t) != 0) {
+                for tier in (0..4).filter(|t| nibble & (1 << t) != 0) {
                     let tier = Tier::from_bits(tier);
                     out.extend((id..stop).map(|i| (BlockHash::new(self.id(i).hash()), tier)));
                 }

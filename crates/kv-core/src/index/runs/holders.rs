@@ -96,16 +96,10 @@ impl Holders {
         }
     }
 
-    /// Whether any of `bits` of window `w` is in the set.
-    #[inline]
-    pub fn any_of(&self, w: u32, bits: u64, words: &Words) -> bool {
-        self.bits_of(w, words) & bits != 0
-    }
-
     /// Whether `member` is in the set.
     #[cfg(test)]
     pub fn contains(&self, member: u32, words: &Words) -> bool {
-        self.any_of(member / WINDOW, 1 << (member % WINDOW), words)
+        self.bits_of(member / WINDOW, words) & (1 << (member % WINDOW)) != 0
     }
 
     /// Words `(window, bits)` of the set, in window order.
@@ -257,6 +251,170 @@ impl WordPool {
 fn store(words: &Words, at: u64, bits: u64) {
     if let Some(w) = u32::try_from(at).ok().and_then(|at| words.get(at)) {
         w.store(bits, Relaxed);
+    }
+}
+
+/// Who holds a run: engines holding it in GPU memory, one bit per engine, and the other tiers,
+/// four bits per engine (`engine * 4 + tier`, bit 0 unused), in two sets. A fleet that only
+/// reports GPU blocks never touches the second set, so its sets are an engine bitmap: 1,024
+/// engines in 16 words. Owned like [`Holders`]: two runs never share words.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct RunHolders {
+    /// Engines holding the run in GPU memory.
+    pub gpu: Holders,
+    /// `engine * 4 + tier` for tiers other than GPU.
+    pub other: Holders,
+}
+
+/// Bits of an engine's tiers in the other-tiers set (tier 0, GPU, is never set there).
+const OTHER_TIERS: u64 = 0xE;
+
+impl RunHolders {
+    /// `engine` alone, in `tier`.
+    pub fn one(engine: u32, tier: u32) -> Self {
+        match tier {
+            0 => Self {
+                gpu: Holders::one(engine),
+                other: Holders::default(),
+            },
+            t => Self {
+                gpu: Holders::default(),
+                other: Holders::one(engine * 4 + t),
+            },
+        }
+    }
+
+    /// Whether no engine holds the run in any tier.
+    pub fn is_empty(&self) -> bool {
+        self.gpu.is_empty() && self.other.is_empty()
+    }
+
+    /// Whether the shapes are ones the writer builds (a torn read may show others).
+    #[inline(always)]
+    pub(super) fn is_plausible(&self) -> bool {
+        self.gpu.is_plausible() && self.other.is_plausible()
+    }
+
+    /// `engine`'s tiers in the set: bit `t` for tier `t`.
+    #[inline]
+    pub fn nibble(&self, engine: u32, words: &Words) -> u64 {
+        let gpu = (self.gpu.bits_of(engine / WINDOW, words) >> (engine % WINDOW)) & 1;
+        let m = engine * 4;
+        let other = (self.other.bits_of(m / WINDOW, words) >> (m % WINDOW)) & OTHER_TIERS;
+        gpu | other
+    }
+
+    /// Every (engine, tier) membership, GPU first, each side in engine order.
+    pub fn members<'a>(&'a self, words: &'a Words) -> impl Iterator<Item = (u32, u32)> + 'a {
+        let gpu = self
+            .gpu
+            .windows(words)
+            .flat_map(|(w, bits)| ones(bits).map(move |b| (w * WINDOW + b, 0)));
+        let other = self.other.windows(words).flat_map(|(w, bits)| {
+            ones(bits).map(move |b| ((w * WINDOW + b) / 4, (w * WINDOW + b) % 4))
+        });
+        gpu.chain(other)
+    }
+
+    /// The engines (of window `w`, 64 engines) holding the run in any tier.
+    #[inline]
+    pub fn engines_of(&self, w: u32, words: &Words) -> u64 {
+        let mut engines = self.gpu.bits_of(w, words);
+        if !self.other.is_empty() {
+            // Engines 64w .. 64w + 64 are other-tier windows 4w .. 4w + 4 (16 engines each).
+            for k in 0..4 {
+                let bits = self.other.bits_of(w * 4 + k, words);
+                for b in ones(bits) {
+                    engines |= 1 << (k * 16 + b / 4);
+                }
+            }
+        }
+        engines
+    }
+
+    /// The engine windows the set spans (either side), as a range.
+    pub fn engine_windows(&self) -> std::ops::Range<u32> {
+        let (g0, g1) = (self.gpu.base, self.gpu.base + self.gpu.len);
+        let (o0, o1) = (
+            self.other.base / 4,
+            (self.other.base + self.other.len).div_ceil(4),
+        );
+        match (self.gpu.is_empty(), self.other.is_empty()) {
+            (true, true) => 0..0,
+            (false, true) => g0..g1,
+            (true, false) => o0..o1,
+            (false, false) => g0.min(o0)..g1.max(o1),
+        }
+    }
+}
+
+/// The set bits of `bits`, lowest first.
+#[inline]
+fn ones(mut bits: u64) -> impl Iterator<Item = u32> {
+    std::iter::from_fn(move || {
+        (bits != 0).then(|| {
+            let b = bits.trailing_zeros();
+            bits &= bits - 1;
+            b
+        })
+    })
+}
+
+impl WordPool {
+    /// Returns both sides' words.
+    pub fn release_run(&mut self, set: RunHolders) {
+        self.release(set.gpu);
+        self.release(set.other);
+    }
+
+    /// A copy the caller owns; `None` when the pool is exhausted.
+    pub fn copy_run(&mut self, set: RunHolders, words: &Words) -> Option<RunHolders> {
+        let gpu = self.copy(set.gpu, words)?;
+        match self.copy(set.other, words) {
+            Some(other) => Some(RunHolders { gpu, other }),
+            None => {
+                self.release(gpu);
+                None
+            }
+        }
+    }
+
+    /// Whether two runs have the same holders in every tier.
+    pub fn same_run(&self, a: &RunHolders, b: &RunHolders, words: &Words) -> bool {
+        self.same(&a.gpu, &b.gpu, words) && self.same(&a.other, &b.other, words)
+    }
+
+    /// `set` with `engine`'s tiers in `tiers` (bit `t`: tier `t`) added (`present`) or
+    /// removed, as a new set that owns its words (the old one is not released); `None` when
+    /// the pool is exhausted.
+    pub fn with_tiers(
+        &mut self,
+        set: &RunHolders,
+        engine: u32,
+        tiers: u64,
+        present: bool,
+        words: &Words,
+    ) -> Option<RunHolders> {
+        let gpu = if tiers & 1 != 0 {
+            let (w, bit) = (engine / WINDOW, 1u64 << (engine % WINDOW));
+            self.with(&set.gpu, w, bit, present, words)?
+        } else {
+            self.copy(set.gpu, words)?
+        };
+        let other = if tiers & OTHER_TIERS != 0 {
+            let m = engine * 4;
+            let bits = (tiers & OTHER_TIERS) << (m % WINDOW);
+            self.with(&set.other, m / WINDOW, bits, present, words)
+        } else {
+            self.copy(set.other, words)
+        };
+        match other {
+            Some(other) => Some(RunHolders { gpu, other }),
+            None => {
+                self.release(gpu);
+                None
+            }
+        }
     }
 }
 

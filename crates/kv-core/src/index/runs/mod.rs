@@ -9,9 +9,9 @@
 //! - a **run** is a stretch of ids `start .. end` whose blocks all have one holder set. Runs
 //!   split where a store, a removal or a block leaving cuts them, and merge with a neighbour of
 //!   equal holders again, always relabelling the smaller side;
-//! - holders are bitmaps ([`holders`]) over **members**, `engine * 4 + tier` (an engine's four
-//!   tiers share a nibble of one window): inline up to one 64-member window (16 engines),
-//!   pooled words beyond.
+//! - holders are bitmaps ([`holders`]): one over engines for GPU copies, one over
+//!   `engine * 4 + tier` for the other tiers (empty in a fleet that reports only GPU blocks);
+//!   each inline up to one 64-bit window, pooled words beyond.
 //!
 //! Costs: a block entering the index pays one table insert; a store that joins blocks others
 //! hold, or a removal that leaves other holders, pays per run it touches (stretches are found by
@@ -53,12 +53,11 @@ use std::sync::Arc;
 use arc_swap::ArcSwap;
 
 use super::table::Table;
-use super::types::{EngineId, Tier};
 use cells::{
     IdSlot, IdSlots, Run, RunSlot, RunSlots, Words, WriterChunks, ID_CHUNK, RUN_CHUNK, SINK_ID,
     SINK_RUN,
 };
-pub use holders::Holders;
+use holders::RunHolders;
 use holders::{WordPool, WINDOW};
 pub use read::{RunReader, RunScratch};
 
@@ -66,24 +65,11 @@ pub use read::{RunReader, RunScratch};
 /// miss's latency, few enough that a stretch found without probing wastes little.
 const PREFETCH_AHEAD: usize = 12;
 
-/// Members per engine: one per tier.
+/// Members per engine in the other-tiers set (bit `t` for tier `t`; GPU has its own set).
 const TIERS: u32 = 4;
 
 /// The most engines a run index holds (its members must fit the pool's longest set).
 pub const MAX_RUN_ENGINES: u32 = holders::MAX_WORDS / TIERS * WINDOW;
-
-/// The member of `engine` in `tier`.
-#[inline(always)]
-fn member(engine: EngineId, tier: Tier) -> u32 {
-    engine * TIERS + tier as u32
-}
-
-/// The window of `engine`'s members and their four bits in it.
-#[inline(always)]
-fn engine_bits(engine: EngineId) -> (u32, u64) {
-    let m = engine * TIERS;
-    (m / WINDOW, 0xF << (m % WINDOW))
-}
 
 /// Why a run was split (reported per cause).
 #[derive(Clone, Copy)]
@@ -270,7 +256,7 @@ impl RunIndex {
 
     /// The block `hash`, which follows block `parent` on its chain: at the next id, where the
     /// parent's hint says, or else through the table. What stores use.
-    #[inline]
+    #[inline(always)]
     fn child(&self, parent: u32, hash: u64) -> Option<u32> {
         if self.is_block(parent + 1, hash) {
             return Some(parent + 1);

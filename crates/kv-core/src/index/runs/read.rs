@@ -11,7 +11,7 @@
 use std::sync::Arc;
 
 use super::cells::{id_slot, run_slot, Run, NONE};
-use super::{Holders, RunIndex, Shared, TIERS, WINDOW};
+use super::{RunHolders, RunIndex, Shared, WINDOW};
 use crate::index::table::Table;
 use crate::index::types::{EngineId, EngineScore, Tier, TierWeights};
 use crate::BlockHash;
@@ -31,15 +31,21 @@ pub struct RunReader {
 }
 
 /// A reader's working memory, reused across calls (a score allocates nothing once it has
-/// seen its largest holder set).
+/// seen its widest holder set and its highest engine).
 #[derive(Default)]
 pub struct RunScratch {
-    /// Engines still matching, with their score so far.
-    active: Vec<EngineScore>,
-    /// Each active engine's tier weight on the current run.
-    weight: Vec<f64>,
-    /// Each active engine's tier nibble in the run being read (kept once the read checks).
-    nibbles: Vec<u8>,
+    /// Engines still matching, by window of 64 engines (ascending).
+    alive: Vec<(u32, u64)>,
+    /// Per alive window: the engines of the run being read (kept once the read checks).
+    held: Vec<u64>,
+    /// The current run's engines whose best tier weighs other than GPU, with the difference
+    /// per block; and the same for the run being read.
+    deltas: Vec<(u32, f64)>,
+    next_deltas: Vec<(u32, f64)>,
+    /// Per engine: the weight beyond GPU's, summed over the runs passed (zeroed after each
+    /// call through `touched`).
+    extra: Vec<f64>,
+    touched: Vec<u32>,
 }
 
 /// A block read under its run's seqlock.
@@ -65,7 +71,7 @@ impl RunReader {
         &self,
         prompt: &[BlockHash],
         weights: &TierWeights,
-        admit: impl Fn(EngineId) -> bool,
+        admit: Option<impl Fn(EngineId) -> bool>,
         scratch: &mut RunScratch,
         out: &mut Vec<EngineScore>,
     ) {
@@ -79,14 +85,14 @@ impl RunIndex {
         self.shared.lookup(hash)
     }
 
-    /// Scores every engine that holds the prompt's first block (and that `admit` accepts):
-    /// how many consecutive blocks from block 0 it holds, in any tier, and their summed best
-    /// tier weights. Appends one entry per such engine to `out`.
+    /// Scores every engine that holds the prompt's first block (and that `admit` accepts,
+    /// when given): how many consecutive blocks from block 0 it holds, in any tier, and their
+    /// summed best tier weights. Appends one entry per such engine to `out`.
     pub fn score(
         &self,
         prompt: &[BlockHash],
         weights: &TierWeights,
-        admit: impl Fn(EngineId) -> bool,
+        admit: Option<impl Fn(EngineId) -> bool>,
         scratch: &mut RunScratch,
         out: &mut Vec<EngineScore>,
     ) {
@@ -125,11 +131,38 @@ fn best_weights(weights: &TierWeights) -> [f64; 16] {
     best
 }
 
-/// `engine`'s tier nibble in `holders`.
-#[inline(always)]
-fn nibble(holders: &Holders, engine: EngineId, words: &super::Words) -> u8 {
-    let m = engine * TIERS;
-    ((holders.bits_of(m / WINDOW, words) >> (m % WINDOW)) & 0xF) as u8
+/// The engines of `holders` in `alive`'s windows, and each one's weight beyond GPU's where
+/// it is not GPU's (`deltas`).
+#[inline]
+fn read_holders(
+    holders: &RunHolders,
+    alive: &[(u32, u64)],
+    best: &[f64; 16],
+    words: &super::Words,
+    held: &mut Vec<u64>,
+    deltas: &mut Vec<(u32, f64)>,
+) {
+    held.clear();
+    held.extend(
+        alive
+            .iter()
+            .map(|&(w, bits)| holders.engines_of(w, words) & bits),
+    );
+    deltas.clear();
+    if holders.other.is_empty() {
+        return; // GPU copies only: every engine weighs `best[1]`
+    }
+    for (k, &(w, _)) in alive.iter().enumerate() {
+        let mut engines = held[k];
+        while engines != 0 {
+            let e = w * WINDOW + engines.trailing_zeros();
+            engines &= engines - 1;
+            let delta = best[holders.nibble(e, words) as usize] - best[1];
+            if delta != 0.0 {
+                deltas.push((e, delta));
+            }
+        }
+    }
 }
 
 impl Shared {
@@ -203,13 +236,8 @@ impl Shared {
         let mut out = Vec::new();
         let read = self.read_block(&table, None, hash.get(), |_, _, run| {
             out.clear();
-            for (w, mut bits) in run.holders.windows(&self.words) {
-                while bits != 0 {
-                    let m = w * WINDOW + bits.trailing_zeros();
-                    out.push((m / TIERS, Tier::from_bits(m % TIERS)));
-                    bits &= bits - 1;
-                }
-            }
+            let members = run.holders.members(&self.words);
+            out.extend(members.map(|(e, t)| (e, Tier::from_bits(t))));
         });
         if read.is_none() {
             out.clear();
@@ -221,51 +249,51 @@ impl Shared {
         &self,
         prompt: &[BlockHash],
         weights: &TierWeights,
-        admit: impl Fn(EngineId) -> bool,
+        admit: Option<impl Fn(EngineId) -> bool>,
         s: &mut RunScratch,
         out: &mut Vec<EngineScore>,
     ) {
-        s.active.clear();
-        s.weight.clear();
         let Some(first) = prompt.first() else {
             return;
         };
         let best = best_weights(weights);
         let table = self.table.load();
         let words = &self.words;
-        // The first block: its holders (the engines `admit` accepts) start the walk.
+        // The first block: its holders (those `admit` accepts) start the walk.
         let found = self.read_block(&table, None, first.get(), |_, _, run| {
-            s.active.clear();
-            s.nibbles.clear();
-            for (w, bits) in run.holders.windows(words) {
-                let mut engines =
-                    (bits | bits >> 1 | bits >> 2 | bits >> 3) & 0x1111_1111_1111_1111;
-                while engines != 0 {
-                    let m = w * WINDOW + engines.trailing_zeros();
-                    engines &= engines - 1;
-                    let engine = m / TIERS;
-                    if admit(engine) {
-                        s.active.push(EngineScore {
-                            engine,
-                            matched_blocks: 0,
-                            score: 0.0,
-                        });
-                        s.nibbles.push(((bits >> (m % WINDOW)) & 0xF) as u8);
+            s.alive.clear();
+            for w in run.holders.engine_windows() {
+                let mut engines = run.holders.engines_of(w, words);
+                if let Some(admit) = &admit {
+                    let mut admitted = 0;
+                    while engines != 0 {
+                        let b = engines.trailing_zeros();
+                        engines &= engines - 1;
+                        if admit(w * WINDOW + b) {
+                            admitted |= 1 << b;
+                        }
                     }
+                    engines = admitted;
+                }
+                if engines != 0 {
+                    s.alive.push((w, engines));
                 }
             }
+            read_holders(
+                &run.holders,
+                &s.alive,
+                &best,
+                words,
+                &mut s.held,
+                &mut s.deltas,
+            );
         });
         let Some(mut at) = found else {
-            s.active.clear();
             return;
         };
-        s.weight.extend(s.nibbles.iter().map(|&n| best[n as usize]));
-        if s.active.is_empty() {
-            return;
-        }
-        // `since`: the prompt position where the current run's weights started.
+        // `since`: the prompt position where the current run started.
         let (mut j, mut since) = (0usize, 0usize);
-        while j + 1 < prompt.len() {
+        while j + 1 < prompt.len() && !s.alive.is_empty() {
             // Inside the run (one holder set): the next ids hold the next blocks for as long
             // as their hashes agree; one pass over the slots, kept if the run did not change.
             let slots = self.ids.tail(at.id + 1);
@@ -290,12 +318,8 @@ impl Shared {
             let (run, seq) = (at.run, at.seq);
             let next = self.read_block(&table, Some(at.id), prompt[j + 1].get(), |r, q, cell| {
                 if r != run || q != seq {
-                    s.nibbles.clear();
-                    s.nibbles.extend(
-                        s.active
-                            .iter()
-                            .map(|a| nibble(&cell.holders, a.engine, words)),
-                    );
+                    let (held, deltas) = (&mut s.held, &mut s.next_deltas);
+                    read_holders(&cell.holders, &s.alive, &best, words, held, deltas);
                 }
             });
             let Some(next) = next else {
@@ -303,36 +327,61 @@ impl Shared {
             };
             j += 1;
             if next.run != at.run || next.seq != at.seq {
-                // A new holder set from block `j`: credit the blocks before it, then drop the
+                // A new holder set from block `j`: close the run before it, then drop the
                 // engines that do not hold block `j`.
-                let mut k = 0;
-                while k < s.active.len() {
-                    let a = &mut s.active[k];
-                    a.score += (j - since) as f64 * s.weight[k];
-                    a.matched_blocks = j as u32;
-                    let n = s.nibbles[k];
-                    if n == 0 {
-                        out.push(s.active.swap_remove(k));
-                        s.weight.swap_remove(k);
-                        s.nibbles.swap_remove(k);
-                    } else {
-                        s.weight[k] = best[n as usize];
-                        k += 1;
+                close_run(s, j - since);
+                for (k, (w, bits)) in s.alive.iter_mut().enumerate() {
+                    let mut dropped = *bits & !s.held[k];
+                    while dropped != 0 {
+                        let e = *w * WINDOW + dropped.trailing_zeros();
+                        dropped &= dropped - 1;
+                        out.push(score_of(e, j, &best, &s.extra));
                     }
+                    *bits = s.held[k];
                 }
+                s.alive.retain(|&(_, bits)| bits != 0);
+                std::mem::swap(&mut s.deltas, &mut s.next_deltas);
                 since = j;
-                if s.active.is_empty() {
-                    return;
-                }
             }
             at = next;
         }
-        // Every engine still active holds blocks `0 ..= j`.
-        let held = j + 1;
-        for (a, w) in s.active.iter_mut().zip(&s.weight) {
-            a.score += (held - since) as f64 * w;
-            a.matched_blocks = held as u32;
+        // Every engine still alive holds blocks `0 ..= j`.
+        close_run(s, j + 1 - since);
+        for &(w, mut bits) in &s.alive {
+            while bits != 0 {
+                let e = w * WINDOW + bits.trailing_zeros();
+                bits &= bits - 1;
+                out.push(score_of(e, j + 1, &best, &s.extra));
+            }
         }
-        out.append(&mut s.active);
+        for &e in &s.touched {
+            s.extra[e as usize] = 0.0;
+        }
+        s.touched.clear();
+        s.alive.clear();
+    }
+}
+
+/// Adds the current run's weights beyond GPU's, for its `blocks`, to its engines' sums.
+fn close_run(s: &mut RunScratch, blocks: usize) {
+    for &(e, delta) in &s.deltas {
+        let e = e as usize;
+        if e >= s.extra.len() {
+            s.extra.resize(e + 1, 0.0);
+        }
+        if s.extra[e] == 0.0 {
+            s.touched.push(e as u32);
+        }
+        s.extra[e] += blocks as f64 * delta;
+    }
+}
+
+/// Engine `e`'s score for `matched` blocks: GPU's weight each, plus what its tiers added.
+#[inline]
+fn score_of(e: u32, matched: usize, best: &[f64; 16], extra: &[f64]) -> EngineScore {
+    EngineScore {
+        engine: e,
+        matched_blocks: matched as u32,
+        score: matched as f64 * best[1] + extra.get(e as usize).copied().unwrap_or(0.0),
     }
 }

@@ -9,11 +9,11 @@
 //! set's pool words are released only after the run that held them was rewritten.
 
 use super::cells::{Run, NONE};
-use super::{Cause, Holders, RunIndex};
+use super::{Cause, RunHolders, RunIndex};
 
 impl RunIndex {
     /// A new run (a free number reused first), written before any id points at it.
-    pub(super) fn new_run(&mut self, start: u32, end: u32, holders: Holders) -> Option<u32> {
+    pub(super) fn new_run(&mut self, start: u32, end: u32, holders: RunHolders) -> Option<u32> {
         let r = match self.free_runs.pop() {
             Some(r) => r,
             None => {
@@ -39,7 +39,7 @@ impl RunIndex {
     fn drop_run(&mut self, r: u32) {
         let holders = self.run(r).holders;
         self.put_run(r, Run::default());
-        self.pool.release(holders);
+        self.pool.release_run(holders);
         self.free_runs.push(r);
         self.stats.runs -= 1;
     }
@@ -65,11 +65,11 @@ impl RunIndex {
 
     /// A copy of `set` for a second part of a split run; when the pool is exhausted, an
     /// empty set (the part then scores for no one: an underestimate, never a false hit).
-    fn copy_or_empty(&mut self, set: Holders) -> Holders {
+    fn copy_or_empty(&mut self, set: RunHolders) -> RunHolders {
         let words = &self.shared.words;
-        self.pool.copy(set, words).unwrap_or_else(|| {
+        self.pool.copy_run(set, words).unwrap_or_else(|| {
             self.stats.pool_exhausted += 1;
-            Holders::default()
+            RunHolders::default()
         })
     }
 
@@ -77,7 +77,7 @@ impl RunIndex {
     /// the index and the ids become free). The run is split around them and the result merged
     /// with equal neighbours; the largest part keeps the run's number, so only the smaller
     /// parts are relabelled.
-    pub(super) fn recolor(&mut self, a: u32, b: u32, set: Holders, cause: Cause) {
+    pub(super) fn recolor(&mut self, a: u32, b: u32, set: RunHolders, cause: Cause) {
         let r = self.id(a).run();
         let run = self.run(r);
         let (left, mid, right) = (a - run.start, b - a, run.end - b);
@@ -96,10 +96,10 @@ impl RunIndex {
                 n != NONE
                     && self
                         .pool
-                        .same(&self.run(n).holders, &set, &self.shared.words)
+                        .same_run(&self.run(n).holders, &set, &self.shared.words)
             });
             if let Some(n) = neighbour {
-                self.pool.release(set);
+                self.pool.release_run(set);
                 let nr = self.run(n);
                 if left == 0 {
                     self.run_slot(n).set_bounds(nr.start, b);
@@ -123,7 +123,7 @@ impl RunIndex {
                     self.relabel(a, b, m);
                     mid_run = Some(m);
                 }
-                None => self.pool.release(set), // no run left: the part keeps its holders
+                None => self.pool.release_run(set), // no run left: the part keeps its holders
             }
         }
         // The parts that keep the old holders: the larger stays in `r` unless the middle
@@ -179,7 +179,7 @@ impl RunIndex {
             }
         }
         if !old_owned {
-            self.pool.release(old);
+            self.pool.release_run(old);
         }
         if let Some(m) = mid_run {
             let m = self.merge_left(m);
@@ -197,7 +197,7 @@ impl RunIndex {
         if l == NONE
             || !self
                 .pool
-                .same(&self.run(l).holders, &run.holders, &self.shared.words)
+                .same_run(&self.run(l).holders, &run.holders, &self.shared.words)
         {
             return r;
         }
@@ -211,7 +211,7 @@ impl RunIndex {
         }
         let n = self.id(end).run();
         if n == NONE
-            || !self.pool.same(
+            || !self.pool.same_run(
                 &self.run_slot(n).holders(),
                 &self.run_slot(r).holders(),
                 &self.shared.words,

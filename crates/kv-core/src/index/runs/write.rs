@@ -1,7 +1,7 @@
 //! The run index's write path: stores, removals and clears (one writer, `&mut`).
 
 use super::cells::NONE;
-use super::{engine_bits, member, Cause, Holders, RunIndex, PREFETCH_AHEAD};
+use super::{Cause, RunHolders, RunIndex, PREFETCH_AHEAD};
 use crate::index::types::{EngineId, Tier};
 use crate::index::StoreOutcome;
 use crate::BlockHash;
@@ -41,9 +41,7 @@ impl RunIndex {
         hashes: &[BlockHash],
         mut held: impl FnMut(BlockHash, bool),
     ) -> StoreOutcome {
-        let m = member(engine, tier);
-        let (w, bit) = (m / super::WINDOW, 1u64 << (m % super::WINDOW));
-        let (ew, ebits) = engine_bits(engine);
+        let bit = 1u64 << tier as u32;
         self.reserve(hashes.len());
         let mut outcome = StoreOutcome::default();
         let mut prefetched = 0;
@@ -51,7 +49,7 @@ impl RunIndex {
         if parent.is_some() {
             outcome.orphan = !prev.is_some_and(|p| {
                 let holders = self.run_slot(self.id(p).run()).holders();
-                holders.any_of(ew, ebits, &self.shared.words)
+                holders.nibble(engine, &self.shared.words) != 0
             });
         }
         let mut i = 0;
@@ -66,7 +64,7 @@ impl RunIndex {
                 self.link(p, id);
             }
             let Some(id) = found else {
-                prev = self.add_block(engine, m, prev, h);
+                prev = self.add_block(engine, tier as u32, prev, h);
                 if prev.is_some() {
                     outcome.added += 1;
                     held(hashes[i], true);
@@ -87,9 +85,9 @@ impl RunIndex {
             let end = id + k as u32;
             let holders = run.holders();
             let mut added = false;
-            if !holders.any_of(w, bit, &self.shared.words) {
+            if holders.nibble(engine, &self.shared.words) & bit == 0 {
                 let words = &self.shared.words;
-                match self.pool.with(&holders, w, bit, true, words) {
+                match self.pool.with_tiers(&holders, engine, bit, true, words) {
                     Some(joined) => {
                         self.recolor(id, end, joined, Cause::Join);
                         self.note_range(engine, id, end);
@@ -109,9 +107,15 @@ impl RunIndex {
         outcome
     }
 
-    /// A new block `hash` held by member `m` of `engine` alone, at `prev + 1` when that id is
+    /// A new block `hash` held by `engine` alone in `tier`, at `prev + 1` when that id is
     /// free; `None` when every id is in use (counted).
-    fn add_block(&mut self, engine: EngineId, m: u32, prev: Option<u32>, hash: u64) -> Option<u32> {
+    fn add_block(
+        &mut self,
+        engine: EngineId,
+        tier: u32,
+        prev: Option<u32>,
+        hash: u64,
+    ) -> Option<u32> {
         let Some(id) = self.alloc_id(prev) else {
             self.stats.dropped_full += 1;
             return None;
@@ -128,13 +132,13 @@ impl RunIndex {
         }
         self.table_live += 1;
         self.stats.blocks += 1;
-        let alone = Holders::one(m);
+        let alone = RunHolders::one(engine, tier);
         let left = id.checked_sub(1).map(|l| self.id(l).run());
         let joins_left = left.filter(|&l| {
             l != NONE
                 && self
                     .pool
-                    .same(&self.run_slot(l).holders(), &alone, &self.shared.words)
+                    .same_run(&self.run_slot(l).holders(), &alone, &self.shared.words)
         });
         let r = match joins_left {
             Some(l) => {
@@ -234,7 +238,6 @@ impl RunIndex {
     /// Rewrites `engine`'s ranges to exactly the runs it holds now (any tier), merged.
     pub(super) fn compact(&mut self, engine: EngineId) {
         let e = engine as usize;
-        let (w, bits) = engine_bits(engine);
         let mut old = std::mem::take(&mut self.ranges[e]);
         old.sort_unstable();
         let mut fresh: Vec<(u32, u32)> = Vec::new();
@@ -248,7 +251,7 @@ impl RunIndex {
                     continue;
                 }
                 let run = self.run(r);
-                if run.holders.any_of(w, bits, &self.shared.words) {
+                if run.holders.nibble(engine, &self.shared.words) != 0 {
                     match fresh.last_mut() {
                         Some(last) if last.1 >= run.start => last.1 = last.1.max(run.end),
                         _ => fresh.push((run.start, run.end)),
@@ -266,7 +269,7 @@ impl RunIndex {
     /// hold are ignored. Consecutive hashes on a stretch (either direction) are taken as one
     /// range. Returns the memberships removed.
     pub fn remove(&mut self, engine: EngineId, tier: Tier, hashes: &[BlockHash]) -> usize {
-        let bit = 1u64 << (member(engine, tier) % super::WINDOW);
+        let bit = 1u64 << tier as u32;
         let mut removed = 0;
         let mut prefetched = 0;
         let mut i = 0;
@@ -314,26 +317,25 @@ impl RunIndex {
             .find(|&id| id != NONE && self.is_block(id, hash))
     }
 
-    /// Takes `engine`'s members `bits` (a mask of its nibble, in its window) off ids `a .. b`
-    /// (inside one run). Returns the memberships removed.
-    fn take_off(&mut self, engine: EngineId, bits: u64, a: u32, b: u32) -> usize {
+    /// Takes `engine`'s tiers `tiers` (bit `t`: tier `t`) off ids `a .. b` (inside one run).
+    /// Returns the memberships removed.
+    fn take_off(&mut self, engine: EngineId, tiers: u64, a: u32, b: u32) -> usize {
         if let Some(c) = self.cursors.get_mut(engine as usize) {
             *c = a;
         }
-        let (w, _) = engine_bits(engine);
         let holders = self.run_slot(self.id(a).run()).holders();
-        let held = holders.bits_of(w, &self.shared.words) & bits;
+        let held = holders.nibble(engine, &self.shared.words) & tiers;
         if held == 0 {
             return 0;
         }
         let words = &self.shared.words;
         let left = self
             .pool
-            .with(&holders, w, held, false, words)
+            .with_tiers(&holders, engine, held, false, words)
             .unwrap_or_else(|| {
                 // No room for the smaller set: the blocks leave for everyone (an underestimate).
                 self.stats.pool_exhausted += 1;
-                Holders::default()
+                RunHolders::default()
             });
         if left.is_empty() {
             self.leave(a, b);
@@ -373,7 +375,7 @@ impl RunIndex {
             }
         }
         self.stats.blocks -= (b - a) as u64;
-        self.recolor(a, b, Holders::default(), Cause::Leave);
+        self.recolor(a, b, RunHolders::default(), Cause::Leave);
     }
 
     /// Drops every holding of `engine`, in every tier (its engine cleared or gone). Returns
@@ -382,7 +384,7 @@ impl RunIndex {
         let Some(list) = self.ranges.get_mut(engine as usize).map(std::mem::take) else {
             return 0;
         };
-        let (_, bits) = engine_bits(engine);
+        let bits = 0xF;
         let mut removed = 0;
         for (start, end) in list {
             let mut id = start;
