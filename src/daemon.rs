@@ -130,6 +130,13 @@ pub async fn start(config: Config) -> Result<RunningDaemon, DaemonError> {
         tracing::warn!(field = %w.field, "a setting that does nothing: {}", w.message);
     }
     let indexer = Arc::new(Indexer::new(config.indexer_settings())?);
+    let index = &indexer.settings().index;
+    tracing::info!(
+        engine = index.engine.name(),
+        size = index.max_keys,
+        writer_lanes = index.writer_lanes,
+        "block index"
+    );
     if let Some(bound) = indexer.settings().index.pod_cache_size {
         tracing::warn!(
             pod_cache_size = bound,
