@@ -19,8 +19,9 @@
 //!   Release store of the flag; a reader that loads the flag with Acquire sees that data.
 //!   ([`arc_swap`] gives a table swap the same store/load semantics.)
 //!
-//! The model also fixes the order the run index (index v3) will move ids between runs with
-//! under lock-free readers: receiving run written, slots pointed at it, old run shrunk.
+//! The model also fixes the order in which the run index (index v3) moves ids between runs
+//! under lock-free readers: receiving run written, slots pointed at it, old run shrunk
+//! (`index::runs::surgery` follows it; `index::runs::cells` has the rest of its rules).
 
 use std::sync::atomic::Ordering;
 

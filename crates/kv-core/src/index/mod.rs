@@ -1,6 +1,10 @@
 //! The block index: for every (model, block hash), the engines that hold the block and in which
 //! tier; and the prefix scoring walk over it.
 //!
+//! Two engines implement a lane ([`IndexConfig::engine`]): `nodes`, described below, and `runs`
+//! (index v3, [`runs`] behind [`run_lane`]): holders per run of a chain as bitmaps, one writer
+//! and lock-free readers per lane. [`IndexWriter`] is the one write surface over both.
+//!
 //! A model's index ([`ModelIndex`]) is one or more **writer lanes**; an engine belongs to the
 //! lane its pod name hashes to (all DP ranks of a pod together). Each lane is a complete index
 //! of its engines' blocks with its own writer, so events of pods in different lanes apply in
@@ -8,7 +12,7 @@
 //! ids are global (`id % lanes` is the lane). A block held by pods of two lanes is a key in
 //! each; `size` is one budget for all lanes (and, in an indexer, all models).
 //!
-//! Shape (per lane):
+//! Shape (per lane of `nodes`):
 //! - a **node** per distinct block (24 bytes: hash, two member words with overflow pages beyond,
 //!   a hint to the block's most recently stored child), in a chunked slab; a stored run gets
 //!   consecutive node ids where free ids allow (freed ids are kept as ranges), so a chain is
