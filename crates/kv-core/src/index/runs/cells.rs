@@ -48,6 +48,15 @@ pub(super) struct IdSlot {
 unsafe impl Zeroable for IdSlot {}
 
 impl IdSlot {
+    /// A free id's slot (what zeroed memory holds).
+    const fn free() -> Self {
+        Self {
+            hash: AtomicU64::new(0),
+            run: AtomicU32::new(0),
+            next: AtomicU32::new(0),
+        }
+    }
+
     /// The block's hash (0: free).
     #[inline(always)]
     pub fn hash(&self) -> u64 {
@@ -110,6 +119,22 @@ pub(super) struct RunSlot {
 unsafe impl Zeroable for RunSlot {}
 
 impl RunSlot {
+    /// An empty run's slot (what zeroed memory holds).
+    const fn empty() -> Self {
+        Self {
+            seq: AtomicU32::new(0),
+            start: AtomicU32::new(0),
+            end: AtomicU32::new(0),
+            gpu_base: AtomicU32::new(0),
+            gpu_len: AtomicU32::new(0),
+            other_base: AtomicU32::new(0),
+            other_len: AtomicU32::new(0),
+            _pad: AtomicU32::new(0),
+            gpu_word: AtomicU64::new(0),
+            other_word: AtomicU64::new(0),
+        }
+    }
+
     /// The fields as they are now: the writer's view, or a reader's inside a read section.
     #[inline(always)]
     pub fn load(&self) -> Run {
@@ -249,11 +274,7 @@ pub(super) type IdSlots = Chunked<IdSlot, ID_CHUNK>;
 pub(super) type RunSlots = Chunked<RunSlot, RUN_CHUNK>;
 
 /// The slot every id outside the allocated chunks reads as: free.
-pub(super) static FREE_ID: IdSlot = IdSlot {
-    hash: AtomicU64::new(0),
-    run: AtomicU32::new(0),
-    next: AtomicU32::new(0),
-};
+pub(super) static FREE_ID: IdSlot = IdSlot::free();
 
 /// The slot of `id` (a free one outside the allocated chunks: never written).
 #[inline(always)]
@@ -262,18 +283,7 @@ pub(super) fn id_slot(ids: &IdSlots, id: u32) -> &IdSlot {
 }
 
 /// The slot every run outside the allocated chunks reads as: empty, covering nothing.
-pub(super) static NO_RUN: RunSlot = RunSlot {
-    seq: AtomicU32::new(0),
-    start: AtomicU32::new(0),
-    end: AtomicU32::new(0),
-    gpu_base: AtomicU32::new(0),
-    gpu_len: AtomicU32::new(0),
-    other_base: AtomicU32::new(0),
-    other_len: AtomicU32::new(0),
-    _pad: AtomicU32::new(0),
-    gpu_word: AtomicU64::new(0),
-    other_word: AtomicU64::new(0),
-};
+pub(super) static NO_RUN: RunSlot = RunSlot::empty();
 
 /// The slot of run `r` (an empty one outside the allocated chunks: never written).
 #[inline(always)]
@@ -284,22 +294,7 @@ pub(super) fn run_slot(runs: &RunSlots, r: u32) -> &RunSlot {
 /// Where the writer's stores would go if it ever addressed an id or run outside the allocated
 /// chunks (a bug: every id and run it hands out has its chunk): somewhere no reader looks, so
 /// [`FREE_ID`] and [`NO_RUN`] stay what they say.
-pub(super) static SINK_ID: IdSlot = IdSlot {
-    hash: AtomicU64::new(0),
-    run: AtomicU32::new(0),
-    next: AtomicU32::new(0),
-};
+pub(super) static SINK_ID: IdSlot = IdSlot::free();
 
 /// See [`SINK_ID`].
-pub(super) static SINK_RUN: RunSlot = RunSlot {
-    seq: AtomicU32::new(0),
-    start: AtomicU32::new(0),
-    end: AtomicU32::new(0),
-    gpu_base: AtomicU32::new(0),
-    gpu_len: AtomicU32::new(0),
-    other_base: AtomicU32::new(0),
-    other_len: AtomicU32::new(0),
-    _pad: AtomicU32::new(0),
-    gpu_word: AtomicU64::new(0),
-    other_word: AtomicU64::new(0),
-};
+pub(super) static SINK_RUN: RunSlot = RunSlot::empty();
