@@ -11,7 +11,7 @@ mod support;
 use std::time::Duration;
 
 use bytes::Bytes;
-use kv_indexer::config::{Config, ConnectEndpoint};
+use kv_indexer::config::{Config, ConnectEndpoint, IndexEngineName};
 use kv_indexer::daemon;
 use kv_proto::kvindexer_v1::{
     kv_indexer_client::KvIndexerClient, score_pods_request::Input, ListPodsRequest,
@@ -151,7 +151,24 @@ async fn send_until<Fut: std::future::Future<Output = bool>>(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bind_mode_scores_what_vllm_published_for_every_wire_format() {
-    let d = daemon::start(base_config()).await.expect("daemon starts");
+    scores_every_wire_format(base_config()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_run_index_engine_scores_what_vllm_published_for_every_wire_format() {
+    let mut config = base_config();
+    config
+        .indexer_config
+        .kv_block_index_config
+        .in_memory_config
+        .engine = IndexEngineName::Runs;
+    scores_every_wire_format(config).await;
+}
+
+/// Captured vLLM frames of every wire format, stored, scored (varint and packed tokens),
+/// removed; the metrics count them.
+async fn scores_every_wire_format(config: Config) {
+    let d = daemon::start(config).await.expect("daemon starts");
     let endpoint = d.zmq_endpoint.clone().expect("bind mode");
     let mut publisher = PubSocket::new();
     publisher
