@@ -49,7 +49,7 @@ impl RunLane {
     pub fn new(seed: u64, capacity: u32, budget: Arc<KeyBudget>, lane: u32, lanes: u32) -> Self {
         let index = RunIndex::new(seed, capacity);
         Self {
-            reader: index.reader(),
+            reader: index.reader().clone(),
             writer: Mutex::new(RunState {
                 index,
                 engines: Vec::new(),

@@ -113,10 +113,7 @@ impl KeyBudget {
 
     /// Takes one key; false when the budget is spent.
     pub(crate) fn take(&self) -> bool {
-        use std::sync::atomic::Ordering::Relaxed;
-        self.used
-            .fetch_update(Relaxed, Relaxed, |u| (u < self.limit).then_some(u + 1))
-            .is_ok()
+        self.take_up_to(1) == 1
     }
 
     /// Takes up to `n` keys; returns how many it got.

@@ -153,7 +153,7 @@ impl IndexBackend for RunIndexBackend {
         let mut answer = QueryAnswer::default();
         self.scores.clear();
         let weights = kv_core::TierWeights::default();
-        self.index.score(
+        self.index.reader().score(
             hashes,
             &weights,
             None::<fn(u32) -> bool>,

@@ -63,7 +63,7 @@ impl RunIndex {
             // can be long: a pod's whole cache, when no other pod shares it).
             let stop = run.end.min(id.saturating_add((n - evicted) as u32));
             let blocks = (stop - id) as u64;
-            for (engine, _) in run.holders.members(&self.shared.words) {
+            for (engine, _) in run.holders.members(&self.reader.shared.words) {
                 dropped(engine, blocks);
             }
             self.leave(id, stop);
@@ -83,18 +83,12 @@ impl RunIndex {
         self.compact(engine);
         for &(start, end) in &self.ranges[engine as usize] {
             let mut id = start;
-            while id < end {
-                let r = self.id(id).run();
-                if r == NONE {
-                    id += 1;
-                    continue;
-                }
-                let run = self.run(r);
-                let nibble = run.holders.nibble(engine, &self.shared.words);
+            while let Some((at, run)) = self.next_run(id, end) {
+                let nibble = run.holders.nibble(engine, &self.reader.shared.words);
                 let stop = run.end.min(end);
                 for tier in (0..4).filter(|t| nibble & (1 << t) != 0) {
                     let tier = Tier::from_bits(tier);
-                    out.extend((id..stop).map(|i| (BlockHash::new(self.id(i).hash()), tier)));
+                    out.extend((at..stop).map(|i| (BlockHash::new(self.id(i).hash()), tier)));
                 }
                 id = stop;
             }

@@ -117,7 +117,8 @@ struct Shared {
 
 /// The run index's writer (see the module docs); [`RunIndex::reader`] hands out readers.
 pub struct RunIndex {
-    shared: Arc<Shared>,
+    /// The shared memory, through the index's own reader.
+    reader: RunReader,
     /// The published table (the writer's handle: no `ArcSwap` load per probe).
     table: Arc<Table>,
     /// The writer's handles on the id and run chunks.
@@ -162,12 +163,12 @@ impl RunIndex {
         // change that needs words is counted and scores for no one (`pool_exhausted`).
         let words = (capacity as usize * 16).clamp(1 << 16, 1 << 32);
         Self {
-            shared: Arc::new(Shared {
+            reader: RunReader::new(Arc::new(Shared {
                 table: ArcSwap::new(table.clone()),
                 ids: IdSlots::new(capacity as usize),
                 runs: RunSlots::new(runs),
                 words: Words::new(words),
-            }),
+            })),
             table,
             id_chunks: WriterChunks::default(),
             run_chunks: WriterChunks::default(),
@@ -188,9 +189,10 @@ impl RunIndex {
         }
     }
 
-    /// A lock-free reader of this index (cheap: a reference count).
-    pub fn reader(&self) -> RunReader {
-        RunReader::new(self.shared.clone())
+    /// The index's lock-free reader: score and look up through it (clone it for another
+    /// thread: a reference count).
+    pub fn reader(&self) -> &RunReader {
+        &self.reader
     }
 
     /// Counters (splits, merges, relabels) and shape (blocks, runs).
@@ -203,9 +205,9 @@ impl RunIndex {
 
     /// Bytes held: id and run slots, table, pooled words, the writer's lists.
     pub fn allocated_bytes(&self) -> usize {
-        self.shared.ids.allocated_bytes()
-            + self.shared.runs.allocated_bytes()
-            + self.shared.words.allocated_bytes()
+        self.reader.shared.ids.allocated_bytes()
+            + self.reader.shared.runs.allocated_bytes()
+            + self.reader.shared.words.allocated_bytes()
             + self.table.allocated_bytes()
             + self.free_runs.capacity() * 4
             + self.free_ranges.capacity() * 8
@@ -229,6 +231,19 @@ impl RunIndex {
     #[inline(always)]
     fn run(&self, r: u32) -> Run {
         self.run_slot(r).load()
+    }
+
+    /// The first live id in `id .. end` and its run: how the walks over an engine's ranges
+    /// skip freed ids.
+    fn next_run(&self, mut id: u32, end: u32) -> Option<(u32, Run)> {
+        while id < end {
+            let r = self.id(id).run();
+            if r != cells::NONE {
+                return Some((id, self.run(r)));
+            }
+            id += 1;
+        }
+        None
     }
 
     /// Writes run `r` whole (one seqlock write).
@@ -287,7 +302,7 @@ impl RunIndex {
         let fresh = Arc::new(Table::with_capacity(capacity, self.table.seed()));
         self.table_live = self.table.copy_into(&fresh);
         self.table_used = self.table_live;
-        self.shared.table.store(fresh.clone());
+        self.reader.shared.table.store(fresh.clone());
         self.table = fresh;
     }
 }

@@ -11,7 +11,7 @@
 use std::sync::Arc;
 
 use super::cells::{id_slot, run_slot, Run, NONE};
-use super::{RunHolders, RunIndex, Shared, WINDOW};
+use super::{RunHolders, Shared, WINDOW};
 use crate::index::table::Table;
 use crate::index::types::{EngineId, EngineScore, Tier, TierWeights};
 use crate::BlockHash;
@@ -27,7 +27,7 @@ const SPINS: u32 = 128;
 /// A lock-free reader of a [`RunIndex`] (clone it for each thread).
 #[derive(Clone)]
 pub struct RunReader {
-    shared: Arc<Shared>,
+    pub(super) shared: Arc<Shared>,
 }
 
 /// A reader's working memory, reused across calls (a score allocates nothing once it has
@@ -61,25 +61,6 @@ impl RunReader {
         Self { shared }
     }
 
-    /// Who holds `hash` now, as (engine, tier) pairs in engine order.
-    pub fn lookup(&self, hash: BlockHash) -> Vec<(EngineId, Tier)> {
-        self.shared.lookup(hash)
-    }
-
-    /// See [`RunIndex::score`].
-    pub fn score(
-        &self,
-        prompt: &[BlockHash],
-        weights: &TierWeights,
-        admit: Option<impl Fn(EngineId) -> bool>,
-        scratch: &mut RunScratch,
-        out: &mut Vec<EngineScore>,
-    ) {
-        self.shared.score(prompt, weights, admit, scratch, out);
-    }
-}
-
-impl RunIndex {
     /// Who holds `hash` now, as (engine, tier) pairs in engine order.
     pub fn lookup(&self, hash: BlockHash) -> Vec<(EngineId, Tier)> {
         self.shared.lookup(hash)

@@ -18,7 +18,7 @@ impl RunIndex {
             Some(r) => r,
             None => {
                 let r = self.runs_len;
-                self.run_chunks.reach(r, &self.shared.runs)?;
+                self.run_chunks.reach(r, &self.reader.shared.runs)?;
                 self.runs_len += 1;
                 r
             }
@@ -66,7 +66,7 @@ impl RunIndex {
     /// A copy of `set` for a second part of a split run; when the pool is exhausted, an
     /// empty set (the part then scores for no one: an underestimate, never a false hit).
     fn copy_or_empty(&mut self, set: RunHolders) -> RunHolders {
-        let words = &self.shared.words;
+        let words = &self.reader.shared.words;
         self.pool.copy_run(set, words).unwrap_or_else(|| {
             self.stats.pool_exhausted += 1;
             RunHolders::default()
@@ -96,7 +96,7 @@ impl RunIndex {
                 n != NONE
                     && self
                         .pool
-                        .same_run(&self.run(n).holders, &set, &self.shared.words)
+                        .same_run(&self.run(n).holders, &set, &self.reader.shared.words)
             });
             if let Some(n) = neighbour {
                 self.pool.release_run(set);
@@ -195,9 +195,11 @@ impl RunIndex {
             return r;
         };
         if l == NONE
-            || !self
-                .pool
-                .same_run(&self.run(l).holders, &run.holders, &self.shared.words)
+            || !self.pool.same_run(
+                &self.run(l).holders,
+                &run.holders,
+                &self.reader.shared.words,
+            )
         {
             return r;
         }
@@ -214,7 +216,7 @@ impl RunIndex {
             || !self.pool.same_run(
                 &self.run_slot(n).holders(),
                 &self.run_slot(r).holders(),
-                &self.shared.words,
+                &self.reader.shared.words,
             )
         {
             return r;

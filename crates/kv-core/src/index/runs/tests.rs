@@ -75,7 +75,7 @@ impl Model {
 fn scores(index: &RunIndex, prompt: &[BlockHash]) -> BTreeMap<u32, (u32, f64)> {
     let mut out = Vec::new();
     let mut scratch = RunScratch::default();
-    index.score(
+    index.reader().score(
         prompt,
         &TierWeights::default(),
         None::<fn(u32) -> bool>,
@@ -161,6 +161,7 @@ fn check(index: &RunIndex, model: &Model, prompts: &[Vec<BlockHash>], step: usiz
                 .map(|s| s.iter().copied().collect())
                 .unwrap_or_default();
             let mut got: Vec<(u32, u8)> = index
+                .reader()
                 .lookup(*h)
                 .into_iter()
                 .map(|(e, t)| (e, t as u8))
@@ -432,6 +433,7 @@ fn eviction_takes_unreferenced_runs_whole_and_the_rest_stays_exact() {
     let mut memberships = 0u64;
     for (h, set) in model.held.clone() {
         let mut got: Vec<(u32, u8)> = index
+            .reader()
             .lookup(BlockHash::new(h))
             .into_iter()
             .map(|(e, t)| (e, t as u8))
@@ -455,7 +457,7 @@ fn eviction_takes_unreferenced_runs_whole_and_the_rest_stays_exact() {
         let all = index.stats().blocks as usize - kept.len();
         index.evict(all.max(1), |_, _| {});
         assert!(
-            !index.lookup(kept[0]).is_empty(),
+            !index.reader().lookup(kept[0]).is_empty(),
             "the referenced chain survived"
         );
     }
@@ -488,7 +490,7 @@ mod concurrent {
         let chain = prompts(1, 400, &mut rng).remove(0);
         let mut index = RunIndex::new(99, CAPACITY);
         index.store(0, Tier::Gpu, None, &chain);
-        let reader = index.reader();
+        let reader = index.reader().clone();
         let done = Arc::new(AtomicBool::new(false));
         // Reader 0 scores the chain and looks up every 7th block; reader 1 looks up every block.
         let readers: Vec<_> = (0..2)

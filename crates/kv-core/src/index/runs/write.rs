@@ -49,7 +49,7 @@ impl RunIndex {
         if parent.is_some() {
             outcome.orphan = !prev.is_some_and(|p| {
                 let holders = self.run_slot(self.id(p).run()).holders();
-                holders.nibble(engine, &self.shared.words) != 0
+                holders.nibble(engine, &self.reader.shared.words) != 0
             });
         }
         let mut i = 0;
@@ -85,8 +85,8 @@ impl RunIndex {
             let end = id + k as u32;
             let holders = run.holders();
             let mut added = false;
-            if holders.nibble(engine, &self.shared.words) & bit == 0 {
-                let words = &self.shared.words;
+            if holders.nibble(engine, &self.reader.shared.words) & bit == 0 {
+                let words = &self.reader.shared.words;
                 match self.pool.with_tiers(&holders, engine, bit, true, words) {
                     Some(joined) => {
                         self.recolor(id, end, joined, Cause::Join);
@@ -136,9 +136,11 @@ impl RunIndex {
         let left = id.checked_sub(1).map(|l| self.id(l).run());
         let joins_left = left.filter(|&l| {
             l != NONE
-                && self
-                    .pool
-                    .same_run(&self.run_slot(l).holders(), &alone, &self.shared.words)
+                && self.pool.same_run(
+                    &self.run_slot(l).holders(),
+                    &alone,
+                    &self.reader.shared.words,
+                )
         });
         let r = match joins_left {
             Some(l) => {
@@ -206,7 +208,7 @@ impl RunIndex {
             return None;
         }
         let id = self.ids_len;
-        self.id_chunks.reach(id, &self.shared.ids)?;
+        self.id_chunks.reach(id, &self.reader.shared.ids)?;
         self.ids_len += 1;
         Some(id)
     }
@@ -244,14 +246,8 @@ impl RunIndex {
         let mut covered = 0;
         for &(start, end) in &old {
             let mut id = start.max(covered);
-            while id < end {
-                let r = self.id(id).run();
-                if r == NONE {
-                    id += 1;
-                    continue;
-                }
-                let run = self.run(r);
-                if run.holders.nibble(engine, &self.shared.words) != 0 {
+            while let Some((_, run)) = self.next_run(id, end) {
+                if run.holders.nibble(engine, &self.reader.shared.words) != 0 {
                     match fresh.last_mut() {
                         Some(last) if last.1 >= run.start => last.1 = last.1.max(run.end),
                         _ => fresh.push((run.start, run.end)),
@@ -324,11 +320,11 @@ impl RunIndex {
             *c = a;
         }
         let holders = self.run_slot(self.id(a).run()).holders();
-        let held = holders.nibble(engine, &self.shared.words) & tiers;
+        let held = holders.nibble(engine, &self.reader.shared.words) & tiers;
         if held == 0 {
             return 0;
         }
-        let words = &self.shared.words;
+        let words = &self.reader.shared.words;
         let left = self
             .pool
             .with_tiers(&holders, engine, held, false, words)
@@ -388,14 +384,9 @@ impl RunIndex {
         let mut removed = 0;
         for (start, end) in list {
             let mut id = start;
-            while id < end {
-                let r = self.id(id).run();
-                if r == NONE {
-                    id += 1;
-                    continue;
-                }
-                let stop = self.run(r).end.min(end);
-                removed += self.take_off(engine, bits, id, stop);
+            while let Some((at, run)) = self.next_run(id, end) {
+                let stop = run.end.min(end);
+                removed += self.take_off(engine, bits, at, stop);
                 id = stop;
             }
         }
