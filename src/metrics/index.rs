@@ -18,6 +18,7 @@ pub struct IndexMetrics {
     memory_bytes: IntGaugeVec,
     capacity_drops: IntGaugeVec,
     orphan_runs: IntGaugeVec,
+    reads_given_up: IntGaugeVec,
 }
 
 impl IndexMetrics {
@@ -58,6 +59,12 @@ impl IndexMetrics {
                 "Stored runs whose parent the pod did not hold (stored by hash; they score once the chain arrives)",
                 &["model"],
             ),
+            reads_given_up: gauge_vec(
+                r,
+                "kvindexer_index_reads_given_up",
+                "Blocks a score or lookup counted as not held because the writer kept changing them longer than a read waits (engine: runs; 0 in a healthy index)",
+                &["model"],
+            ),
             capacity_drops: gauge_vec(
                 r,
                 "kvindexer_index_capacity_drops",
@@ -87,6 +94,9 @@ impl IndexMetrics {
             self.orphan_runs
                 .with_label_values(&[&m])
                 .set(stats.orphan_runs as i64);
+            self.reads_given_up
+                .with_label_values(&[&m])
+                .set(stats.reads_given_up as i64);
             self.capacity_drops
                 .with_label_values(&[&m, "size"])
                 .set(stats.capacity_evictions as i64);

@@ -120,7 +120,10 @@ impl Lanes {
     fn counters(&self, i: usize) -> IndexStats {
         match self {
             Lanes::Nodes(l) => l[i].counters.snapshot(),
-            Lanes::Runs(l) => l[i].counters.snapshot(),
+            Lanes::Runs(l) => IndexStats {
+                reads_given_up: l[i].reader.gave_up(),
+                ..l[i].counters.snapshot()
+            },
         }
     }
 

@@ -273,6 +273,9 @@ pub struct IndexStats {
     pub orphan_runs: u64,
     /// Blocks not stored because no node could be allocated (never with a sane `size`).
     pub dropped_full: u64,
+    /// Blocks a lock-free reader counted as not held because the writer kept changing them
+    /// for longer than a read waits (`engine: runs`; each made a score an underestimate).
+    pub reads_given_up: u64,
     /// Bytes held by the index's structures.
     pub memory_bytes: u64,
 }
@@ -288,6 +291,7 @@ impl IndexStats {
         self.pod_cache_evictions += other.pod_cache_evictions;
         self.orphan_runs += other.orphan_runs;
         self.dropped_full += other.dropped_full;
+        self.reads_given_up += other.reads_given_up;
         self.memory_bytes += other.memory_bytes;
     }
 }

@@ -21,6 +21,40 @@ use crate::index::slab::Chunked;
 use crate::memory::Zeroable;
 use crate::seqlock::{StdFence, PROTOCOL};
 
+/// Test hook: runs a check after every store the writer makes to shared memory, so a test
+/// sees every intermediate state a reader could land between.
+#[cfg(test)]
+pub(super) mod probe {
+    use std::cell::RefCell;
+
+    thread_local! {
+        static HOOK: RefCell<Option<Box<dyn FnMut()>>> = RefCell::new(None);
+    }
+
+    /// Installs `check` on this thread (`None`: removes it).
+    pub fn install(check: Option<Box<dyn FnMut()>>) {
+        HOOK.with(|h| *h.borrow_mut() = check);
+    }
+
+    /// Runs the installed check (not from inside itself).
+    pub fn fire() {
+        HOOK.with(|h| {
+            if let Ok(mut h) = h.try_borrow_mut() {
+                if let Some(check) = h.as_mut() {
+                    check();
+                }
+            }
+        });
+    }
+}
+
+/// Runs the test hook after a store (nothing outside tests).
+#[inline(always)]
+pub(super) fn stored() {
+    #[cfg(test)]
+    probe::fire();
+}
+
 /// No run, no id (a free id's run; a missing hint).
 pub(super) const NONE: u32 = u32::MAX;
 
@@ -78,17 +112,20 @@ impl IdSlot {
     #[inline(always)]
     pub fn set_hash(&self, hash: u64) {
         self.hash.store(hash, Relaxed);
+        stored();
     }
 
     /// Points the id at run `r` (Release: after the run was written).
     #[inline(always)]
     pub fn set_run(&self, r: u32) {
         self.run.store(r.wrapping_add(1), PROTOCOL.flag_publish);
+        stored();
     }
 
     #[inline(always)]
     pub fn set_next(&self, id: u32) {
         self.next.store(id.wrapping_add(1), Relaxed);
+        stored();
     }
 }
 
@@ -172,6 +209,7 @@ impl RunSlot {
     #[inline]
     pub fn set_end(&self, end: u32) {
         PROTOCOL.write::<_, StdFence, _>(&self.seq, || self.end.store(end, Relaxed));
+        stored();
     }
 
     /// Writes the whole run (one seqlock write).
@@ -189,6 +227,7 @@ impl RunSlot {
             self.other_len.store(ol, Relaxed);
             self.other_word.store(ow, Relaxed);
         });
+        stored();
     }
 
     /// Moves the run's bounds (one seqlock write).
@@ -198,6 +237,7 @@ impl RunSlot {
             self.start.store(start, Relaxed);
             self.end.store(end, Relaxed);
         });
+        stored();
     }
 
     /// Starts a reader's section: the sequence to check with [`RunSlot::still`], or `None`

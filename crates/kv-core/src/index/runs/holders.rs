@@ -252,6 +252,7 @@ fn store(words: &Words, at: u64, bits: u64) {
     if let Some(w) = u32::try_from(at).ok().and_then(|at| words.get(at)) {
         w.store(bits, Relaxed);
     }
+    super::cells::stored();
 }
 
 /// Who holds a run: engines holding it in GPU memory, one bit per engine, and the other tiers,

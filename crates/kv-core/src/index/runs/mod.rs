@@ -113,6 +113,8 @@ struct Shared {
     ids: IdSlots,
     runs: RunSlots,
     words: Words,
+    /// Blocks readers gave up on.
+    gave_up: read::GaveUp,
 }
 
 /// The run index's writer (see the module docs); [`RunIndex::reader`] hands out readers.
@@ -168,6 +170,7 @@ impl RunIndex {
                 ids: IdSlots::new(capacity as usize),
                 runs: RunSlots::new(runs),
                 words: Words::new(words),
+                gave_up: Default::default(),
             })),
             table,
             id_chunks: WriterChunks::default(),

@@ -4,10 +4,16 @@
 //! the seqlock section of the run it read it from: the id's slot named the run, the run
 //! covered the id, and the id held the block's hash, all under one unchanged sequence. A
 //! stretch of ids compared inside a run is kept only if the run's sequence still holds after
-//! the comparison (nothing in a run changes without a write of it). A failed check re-reads
-//! the block through the table; after [`RETRIES`] failures the block counts as not held (an
-//! underestimate, never a false hit).
+//! the comparison (nothing in a run changes without a write of it).
+//!
+//! Retries: a write under way is waited for, however long (a write is a few stores, so only a
+//! descheduled writer makes it long); a section the writer wrote during is read again, up to
+//! [`CHANGES`] times; a check that fails without such a write (the id's slot or run moved
+//! between two loads) re-reads the block through the table, up to [`RETRIES`] times. Past
+//! either bound the block counts as not held (an underestimate, never a false hit) and the
+//! reader's [`RunReader::gave_up`] count grows.
 
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
 
 use super::cells::{id_slot, run_slot, Run, NONE};
@@ -16,13 +22,22 @@ use crate::index::table::Table;
 use crate::index::types::{EngineId, EngineScore, Tier, TierWeights};
 use crate::BlockHash;
 
-/// Checked reads of one block before a reader gives it up: each failure means the writer
-/// changed that block's run between two loads (a write in progress is waited for instead).
+/// Failed checks of one block (its slot named a run that did not cover it, or the id no
+/// longer held its hash) before a reader gives it up: each means the id moved between two
+/// loads, so a bound is reached only if the index is inconsistent.
 const RETRIES: usize = 64;
+
+/// Sections of one block's run that the writer wrote during, before a reader gives it up: a
+/// bound on a writer that rewrites one run back to back for as long as a reader reads.
+const CHANGES: usize = 4096;
 
 /// Spins before a reader waiting for a write to end yields its thread (the writer may have
 /// been descheduled inside the write).
 const SPINS: u32 = 128;
+
+/// Blocks readers gave up on (see the module docs), over every reader of one index.
+#[derive(Default)]
+pub(super) struct GaveUp(AtomicU64);
 
 /// A lock-free reader of a [`RunIndex`] (clone it for each thread).
 #[derive(Clone)]
@@ -79,23 +94,31 @@ impl RunReader {
     ) {
         self.shared.score(prompt, weights, admit, scratch, out);
     }
+
+    /// Blocks that readers of this index counted as not held because the writer kept changing
+    /// them (or the index disagreed with itself) for longer than a read waits: each made a
+    /// score or a lookup an underestimate. Zero in every test; a metric where it is not.
+    pub fn gave_up(&self) -> u64 {
+        self.shared.gave_up.0.load(Relaxed)
+    }
 }
 
-/// Begins a read of `cell`, waiting while a write is under way; `None` only if the writer
-/// stayed inside one write for `SPINS` spins and as many yields (then the caller retries).
+/// Begins a read of `cell`, waiting while a write is under way (spinning, then yielding: the
+/// writer may have been descheduled inside the write, and every write ends).
 #[inline]
-fn wait_even(cell: &super::cells::RunSlot) -> Option<u32> {
-    for spin in 0..2 * SPINS {
+fn wait_even(cell: &super::cells::RunSlot) -> u32 {
+    let mut spins = 0u32;
+    loop {
         if let Some(seq) = cell.begin_read() {
-            return Some(seq);
+            return seq;
         }
-        if spin < SPINS {
+        if spins < SPINS {
+            spins += 1;
             std::hint::spin_loop();
         } else {
             std::thread::yield_now();
         }
     }
-    None
 }
 
 /// The best weight of the tiers in `nibble` (bit `t`: tier `t`), for every nibble.
@@ -182,21 +205,26 @@ impl Shared {
         mut inside: impl FnMut(u32, u32, &Run),
     ) -> Option<Found> {
         let mut from = parent;
-        for _ in 0..RETRIES {
+        let (mut failed, mut changed) = (0, 0);
+        while failed < RETRIES && changed < CHANGES {
             let id = self.locate(table, from, hash)?;
             from = None; // a retry goes through the table
             let slot = id_slot(&self.ids, id);
             let r = slot.run();
             if r == NONE {
+                failed += 1;
                 continue;
             }
             let cell = run_slot(&self.runs, r);
-            let Some(seq) = wait_even(cell) else {
-                continue;
-            };
+            let seq = wait_even(cell);
             let run = cell.load();
             if run.start > id || id >= run.end || slot.hash() != hash || !run.holders.is_plausible()
             {
+                if cell.still(seq) {
+                    failed += 1; // the slot moved since it was loaded (or never agreed)
+                } else {
+                    changed += 1; // a torn read of the run
+                }
                 continue;
             }
             inside(r, seq, &run);
@@ -208,7 +236,9 @@ impl Shared {
                     end: run.end,
                 });
             }
+            changed += 1;
         }
+        self.gave_up.0.fetch_add(1, Relaxed);
         None
     }
 

@@ -104,7 +104,8 @@ impl Counters {
         }
     }
 
-    /// The counters as of the last finished write (`memory_bytes` left 0).
+    /// The counters as of the last finished write (`memory_bytes` and the readers'
+    /// `reads_given_up` left 0: they are not the writer's).
     pub(super) fn snapshot(&self) -> IndexStats {
         IndexStats {
             keys: self.keys.load(Ordering::Relaxed),
@@ -115,6 +116,7 @@ impl Counters {
             pod_cache_evictions: self.pod_cache_evictions.load(Ordering::Relaxed),
             orphan_runs: self.orphan_runs.load(Ordering::Relaxed),
             dropped_full: self.dropped_full.load(Ordering::Relaxed),
+            reads_given_up: 0,
             memory_bytes: 0,
         }
     }
