@@ -113,8 +113,8 @@ struct Shared {
     ids: IdSlots,
     runs: RunSlots,
     words: Words,
-    /// Blocks readers gave up on.
-    gave_up: read::GaveUp,
+    /// Blocks readers gave up on (`read`'s module docs), over every reader.
+    gave_up: std::sync::atomic::AtomicU64,
 }
 
 /// The run index's writer (see the module docs); [`RunIndex::reader`] hands out readers.

@@ -13,7 +13,7 @@
 //! either bound the block counts as not held (an underestimate, never a false hit) and the
 //! reader's [`RunReader::gave_up`] count grows.
 
-use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
 
 use super::cells::{id_slot, run_slot, Run, NONE};
@@ -34,10 +34,6 @@ const CHANGES: usize = 4096;
 /// Spins before a reader waiting for a write to end yields its thread (the writer may have
 /// been descheduled inside the write).
 const SPINS: u32 = 128;
-
-/// Blocks readers gave up on (see the module docs), over every reader of one index.
-#[derive(Default)]
-pub(super) struct GaveUp(AtomicU64);
 
 /// A lock-free reader of a [`RunIndex`] (clone it for each thread).
 #[derive(Clone)]
@@ -99,7 +95,7 @@ impl RunReader {
     /// them (or the index disagreed with itself) for longer than a read waits: each made a
     /// score or a lookup an underestimate. Zero in every test; a metric where it is not.
     pub fn gave_up(&self) -> u64 {
-        self.shared.gave_up.0.load(Relaxed)
+        self.shared.gave_up.load(Relaxed)
     }
 }
 
@@ -238,7 +234,7 @@ impl Shared {
             }
             changed += 1;
         }
-        self.gave_up.0.fetch_add(1, Relaxed);
+        self.gave_up.fetch_add(1, Relaxed);
         None
     }
 
