@@ -272,18 +272,15 @@ impl RunIndex {
         }
     }
 
-    /// The block `hash`, which follows block `parent` on its chain: at the next id, where the
-    /// parent's hint says, or else through the table. What stores use.
+    /// The block `hash` where it follows block `parent` on its chain without a probe: at the
+    /// next id or where the parent's hint says. What stores try before the table.
     #[inline(always)]
-    fn child(&self, parent: u32, hash: u64) -> Option<u32> {
+    fn next_on_chain(&self, parent: u32, hash: u64) -> Option<u32> {
         if self.is_block(parent + 1, hash) {
             return Some(parent + 1);
         }
         let next = self.id(parent).next();
-        if next != cells::NONE && self.is_block(next, hash) {
-            return Some(next);
-        }
-        self.find(hash)
+        (next != cells::NONE && self.is_block(next, hash)).then_some(next)
     }
 
     /// Records that block `child` continues block `parent`'s chain (a hint, where it is not

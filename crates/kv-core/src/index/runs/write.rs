@@ -54,12 +54,13 @@ impl RunIndex {
         }
         let mut i = 0;
         while i < hashes.len() {
-            self.prefetch_ahead(hashes, i, &mut prefetched);
             let h = hashes[i].get();
-            let found = match prev {
-                Some(p) => self.child(p, h),
-                None => self.find(h),
-            };
+            // Only a block the chain's ids do not reach is probed for, and only then are the
+            // next ones prefetched: inside a stretch they would be fetched for nothing.
+            let found = prev.and_then(|p| self.next_on_chain(p, h)).or_else(|| {
+                self.prefetch_ahead(hashes, i, &mut prefetched);
+                self.find(h)
+            });
             if let (Some(p), Some(id)) = (prev, found) {
                 self.link(p, id);
             }
