@@ -65,6 +65,22 @@ pub use read::{RunReader, RunScratch};
 /// miss's latency, few enough that a stretch found without probing wastes little.
 const PREFETCH_AHEAD: usize = 12;
 
+/// When the table is rebuilt (at 2.5 times its live entries), in percent of its slots: when
+/// live entries and tombstones fill [`TABLE_FULL_PERCENT`], or [`TABLE_CHURN_PERCENT`] with
+/// tombstones a third or more of them. Every block entering the index probes for its hash and
+/// misses, and a linear probe's miss reads about `(1 + 1 / (1 - load)^2) / 2` slots: 23 at
+/// 85%, under 4 at 60%. A table that only grows is rebuilt at 85% (each rebuild then more than
+/// doubles it); one that churns at a steady size fills with tombstones, and a rebuild at 60%
+/// costs a copy of the same size, not more memory. `benches/peers` (2026-11-25, three rounds
+/// per line, two alternations, apply rate vs SMG's): 60% for every rebuild raised 16 pods
+/// from 1.04-1.17x to 1.20-1.27x but cost the growing fleets (80 pods 0.95-1.11x against
+/// 1.14-1.42x; a rebuild at 60% grows the table 1.5 times, at 85% 2.1 times); the two
+/// thresholds gave 16 pods 1.30-1.34x, 80 pods 1.31-1.32x, 1,024 pods unchanged (0.73-0.75x).
+const TABLE_FULL_PERCENT: usize = 85;
+
+/// See [`TABLE_FULL_PERCENT`].
+const TABLE_CHURN_PERCENT: usize = 60;
+
 /// Members per engine in the other-tiers set (bit `t` for tier `t`; GPU has its own set).
 const TIERS: u32 = 4;
 
@@ -292,10 +308,15 @@ impl RunIndex {
         }
     }
 
-    /// Grows the table before a batch of up to `more` new blocks could fill it past 85%; the
-    /// new table is published to readers (those on the old one finish on it).
+    /// Rebuilds the table before a batch of up to `more` new blocks could fill it past
+    /// [`TABLE_FULL_PERCENT`] (or [`TABLE_CHURN_PERCENT`] with many tombstones); the new
+    /// table is published to readers (those on the old one finish on it).
     fn reserve(&mut self, more: usize) {
-        if (self.table_used + more) * 20 <= self.table.capacity() * 17 {
+        let filled = (self.table_used + more) * 100;
+        let tombstones = self.table_used - self.table_live;
+        let churned = filled > self.table.capacity() * TABLE_CHURN_PERCENT
+            && tombstones * 3 >= self.table_used;
+        if filled <= self.table.capacity() * TABLE_FULL_PERCENT && !churned {
             return;
         }
         let capacity = ((self.table_live + more) * 5 / 2).max(1024);

@@ -394,6 +394,60 @@ fn a_full_index_drops_new_blocks_and_counts_them() {
 }
 
 #[test]
+fn a_churning_table_is_rebuilt_before_tombstones_fill_it_and_keeps_every_block() {
+    use super::{TABLE_CHURN_PERCENT, TABLE_FULL_PERCENT};
+    // A steady 3,000 blocks, each stored alone and removed in a random order later: the
+    // table fills with tombstones, never with more live entries.
+    let live = 3_000;
+    let mut rng = SplitMix64::new(12);
+    let mut index = RunIndex::new(12, CAPACITY);
+    let reader = index.reader().clone();
+    let mut held: Vec<BlockHash> = Vec::new();
+    let mut rebuilds = 0;
+    let mut table = std::sync::Arc::as_ptr(&index.table);
+    for step in 0..60_000 {
+        let hash = BlockHash::new(mix64(step as u64 ^ 0xC0FFEE) | 1);
+        index.store(0, Tier::Gpu, None, &[hash]);
+        held.push(hash);
+        if held.len() > live {
+            let gone = held.swap_remove(rng.below(held.len() as u64) as usize);
+            index.remove(0, Tier::Gpu, &[gone]);
+            assert!(
+                reader.lookup(gone).is_empty(),
+                "step {step}: a removed block stays"
+            );
+        }
+        let (used, slots) = (index.table_used, index.table.capacity());
+        let tombstones = used - index.table_live;
+        assert!(
+            used * 100 <= slots * TABLE_FULL_PERCENT,
+            "step {step}: over full"
+        );
+        assert!(
+            used * 100 <= slots * TABLE_CHURN_PERCENT || tombstones * 3 < used + 3,
+            "step {step}: {tombstones} tombstones of {used} used in {slots} slots"
+        );
+        if std::sync::Arc::as_ptr(&index.table) != table {
+            rebuilds += 1;
+            table = std::sync::Arc::as_ptr(&index.table);
+        }
+    }
+    assert!(rebuilds > 5, "tombstones made rebuilds ({rebuilds})");
+    let slots = index.table.capacity();
+    assert!(
+        slots <= live * 3,
+        "churn does not grow the table: {slots} slots for {live} blocks"
+    );
+    for &hash in &held {
+        assert_eq!(
+            reader.lookup(hash),
+            [(0, Tier::Gpu)],
+            "a held block is found"
+        );
+    }
+}
+
+#[test]
 fn export_lists_every_membership_of_an_engine() {
     for seed in 0..4 {
         let mut index = RunIndex::new(seed, CAPACITY);
