@@ -102,7 +102,7 @@ impl Indexer {
     }
 
     /// [`Indexer::apply_batch_at`] with the instant asked for only when a recorded routing
-    /// needs it (reading the wall clock was 8% of a one-event batch's cost, `perf`).
+    /// needs it (a clock read per batch is not free: see [`coarse_millis`](super::coarse_millis)).
     fn apply_batch_when(
         &self,
         model: &str,

@@ -71,11 +71,8 @@ const PREFETCH_AHEAD: usize = 12;
 /// misses, and a linear probe's miss reads about `(1 + 1 / (1 - load)^2) / 2` slots: 23 at
 /// 85%, under 4 at 60%. A table that only grows is rebuilt at 85% (each rebuild then more than
 /// doubles it); one that churns at a steady size fills with tombstones, and a rebuild at 60%
-/// costs a copy of the same size, not more memory. `benches/peers` (2026-11-25, three rounds
-/// per line, two alternations, apply rate vs SMG's): 60% for every rebuild raised 16 pods
-/// from 1.04-1.17x to 1.20-1.27x but cost the growing fleets (80 pods 0.95-1.11x against
-/// 1.14-1.42x; a rebuild at 60% grows the table 1.5 times, at 85% 2.1 times); the two
-/// thresholds gave 16 pods 1.30-1.34x, 80 pods 1.31-1.32x, 1,024 pods unchanged (0.73-0.75x).
+/// costs a copy of the same size, not more memory. Measured in docs/benchmarks.md ("Table
+/// rebuilds: churn and growth"), with the variants that were not kept.
 const TABLE_FULL_PERCENT: usize = 85;
 
 /// See [`TABLE_FULL_PERCENT`].
