@@ -48,9 +48,9 @@ pub use events::{
 
 /// The block index (`index`).
 pub use index::{
-    EngineDirectory, EngineId, EngineKey, EngineScore, IndexConfig, IndexConfigError, IndexEngine,
-    IndexStats, IndexWriter, KeyBudget, ModelIndex, RunIndex, RunReader, RunScratch, RunStats,
-    StoreOutcome, Tier, TierWeights, MAX_ENGINES, MAX_RUN_ENGINES, MAX_WRITER_LANES,
+    DenseView, EngineDirectory, EngineId, EngineKey, EngineScore, IndexConfig, IndexConfigError,
+    IndexEngine, IndexStats, IndexWriter, KeyBudget, ModelIndex, RunIndex, RunReader, RunScratch,
+    RunStats, StoreOutcome, Tier, TierWeights, MAX_ENGINES, MAX_RUN_ENGINES, MAX_WRITER_LANES,
 };
 
 /// The facade transports call (`indexer`).

@@ -13,9 +13,11 @@
 //!   directory it was scored against (a `ScoreResult` keeps it);
 //! - pod indexes and engine ids stay dense: free slots at the end are dropped, so memory
 //!   follows the pods known now, not every pod ever seen.
+//! - a directory value's [`DenseView`] describes that value: it is built from it on first use,
+//!   and every published value starts without one.
 
 use std::collections::BTreeSet;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 use super::types::{EngineId, EngineKey};
 
@@ -48,6 +50,70 @@ pub struct EngineDirectory {
     names: imbl::Vector<Option<Arc<str>>>,
     /// Engine id -> rank and pod index (`None`: free).
     engines: imbl::Vector<Option<EngineEntry>>,
+    /// The same facts as plain arrays, built on first use (never in the registry's master
+    /// copy: [`DirectoryBuilder::publish`] hands out each value with an empty one).
+    dense: OnceLock<Arc<DenseView>>,
+}
+
+/// What a score reads of a directory, as plain arrays: an engine's pod, and the pods in name
+/// order. One directory value's view is built once, by the first score that reads it (O(pods +
+/// engines)); the persistent maps stay what a registration changes. At 1,024 pods, looking
+/// engines up in them, walking the name-ordered map and comparing names while sorting were
+/// most of a score's time (docs/benchmarks.md, "The facade at 1,024 pods").
+#[derive(Debug, Default)]
+pub struct DenseView {
+    /// Engine id -> pod index ([`NO_POD`]: a free id).
+    pod_of: Vec<u32>,
+    /// Pod indexes in name order.
+    name_order: Vec<u32>,
+    /// Pod index -> its position in `name_order` ([`NO_POD`]: a free index).
+    name_rank: Vec<u32>,
+}
+
+/// No pod: a free engine id or pod index in a [`DenseView`].
+pub const NO_POD: u32 = u32::MAX;
+
+impl DenseView {
+    fn of(d: &EngineDirectory) -> Self {
+        let pod_of = d
+            .engines
+            .iter()
+            .map(|e| e.map_or(NO_POD, |entry| entry.pod))
+            .collect();
+        let name_order: Vec<u32> = d.by_name.values().map(|entry| entry.index).collect();
+        let mut name_rank = vec![NO_POD; d.names.len()];
+        for (rank, &p) in name_order.iter().enumerate() {
+            if let Some(slot) = name_rank.get_mut(p as usize) {
+                *slot = rank as u32;
+            }
+        }
+        Self {
+            pod_of,
+            name_order,
+            name_rank,
+        }
+    }
+
+    /// The pod index of an engine.
+    #[inline]
+    pub fn pod_of(&self, engine: EngineId) -> Option<u32> {
+        self.pod_of
+            .get(engine as usize)
+            .copied()
+            .filter(|&p| p != NO_POD)
+    }
+
+    /// Every pod's index, in name order.
+    pub fn name_order(&self) -> &[u32] {
+        &self.name_order
+    }
+
+    /// Pod index `p`'s position in name order: comparing two pods' ranks compares their
+    /// names ([`NO_POD`] for a free index).
+    #[inline]
+    pub fn name_rank(&self, p: u32) -> u32 {
+        self.name_rank.get(p as usize).copied().unwrap_or(NO_POD)
+    }
 }
 
 /// The registry's master copy of the directory, with the free pod indexes (kept out of the
@@ -62,7 +128,10 @@ pub(super) struct DirectoryBuilder {
 impl DirectoryBuilder {
     /// The directory as it is now, for readers: O(1), shares every node.
     pub(super) fn publish(&self) -> EngineDirectory {
-        self.directory.clone()
+        EngineDirectory {
+            dense: OnceLock::new(),
+            ..self.directory.clone()
+        }
     }
 
     /// Records engine `id` as `key` (registration). `id` must be free.
@@ -159,6 +228,18 @@ impl EngineDirectory {
     /// The engines (DP ranks) of a pod.
     pub fn engines_of(&self, pod: &str) -> &[EngineId] {
         self.by_name.get(pod).map_or(&[], |entry| &entry.engines)
+    }
+
+    /// A pod's index and engines, in one lookup.
+    pub fn pod_entry(&self, pod: &str) -> Option<(u32, &[EngineId])> {
+        self.by_name
+            .get(pod)
+            .map(|entry| (entry.index, &*entry.engines))
+    }
+
+    /// The directory as plain arrays (built by the first call on this value).
+    pub fn dense(&self) -> &DenseView {
+        self.dense.get_or_init(|| Arc::new(DenseView::of(self)))
     }
 
     /// The engine of `pod` at `rank`, if registered.

@@ -70,7 +70,7 @@ use parking_lot::Mutex;
 
 use crate::BlockHash;
 use directory::DirectoryBuilder;
-pub use directory::EngineDirectory;
+pub use directory::{DenseView, EngineDirectory, NO_POD};
 use run_lane::RunLane;
 pub use runs::{RunIndex, RunReader, RunScratch, RunStats, MAX_RUN_ENGINES};
 use slab::Slab;

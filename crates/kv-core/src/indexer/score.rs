@@ -13,7 +13,7 @@ use thiserror::Error;
 
 use super::{Indexer, ModelState};
 use crate::hashing::{HashScratch, RequestExtras};
-use crate::index::{EngineDirectory, EngineId, EngineScore, TierWeights};
+use crate::index::{EngineDirectory, EngineId, EngineScore, TierWeights, NO_POD};
 use crate::marks::RoundMarks;
 use crate::BlockHash;
 
@@ -110,6 +110,8 @@ pub const ALL_PODS: &[&str] = &[];
 struct PodScratch {
     /// The candidates' engine ids.
     candidates: Vec<EngineId>,
+    /// Each candidate's pod index, in the caller's order (`NO_POD`: unknown to the index).
+    candidate_pods: Vec<u32>,
     /// The index's per-engine result.
     engines: Vec<EngineScore>,
     /// The pods holding the prompt's first block in this call...
@@ -286,10 +288,13 @@ impl Indexer {
         let directory = state.index.directory();
         out.scores.clear();
         out.unknown.clear();
+        let dense = directory.dense();
         s.candidates.clear();
+        s.candidate_pods.clear();
         for pod in pods {
-            let ids = directory.engines_of(pod.as_ref());
+            let (p, ids) = directory.pod_entry(pod.as_ref()).unwrap_or((NO_POD, &[]));
             s.candidates.extend_from_slice(ids);
+            s.candidate_pods.push(p);
         }
         let restrict = (!pods.is_empty()).then_some(s.candidates.as_slice());
         state
@@ -301,7 +306,7 @@ impl Indexer {
             s.best.resize(directory.pod_slots(), (0.0, 0, 0));
         }
         for e in &s.engines {
-            let Some(p) = directory.pod_of(e.engine) else {
+            let Some(p) = dense.pod_of(e.engine) else {
                 continue;
             };
             let slot = &mut s.best[p as usize];
@@ -334,7 +339,7 @@ impl Indexer {
         // their order (name order, or the caller's).
         for holders in [true, false] {
             if pods.is_empty() {
-                for (_, p) in directory.pods() {
+                for &p in dense.name_order() {
                     let triple = score_of(p);
                     if (triple.1 > 0) == holders {
                         push(out, PodRef::Known(p), triple);
@@ -353,9 +358,9 @@ impl Indexer {
                 s.listed.next_round();
                 s.spec_listed.next_round();
                 s.unknown.clear();
-                for pod in pods {
+                for (pod, &p) in pods.iter().zip(&s.candidate_pods) {
                     let name = pod.as_ref();
-                    if let Some(p) = directory.pod_index(name) {
+                    if p != NO_POD {
                         let triple = score_of(p);
                         if (triple.1 > 0) == holders && s.listed.mark(p as usize) {
                             push(out, PodRef::Known(p), triple);
@@ -386,11 +391,18 @@ impl Indexer {
                         .map_or("", |n| n),
                     PodRef::Unknown(_) => "",
                 };
+                // Two known pods compare by name rank: no name is read.
+                let by_name = |a: &PodScore, b: &PodScore| match (a.pod, b.pod) {
+                    (PodRef::Known(i), PodRef::Known(j)) => {
+                        dense.name_rank(i).cmp(&dense.name_rank(j))
+                    }
+                    _ => name(a).cmp(name(b)),
+                };
                 out.scores.sort_unstable_by(|a, b| {
                     b.score
                         .total_cmp(&a.score)
                         .then(b.matched_blocks.cmp(&a.matched_blocks))
-                        .then_with(|| name(a).cmp(name(b)))
+                        .then_with(|| by_name(a, b))
                 });
             }
         }
