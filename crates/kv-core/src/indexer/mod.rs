@@ -27,6 +27,7 @@ use std::sync::Arc;
 
 mod apply;
 mod hash_check;
+mod order;
 mod routings;
 mod score;
 mod speculation;

@@ -11,9 +11,10 @@ use std::sync::Arc;
 
 use thiserror::Error;
 
+use super::order::{group_in_name_order, holder_order, GroupScratch};
 use super::{Indexer, ModelState};
 use crate::hashing::{HashScratch, RequestExtras};
-use crate::index::{DenseView, EngineDirectory, EngineId, EngineScore, TierWeights, NO_POD};
+use crate::index::{EngineDirectory, EngineId, EngineScore, TierWeights, NO_POD};
 use crate::marks::RoundMarks;
 use crate::BlockHash;
 
@@ -133,26 +134,8 @@ struct PodScratch {
     listed: RoundMarks,
     /// Candidates unknown to the index already listed in this call.
     unknown: HashSet<Box<str>>,
-}
-
-/// A known pod's place among holders as one integer, ascending: score descending (in
-/// `f64::total_cmp`'s order), then matched blocks descending, then name (its rank in `dense`).
-#[inline]
-fn holder_order(p: &PodScore, dense: &DenseView) -> u128 {
-    let rank = match p.pod {
-        PodRef::Known(i) => dense.name_rank(i),
-        PodRef::Speculative(_) | PodRef::Unknown(_) => u32::MAX,
-    };
-    holder_key(p.score, p.matched_blocks, rank)
-}
-
-/// See [`holder_order`].
-#[inline]
-fn holder_key(score: f64, matched_blocks: u32, rank: u32) -> u128 {
-    let bits = score.to_bits() as i64;
-    // `total_cmp`'s key, then flipped to unsigned order: ascending with the score.
-    let score = ((bits ^ (((bits >> 63) as u64) >> 1) as i64) as u64) ^ (1 << 63);
-    ((!score as u128) << 64) | (((u32::MAX - matched_blocks) as u128) << 32) | rank as u128
+    /// The holders' ordering.
+    groups: GroupScratch,
 }
 
 impl Indexer {
@@ -359,7 +342,7 @@ impl Indexer {
         // their order (name order, or the caller's).
         for holders in [true, false] {
             if pods.is_empty() {
-                // In name order: the holders' sort below then finds ties already in order.
+                // In name order: the holders keep it within each (score, matched) group.
                 for &p in dense.name_order() {
                     let triple = score_of(p);
                     if (triple.1 > 0) == holders {
@@ -419,7 +402,10 @@ impl Indexer {
                     }
                     _ => name(a).cmp(name(b)),
                 };
-                if out.scores.iter().all(|p| matches!(p.pod, PodRef::Known(_))) {
+                let known = out.scores.iter().all(|p| matches!(p.pod, PodRef::Known(_)));
+                if known && pods.is_empty() && group_in_name_order(&mut out.scores, &mut s.groups) {
+                    // Listed in name order: placed by (score, matched) group.
+                } else if known {
                     // Known pods only (no speculative holder): one integer key per pod.
                     out.scores.sort_unstable_by_key(|p| holder_order(p, dense));
                 } else {
@@ -497,30 +483,5 @@ impl Indexer {
             }
         }
         Some(sdir)
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::holder_key;
-    use crate::SplitMix64;
-
-    #[test]
-    fn the_holder_key_orders_as_the_comparator_does() {
-        let scores = [0.0, -0.0, 0.5, 1.0, 1.5, 2.0, 1e9, -1.0, f64::INFINITY];
-        let mut rng = SplitMix64::new(7);
-        let mut pods: Vec<(f64, u32, u32)> = (0..2_000)
-            .map(|i| {
-                let score = scores[(rng.next_u64() % scores.len() as u64) as usize];
-                (score, (rng.next_u64() % 4) as u32, i)
-            })
-            .collect();
-        let mut by_key = pods.clone();
-        by_key.sort_unstable_by_key(|&(s, m, r)| holder_key(s, m, r));
-        pods.sort_unstable_by(|a, b| b.0.total_cmp(&a.0).then(b.1.cmp(&a.1)).then(a.2.cmp(&b.2)));
-        let bits = |v: &[(f64, u32, u32)]| -> Vec<(u64, u32, u32)> {
-            v.iter().map(|&(s, m, r)| (s.to_bits(), m, r)).collect()
-        };
-        assert_eq!(bits(&by_key), bits(&pods));
     }
 }
