@@ -136,6 +136,8 @@ struct PodScratch {
     unknown: HashSet<Box<str>>,
     /// The holders' ordering.
     groups: GroupScratch,
+    /// Known pods that hold nothing of the prompt, in name order (listed after the holders).
+    others: Vec<u32>,
 }
 
 impl Indexer {
@@ -342,12 +344,25 @@ impl Indexer {
         // their order (name order, or the caller's).
         for holders in [true, false] {
             if pods.is_empty() {
-                // In name order: the holders keep it within each (score, matched) group.
-                for &p in dense.name_order() {
-                    let triple = score_of(p);
-                    if (triple.1 > 0) == holders {
-                        push(out, PodRef::Known(p), triple);
+                // In name order: the holders keep it within each (score, matched) group. One
+                // pass: the others are set aside for the second round.
+                if holders {
+                    s.others.clear();
+                    for &p in dense.name_order() {
+                        let triple = score_of(p);
+                        if triple.1 > 0 {
+                            push(out, PodRef::Known(p), triple);
+                        } else {
+                            s.others.push(p);
+                        }
                     }
+                } else {
+                    out.scores.extend(s.others.iter().map(|&p| PodScore {
+                        pod: PodRef::Known(p),
+                        score: 0.0,
+                        matched_blocks: 0,
+                        speculative_blocks: 0,
+                    }));
                 }
                 if let Some(sdir) = &speculative {
                     for (name, sp) in sdir.pods() {
