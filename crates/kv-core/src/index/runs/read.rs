@@ -16,7 +16,7 @@
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
 
-use super::cells::{id_slot, run_slot, Run, NONE};
+use super::cells::{id_slot, run_slot, IdSlot, Run, NONE};
 use super::{RunHolders, Shared, WINDOW};
 use crate::index::table::Table;
 use crate::index::types::{EngineId, EngineScore, Tier, TierWeights};
@@ -30,6 +30,12 @@ const RETRIES: usize = 64;
 /// Sections of one block's run that the writer wrote during, before a reader gives it up: a
 /// bound on a writer that rewrites one run back to back for as long as a reader reads.
 const CHANGES: usize = 4096;
+
+/// Ids past a block a walk jumps to whose slots it prefetches before reading the block's run:
+/// the stretch it compares next (24 lines), fetched while the run slot, a dependent miss, is
+/// read. 96 and 256 ids gave the same query p99 (docs/benchmarks.md, "Where the 16-pod query
+/// p99 goes").
+const STRETCH_AHEAD: usize = 96;
 
 /// Spins before a reader waiting for a write to end yields its thread (the writer may have
 /// been descheduled inside the write).
@@ -192,18 +198,23 @@ impl Shared {
     /// Reads block `hash` (found from `parent`) under its run's seqlock, running `inside` on
     /// the run while the section is open; `None` when the block is not in the index (or kept
     /// failing its checks). What `inside` computed is valid only when this returns `Some`.
+    /// A walk (`walk`) prefetches the ids after the block first ([`STRETCH_AHEAD`]).
     #[inline]
     fn read_block(
         &self,
         table: &Table,
         parent: Option<u32>,
         hash: u64,
+        walk: bool,
         mut inside: impl FnMut(u32, u32, &Run),
     ) -> Option<Found> {
         let mut from = parent;
         let (mut failed, mut changed) = (0, 0);
         while failed < RETRIES && changed < CHANGES {
             let id = self.locate(table, from, hash)?;
+            if walk {
+                self.prefetch_stretch(id);
+            }
             from = None; // a retry goes through the table
             let slot = id_slot(&self.ids, id);
             let r = slot.run();
@@ -238,10 +249,20 @@ impl Shared {
         None
     }
 
+    /// Prefetches the id slots after `id` (a line each four ids, to [`STRETCH_AHEAD`] or the
+    /// chunk's end).
+    #[inline]
+    fn prefetch_stretch(&self, id: u32) {
+        let tail = self.ids.tail(id);
+        for slot in tail.iter().take(STRETCH_AHEAD).skip(4).step_by(4) {
+            crate::memory::prefetch_read(slot as *const IdSlot as *const u8);
+        }
+    }
+
     fn lookup(&self, hash: BlockHash) -> Vec<(EngineId, Tier)> {
         let table = self.table.load();
         let mut out = Vec::new();
-        let read = self.read_block(&table, None, hash.get(), |_, _, run| {
+        let read = self.read_block(&table, None, hash.get(), false, |_, _, run| {
             out.clear();
             let members = run.holders.members(&self.words);
             out.extend(members.map(|(e, t)| (e, Tier::from_bits(t))));
@@ -267,7 +288,7 @@ impl Shared {
         let table = self.table.load();
         let words = &self.words;
         // The first block: its holders (those `admit` accepts) start the walk.
-        let found = self.read_block(&table, None, first.get(), |_, _, run| {
+        let found = self.read_block(&table, None, first.get(), true, |_, _, run| {
             s.alive.clear();
             for w in run.holders.engine_windows() {
                 let mut engines = run.holders.engines_of(w, words);
@@ -323,12 +344,18 @@ impl Shared {
             }
             // Where the stretch ends: the next block, wherever it is.
             let (run, seq) = (at.run, at.seq);
-            let next = self.read_block(&table, Some(at.id), prompt[j + 1].get(), |r, q, cell| {
-                if r != run || q != seq {
-                    let (held, deltas) = (&mut s.held, &mut s.next_deltas);
-                    read_holders(&cell.holders, &s.alive, &best, words, held, deltas);
-                }
-            });
+            let next = self.read_block(
+                &table,
+                Some(at.id),
+                prompt[j + 1].get(),
+                true,
+                |r, q, cell| {
+                    if r != run || q != seq {
+                        let (held, deltas) = (&mut s.held, &mut s.next_deltas);
+                        read_holders(&cell.holders, &s.alive, &best, words, held, deltas);
+                    }
+                },
+            );
             let Some(next) = next else {
                 break; // block `j + 1` is held by none of them
             };
