@@ -147,7 +147,10 @@ pub(super) struct RunSlot {
     gpu_len: AtomicU32,
     other_base: AtomicU32,
     other_len: AtomicU32,
-    _pad: AtomicU32,
+    /// The run the chain went on in after this run's last block, plus one (0: none): where
+    /// its last store that jumped ids went. A hint a walk prefetches on entering the run;
+    /// written outside the seqlock and never trusted.
+    after: AtomicU32,
     gpu_word: AtomicU64,
     other_word: AtomicU64,
 }
@@ -166,7 +169,7 @@ impl RunSlot {
             gpu_len: AtomicU32::new(0),
             other_base: AtomicU32::new(0),
             other_len: AtomicU32::new(0),
-            _pad: AtomicU32::new(0),
+            after: AtomicU32::new(0),
             gpu_word: AtomicU64::new(0),
             other_word: AtomicU64::new(0),
         }
@@ -237,6 +240,19 @@ impl RunSlot {
             self.start.store(start, Relaxed);
             self.end.store(end, Relaxed);
         });
+        stored();
+    }
+
+    /// The run hinted to follow this one ([`NONE`]: none; a hint, possibly stale).
+    #[inline(always)]
+    pub fn after(&self) -> u32 {
+        self.after.load(Relaxed).wrapping_sub(1)
+    }
+
+    /// Hints that the chain goes on in run `r` after this run.
+    #[inline(always)]
+    pub fn set_after(&self, r: u32) {
+        self.after.store(r.wrapping_add(1), Relaxed);
         stored();
     }
 

@@ -305,6 +305,20 @@ impl RunIndex {
         }
     }
 
+    /// Hints, on `parent`'s run when `parent` is its last block, that the chain goes on in
+    /// `child`'s run (where `child` is not the next id): a walk entering the run prefetches
+    /// that run's slot.
+    #[inline]
+    fn hint_after(&self, parent: u32, child: u32) {
+        if child == parent + 1 {
+            return;
+        }
+        let cell = self.run_slot(self.id(parent).run());
+        if cell.end() == parent + 1 {
+            cell.set_after(self.id(child).run());
+        }
+    }
+
     /// Rebuilds the table before a batch of up to `more` new blocks could fill it past
     /// [`TABLE_FULL_PERCENT`] (or [`TABLE_CHURN_PERCENT`] with many tombstones); the new
     /// table is published to readers (those on the old one finish on it).

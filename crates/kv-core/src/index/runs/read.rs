@@ -16,7 +16,7 @@
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
 
-use super::cells::{id_slot, run_slot, IdSlot, Run, NONE};
+use super::cells::{id_slot, run_slot, IdSlot, Run, RunSlot, NONE};
 use super::{RunHolders, Shared, WINDOW};
 use crate::index::table::Table;
 use crate::index::types::{EngineId, EngineScore, Tier, TierWeights};
@@ -324,6 +324,14 @@ impl Shared {
         while j + 1 < prompt.len() && !s.alive.is_empty() {
             // Inside the run (one holder set): the next ids hold the next blocks for as long
             // as their hashes agree; one pass over the slots, kept if the run did not change.
+            // Where the chain last went on after this run: its slot, fetched while the run's
+            // hashes are compared (a hint; the hop reads it under its seqlock).
+            let after = run_slot(&self.runs, at.run).after();
+            if after != NONE {
+                crate::memory::prefetch_read(
+                    run_slot(&self.runs, after) as *const RunSlot as *const u8
+                );
+            }
             let slots = self.ids.tail(at.id + 1);
             let room = (at.end - at.id - 1) as usize;
             let slots = &slots[..slots.len().min(room)];

@@ -63,6 +63,7 @@ impl RunIndex {
             });
             if let (Some(p), Some(id)) = (prev, found) {
                 self.link(p, id);
+                self.hint_after(p, id);
             }
             let Some(id) = found else {
                 prev = self.add_block(engine, tier as u32, prev, h);
@@ -162,6 +163,9 @@ impl RunIndex {
         let r = self.merge_right(r);
         self.set_referenced(r);
         self.note_range(engine, id, id + 1);
+        if let Some(p) = prev {
+            self.hint_after(p, id);
+        }
         Some(id)
     }
 

@@ -311,6 +311,34 @@ fn a_hole_splits_a_run_and_a_refill_merges_it_back() {
 }
 
 #[test]
+fn a_run_hints_the_run_its_chain_went_on_in_last() {
+    let mut rng = SplitMix64::new(12);
+    let chain = prompts(1, 60, &mut rng).remove(0);
+    let branch = prompts(1, 20, &mut rng).remove(0);
+    let other = prompts(1, 10, &mut rng).remove(0);
+    let mut index = RunIndex::new(3, CAPACITY);
+    let run_of = |index: &RunIndex, h: BlockHash| {
+        let id = index.find(h.get()).expect("indexed");
+        index.id(id).run()
+    };
+    index.store(0, Tier::Gpu, None, &chain[..30]);
+    // Another chain takes the ids after it, so the continuation jumps.
+    index.store(1, Tier::Gpu, None, &other);
+    index.store(0, Tier::Gpu, Some(chain[29]), &chain[30..]);
+    let first = index.run_slot(run_of(&index, chain[29]));
+    assert_eq!(
+        first.end(),
+        index.find(chain[29].get()).expect("indexed") + 1
+    );
+    assert_eq!(first.after(), run_of(&index, chain[30]));
+    // A second child of the same block, stored later, becomes the hint.
+    index.store(2, Tier::Gpu, Some(chain[29]), &branch);
+    let first = index.run_slot(run_of(&index, chain[29]));
+    assert_eq!(first.after(), run_of(&index, branch[0]));
+    assert_ne!(run_of(&index, branch[0]), run_of(&index, chain[30]));
+}
+
+#[test]
 fn tail_first_removal_relabels_one_block_per_event() {
     let mut rng = SplitMix64::new(4);
     let chain = prompts(1, 1000, &mut rng).remove(0);
