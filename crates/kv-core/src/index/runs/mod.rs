@@ -18,7 +18,10 @@
 //! comparing `hashes[id + 1]` with the event's next hash, without probing), plus the relabels of
 //! split-off parts; only a block leaving the index pays a table delete. A query compares the
 //! prompt's next hash with `hashes[id + 1]` (sequential memory) and probes only where the chain
-//! leaves the stretch; it intersects holder sets only where the run changes.
+//! leaves the stretch; it intersects holder sets only where the run changes. Two prefetches
+//! hide most of a jump: a run's slot names the run its chain last went on in (a hint kept
+//! outside the seqlock, never trusted), fetched on entering the run, and the ids after a block
+//! jumped to are fetched before its run is read.
 //!
 //! Concurrency: [`RunIndex`] is the writer (`&mut self`); [`RunReader`]s (any number, any
 //! thread) score and look up without a lock. Ids, runs and pooled words are atomics in chunks
