@@ -418,12 +418,13 @@ impl Indexer {
                     _ => name(a).cmp(name(b)),
                 };
                 let known = out.scores.iter().all(|p| matches!(p.pod, PodRef::Known(_)));
-                if known && pods.is_empty() && group_in_name_order(&mut out.scores, &mut s.groups) {
-                    // Listed in name order: placed by (score, matched) group.
-                } else if known {
+                // Listed in name order (every pod, none speculative): placed by group.
+                let grouped =
+                    known && pods.is_empty() && group_in_name_order(&mut out.scores, &mut s.groups);
+                if !grouped && known {
                     // Known pods only (no speculative holder): one integer key per pod.
                     out.scores.sort_unstable_by_key(|p| holder_order(p, dense));
-                } else {
+                } else if !grouped {
                     out.scores.sort_unstable_by(|a, b| {
                         b.score
                             .total_cmp(&a.score)

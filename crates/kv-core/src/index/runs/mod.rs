@@ -299,23 +299,15 @@ impl RunIndex {
         (next != cells::NONE && self.is_block(next, hash)).then_some(next)
     }
 
-    /// Records that block `child` continues block `parent`'s chain (a hint, where it is not
-    /// the next id).
+    /// Records that block `child` (already in its run) continues block `parent`'s chain, where
+    /// it is not the next id: the parent's hint names it, and when the parent ends its run,
+    /// that run's slot names `child`'s run (a walk entering the run prefetches that slot).
     #[inline]
     fn link(&self, parent: u32, child: u32) {
-        if child != parent + 1 {
-            self.id(parent).set_next(child);
-        }
-    }
-
-    /// Hints, on `parent`'s run when `parent` is its last block, that the chain goes on in
-    /// `child`'s run (where `child` is not the next id): a walk entering the run prefetches
-    /// that run's slot.
-    #[inline]
-    fn hint_after(&self, parent: u32, child: u32) {
         if child == parent + 1 {
             return;
         }
+        self.id(parent).set_next(child);
         let cell = self.run_slot(self.id(parent).run());
         if cell.end() == parent + 1 {
             cell.set_after(self.id(child).run());

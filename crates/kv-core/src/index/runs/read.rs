@@ -322,8 +322,6 @@ impl Shared {
         // `since`: the prompt position where the current run started.
         let (mut j, mut since) = (0usize, 0usize);
         while j + 1 < prompt.len() && !s.alive.is_empty() {
-            // Inside the run (one holder set): the next ids hold the next blocks for as long
-            // as their hashes agree; one pass over the slots, kept if the run did not change.
             // Where the chain last went on after this run: its slot, fetched while the run's
             // hashes are compared (a hint; the hop reads it under its seqlock).
             let after = run_slot(&self.runs, at.run).after();
@@ -332,6 +330,8 @@ impl Shared {
                     run_slot(&self.runs, after) as *const RunSlot as *const u8
                 );
             }
+            // Inside the run (one holder set): the next ids hold the next blocks for as long
+            // as their hashes agree; one pass over the slots, kept if the run did not change.
             let slots = self.ids.tail(at.id + 1);
             let room = (at.end - at.id - 1) as usize;
             let slots = &slots[..slots.len().min(room)];

@@ -63,7 +63,6 @@ impl RunIndex {
             });
             if let (Some(p), Some(id)) = (prev, found) {
                 self.link(p, id);
-                self.hint_after(p, id);
             }
             let Some(id) = found else {
                 prev = self.add_block(engine, tier as u32, prev, h);
@@ -125,9 +124,6 @@ impl RunIndex {
         // The hash first: a reader trusts it once the id is inside a run.
         self.id(id).set_hash(hash);
         self.id(id).set_next(NONE);
-        if let Some(p) = prev {
-            self.link(p, id);
-        }
         // `insert` reports whether it reused a tombstone (a slot already counted as used).
         if !self.table.insert(hash, id) {
             self.table_used += 1;
@@ -164,7 +160,7 @@ impl RunIndex {
         self.set_referenced(r);
         self.note_range(engine, id, id + 1);
         if let Some(p) = prev {
-            self.hint_after(p, id);
+            self.link(p, id);
         }
         Some(id)
     }
