@@ -5,7 +5,8 @@
 //! - every block in the index has an id, whose slot holds its hash and its run (side by side:
 //!   a jump to an id reads one cache line); the table (shared with the v2 index: key-less
 //!   tagged slots) maps hash -> id. New blocks of a stored run take consecutive ids where free
-//!   ids allow, so a chain is a stretch of ids;
+//!   ids allow, so a chain is a stretch of ids ([`free`] picks a free range the stretch fits
+//!   in, or a long one, before short ones);
 //! - a **run** is a stretch of ids `start .. end` whose blocks all have one holder set. Runs
 //!   split where a store, a removal or a block leaving cuts them, and merge with a neighbour of
 //!   equal holders again, always relabelling the smaller side;
@@ -46,6 +47,7 @@
 #[allow(unsafe_code)] // `Zeroable` for the slots, each with its `SAFETY:` argument
 mod cells;
 mod evict;
+mod free;
 mod holders;
 mod read;
 mod surgery;
@@ -151,10 +153,9 @@ pub struct RunIndex {
     /// Run numbers handed out so far (live or free).
     runs_len: u32,
     free_runs: Vec<u32>,
-    /// Freed ids as ranges `start .. end`, newest last; an id taken by `prev + 1` stays in its
-    /// range until it is reached (checked when taken). Allocation takes a range from its start,
-    /// so a new run gets ascending ids, whichever order its ids were freed in.
-    free_ranges: Vec<(u32, u32)>,
+    /// Freed ids as ranges, by size ([`free`]): a new stretch gets ascending ids, whichever
+    /// order they were freed in, and few hops.
+    free: free::FreeIds,
     pool: WordPool,
     /// Per engine: id ranges it was given (stale entries allowed), so a clear walks its runs.
     ranges: Vec<Vec<(u32, u32)>>,
@@ -197,7 +198,7 @@ impl RunIndex {
             capacity,
             runs_len: 0,
             free_runs: Vec::new(),
-            free_ranges: Vec::new(),
+            free: free::FreeIds::default(),
             pool: WordPool::default(),
             ranges: Vec::new(),
             compacted: Vec::new(),
@@ -229,7 +230,7 @@ impl RunIndex {
             + self.reader.shared.words.allocated_bytes()
             + self.table.allocated_bytes()
             + self.free_runs.capacity() * 4
-            + self.free_ranges.capacity() * 8
+            + self.free.allocated_bytes()
             + self.ranges.iter().map(|r| r.capacity() * 8).sum::<usize>()
             + self.referenced.capacity() * 8
     }

@@ -1,6 +1,7 @@
 //! The run index's write path: stores, removals and clears (one writer, `&mut`).
 
-use super::cells::NONE;
+use super::cells::{NONE, SINK_ID};
+use super::free::SLACK;
 use super::{Cause, RunHolders, RunIndex, PREFETCH_AHEAD};
 use crate::index::types::{EngineId, Tier};
 use crate::index::StoreOutcome;
@@ -65,7 +66,7 @@ impl RunIndex {
                 self.link(p, id);
             }
             let Some(id) = found else {
-                prev = self.add_block(engine, tier as u32, prev, h);
+                prev = self.add_block(engine, tier as u32, prev, h, (hashes.len() - i) as u32);
                 if prev.is_some() {
                     outcome.added += 1;
                     held(hashes[i], true);
@@ -109,15 +110,17 @@ impl RunIndex {
     }
 
     /// A new block `hash` held by `engine` alone in `tier`, at `prev + 1` when that id is
-    /// free; `None` when every id is in use (counted).
+    /// free (else the first of a new stretch of up to `want` ids); `None` when every id is in
+    /// use (counted).
     fn add_block(
         &mut self,
         engine: EngineId,
         tier: u32,
         prev: Option<u32>,
         hash: u64,
+        want: u32,
     ) -> Option<u32> {
-        let Some(id) = self.alloc_id(prev) else {
+        let Some(id) = self.alloc_id(prev, want) else {
             self.stats.dropped_full += 1;
             return None;
         };
@@ -172,14 +175,15 @@ impl RunIndex {
             self.table_live -= 1;
         }
         self.id(id).set_hash(0);
-        self.free_id(id);
+        self.free.free(id);
         self.stats.blocks -= 1;
         self.stats.dropped_full += 1;
     }
 
-    /// A free id for a block after `prev`: `prev + 1` when free, else the newest freed range,
-    /// else a fresh id; `None` at capacity.
-    fn alloc_id(&mut self, prev: Option<u32>) -> Option<u32> {
+    /// A free id for a block after `prev`: `prev + 1` when free, else the first id of a new
+    /// stretch of up to `want` blocks ([`free`](super::free)'s order), else a fresh id; `None`
+    /// at capacity.
+    fn alloc_id(&mut self, prev: Option<u32>, want: u32) -> Option<u32> {
         if let Some(p) = prev {
             let next = p + 1;
             if next == self.ids_len {
@@ -187,20 +191,19 @@ impl RunIndex {
                     return Some(id);
                 }
             } else if next < self.ids_len && self.id(next).run() == NONE {
+                self.free.taken(next);
                 return Some(next);
             }
         }
-        while let Some(range) = self.free_ranges.last_mut() {
-            let id = range.0;
-            range.0 += 1;
-            if range.0 == range.1 {
-                self.free_ranges.pop();
-            }
-            if self.id(id).run() == NONE {
-                return Some(id);
-            }
+        let live = self.stats.blocks;
+        let spare = u64::from(self.ids_len) - live;
+        let fresh_ok = self.ids_len < self.capacity && spare * SLACK <= live;
+        let chunks = &self.id_chunks;
+        let is_free = |id| chunks.get(id, &SINK_ID).run() == NONE;
+        match self.free.take(want, fresh_ok, is_free) {
+            Some(id) => Some(id),
+            None => self.push_id(),
         }
-        self.push_id()
     }
 
     /// A fresh id (`ids_len`), its chunk allocated; `None` at capacity.
@@ -212,11 +215,6 @@ impl RunIndex {
         self.id_chunks.reach(id, &self.reader.shared.ids)?;
         self.ids_len += 1;
         Some(id)
-    }
-
-    /// Records `id` as free (see [`free_id`]).
-    fn free_id(&mut self, id: u32) {
-        free_id(&mut self.free_ranges, id);
     }
 
     /// Records that `engine` was given ids `start .. end` (extending its last range when
@@ -367,7 +365,7 @@ impl RunIndex {
                 }
                 // Zeroed before the id leaves its run: a reader in the run sees no block.
                 slot.set_hash(0);
-                free_id(&mut self.free_ranges, id);
+                self.free.free(id);
                 id += 1;
             }
         }
@@ -394,15 +392,5 @@ impl RunIndex {
         self.compacted[engine as usize] = 0;
         self.cursors[engine as usize] = NONE;
         removed
-    }
-}
-
-/// Records `id` as free in `ranges`, extending the newest range when adjacent (ascending or
-/// descending frees of a stretch make one range).
-fn free_id(ranges: &mut Vec<(u32, u32)>, id: u32) {
-    match ranges.last_mut() {
-        Some(range) if range.1 == id => range.1 += 1,
-        Some(range) if range.0 == id + 1 => range.0 = id,
-        _ => ranges.push((id, id + 1)),
     }
 }

@@ -339,6 +339,32 @@ fn a_run_hints_the_run_its_chain_went_on_in_last() {
 }
 
 #[test]
+fn a_new_chain_takes_the_free_range_it_fits_in_whole() {
+    let mut rng = SplitMix64::new(13);
+    let long = prompts(1, 300, &mut rng).remove(0);
+    let holed = prompts(1, 300, &mut rng).remove(0);
+    let new = prompts(1, 200, &mut rng).remove(0);
+    let mut index = RunIndex::new(4, CAPACITY);
+    index.store(0, Tier::Gpu, None, &long);
+    index.store(0, Tier::Gpu, None, &holed);
+    // 300 ids freed in one range, then fifteen holes of 10 ids (freed last: the newest).
+    index.remove(0, Tier::Gpu, &long);
+    for hole in holed.chunks(20) {
+        index.remove(0, Tier::Gpu, &hole[..10]);
+    }
+    index.store(1, Tier::Gpu, None, &new);
+    let first = index.find(new[0].get()).expect("indexed");
+    for (k, h) in new.iter().enumerate() {
+        assert_eq!(index.find(h.get()), Some(first + k as u32), "block {k}");
+    }
+    assert_eq!(
+        index.stats().runs,
+        15 + 1,
+        "the holed chain's pieces and the new chain"
+    );
+}
+
+#[test]
 fn tail_first_removal_relabels_one_block_per_event() {
     let mut rng = SplitMix64::new(4);
     let chain = prompts(1, 1000, &mut rng).remove(0);
