@@ -31,6 +31,14 @@ pub fn mix(hash: u64, seed: u64) -> u64 {
     x ^ (x >> 29)
 }
 
+/// Where an absent hash goes in a [`Table`] ([`Table::find_or_vacancy`]).
+#[derive(Debug, Clone, Copy)]
+pub struct Vacancy {
+    pos: usize,
+    tag: u32,
+    tombstone: bool,
+}
+
 /// One published version of the table.
 pub struct Table {
     slots: Box<[AtomicU64]>,
@@ -123,6 +131,45 @@ impl Table {
             pos = self.next(pos);
         }
         None
+    }
+
+    /// Writer: the id holding `hash`, or where it would be inserted (the first tombstone or
+    /// empty slot on its probe sequence): a lookup and the insert after it in one probe. The
+    /// vacancy holds until the table's next write.
+    #[inline(always)]
+    pub fn find_or_vacancy(&self, hash: u64, hash_of: impl Fn(u32) -> u64) -> Result<u32, Vacancy> {
+        let tag = mix(hash, self.seed) as u32;
+        let mut pos = self.home(tag);
+        let mut tombstone = None;
+        for _ in 0..self.slots.len() {
+            let slot = self.slots[pos].load(Ordering::Relaxed);
+            if slot == EMPTY {
+                break;
+            }
+            if slot == TOMBSTONE {
+                tombstone.get_or_insert(pos);
+            } else if (slot >> 32) as u32 == tag {
+                let id = (slot as u32).wrapping_sub(2);
+                if hash_of(id) == hash {
+                    return Ok(id);
+                }
+            }
+            pos = self.next(pos);
+        }
+        Err(Vacancy {
+            pos: tombstone.unwrap_or(pos),
+            tag,
+            tombstone: tombstone.is_some(),
+        })
+    }
+
+    /// Writer: records `id` at a vacancy [`Table::find_or_vacancy`] gave for its hash (no
+    /// write since). Returns whether it reused a tombstone.
+    #[inline(always)]
+    pub fn insert_at(&self, vacancy: Vacancy, id: u32) -> bool {
+        let entry = (vacancy.tag as u64) << 32 | (id as u64 + 2);
+        self.slots[vacancy.pos].store(entry, PROTOCOL.flag_publish);
+        vacancy.tombstone
     }
 
     /// Writer: records `hash -> id` (the caller knows `hash` is absent). Returns whether it
@@ -249,6 +296,43 @@ mod tests {
                 Some(id as u32),
                 "rebuilt keeps entries"
             );
+        }
+    }
+
+    #[test]
+    fn a_vacancy_is_where_insert_would_have_put_the_entry() {
+        // Two tables in lockstep: one probes twice (find, then insert), the other once
+        // (find_or_vacancy, then insert_at). Removals leave tombstones the insert must reuse
+        // first; the slots must agree after every step.
+        let (twice, once) = (Table::with_capacity(64, 9), Table::with_capacity(64, 9));
+        let mut hashes: Vec<u64> = Vec::new();
+        let mut live: Vec<u32> = Vec::new();
+        let mut x = 0x9E37_79B9_u64;
+        for _ in 0..5000 {
+            x = x
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            let hash_of = |id: u32| hashes.get(id as usize).copied().unwrap_or(0);
+            if live.len() < 40 && (x >> 60) < 9 {
+                let (id, h) = (hashes.len() as u32, x | 1);
+                assert_eq!(twice.find(h, hash_of), None);
+                let vacancy = once.find_or_vacancy(h, hash_of).expect_err("absent");
+                assert_eq!(twice.insert(h, id), once.insert_at(vacancy, id));
+                hashes.push(h);
+                live.push(id);
+            } else if !live.is_empty() {
+                let id = live.swap_remove((x >> 8) as usize % live.len());
+                let h = hashes[id as usize];
+                assert_eq!(once.find_or_vacancy(h, hash_of).ok(), Some(id));
+                assert_eq!(twice.remove(h, id), once.remove(h, id));
+            }
+            let slots = |t: &Table| {
+                t.slots
+                    .iter()
+                    .map(|s| s.load(Ordering::Relaxed))
+                    .collect::<Vec<_>>()
+            };
+            assert_eq!(slots(&twice), slots(&once));
         }
     }
 }

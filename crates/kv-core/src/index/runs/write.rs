@@ -3,6 +3,7 @@
 use super::cells::{NONE, SINK_ID};
 use super::free::SLACK;
 use super::{Cause, RunHolders, RunIndex, PREFETCH_AHEAD};
+use crate::index::table::Vacancy;
 use crate::index::types::{EngineId, Tier};
 use crate::index::StoreOutcome;
 use crate::BlockHash;
@@ -58,21 +59,34 @@ impl RunIndex {
             let h = hashes[i].get();
             // Only a block the chain's ids do not reach is probed for, and only then are the
             // next ones prefetched: inside a stretch they would be fetched for nothing.
-            let found = prev.and_then(|p| self.next_on_chain(p, h)).or_else(|| {
-                self.prefetch_ahead(hashes, i, &mut prefetched);
-                self.find(h)
-            });
-            if let (Some(p), Some(id)) = (prev, found) {
+            let found = match prev.and_then(|p| self.next_on_chain(p, h)) {
+                Some(id) => Ok(id),
+                None => {
+                    self.prefetch_ahead(hashes, i, &mut prefetched);
+                    self.table.find_or_vacancy(h, |id| self.id(id).hash())
+                }
+            };
+            if let (Some(p), Ok(id)) = (prev, found) {
                 self.link(p, id);
             }
-            let Some(id) = found else {
-                prev = self.add_block(engine, tier as u32, prev, h, (hashes.len() - i) as u32);
-                if prev.is_some() {
-                    outcome.added += 1;
-                    held(hashes[i], true);
+            let id = match found {
+                Ok(id) => id,
+                Err(vacancy) => {
+                    prev = self.add_block(
+                        engine,
+                        tier as u32,
+                        prev,
+                        h,
+                        (hashes.len() - i) as u32,
+                        vacancy,
+                    );
+                    if prev.is_some() {
+                        outcome.added += 1;
+                        held(hashes[i], true);
+                    }
+                    i += 1;
+                    continue;
                 }
-                i += 1;
-                continue;
             };
             let run = self.run_slot(self.id(id).run());
             // The run's next ids, as far as their hashes agree with the event's (one pass
@@ -119,6 +133,7 @@ impl RunIndex {
         prev: Option<u32>,
         hash: u64,
         want: u32,
+        vacancy: Vacancy,
     ) -> Option<u32> {
         let Some(id) = self.alloc_id(prev, want) else {
             self.stats.dropped_full += 1;
@@ -128,7 +143,7 @@ impl RunIndex {
         self.id(id).set_hash(hash);
         self.id(id).set_next(NONE);
         // `insert` reports whether it reused a tombstone (a slot already counted as used).
-        if !self.table.insert(hash, id) {
+        if !self.table.insert_at(vacancy, id) {
             self.table_used += 1;
         }
         self.table_live += 1;
