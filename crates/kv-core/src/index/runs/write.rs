@@ -48,6 +48,9 @@ impl RunIndex {
         let mut outcome = StoreOutcome::default();
         let mut prefetched = 0;
         let mut prev = parent.and_then(|p| self.find(p.get()));
+        // The run the last new block went into (held by `engine` in `tier` alone) while no
+        // block already indexed came since: the next new block joins it without comparing.
+        let mut lone = None;
         if parent.is_some() {
             outcome.orphan = !prev.is_some_and(|p| {
                 let holders = self.run_slot(self.id(p).run()).holders();
@@ -72,14 +75,9 @@ impl RunIndex {
             let id = match found {
                 Ok(id) => id,
                 Err(vacancy) => {
-                    prev = self.add_block(
-                        engine,
-                        tier as u32,
-                        prev,
-                        h,
-                        (hashes.len() - i) as u32,
-                        vacancy,
-                    );
+                    let want = (hashes.len() - i) as u32;
+                    prev = self.add_block(engine, tier as u32, prev, h, want, vacancy, lone);
+                    lone = prev.map(|id| self.id(id).run());
                     if prev.is_some() {
                         outcome.added += 1;
                         held(hashes[i], true);
@@ -88,6 +86,7 @@ impl RunIndex {
                     continue;
                 }
             };
+            lone = None;
             let run = self.run_slot(self.id(id).run());
             // The run's next ids, as far as their hashes agree with the event's (one pass
             // over the slots, to the run's end or the chunk's).
@@ -134,6 +133,7 @@ impl RunIndex {
         hash: u64,
         want: u32,
         vacancy: Vacancy,
+        lone: Option<u32>,
     ) -> Option<u32> {
         let Some(id) = self.alloc_id(prev, want) else {
             self.stats.dropped_full += 1;
@@ -152,11 +152,12 @@ impl RunIndex {
         let left = id.checked_sub(1).map(|l| self.id(l).run());
         let joins_left = left.filter(|&l| {
             l != NONE
-                && self.pool.same_run(
-                    &self.run_slot(l).holders(),
-                    &alone,
-                    &self.reader.shared.words,
-                )
+                && (lone == Some(l)
+                    || self.pool.same_run(
+                        &self.run_slot(l).holders(),
+                        &alone,
+                        &self.reader.shared.words,
+                    ))
         });
         let r = match joins_left {
             Some(l) => {
