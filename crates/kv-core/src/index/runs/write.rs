@@ -8,6 +8,19 @@ use crate::index::types::{EngineId, Tier};
 use crate::index::StoreOutcome;
 use crate::BlockHash;
 
+/// Where a new block goes ([`RunIndex::add_block`]).
+struct Placement {
+    /// The block before it on its chain: its id goes at `prev + 1` when that id is free.
+    prev: Option<u32>,
+    /// Blocks still to store (a new stretch takes a free range that fits them).
+    want: u32,
+    /// Its table slot, from the lookup that found it absent (no table write since).
+    vacancy: Vacancy,
+    /// The run the store's previous new block went into: held by the engine alone in the
+    /// tier, so the block joins it without comparing holder sets.
+    lone: Option<u32>,
+}
+
 impl RunIndex {
     /// Prefetches the table slots of the hashes up to [`PREFETCH_AHEAD`] past `i` (from where
     /// the last call stopped, or from `i` after a stretch skipped ahead).
@@ -75,8 +88,13 @@ impl RunIndex {
             let id = match found {
                 Ok(id) => id,
                 Err(vacancy) => {
-                    let want = (hashes.len() - i) as u32;
-                    prev = self.add_block(engine, tier as u32, prev, h, want, vacancy, lone);
+                    let at = Placement {
+                        prev,
+                        want: (hashes.len() - i) as u32,
+                        vacancy,
+                        lone,
+                    };
+                    prev = self.add_block(engine, tier as u32, h, at);
                     lone = prev.map(|id| self.id(id).run());
                     if prev.is_some() {
                         outcome.added += 1;
@@ -122,19 +140,15 @@ impl RunIndex {
         outcome
     }
 
-    /// A new block `hash` held by `engine` alone in `tier`, at `prev + 1` when that id is
-    /// free (else the first of a new stretch of up to `want` ids); `None` when every id is in
-    /// use (counted).
-    fn add_block(
-        &mut self,
-        engine: EngineId,
-        tier: u32,
-        prev: Option<u32>,
-        hash: u64,
-        want: u32,
-        vacancy: Vacancy,
-        lone: Option<u32>,
-    ) -> Option<u32> {
+    /// A new block `hash` held by `engine` alone in `tier`, placed as `at` says; `None` when
+    /// every id is in use (counted).
+    fn add_block(&mut self, engine: EngineId, tier: u32, hash: u64, at: Placement) -> Option<u32> {
+        let Placement {
+            prev,
+            want,
+            vacancy,
+            lone,
+        } = at;
         let Some(id) = self.alloc_id(prev, want) else {
             self.stats.dropped_full += 1;
             return None;
