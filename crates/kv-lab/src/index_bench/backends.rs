@@ -183,10 +183,11 @@ impl IndexBackend for RunIndexBackend {
     fn shape(&self) -> Option<String> {
         let s = self.index.stats();
         Some(format!(
-            "{:.1} runs per 1k blocks ({} runs, {} blocks); splits: {} join, {} hole, {} leave; {} merges; {} relabels",
+            "{:.1} runs per 1k blocks ({} runs, {} blocks, {:.3} ids per block); splits: {} join, {} hole, {} leave; {} merges; {} relabels",
             s.runs as f64 * 1000.0 / s.blocks.max(1) as f64,
             s.runs,
             s.blocks,
+            s.ids as f64 / s.blocks.max(1) as f64,
             s.splits_join,
             s.splits_hole,
             s.splits_leave,

@@ -7,7 +7,7 @@
 //! 1. from the shortest range as long as the blocks still to store (a fit; the longer ranges
 //!    stay whole for longer stretches);
 //! 2. from the longest range of at least [`MIN_STRETCH`] ids;
-//! 3. from fresh ids, while free ids stay under a [`SLACK`]th of the live ones (the caller
+//! 3. from fresh ids, while free ids are under a [`SLACK`]th of the live ones (the caller
 //!    decides: it knows both counts);
 //! 4. from the longest range there is; else fresh ids up to the capacity.
 //!
@@ -27,9 +27,11 @@
 /// than this are taken only when fresh ids are not allowed.
 pub(super) const MIN_STRETCH: u32 = 64;
 
-/// Fresh ids are taken for a new stretch (rather than a range shorter than
-/// [`MIN_STRETCH`]) while free ids are under live ids divided by this: at most an eighth more
-/// id slots (16 bytes each) than blocks.
+/// Fresh ids are taken for a new stretch (rather than a range shorter than [`MIN_STRETCH`])
+/// only while free ids are under live ids divided by this. A rule at the moment of choosing,
+/// not a bound: a stretch begun on fresh ids goes on on them, and ids freed later add to the
+/// free ones, so the id space settles above it. Measured: 1.14 ids per live block in the
+/// 16-pod replay, 1.18 with shuffled evictions (16 bytes per id slot).
 pub(super) const SLACK: u64 = 8;
 
 /// Size classes: class `c` holds ranges of `2^c .. 2^(c + 1)` ids.

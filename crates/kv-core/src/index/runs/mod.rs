@@ -119,6 +119,10 @@ pub struct RunStats {
     pub relabels: u64,
     /// Pooled words of holder sets wider than one 64-member window.
     pub holder_words: u64,
+    /// Block ids handed out, live or free (an id slot is 16 bytes): above `blocks` by the
+    /// free ids ([`free`] takes fresh ids for a long stretch only while free ids are under an
+    /// eighth of live ones).
+    pub ids: u64,
     /// New blocks not stored because every id was in use (the capacity).
     pub dropped_full: u64,
     /// Holder changes the word pool had no room for (the part scores for no one).
@@ -219,6 +223,7 @@ impl RunIndex {
     pub fn stats(&self) -> RunStats {
         RunStats {
             holder_words: self.pool.live_words() as u64,
+            ids: u64::from(self.ids_len),
             ..self.stats
         }
     }
