@@ -156,7 +156,7 @@ impl RunIndex {
         // The hash first: a reader trusts it once the id is inside a run.
         self.id(id).set_hash(hash);
         self.id(id).set_next(NONE);
-        // `insert` reports whether it reused a tombstone (a slot already counted as used).
+        // `insert_at` reports whether it reused a tombstone (a slot already counted as used).
         if !self.table.insert_at(vacancy, id) {
             self.table_used += 1;
         }
