@@ -4,8 +4,8 @@
 //!
 //! Ranges come from blocks leaving the index (frees in ascending or descending order extend
 //! one range). A new stretch takes its first id, in order of preference:
-//! 1. from the shortest range as long as the blocks still to store (a fit; the longer ranges
-//!    stay whole for longer stretches);
+//! 1. from the smallest size class (powers of two) whose every range fits the blocks still
+//!    to store, its newest range (the longer ranges stay whole for longer stretches);
 //! 2. from the longest range of at least [`MIN_STRETCH`] ids;
 //! 3. from fresh ids, while free ids are under a [`SLACK`]th of the live ones (the caller
 //!    decides: it knows both counts);
@@ -156,7 +156,7 @@ mod tests {
     }
 
     #[test]
-    fn a_stretch_takes_the_shortest_range_that_fits_it() {
+    fn a_stretch_takes_a_range_of_the_smallest_class_that_fits_it() {
         let mut free = FreeIds::default();
         free_all(&mut free, 0, 10); // 10 ids
         free.free(100); // files 0..10
@@ -164,7 +164,8 @@ mod tests {
         free.free(1000); // files 100..300
         free_all(&mut free, 1001, 1040); // 1000..1040: 40 ids
         assert_eq!(free.take(30, true, |_| true), Some(1000));
-        assert_eq!(free.take(150, true, |_| true), Some(100));
+        // 100 blocks: class 7 (128 ids and up) fits whole, the 200-id range.
+        assert_eq!(free.take(100, true, |_| true), Some(100));
         assert_eq!(free.take(5, true, |_| true), Some(0));
     }
 
