@@ -31,6 +31,18 @@ pub fn mix(hash: u64, seed: u64) -> u64 {
     x ^ (x >> 29)
 }
 
+/// The slot naming `id` under `tag` (see the module docs).
+#[inline(always)]
+fn entry(tag: u32, id: u32) -> u64 {
+    (tag as u64) << 32 | (id as u64 + 2)
+}
+
+/// The id a live slot names.
+#[inline(always)]
+fn id_of(slot: u64) -> u32 {
+    (slot as u32).wrapping_sub(2)
+}
+
 /// Where an absent hash goes in a [`Table`] ([`Table::find_or_vacancy`]).
 #[derive(Debug, Clone, Copy)]
 pub struct Vacancy {
@@ -104,7 +116,7 @@ impl Table {
                 return None;
             }
             if slot != TOMBSTONE && (slot >> 32) as u32 == tag {
-                let id = (slot as u32).wrapping_sub(2);
+                let id = id_of(slot);
                 if hash_of(id) == hash {
                     return Some(id);
                 }
@@ -126,7 +138,7 @@ impl Table {
                 return None;
             }
             if slot != TOMBSTONE && (slot >> 32) as u32 == tag {
-                return Some((slot as u32).wrapping_sub(2));
+                return Some(id_of(slot));
             }
             pos = self.next(pos);
         }
@@ -149,7 +161,7 @@ impl Table {
             if slot == TOMBSTONE {
                 tombstone.get_or_insert(pos);
             } else if (slot >> 32) as u32 == tag {
-                let id = (slot as u32).wrapping_sub(2);
+                let id = id_of(slot);
                 if hash_of(id) == hash {
                     return Ok(id);
                 }
@@ -167,7 +179,7 @@ impl Table {
     /// write since). Returns whether it reused a tombstone.
     #[inline(always)]
     pub fn insert_at(&self, vacancy: Vacancy, id: u32) -> bool {
-        let entry = (vacancy.tag as u64) << 32 | (id as u64 + 2);
+        let entry = entry(vacancy.tag, id);
         self.slots[vacancy.pos].store(entry, PROTOCOL.flag_publish);
         vacancy.tombstone
     }
@@ -175,7 +187,7 @@ impl Table {
     /// Writer: records `hash -> id` (the caller knows `hash` is absent). Returns whether it
     /// reused a tombstone.
     pub fn insert(&self, hash: u64, id: u32) -> bool {
-        self.insert_entry((mix(hash, self.seed) as u32 as u64) << 32 | (id as u64 + 2))
+        self.insert_entry(entry(mix(hash, self.seed) as u32, id))
     }
 
     fn insert_entry(&self, entry: u64) -> bool {
@@ -196,7 +208,7 @@ impl Table {
     /// A slot whose successor is empty ends its cluster: no probe sequence goes past it, so it
     /// (and the tombstones before it) can be emptied outright, safely for concurrent readers.
     pub fn remove(&self, hash: u64, id: u32) -> Option<usize> {
-        let entry = (mix(hash, self.seed) as u32 as u64) << 32 | (id as u64 + 2);
+        let entry = entry(mix(hash, self.seed) as u32, id);
         let mut pos = self.home((entry >> 32) as u32);
         for _ in 0..self.slots.len() {
             let slot = self.slots[pos].load(Ordering::Relaxed);

@@ -226,7 +226,7 @@ impl RunIndex {
             }
         }
         let live = self.stats.blocks;
-        let spare = u64::from(self.ids_len) - live;
+        let spare = u64::from(self.ids_len).saturating_sub(live);
         let fresh_ok = self.ids_len < self.capacity && spare * SLACK <= live;
         let chunks = &self.id_chunks;
         let is_free = |id| chunks.get(id, &SINK_ID).run() == NONE;
