@@ -64,7 +64,7 @@ fn unknown_fields_and_bad_values_name_the_field() {
 }
 
 #[test]
-fn the_index_engine_is_chosen_by_name_and_runs_refuse_pod_cache_size() {
+fn the_index_engine_is_chosen_by_name_and_either_takes_pod_cache_size() {
     let yaml = |mem: &str| {
         format!("indexerConfig:\n  kvBlockIndexConfig: {{inMemoryConfig: {{{mem}}}}}\n")
     };
@@ -77,9 +77,11 @@ fn the_index_engine_is_chosen_by_name_and_runs_refuse_pod_cache_size() {
     let e = Config::from_yaml(&yaml("engine: radix"), "f").expect_err("unknown engine");
     assert!(e.to_string().contains("radix"), "{e}");
     let c = Config::from_yaml(&yaml("engine: runs, podCacheSize: 10"), "f").expect("parses");
-    let e = c.validate().expect_err("runs with podCacheSize");
+    c.validate().expect("runs with podCacheSize");
+    assert_eq!(c.indexer_settings().index.pod_cache_size, Some(10));
+    let c = Config::from_yaml(&yaml("engine: runs, podCacheSize: 0"), "f").expect("parses");
+    let e = c.validate().expect_err("a bound of 0");
     assert!(e.to_string().contains("podCacheSize"), "{e}");
-    assert!(e.to_string().contains("engine: runs"), "{e}");
 }
 
 #[test]

@@ -31,12 +31,6 @@ impl Config {
                 "must be at least 1 when set (leave it out for exact membership)",
             ));
         }
-        if mem.engine == super::IndexEngineName::Runs && mem.pod_cache_size.is_some() {
-            return Err(invalid(
-                "indexerConfig.kvBlockIndexConfig.inMemoryConfig.podCacheSize",
-                "is not supported with engine: runs (leave it out, or use engine: nodes)",
-            ));
-        }
         if mem.writer_lanes == 0 || mem.writer_lanes > kv_core::MAX_WRITER_LANES {
             return Err(invalid(
                 "indexerConfig.kvBlockIndexConfig.inMemoryConfig.writerLanes",

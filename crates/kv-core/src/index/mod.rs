@@ -241,7 +241,10 @@ impl ModelIndex {
                         // pays for by eviction after the store (`run_lane`).
                         let capacity = u32::try_from(config.max_keys.saturating_add(1 << 16))
                             .unwrap_or(u32::MAX - 2);
-                        RunLane::new(random_seed(), capacity, budget.clone(), lane, lanes)
+                        let seed = random_seed();
+                        let index =
+                            RunIndex::with_pod_cache_size(seed, capacity, config.pod_cache_size);
+                        RunLane::new(index, budget.clone(), lane, lanes)
                     })
                     .collect(),
             ),
@@ -583,16 +586,37 @@ mod tests {
     }
 
     #[test]
-    fn runs_reject_pod_cache_size() {
-        let config = IndexConfig {
-            pod_cache_size: Some(4),
+    fn runs_keep_pod_cache_size_and_count_what_it_drops() {
+        let ix = ModelIndex::new(IndexConfig {
+            pod_cache_size: Some(2),
             engine: IndexEngine::Runs,
             ..IndexConfig::default()
-        };
+        })
+        .expect("runs take podCacheSize");
+        let chain = hs(&(1..=10).collect::<Vec<u64>>());
+        let pods: Vec<_> = (0..3)
+            .map(|p| {
+                ix.engine(&EngineKey::new(&format!("p{p}"), 0))
+                    .expect("room")
+            })
+            .collect();
+        for &pod in &pods {
+            ix.write(pod, |w| w.store(pod, Tier::Gpu, None, &chain));
+        }
+        let held: std::collections::BTreeMap<String, u64> = ix
+            .engine_blocks()
+            .into_iter()
+            .map(|(key, n)| (key.pod.to_string(), n))
+            .collect();
+        let want = [("p0", 0), ("p1", 10), ("p2", 10)].map(|(p, n)| (p.to_string(), n));
         assert_eq!(
-            ModelIndex::new(config).err(),
-            Some(IndexConfigError::PodCacheSizeWithRuns)
+            held,
+            want.into(),
+            "the oldest holder made room for the third"
         );
+        assert_eq!(scores(&ix, &[1, 2, 3]), vec![(pods[1], 3), (pods[2], 3)]);
+        let stats = ix.stats();
+        assert_eq!((stats.memberships, stats.pod_cache_evictions), (20, 10));
     }
 
     #[test]

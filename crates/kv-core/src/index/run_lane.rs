@@ -45,9 +45,8 @@ pub(super) struct RunLaneWriter<'a> {
 }
 
 impl RunLane {
-    /// An empty lane of at most `capacity` blocks.
-    pub fn new(seed: u64, capacity: u32, budget: Arc<KeyBudget>, lane: u32, lanes: u32) -> Self {
-        let index = RunIndex::new(seed, capacity);
+    /// A lane over `index` (empty).
+    pub fn new(index: RunIndex, budget: Arc<KeyBudget>, lane: u32, lanes: u32) -> Self {
         Self {
             reader: index.reader().clone(),
             writer: Mutex::new(RunState {
@@ -163,6 +162,16 @@ impl RunLaneWriter<'_> {
             .store_each(slot, tier, parent, hashes, held);
         let added = outcome.added as u64;
         self.count(slot, added as i64);
+        // Memberships `podCacheSize` dropped to make room (other engines' counts).
+        let state = &mut *self.state;
+        let (engines, tally) = (&mut state.engines, &mut state.tally);
+        state.index.take_displaced(|victim, memberships| {
+            if let Some(Some(live)) = engines.get_mut(victim as usize) {
+                *live = live.saturating_sub(memberships);
+            }
+            tally.memberships -= memberships;
+            tally.pod_cache_evictions += memberships;
+        });
         let t = &mut self.state.tally;
         t.admissions += added;
         t.memberships += added;

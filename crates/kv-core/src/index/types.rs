@@ -160,7 +160,7 @@ pub enum IndexEngine {
     #[default]
     Nodes,
     /// Runs of a chain with one holder bitmap each (index v3): fewer bytes per membership and
-    /// work per run rather than per block; `podCacheSize` is not supported.
+    /// work per run rather than per block; `podCacheSize` keeps each run's holder order.
     Runs,
 }
 
@@ -210,11 +210,6 @@ pub enum IndexConfigError {
     /// `podCacheSize` set to 0 (leave it out for exact membership).
     #[error("podCacheSize must be at least 1 when set (leave it out for exact membership)")]
     PodCacheSize,
-    /// `podCacheSize` with `engine: runs`, which does not bound holders per block.
-    #[error(
-        "podCacheSize is not supported with engine: runs (leave it out, or use engine: nodes)"
-    )]
-    PodCacheSizeWithRuns,
 }
 
 impl IndexConfig {
@@ -229,9 +224,6 @@ impl IndexConfig {
         }
         if self.pod_cache_size == Some(0) {
             return Err(IndexConfigError::PodCacheSize);
-        }
-        if self.engine == IndexEngine::Runs && self.pod_cache_size.is_some() {
-            return Err(IndexConfigError::PodCacheSizeWithRuns);
         }
         if self.writer_lanes == 0 || self.writer_lanes > MAX_WRITER_LANES {
             return Err(IndexConfigError::WriterLanes {

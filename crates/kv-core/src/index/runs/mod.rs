@@ -39,16 +39,20 @@
 //!
 //! Invariants: an id's run is `NONE` iff the id is free, and then its hash is 0; the table
 //! holds live ids only; a live run's ids all map to it (between operations); two adjacent runs
-//! never have equal holder sets after an operation (merged); a run's holder set is never empty
-//! (unless the word pool was exhausted, counted in [`RunStats::pool_exhausted`]).
+//! never have equal holder sets (in the same order, under `podCacheSize`) after an operation
+//! (merged); a run's holder set is never empty (unless the word pool was exhausted, counted in
+//! [`RunStats::pool_exhausted`]).
 //!
-//! Not here (the v2 index has it): `podCacheSize`.
+//! `podCacheSize` (optional): each run also keeps its holders' join order ([`order`], writer
+//! only); a store that would give a block more holders than the bound drops the oldest, and
+//! adjacent runs merge only when their orders agree too.
 
 #[allow(unsafe_code)] // `Zeroable` for the slots, each with its `SAFETY:` argument
 mod cells;
 mod evict;
 mod free;
 mod holders;
+mod order;
 mod read;
 mod surgery;
 mod write;
@@ -58,12 +62,14 @@ use std::sync::Arc;
 use arc_swap::ArcSwap;
 
 use super::table::Table;
+use super::types::EngineId;
 use cells::{
     IdSlot, IdSlots, Run, RunSlot, RunSlots, Words, WriterChunks, ID_CHUNK, RUN_CHUNK, SINK_ID,
     SINK_RUN,
 };
 use holders::RunHolders;
 use holders::{WordPool, WINDOW};
+use order::HolderOrder;
 pub use read::{RunReader, RunScratch};
 
 /// How far ahead of the block in hand a write prefetches table slots: enough to cover a
@@ -127,6 +133,8 @@ pub struct RunStats {
     pub dropped_full: u64,
     /// Holder changes the word pool had no room for (the part scores for no one).
     pub pool_exhausted: u64,
+    /// Memberships dropped to keep a block within `podCacheSize` (the oldest holder first).
+    pub pod_cache_evictions: u64,
 }
 
 /// What readers share with the writer.
@@ -170,6 +178,11 @@ pub struct RunIndex {
     /// CLOCK reference bits, one per run number, and the hand (an id).
     referenced: Vec<u64>,
     hand: u32,
+    /// Holders' join order, kept only under `podCacheSize`.
+    order: Option<HolderOrder>,
+    /// Memberships dropped by `podCacheSize` since the last [`RunIndex::take_displaced`]:
+    /// (engine, blocks).
+    displaced: Vec<(EngineId, u64)>,
     stats: RunStats,
 }
 
@@ -177,6 +190,12 @@ impl RunIndex {
     /// An empty index of at most `capacity` blocks; `seed` mixes block hashes into table
     /// positions.
     pub fn new(seed: u64, capacity: u32) -> Self {
+        Self::with_pod_cache_size(seed, capacity, None)
+    }
+
+    /// [`RunIndex::new`] whose blocks keep at most `pod_cache_size` (engine, tier) holders
+    /// each when set, the oldest dropped first (`podCacheSize`; `None`: exact).
+    pub fn with_pod_cache_size(seed: u64, capacity: u32, pod_cache_size: Option<usize>) -> Self {
         let capacity = capacity.clamp(1, u32::MAX - 2);
         let table = Arc::new(Table::with_capacity(1024, seed));
         // A split writes up to two runs before the run it splits shrinks.
@@ -209,6 +228,8 @@ impl RunIndex {
             cursors: Vec::new(),
             referenced: Vec::new(),
             hand: 0,
+            order: pod_cache_size.map(HolderOrder::new),
+            displaced: Vec::new(),
             stats: RunStats::default(),
         }
     }
@@ -238,6 +259,26 @@ impl RunIndex {
             + self.free.allocated_bytes()
             + self.ranges.iter().map(|r| r.capacity() * 8).sum::<usize>()
             + self.referenced.capacity() * 8
+            + self.order.as_ref().map_or(0, HolderOrder::allocated_bytes)
+    }
+
+    /// Hands `dropped(engine, memberships)` what `podCacheSize` dropped since the last call
+    /// (the caller's per-engine counts).
+    pub fn take_displaced(&mut self, mut dropped: impl FnMut(EngineId, u64)) {
+        for (engine, n) in self.displaced.drain(..) {
+            dropped(engine, n);
+        }
+    }
+
+    /// Whether runs `a` and `b` may merge: equal holders (and, under `podCacheSize`, in the
+    /// same order).
+    fn mergeable(&self, a: u32, b: u32) -> bool {
+        let words = &self.reader.shared.words;
+        self.pool.same_run(
+            &self.run_slot(a).holders(),
+            &self.run_slot(b).holders(),
+            words,
+        ) && self.order.as_ref().is_none_or(|o| o.same(a, b))
     }
 
     /// The slot of `id` (the writer's view).

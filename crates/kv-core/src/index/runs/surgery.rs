@@ -1,6 +1,8 @@
 //! Run surgery: giving part of a run a new holder set (split around it, merged with equal
 //! neighbours), always relabelling the smaller side. Every holder change of the run index goes
-//! through [`RunIndex::recolor`].
+//! through [`RunIndex::recolor`]. Under `podCacheSize` the part's holder order is the one its
+//! caller staged ([`super::order`]); parts split off keep the run's order, and "equal" means
+//! equal holders in the same order.
 //!
 //! Order (what keeps lock-free readers right, `seqlock`'s relabel model): ids move to another
 //! run only after that run is written to cover them, and the run they leave is shrunk after
@@ -40,6 +42,14 @@ impl RunIndex {
         let holders = self.run(r).holders;
         self.put_run(r, Run::default());
         self.pool.release_run(holders);
+        self.free_run(r);
+    }
+
+    /// Run number `r` (covering nothing, its words released) is free for reuse.
+    fn free_run(&mut self, r: u32) {
+        if let Some(order) = &mut self.order {
+            order.clear(r);
+        }
         self.free_runs.push(r);
         self.stats.runs -= 1;
     }
@@ -74,9 +84,9 @@ impl RunIndex {
     }
 
     /// Gives ids `a .. b` (inside one run) the holder set `set` (owned; empty: the blocks left
-    /// the index and the ids become free). The run is split around them and the result merged
-    /// with equal neighbours; the largest part keeps the run's number, so only the smaller
-    /// parts are relabelled.
+    /// the index and the ids become free) and, under `podCacheSize`, the staged holder order.
+    /// The run is split around them and the result merged with equal neighbours; the largest
+    /// part keeps the run's number, so only the smaller parts are relabelled.
     pub(super) fn recolor(&mut self, a: u32, b: u32, set: RunHolders, cause: Cause) {
         let r = self.id(a).run();
         let run = self.run(r);
@@ -97,6 +107,7 @@ impl RunIndex {
                     && self
                         .pool
                         .same_run(&self.run(n).holders, &set, &self.reader.shared.words)
+                    && self.order.as_ref().is_none_or(|o| o.is_staged(n))
             });
             if let Some(n) = neighbour {
                 self.pool.release_run(set);
@@ -120,6 +131,9 @@ impl RunIndex {
         if !set.is_empty() && !keep_mid {
             match self.new_run(a, b, set) {
                 Some(m) => {
+                    if let Some(order) = &mut self.order {
+                        order.take_staged(m);
+                    }
                     self.relabel(a, b, m);
                     mid_run = Some(m);
                 }
@@ -151,6 +165,9 @@ impl RunIndex {
                 old
             };
             if let Some(n) = self.new_run(s, e, holders) {
+                if let Some(order) = &mut self.order {
+                    order.copy(r, n);
+                }
                 self.relabel(s, e, n);
             }
         }
@@ -168,14 +185,16 @@ impl RunIndex {
                         holders: set,
                     },
                 );
+                if let Some(order) = &mut self.order {
+                    order.take_staged(r);
+                }
                 mid_run = Some(r);
             }
             (false, Some((s, e))) => self.run_slot(r).set_bounds(s, e),
             (false, None) if mid_run.is_none() && !set.is_empty() => {} // no run: unchanged
             (false, None) => {
                 self.put_run(r, Run::default());
-                self.free_runs.push(r);
-                self.stats.runs -= 1;
+                self.free_run(r);
             }
         }
         if !old_owned {
@@ -187,20 +206,14 @@ impl RunIndex {
         }
     }
 
-    /// Merges run `r` into its left neighbour (or the reverse) when their holders are equal;
-    /// returns the surviving run.
+    /// Merges run `r` into its left neighbour (or the reverse) when they may merge
+    /// ([`RunIndex::mergeable`]); returns the surviving run.
     fn merge_left(&mut self, r: u32) -> u32 {
         let run = self.run(r);
         let Some(l) = run.start.checked_sub(1).map(|i| self.id(i).run()) else {
             return r;
         };
-        if l == NONE
-            || !self.pool.same_run(
-                &self.run(l).holders,
-                &run.holders,
-                &self.reader.shared.words,
-            )
-        {
+        if l == NONE || !self.mergeable(l, r) {
             return r;
         }
         self.join(l, r)
@@ -212,19 +225,13 @@ impl RunIndex {
             return r;
         }
         let n = self.id(end).run();
-        if n == NONE
-            || !self.pool.same_run(
-                &self.run_slot(n).holders(),
-                &self.run_slot(r).holders(),
-                &self.reader.shared.words,
-            )
-        {
+        if n == NONE || !self.mergeable(r, n) {
             return r;
         }
         self.join(r, n)
     }
 
-    /// Joins adjacent runs `l` then `r` (equal holders), relabelling the shorter: the kept run
+    /// Joins adjacent runs `l` then `r` (mergeable), relabelling the shorter: the kept run
     /// grows first, the other's ids point at it, then the other dies.
     fn join(&mut self, l: u32, r: u32) -> u32 {
         self.stats.merges += 1;

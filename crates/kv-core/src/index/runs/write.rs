@@ -105,7 +105,8 @@ impl RunIndex {
                 }
             };
             lone = None;
-            let run = self.run_slot(self.id(id).run());
+            let run_of_id = self.id(id).run();
+            let run = self.run_slot(run_of_id);
             // The run's next ids, as far as their hashes agree with the event's (one pass
             // over the slots, to the run's end or the chunk's).
             let slots = self.id_chunks.tail(id + 1);
@@ -120,14 +121,18 @@ impl RunIndex {
             let mut added = false;
             if holders.nibble(engine, &self.reader.shared.words) & bit == 0 {
                 let words = &self.reader.shared.words;
-                match self.pool.with_tiers(&holders, engine, bit, true, words) {
-                    Some(joined) => {
-                        self.recolor(id, end, joined, Cause::Join);
-                        self.note_range(engine, id, end);
-                        outcome.added += k;
-                        added = true;
+                let joined = match self.pool.with_tiers(&holders, engine, bit, true, words) {
+                    Some(set) => self.within_bound(run_of_id, set, engine * 4 + tier as u32, k),
+                    None => {
+                        self.stats.pool_exhausted += 1;
+                        None
                     }
-                    None => self.stats.pool_exhausted += 1,
+                };
+                if let Some(joined) = joined {
+                    self.recolor(id, end, joined, Cause::Join);
+                    self.note_range(engine, id, end);
+                    outcome.added += k;
+                    added = true;
                 }
             }
             self.set_referenced(self.id(id).run());
@@ -180,7 +185,12 @@ impl RunIndex {
                 l
             }
             None => match self.new_run(id, id + 1, alone) {
-                Some(r) => r,
+                Some(r) => {
+                    if let Some(order) = &mut self.order {
+                        order.set_one(r, engine * 4 + tier);
+                    }
+                    r
+                }
                 None => {
                     // Unreachable while runs never outnumber ids (`new`); undo the block.
                     self.drop_new_block(id, hash);
@@ -196,6 +206,46 @@ impl RunIndex {
             self.link(p, id);
         }
         Some(id)
+    }
+
+    /// `joined` (run `r`'s holders with member `m` added, owned) kept within `podCacheSize`
+    /// for a join of `blocks` blocks: the oldest members leave the set and are counted as
+    /// displaced, and the order the part gets is staged for `recolor`. `None` (the set
+    /// released) when the pool has no room for the smaller set: the join does not happen.
+    fn within_bound(
+        &mut self,
+        r: u32,
+        joined: RunHolders,
+        m: u32,
+        blocks: usize,
+    ) -> Option<RunHolders> {
+        let Some(order) = &mut self.order else {
+            return Some(joined);
+        };
+        order.stage_join(r, m);
+        let dropped = std::mem::take(&mut order.dropped);
+        let mut set = Some(joined);
+        for &victim in &dropped {
+            let Some(current) = set else { break };
+            let words = &self.reader.shared.words;
+            set = self
+                .pool
+                .with_tiers(&current, victim / 4, 1 << (victim % 4), false, words);
+            self.pool.release_run(current);
+        }
+        match set {
+            Some(_) => {
+                for &victim in &dropped {
+                    self.displaced.push((victim / 4, blocks as u64));
+                    self.stats.pod_cache_evictions += blocks as u64;
+                }
+            }
+            None => self.stats.pool_exhausted += 1,
+        }
+        if let Some(order) = &mut self.order {
+            order.dropped = dropped;
+        }
+        set
     }
 
     /// Takes back a block that got an id and a table entry but no run.
@@ -365,6 +415,10 @@ impl RunIndex {
         if left.is_empty() {
             self.leave(a, b);
         } else {
+            let r = self.id(a).run();
+            if let Some(order) = &mut self.order {
+                order.stage_without(r, |m| m / 4 == engine && held >> (m % 4) & 1 != 0);
+            }
             self.recolor(a, b, left, Cause::Hole);
         }
         held.count_ones() as usize * (b - a) as usize
