@@ -425,8 +425,9 @@ impl NodeWriter<'_> {
             .collect()
     }
 
-    /// Appends every block `engine` holds, with its tier, to `out` (each once; stale reverse
-    /// entries are compacted away first). For snapshots: O(the engine's memberships).
+    /// Appends every (block, tier) `engine` holds to `out`, each once (stale reverse entries
+    /// are compacted away first); a block held in two tiers is listed in both. For snapshots:
+    /// O(the engine's memberships).
     pub fn export_engine(&mut self, engine: EngineId, out: &mut Vec<(BlockHash, Tier)>) {
         if self.engine_state(engine).is_none() {
             return;
@@ -441,7 +442,7 @@ impl NodeWriter<'_> {
         for &id in &blocks {
             let hash = self.index.slab.hash_of(id);
             self.index.slab.members_of(id, &mut list);
-            if let Some(&m) = list.iter().find(|&&m| member_engine(m) == engine) {
+            for &m in list.iter().filter(|&&m| member_engine(m) == engine) {
                 out.push((BlockHash::from(hash), Tier::from_bits(m)));
             }
         }

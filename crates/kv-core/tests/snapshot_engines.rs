@@ -1,0 +1,223 @@
+//! Snapshots across index structures: what one indexer exports (blocks with their tiers, and
+//! the engine-hash maps of translated engines) restores into a fresh indexer on either
+//! structure (`engine: nodes` or `engine: runs`) with the same answers. A daemon restarted with
+//! another `engine` comes back warm from the snapshot the old one wrote.
+
+use kv_core::{
+    BlockHash, BlockRemoved, BlockStored, EngineKey, EngineKeyState, EventBatch, IndexConfig,
+    IndexEngine, Indexer, IndexerSettings, KvEvent, Medium, ModelSettings, SplitMix64, Tier,
+    TokenProcessor, TokenProcessorConfig,
+};
+
+const MODEL: &str = "m";
+const ENGINES: [IndexEngine; 2] = [IndexEngine::Nodes, IndexEngine::Runs];
+
+fn processor_config() -> TokenProcessorConfig {
+    TokenProcessorConfig {
+        hash_seed: Some("12345".into()),
+        block_size: 16,
+        ..Default::default()
+    }
+}
+
+fn indexer(engine: IndexEngine) -> Indexer {
+    Indexer::new(IndexerSettings {
+        default_model: ModelSettings {
+            token_processor: processor_config(),
+            ..Default::default()
+        },
+        index: IndexConfig {
+            engine,
+            ..Default::default()
+        },
+        ..Default::default()
+    })
+    .expect("valid")
+}
+
+/// Prompts sharing prefixes: 3 trunks of 4 blocks, 3 branches each of 2-7 more blocks.
+fn prompts(rng: &mut SplitMix64) -> Vec<Vec<u32>> {
+    let mut out = Vec::new();
+    for trunk in 0..3u32 {
+        let stem: Vec<u32> = (0..64).map(|i| trunk * 1000 + i).collect();
+        for branch in 0..3u32 {
+            let mut p = stem.clone();
+            let extra = 32 * (1 + rng.below(3) as u32);
+            p.extend((0..extra).map(|i| 50_000 + trunk * 5000 + branch * 500 + i));
+            out.push(p);
+        }
+    }
+    out
+}
+
+/// A store of blocks `a .. b` of `tokens` by an engine whose hashes are the index's keys
+/// (blocks of 16), or, `translated`, opaque hashes of blocks of 32 (then `a` and `b` count
+/// blocks of 32).
+fn stored(
+    keys: &[BlockHash],
+    tokens: &[u32],
+    (a, b): (usize, usize),
+    translated: bool,
+    medium: Medium,
+) -> KvEvent {
+    let (size, hash): (usize, Box<dyn Fn(usize) -> BlockHash>) = if translated {
+        let opaque = |j: usize| BlockHash::new(kv_core::mix64(keys[2 * j + 1].get() ^ 0xE17));
+        (32, Box::new(opaque))
+    } else {
+        (16, Box::new(|j: usize| keys[j]))
+    };
+    KvEvent::BlockStored(Box::new(BlockStored {
+        block_hashes: (a..b).map(&hash).collect(),
+        parent_block_hash: a.checked_sub(1).map(&hash),
+        token_ids: tokens[a * size..b * size].to_vec(),
+        block_size: size as u32,
+        medium: Some(medium),
+        ..Default::default()
+    }))
+}
+
+/// Six aligned pods and one translated pod store, evict (holes) and clear, in GPU and CPU.
+fn fill(ix: &Indexer, seed: u64) -> Vec<Vec<u32>> {
+    let mut rng = SplitMix64::new(seed);
+    let prompts = prompts(&mut rng);
+    let processor = TokenProcessor::new(&processor_config()).expect("valid");
+    let keys: Vec<Vec<BlockHash>> = prompts
+        .iter()
+        .map(|p| processor.block_hashes(p, &Default::default()))
+        .collect();
+    for step in 0..200 {
+        let pod = rng.below(7) as usize;
+        let translated = pod == 6;
+        let p = rng.below(prompts.len() as u64) as usize;
+        let blocks = prompts[p].len() / if translated { 32 } else { 16 };
+        let medium = if rng.below(4) == 0 {
+            Medium::Cpu
+        } else {
+            Medium::Gpu
+        };
+        let roll = rng.below(100);
+        let event = if roll < 60 {
+            let a = rng.below(blocks as u64 / 2) as usize;
+            // A store continues a chain the pod stored before, or starts at the root.
+            let a = if rng.below(2) == 0 { 0 } else { a };
+            stored(&keys[p], &prompts[p], (a, blocks), translated, medium)
+        } else if roll < 97 {
+            let j = rng.below(blocks as u64) as usize;
+            let hash = if translated {
+                BlockHash::new(kv_core::mix64(keys[p][2 * j + 1].get() ^ 0xE17))
+            } else {
+                keys[p][j]
+            };
+            KvEvent::BlockRemoved(BlockRemoved {
+                block_hashes: vec![hash],
+                medium: Some(medium),
+                ..Default::default()
+            })
+        } else {
+            KvEvent::AllBlocksCleared
+        };
+        let batch = EventBatch {
+            ts: step as f64,
+            events: vec![event],
+            data_parallel_rank: Some(0),
+        };
+        ix.apply_batch(MODEL, &format!("pod{pod}"), &batch)
+            .expect("applies");
+    }
+    prompts
+}
+
+/// What a snapshot carries: every engine's blocks, and the key states of decided engines.
+type Snapshot = (
+    Vec<(String, EngineKey, Vec<(BlockHash, Tier)>)>,
+    Vec<(String, EngineKey, EngineKeyState)>,
+);
+
+fn export(ix: &Indexer) -> Snapshot {
+    let mut blocks = Vec::new();
+    ix.export_each(|model, key, held| blocks.push((model.to_string(), key.clone(), held.to_vec())));
+    let mut keys = Vec::new();
+    ix.export_keys_each(|model, key, state| {
+        keys.push((model.to_string(), key.clone(), state.clone()));
+    });
+    (blocks, keys)
+}
+
+fn restore(ix: &Indexer, (blocks, keys): &Snapshot) {
+    for (model, key, held) in blocks {
+        for tier in [Tier::Gpu, Tier::Cpu, Tier::Storage, Tier::Other] {
+            let hashes: Vec<BlockHash> = held
+                .iter()
+                .filter(|(_, t)| *t == tier)
+                .map(|(h, _)| *h)
+                .collect();
+            if !hashes.is_empty() {
+                ix.import(model, key, tier, &hashes).expect("imports");
+            }
+        }
+    }
+    for (model, key, state) in keys {
+        ix.import_keys(model, key, state.clone())
+            .expect("imports keys");
+    }
+}
+
+/// Every prompt prefix's scores over every pod, named (scores to 1e-6: the order tiers are
+/// summed in may differ).
+fn answers(ix: &Indexer, prompts: &[Vec<u32>]) -> Vec<Vec<(String, u32, u64)>> {
+    let pods: Vec<String> = (0..7).map(|p| format!("pod{p}")).collect();
+    let mut out = Vec::new();
+    for p in prompts {
+        for len in (16..=p.len()).step_by(48) {
+            let r = ix
+                .score_tokens(MODEL, &p[..len], &pods, None, None)
+                .expect("known model");
+            let mut named: Vec<(String, u32, u64)> = r
+                .named()
+                .map(|(pod, s)| {
+                    (
+                        pod.to_string(),
+                        s.matched_blocks,
+                        (s.score * 1e6).round() as u64,
+                    )
+                })
+                .collect();
+            named.sort();
+            out.push(named);
+        }
+    }
+    out
+}
+
+#[test]
+fn a_snapshot_of_either_structure_restores_into_either_with_the_same_answers() {
+    for seed in [1u64, 2, 3] {
+        for from in ENGINES {
+            let source = indexer(from);
+            let prompts = fill(&source, seed);
+            let want = answers(&source, &prompts);
+            let held: usize = want.iter().flatten().map(|(_, m, _)| *m as usize).sum();
+            assert!(held > 0, "seed {seed}: the stream leaves blocks to restore");
+            let snapshot = export(&source);
+            assert!(
+                !snapshot.1.is_empty(),
+                "seed {seed}: decided engines (translated pod6 among them) carry key state"
+            );
+            for to in ENGINES {
+                let restored = indexer(to);
+                restore(&restored, &snapshot);
+                assert_eq!(
+                    answers(&restored, &prompts),
+                    want,
+                    "seed {seed}: {from:?} restored into {to:?}"
+                );
+                let memberships = |ix: &Indexer| ix.stats()[0].1.memberships;
+                assert_eq!(
+                    memberships(&restored),
+                    memberships(&source),
+                    "seed {seed}: {from:?} into {to:?}"
+                );
+            }
+        }
+    }
+}
