@@ -1,11 +1,12 @@
 //! The indexer fed with payloads captured from vLLM's publisher: scores for the request that
-//! produced them, removals, clears, and hash-mismatch detection with its diagnosis.
+//! produced them (on both index structures), removals, clears, and hash-mismatch detection with
+//! its diagnosis.
 
 mod support;
 
 use kv_core::{decode_batch, EventBatch, KvEvent};
 use kv_core::{ExtraKeysFormat, RequestExtras, TokenProcessor, TokenProcessorConfig};
-use kv_core::{Indexer, IndexerSettings, ModelSettings, ScoreError};
+use kv_core::{IndexConfig, IndexEngine, Indexer, IndexerSettings, ModelSettings, ScoreError};
 
 const MODEL: &str = "Qwen/Qwen3-8B";
 
@@ -52,12 +53,20 @@ fn captured_events_score_the_request_that_produced_them() {
             "bytes_hashes_topic_kv-events_dp0",
         ] {
             // Without and with the digest memo (scores hash the prompt twice: the second time
-            // from the memo).
-            for memo_bytes in [0, 1 << 20] {
-                let ctx = format!("{version} {scenario} memo {memo_bytes}");
+            // from the memo), on both index structures.
+            let engines = [IndexEngine::Nodes, IndexEngine::Runs];
+            for (memo_bytes, engine) in [0, 1 << 20]
+                .into_iter()
+                .flat_map(|m| engines.map(|e| (m, e)))
+            {
+                let ctx = format!("{version} {scenario} memo {memo_bytes} {engine:?}");
                 let (batch, tokens) = captured(version, scenario);
                 let ix = Indexer::new(IndexerSettings {
                     digest_memo_bytes: memo_bytes,
+                    index: IndexConfig {
+                        engine,
+                        ..Default::default()
+                    },
                     ..settings(Some("12345"), 16)
                 })
                 .expect("valid");

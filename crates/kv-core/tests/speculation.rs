@@ -6,14 +6,23 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kv_core::{
-    BlockHash, BlockStored, EventBatch, Indexer, IndexerSettings, KvEvent, PodRef, RoutingRecorded,
-    ScoreResult, SpeculationSettings, ALL_PODS,
+    BlockHash, BlockStored, EventBatch, IndexConfig, IndexEngine, Indexer, IndexerSettings,
+    KvEvent, PodRef, RoutingRecorded, ScoreResult, SpeculationSettings, ALL_PODS,
 };
 
 const MODEL: &str = "m";
 
-fn indexer(weight: f64) -> Indexer {
+/// One indexer on each index structure (speculative entries live beside either).
+fn indexers(weight: f64) -> [Indexer; 2] {
+    [IndexEngine::Nodes, IndexEngine::Runs].map(|engine| indexer_on(engine, weight))
+}
+
+fn indexer_on(engine: IndexEngine, weight: f64) -> Indexer {
     let indexer = Indexer::new(IndexerSettings {
+        index: IndexConfig {
+            engine,
+            ..Default::default()
+        },
         speculation: SpeculationSettings {
             ttl: Duration::from_millis(200),
             weight,
@@ -53,98 +62,101 @@ fn of(result: &ScoreResult, pod: &str) -> Option<(u32, u32, f64)> {
 
 #[test]
 fn a_recorded_routing_scores_until_its_events_confirm_it() {
-    let ix = indexer(1.0);
-    let p = prompt(1, 10);
-    ix.apply_batch(MODEL, "a", &stored(&p[..4])).expect("apply");
-    ix.apply_batch(MODEL, "b", &stored(&prompt(9, 3)))
-        .expect("apply");
-    let before = ix.score_hashes(MODEL, &p, ALL_PODS).expect("score");
-    assert_eq!(of(&before, "a"), Some((4, 0, 4.0)));
-    assert_eq!(of(&before, "b"), Some((0, 0, 0.0)));
+    for ix in indexers(1.0) {
+        let p = prompt(1, 10);
+        ix.apply_batch(MODEL, "a", &stored(&p[..4])).expect("apply");
+        ix.apply_batch(MODEL, "b", &stored(&prompt(9, 3)))
+            .expect("apply");
+        let before = ix.score_hashes(MODEL, &p, ALL_PODS).expect("score");
+        assert_eq!(of(&before, "a"), Some((4, 0, 4.0)));
+        assert_eq!(of(&before, "b"), Some((0, 0, 0.0)));
 
-    // The gateway sends the prompt to b: six more blocks than a holds, all speculative.
-    let t = Instant::now();
-    assert_eq!(
-        ix.record_routing(MODEL, "b", p.clone(), t).expect("record"),
-        RoutingRecorded::Speculated(10)
-    );
-    let after = ix.score_hashes(MODEL, &p, ALL_PODS).expect("score");
-    assert_eq!(of(&after, "b"), Some((10, 10, 10.0)));
-    assert_eq!(
-        after.named().next().map(|(n, _)| n),
-        Some("b"),
-        "b ranks first"
-    );
-    // Recorded for a, only what a does not hold is speculative.
-    assert_eq!(
-        ix.record_routing(MODEL, "a", p.clone(), t).expect("record"),
-        RoutingRecorded::Speculated(6)
-    );
-    let both = ix.score_hashes(MODEL, &p, &["a"]).expect("score");
-    assert_eq!(of(&both, "a"), Some((10, 6, 10.0)));
+        // The gateway sends the prompt to b: six more blocks than a holds, all speculative.
+        let t = Instant::now();
+        assert_eq!(
+            ix.record_routing(MODEL, "b", p.clone(), t).expect("record"),
+            RoutingRecorded::Speculated(10)
+        );
+        let after = ix.score_hashes(MODEL, &p, ALL_PODS).expect("score");
+        assert_eq!(of(&after, "b"), Some((10, 10, 10.0)));
+        assert_eq!(
+            after.named().next().map(|(n, _)| n),
+            Some("b"),
+            "b ranks first"
+        );
+        // Recorded for a, only what a does not hold is speculative.
+        assert_eq!(
+            ix.record_routing(MODEL, "a", p.clone(), t).expect("record"),
+            RoutingRecorded::Speculated(6)
+        );
+        let both = ix.score_hashes(MODEL, &p, &["a"]).expect("score");
+        assert_eq!(of(&both, "a"), Some((10, 6, 10.0)));
 
-    // b's events arrive: confirmed, its entries are real now.
-    ix.apply_batch(MODEL, "b", &stored(&p)).expect("apply");
-    let model = ix.model(MODEL).expect("model");
-    assert_eq!(model.speculation_of("b").map(|s| s.records), Some(0));
-    let confirmed = ix.score_hashes(MODEL, &p, &["b"]).expect("score");
-    assert_eq!(of(&confirmed, "b"), Some((10, 0, 10.0)));
-    assert_eq!(model.speculation_ends()[0], 1, "one confirmed");
+        // b's events arrive: confirmed, its entries are real now.
+        ix.apply_batch(MODEL, "b", &stored(&p)).expect("apply");
+        let model = ix.model(MODEL).expect("model");
+        assert_eq!(model.speculation_of("b").map(|s| s.records), Some(0));
+        let confirmed = ix.score_hashes(MODEL, &p, &["b"]).expect("score");
+        assert_eq!(of(&confirmed, "b"), Some((10, 0, 10.0)));
+        assert_eq!(model.speculation_ends()[0], 1, "one confirmed");
 
-    // a never stores the rest: after its deadline, only its real 4 blocks remain.
-    assert_eq!(ix.expire_speculation(t + Duration::from_millis(100)), 0);
-    assert_eq!(ix.expire_speculation(t + Duration::from_millis(250)), 1);
-    let expired = ix.score_hashes(MODEL, &p, &["a"]).expect("score");
-    assert_eq!(of(&expired, "a"), Some((4, 0, 4.0)));
-    assert_eq!(model.speculation_stats().entries, 0);
+        // a never stores the rest: after its deadline, only its real 4 blocks remain.
+        assert_eq!(ix.expire_speculation(t + Duration::from_millis(100)), 0);
+        assert_eq!(ix.expire_speculation(t + Duration::from_millis(250)), 1);
+        let expired = ix.score_hashes(MODEL, &p, &["a"]).expect("score");
+        assert_eq!(of(&expired, "a"), Some((4, 0, 4.0)));
+        assert_eq!(model.speculation_stats().entries, 0);
+    }
 }
 
 #[test]
 fn the_speculative_weight_scales_only_the_speculative_blocks() {
-    let ix = indexer(0.5);
-    let p = prompt(1, 8);
-    ix.apply_batch(MODEL, "a", &stored(&p[..2])).expect("apply");
-    ix.record_routing(MODEL, "a", p.clone(), Instant::now())
-        .expect("record");
-    let r = ix.score_hashes(MODEL, &p, &["a"]).expect("score");
-    assert_eq!(of(&r, "a"), Some((8, 6, 2.0 + 0.5 * 6.0)));
-    // A prompt sharing only the first 3 blocks: 2 real + 1 speculative.
-    let mut other = p[..3].to_vec();
-    other.extend(prompt(5, 4).iter());
-    let r = ix.score_hashes(MODEL, &other, &["a"]).expect("score");
-    assert_eq!(of(&r, "a"), Some((3, 1, 2.5)));
+    for ix in indexers(0.5) {
+        let p = prompt(1, 8);
+        ix.apply_batch(MODEL, "a", &stored(&p[..2])).expect("apply");
+        ix.record_routing(MODEL, "a", p.clone(), Instant::now())
+            .expect("record");
+        let r = ix.score_hashes(MODEL, &p, &["a"]).expect("score");
+        assert_eq!(of(&r, "a"), Some((8, 6, 2.0 + 0.5 * 6.0)));
+        // A prompt sharing only the first 3 blocks: 2 real + 1 speculative.
+        let mut other = p[..3].to_vec();
+        other.extend(prompt(5, 4).iter());
+        let r = ix.score_hashes(MODEL, &other, &["a"]).expect("score");
+        assert_eq!(of(&r, "a"), Some((3, 1, 2.5)));
+    }
 }
 
 #[test]
 fn a_pod_without_events_is_scored_by_its_records_alone() {
-    let ix = indexer(1.0);
-    let p = prompt(1, 6);
-    let t = Instant::now();
-    assert_eq!(
-        ix.record_routing(MODEL, "silent", p.clone(), t)
-            .expect("record"),
-        RoutingRecorded::Speculated(6)
-    );
-    let model = ix.model(MODEL).expect("model");
-    assert!(model.speculation_fallback("silent"));
-    let s = model.speculation_of("silent").expect("records");
-    assert!(s.fallback && s.ttl.is_none(), "{s:?}");
-    // Named as a candidate, or listed among every pod.
-    for result in [
-        ix.score_hashes(MODEL, &p, &["silent", "nobody"])
-            .expect("score"),
-        ix.score_hashes(MODEL, &p, ALL_PODS).expect("score"),
-    ] {
-        assert_eq!(of(&result, "silent"), Some((6, 6, 6.0)));
-        assert!(matches!(result.scores[0].pod, PodRef::Speculative(_)));
+    for ix in indexers(1.0) {
+        let p = prompt(1, 6);
+        let t = Instant::now();
+        assert_eq!(
+            ix.record_routing(MODEL, "silent", p.clone(), t)
+                .expect("record"),
+            RoutingRecorded::Speculated(6)
+        );
+        let model = ix.model(MODEL).expect("model");
+        assert!(model.speculation_fallback("silent"));
+        let s = model.speculation_of("silent").expect("records");
+        assert!(s.fallback && s.ttl.is_none(), "{s:?}");
+        // Named as a candidate, or listed among every pod.
+        for result in [
+            ix.score_hashes(MODEL, &p, &["silent", "nobody"])
+                .expect("score"),
+            ix.score_hashes(MODEL, &p, ALL_PODS).expect("score"),
+        ] {
+            assert_eq!(of(&result, "silent"), Some((6, 6, 6.0)));
+            assert!(matches!(result.scores[0].pod, PodRef::Speculative(_)));
+        }
+        // No deadline: still there long after the TTL.
+        assert_eq!(ix.expire_speculation(t + Duration::from_secs(3600)), 0);
+        assert_eq!(model.speculation_stats().fallback_pods, 1);
+        assert_eq!(model.speculative_pods(), vec![Arc::<str>::from("silent")]);
+        // Forgetting the pod drops its records.
+        ix.remove_pod(MODEL, "silent");
+        assert!(model.speculative_pods().is_empty());
+        let r = ix.score_hashes(MODEL, &p, &["silent"]).expect("score");
+        assert_eq!(of(&r, "silent"), Some((0, 0, 0.0)));
     }
-    // No deadline: still there long after the TTL.
-    assert_eq!(ix.expire_speculation(t + Duration::from_secs(3600)), 0);
-    assert_eq!(model.speculation_stats().fallback_pods, 1);
-    assert_eq!(model.speculative_pods(), vec![Arc::<str>::from("silent")]);
-    // Forgetting the pod drops its records.
-    ix.remove_pod(MODEL, "silent");
-    assert!(model.speculative_pods().is_empty());
-    let r = ix.score_hashes(MODEL, &p, &["silent"]).expect("score");
-    assert_eq!(of(&r, "silent"), Some((0, 0, 0.0)));
 }

@@ -6,14 +6,26 @@
 mod support;
 
 use kv_core::{
-    decode_batch, BlockHash, BlockRemoved, BlockStored, EngineHashes, EventBatch, Indexer,
-    IndexerSettings, KeyMode, KvEvent, Medium, ModelSettings, TokenProcessorConfig,
+    decode_batch, BlockHash, BlockRemoved, BlockStored, EngineHashes, EventBatch, IndexConfig,
+    IndexEngine, Indexer, IndexerSettings, KeyMode, KvEvent, Medium, ModelSettings,
+    TokenProcessorConfig,
 };
 
 const MODEL: &str = "m";
 
+/// Both index structures: the engine-hash maps live beside either.
+const INDEX_ENGINES: [IndexEngine; 2] = [IndexEngine::Nodes, IndexEngine::Runs];
+
 fn indexer(engine_hashes: EngineHashes) -> Indexer {
+    indexer_on(IndexEngine::default(), engine_hashes)
+}
+
+fn indexer_on(index_engine: IndexEngine, engine_hashes: EngineHashes) -> Indexer {
     Indexer::new(IndexerSettings {
+        index: IndexConfig {
+            engine: index_engine,
+            ..Default::default()
+        },
         default_model: ModelSettings {
             token_processor: TokenProcessorConfig {
                 hash_seed: Some("12345".into()),
@@ -47,8 +59,11 @@ fn mode(ix: &Indexer, pod: &str) -> Option<KeyMode> {
 fn every_engine_scores_exactly_with_the_default_settings() {
     let scenarios = support::engine_scenarios();
     assert!(scenarios.len() >= 8, "{}", scenarios.len());
-    for s in &scenarios {
-        let ix = indexer(EngineHashes::Auto);
+    for (s, &index_engine) in scenarios
+        .iter()
+        .flat_map(|s| INDEX_ENGINES.iter().map(move |e| (s, e)))
+    {
+        let ix = indexer_on(index_engine, EngineHashes::Auto);
         // The keys kv-indexer computes for the prompt are vLLM's own.
         assert_eq!(
             ix.block_hashes(MODEL, &s.tokens, None, None)
@@ -66,7 +81,7 @@ fn every_engine_scores_exactly_with_the_default_settings() {
             assert_eq!(
                 matched(&ix, &s.tokens, "pod"),
                 s.matched_after[i],
-                "{}: after message {i}",
+                "{} on {index_engine:?}: after message {i}",
                 s.name
             );
         }
@@ -280,14 +295,18 @@ fn a_block_size_that_is_not_a_multiple_is_refused() {
 /// Differential: a translated engine (blocks of 32, opaque hashes) stores prompts that share
 /// prefixes, stores second copies, evicts blocks in any order (holes included), and clears; after
 /// every step each probe prompt scores what a reference model says (a key is held while some
-/// copy of its engine block is). Keys come from kv-core's processor, which the vLLM vectors check.
+/// copy of its engine block is), on both index engines. Keys come from kv-core's processor, which
+/// the vLLM vectors check.
 #[test]
 fn translated_engines_agree_with_a_reference_under_random_churn() {
     use std::collections::HashMap;
     const K: usize = 2;
-    for seed in [1u64, 2, 3, 4] {
+    for (seed, index_engine) in [1u64, 2, 3, 4]
+        .into_iter()
+        .flat_map(|seed| INDEX_ENGINES.map(|e| (seed, e)))
+    {
         let mut rng = kv_core::SplitMix64::new(seed);
-        let ix = indexer(EngineHashes::Auto);
+        let ix = indexer_on(index_engine, EngineHashes::Auto);
         let processor = kv_core::TokenProcessor::new(&TokenProcessorConfig {
             hash_seed: Some("12345".into()),
             block_size: 16,
@@ -407,7 +426,7 @@ fn translated_engines_agree_with_a_reference_under_random_churn() {
                 assert_eq!(
                     matched(&ix, prompt, "pod") as usize,
                     want,
-                    "seed {seed}, step {step}, prompt {p}"
+                    "seed {seed} on {index_engine:?}, step {step}, prompt {p}"
                 );
             }
         }
