@@ -134,6 +134,8 @@ impl RunLaneWriter<'_> {
             while matches!(self.state.engines.last(), Some(None)) {
                 self.state.engines.pop();
             }
+            let known = self.state.engines.len() as u32;
+            self.state.index.release_engines_from(known);
         }
     }
 

@@ -257,9 +257,31 @@ impl RunIndex {
             + self.table.allocated_bytes()
             + self.free_runs.capacity() * 4
             + self.free.allocated_bytes()
+            + self.ranges.capacity() * std::mem::size_of::<Vec<(u32, u32)>>()
             + self.ranges.iter().map(|r| r.capacity() * 8).sum::<usize>()
+            + self.compacted.capacity() * std::mem::size_of::<usize>()
+            + self.cursors.capacity() * 4
             + self.referenced.capacity() * 8
             + self.order.as_ref().map_or(0, HolderOrder::allocated_bytes)
+    }
+
+    /// Engines numbered `engines` and beyond are gone (cleared, then forgotten): their
+    /// per-engine lists are released, so memory follows the engines known now, not the most
+    /// ever known. An engine that still holds blocks keeps its list.
+    pub fn release_engines_from(&mut self, engines: u32) {
+        let keep = engines as usize;
+        while self.ranges.len() > keep && self.ranges.last().is_some_and(Vec::is_empty) {
+            self.ranges.pop();
+        }
+        let len = self.ranges.len();
+        self.compacted.truncate(len);
+        self.cursors.truncate(len);
+        // Shrunk once half is unused: engines forgotten one by one cost amortised O(1).
+        if self.ranges.capacity() > 2 * len.max(8) {
+            self.ranges.shrink_to_fit();
+            self.compacted.shrink_to_fit();
+            self.cursors.shrink_to_fit();
+        }
     }
 
     /// Hands `dropped(engine, memberships)` what `podCacheSize` dropped since the last call
