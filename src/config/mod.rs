@@ -250,9 +250,8 @@ pub struct InMemoryConfig {
     pub writer_lanes: usize,
     /// Most models indexed; events of further models are dropped and counted.
     pub max_models: usize,
-    /// The index's data structure: `nodes` (one node per block, the default) or `runs` (runs
-    /// of a chain with one holder bitmap each: fewer bytes per membership; no
-    /// `podCacheSize`).
+    /// The index's data structure: `runs` (runs of a chain with one holder bitmap each, the
+    /// default: fewer bytes per membership, faster apply) or `nodes` (one node per block).
     pub engine: IndexEngineName,
 }
 
@@ -261,9 +260,9 @@ pub struct InMemoryConfig {
 #[serde(rename_all = "lowercase")]
 pub enum IndexEngineName {
     /// [`kv_core::IndexEngine::Nodes`].
-    #[default]
     Nodes,
-    /// [`kv_core::IndexEngine::Runs`].
+    /// [`kv_core::IndexEngine::Runs`] (the default).
+    #[default]
     Runs,
 }
 
@@ -283,7 +282,7 @@ impl Default for InMemoryConfig {
             pod_cache_size: None,
             writer_lanes: 2,
             max_models: kv_core::DEFAULT_MAX_MODELS,
-            engine: IndexEngineName::Nodes,
+            engine: IndexEngineName::Runs,
         }
     }
 }

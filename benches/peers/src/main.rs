@@ -313,6 +313,21 @@ fn backends() -> Vec<(&'static str, Maker)> {
                     kv_core::IndexConfig {
                         max_keys: 1 << 26,
                         writer_lanes: 2,
+                        engine: kv_core::IndexEngine::Nodes,
+                        ..Default::default()
+                    },
+                ))
+            }),
+        ),
+        (
+            "runs-lanes",
+            Box::new(|pods| {
+                Box::new(KvIndexerBackend::with_config(
+                    pods,
+                    kv_core::IndexConfig {
+                        max_keys: 1 << 26,
+                        writer_lanes: 2,
+                        engine: kv_core::IndexEngine::Runs,
                         ..Default::default()
                     },
                 ))

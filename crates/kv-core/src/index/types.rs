@@ -156,11 +156,12 @@ pub struct IndexConfig {
 /// The data structure of an index's lanes.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub enum IndexEngine {
-    /// One node per distinct block with its member list (index v2; `podCacheSize` honoured).
-    #[default]
+    /// One node per distinct block with its member list (index v2).
     Nodes,
     /// Runs of a chain with one holder bitmap each (index v3): fewer bytes per membership and
-    /// work per run rather than per block; `podCacheSize` keeps each run's holder order.
+    /// work per run rather than per block; `podCacheSize` keeps each run's holder order. The
+    /// default.
+    #[default]
     Runs,
 }
 
@@ -183,7 +184,7 @@ impl Default for IndexConfig {
             max_keys: 100_000_000,
             pod_cache_size: None,
             writer_lanes: 1,
-            engine: IndexEngine::Nodes,
+            engine: IndexEngine::Runs,
         }
     }
 }

@@ -21,18 +21,19 @@ pub struct KvIndexerBackend {
 }
 
 impl KvIndexerBackend {
-    /// An index for `pods` engines with the default (exact) membership.
+    /// A node index (`engine: nodes`, index v2) for `pods` engines, exact membership.
     pub fn new(pods: u32) -> Self {
         Self::with_pod_cache_size(pods, None)
     }
 
-    /// An index for `pods` engines with `podCacheSize` set to `bound` (`None`: exact).
+    /// A node index for `pods` engines with `podCacheSize` set to `bound` (`None`: exact).
     pub fn with_pod_cache_size(pods: u32, bound: Option<usize>) -> Self {
         Self::with_config(
             pods,
             kv_core::IndexConfig {
                 max_keys: 1 << 26,
                 pod_cache_size: bound,
+                engine: kv_core::IndexEngine::Nodes,
                 ..Default::default()
             },
         )
