@@ -260,6 +260,21 @@ fn fleets() -> Vec<Fleet> {
 
 type Maker = Box<dyn Fn(u32) -> Box<dyn IndexBackend>>;
 
+/// kv-indexer's `ModelIndex` on `engine` with `writer_lanes` lanes (exact membership).
+fn model_index(writer_lanes: usize, engine: kv_core::IndexEngine) -> Maker {
+    Box::new(move |pods| {
+        Box::new(KvIndexerBackend::with_config(
+            pods,
+            kv_core::IndexConfig {
+                max_keys: 1 << 26,
+                writer_lanes,
+                engine,
+                ..Default::default()
+            },
+        ))
+    })
+}
+
 fn backends() -> Vec<(&'static str, Maker)> {
     vec![
         ("flat", Box::new(|_| Box::new(FlatMapBackend::default()))),
@@ -283,19 +298,7 @@ fn backends() -> Vec<(&'static str, Maker)> {
             "facade",
             Box::new(|pods| Box::new(IndexerFacadeBackend::new(pods))),
         ),
-        (
-            "runs-index",
-            Box::new(|pods| {
-                Box::new(KvIndexerBackend::with_config(
-                    pods,
-                    kv_core::IndexConfig {
-                        max_keys: 1 << 26,
-                        engine: kv_core::IndexEngine::Runs,
-                        ..Default::default()
-                    },
-                ))
-            }),
-        ),
+        ("runs-index", model_index(1, kv_core::IndexEngine::Runs)),
         (
             "runs-facade",
             Box::new(|pods| {
@@ -305,34 +308,8 @@ fn backends() -> Vec<(&'static str, Maker)> {
                 ))
             }),
         ),
-        (
-            "lanes",
-            Box::new(|pods| {
-                Box::new(KvIndexerBackend::with_config(
-                    pods,
-                    kv_core::IndexConfig {
-                        max_keys: 1 << 26,
-                        writer_lanes: 2,
-                        engine: kv_core::IndexEngine::Nodes,
-                        ..Default::default()
-                    },
-                ))
-            }),
-        ),
-        (
-            "runs-lanes",
-            Box::new(|pods| {
-                Box::new(KvIndexerBackend::with_config(
-                    pods,
-                    kv_core::IndexConfig {
-                        max_keys: 1 << 26,
-                        writer_lanes: 2,
-                        engine: kv_core::IndexEngine::Runs,
-                        ..Default::default()
-                    },
-                ))
-            }),
-        ),
+        ("lanes", model_index(2, kv_core::IndexEngine::Nodes)),
+        ("runs-lanes", model_index(2, kv_core::IndexEngine::Runs)),
         (
             "bounded",
             Box::new(|pods| Box::new(KvIndexerBackend::with_pod_cache_size(pods, Some(10)))),
