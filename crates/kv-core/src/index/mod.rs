@@ -1,9 +1,11 @@
 //! The block index: for every (model, block hash), the engines that hold the block and in which
 //! tier; and the prefix scoring walk over it.
 //!
-//! Two engines implement a lane ([`IndexConfig::engine`]): `nodes`, described below, and `runs`
-//! (index v3, [`runs`] behind [`run_lane`]): holders per run of a chain as bitmaps, one writer
-//! and lock-free readers per lane. [`IndexWriter`] is the one write surface over both.
+//! Two engines implement a lane ([`IndexConfig::engine`]): `runs` (index v3, the default,
+//! [`runs`] behind [`run_lane`]): holders per run of a chain as bitmaps, one writer and
+//! lock-free readers per lane; and `nodes`, described below. Both keep the same guarantees
+//! (exact membership, tiers, `podCacheSize`, CLOCK under `size`, lanes, export for snapshots);
+//! [`IndexWriter`] is the one write surface over both.
 //!
 //! A model's index ([`ModelIndex`]) is one or more **writer lanes**; an engine belongs to the
 //! lane its pod name hashes to (all DP ranks of a pod together). Each lane is a complete index
