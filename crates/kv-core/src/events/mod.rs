@@ -54,7 +54,7 @@ pub enum DecodeError {
         /// Where the integer starts.
         at: usize,
     },
-    /// Nesting beyond [`msgpack::MAX_DEPTH`].
+    /// Nesting beyond the decoder's depth bound (`msgpack::MAX_DEPTH`, 32 levels).
     #[error("nesting too deep at byte {at}")]
     TooDeep {
         /// Where.

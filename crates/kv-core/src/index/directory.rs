@@ -109,7 +109,7 @@ impl DenseView {
     }
 
     /// Pod index `p`'s position in name order: comparing two pods' ranks compares their
-    /// names ([`NO_POD`] for a free index).
+    /// names (`NO_POD`, `u32::MAX`, for a free index).
     #[inline]
     pub fn name_rank(&self, p: u32) -> u32 {
         self.name_rank.get(p as usize).copied().unwrap_or(NO_POD)

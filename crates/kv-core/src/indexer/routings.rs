@@ -9,7 +9,7 @@ use crate::BlockHash;
 impl Indexer {
     /// Records that the gateway routed a prompt (its block `hashes`) to `pod`: until the
     /// pod's `BlockStored` confirms it, or it expires, the pod scores as holding those blocks
-    /// (speculative entries; see [`SpeculationSettings`]). Returns what was recorded: the
+    /// (speculative entries; see [`SpeculationSettings`](crate::SpeculationSettings)). Returns what was recorded: the
     /// prompt's blocks after those the pod already holds for real, or why nothing was.
     pub fn record_routing(
         &self,

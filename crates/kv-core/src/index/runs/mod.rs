@@ -126,7 +126,7 @@ pub struct RunStats {
     /// Pooled words of holder sets wider than one 64-member window.
     pub holder_words: u64,
     /// Block ids handed out, live or free (an id slot is 16 bytes): above `blocks` by the
-    /// free ids ([`free`] takes fresh ids for a long stretch only while free ids are under an
+    /// free ids (the free-id policy takes fresh ids for a long stretch only while free ids are under an
     /// eighth of live ones).
     pub ids: u64,
     /// New blocks not stored because every id was in use (the capacity).

@@ -41,7 +41,7 @@ const STRETCH_AHEAD: usize = 96;
 /// been descheduled inside the write).
 const SPINS: u32 = 128;
 
-/// A lock-free reader of a [`RunIndex`] (clone it for each thread).
+/// A lock-free reader of a [`RunIndex`](super::RunIndex) (clone it for each thread).
 #[derive(Clone)]
 pub struct RunReader {
     pub(super) shared: Arc<Shared>,
