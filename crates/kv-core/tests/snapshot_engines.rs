@@ -50,6 +50,16 @@ fn prompts(rng: &mut SplitMix64) -> Vec<Vec<u32>> {
     out
 }
 
+/// The hash an engine publishes for its block `j`: the index's key (blocks of 16), or,
+/// `translated`, an opaque function of its content's key (blocks of 32).
+fn published(keys: &[BlockHash], j: usize, translated: bool) -> BlockHash {
+    if translated {
+        BlockHash::new(kv_core::mix64(keys[2 * j + 1].get() ^ 0xE17))
+    } else {
+        keys[j]
+    }
+}
+
 /// A store of blocks `a .. b` of `tokens` by an engine whose hashes are the index's keys
 /// (blocks of 16), or, `translated`, opaque hashes of blocks of 32 (then `a` and `b` count
 /// blocks of 32).
@@ -60,12 +70,8 @@ fn stored(
     translated: bool,
     medium: Medium,
 ) -> KvEvent {
-    let (size, hash): (usize, Box<dyn Fn(usize) -> BlockHash>) = if translated {
-        let opaque = |j: usize| BlockHash::new(kv_core::mix64(keys[2 * j + 1].get() ^ 0xE17));
-        (32, Box::new(opaque))
-    } else {
-        (16, Box::new(|j: usize| keys[j]))
-    };
+    let size = if translated { 32 } else { 16 };
+    let hash = |j: usize| published(keys, j, translated);
     KvEvent::BlockStored(Box::new(BlockStored {
         block_hashes: (a..b).map(&hash).collect(),
         parent_block_hash: a.checked_sub(1).map(&hash),
@@ -103,11 +109,7 @@ fn fill(ix: &Indexer, seed: u64) -> Vec<Vec<u32>> {
             stored(&keys[p], &prompts[p], (a, blocks), translated, medium)
         } else if roll < 97 {
             let j = rng.below(blocks as u64) as usize;
-            let hash = if translated {
-                BlockHash::new(kv_core::mix64(keys[p][2 * j + 1].get() ^ 0xE17))
-            } else {
-                keys[p][j]
-            };
+            let hash = published(&keys[p], j, translated);
             KvEvent::BlockRemoved(BlockRemoved {
                 block_hashes: vec![hash],
                 medium: Some(medium),

@@ -98,6 +98,15 @@ impl RunLane {
     }
 }
 
+/// Takes `memberships` the index dropped on its own (eviction, `podCacheSize`) off the count
+/// of the engine in `slot` and the lane's total.
+fn uncount(engines: &mut [Option<u64>], tally: &mut Tally, slot: u32, memberships: u64) {
+    if let Some(Some(live)) = engines.get_mut(slot as usize) {
+        *live = live.saturating_sub(memberships);
+    }
+    tally.memberships -= memberships;
+}
+
 impl RunLaneWriter<'_> {
     /// The slot of `engine`, if it is a registered engine of this lane.
     #[inline]
@@ -168,10 +177,7 @@ impl RunLaneWriter<'_> {
         let state = &mut *self.state;
         let (engines, tally) = (&mut state.engines, &mut state.tally);
         state.index.take_displaced(|victim, memberships| {
-            if let Some(Some(live)) = engines.get_mut(victim as usize) {
-                *live = live.saturating_sub(memberships);
-            }
-            tally.memberships -= memberships;
+            uncount(engines, tally, victim, memberships);
             tally.pod_cache_evictions += memberships;
         });
         let t = &mut self.state.tally;
@@ -205,10 +211,7 @@ impl RunLaneWriter<'_> {
         let state = &mut *self.state;
         let (engines, tally) = (&mut state.engines, &mut state.tally);
         state.index.evict(n, |slot, memberships| {
-            if let Some(Some(live)) = engines.get_mut(slot as usize) {
-                *live -= memberships;
-            }
-            tally.memberships -= memberships;
+            uncount(engines, tally, slot, memberships);
             tally.capacity_evictions += memberships;
         })
     }

@@ -22,8 +22,6 @@ pub(super) struct HolderOrder {
     /// The order of the holder set a change is about to give part of a run: staged by the
     /// caller of `recolor`, which gives it to the part's run.
     pub staged: Vec<u32>,
-    /// The members the last [`HolderOrder::stage_join`] dropped, oldest first.
-    pub dropped: Vec<u32>,
 }
 
 impl HolderOrder {
@@ -33,7 +31,6 @@ impl HolderOrder {
             bound: bound.max(1),
             by_run: Vec::new(),
             staged: Vec::new(),
-            dropped: Vec::new(),
         }
     }
 
@@ -87,17 +84,17 @@ impl HolderOrder {
         self.of(r) == self.staged.as_slice()
     }
 
-    /// Stages run `r`'s order with `m` added last, then the oldest dropped (into
-    /// [`HolderOrder::dropped`]) until the bound holds.
-    pub fn stage_join(&mut self, r: u32, m: u32) {
+    /// Stages run `r`'s order with `m` added last; when that passes the bound, the oldest
+    /// member is dropped from it and returned (one at most: a run holds at most `bound`).
+    pub fn stage_join(&mut self, r: u32, m: u32) -> Option<u32> {
         let mut staged = std::mem::take(&mut self.staged);
         staged.clear();
         staged.extend_from_slice(self.of(r));
         staged.push(m);
-        let over = staged.len().saturating_sub(self.bound);
-        self.dropped.clear();
-        self.dropped.extend(staged.drain(..over));
+        let dropped = (staged.len() > self.bound).then(|| staged.remove(0));
+        debug_assert!(staged.len() <= self.bound, "a run held more than the bound");
         self.staged = staged;
+        dropped
     }
 
     /// Stages run `r`'s order without the members `gone` says leave.
@@ -112,7 +109,7 @@ impl HolderOrder {
     pub fn allocated_bytes(&self) -> usize {
         self.by_run.capacity() * std::mem::size_of::<Vec<u32>>()
             + self.by_run.iter().map(|l| l.capacity() * 4).sum::<usize>()
-            + (self.staged.capacity() + self.dropped.capacity()) * 4
+            + self.staged.capacity() * 4
     }
 
     fn list(&mut self, r: u32) -> &mut Vec<u32> {
@@ -133,13 +130,11 @@ mod tests {
         let mut order = HolderOrder::new(3);
         order.set_one(0, 10);
         for m in [11, 12] {
-            order.stage_join(0, m);
-            assert!(order.dropped.is_empty(), "under the bound");
+            assert_eq!(order.stage_join(0, m), None, "under the bound");
             order.take_staged(0);
         }
         assert_eq!(order.of(0), &[10, 11, 12]);
-        order.stage_join(0, 13);
-        assert_eq!(order.dropped, vec![10], "the oldest goes");
+        assert_eq!(order.stage_join(0, 13), Some(10), "the oldest goes");
         assert_eq!(order.staged, vec![11, 12, 13]);
         assert_eq!(
             order.of(0),

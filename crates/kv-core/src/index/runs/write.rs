@@ -209,7 +209,7 @@ impl RunIndex {
     }
 
     /// `joined` (run `r`'s holders with member `m` added, owned) kept within `podCacheSize`
-    /// for a join of `blocks` blocks: the oldest members leave the set and are counted as
+    /// for a join of `blocks` blocks: the oldest member leaves the set and is counted as
     /// displaced, and the order the part gets is staged for `recolor`. `None` (the set
     /// released) when the pool has no room for the smaller set: the join does not happen.
     fn within_bound(
@@ -219,33 +219,25 @@ impl RunIndex {
         m: u32,
         blocks: usize,
     ) -> Option<RunHolders> {
-        let Some(order) = &mut self.order else {
+        let Some(victim) = self.order.as_mut().and_then(|o| o.stage_join(r, m)) else {
             return Some(joined);
         };
-        order.stage_join(r, m);
-        let dropped = std::mem::take(&mut order.dropped);
-        let mut set = Some(joined);
-        for &victim in &dropped {
-            let Some(current) = set else { break };
-            let words = &self.reader.shared.words;
-            set = self
-                .pool
-                .with_tiers(&current, victim / 4, 1 << (victim % 4), false, words);
-            self.pool.release_run(current);
-        }
-        match set {
-            Some(_) => {
-                for &victim in &dropped {
-                    self.displaced.push((victim / 4, blocks as u64));
-                    self.stats.pod_cache_evictions += blocks as u64;
-                }
+        let words = &self.reader.shared.words;
+        let smaller = self
+            .pool
+            .with_tiers(&joined, victim / 4, 1 << (victim % 4), false, words);
+        self.pool.release_run(joined);
+        match smaller {
+            Some(set) => {
+                self.displaced.push((victim / 4, blocks as u64));
+                self.stats.pod_cache_evictions += blocks as u64;
+                Some(set)
             }
-            None => self.stats.pool_exhausted += 1,
+            None => {
+                self.stats.pool_exhausted += 1;
+                None
+            }
         }
-        if let Some(order) = &mut self.order {
-            order.dropped = dropped;
-        }
-        set
     }
 
     /// Takes back a block that got an id and a table entry but no run.
