@@ -12,7 +12,8 @@ pub mod pods;
 pub mod redis;
 #[allow(unused_imports)]
 pub use core::{
-    captured_payload, engine_scenarios, fixture, hashes, u32s, unhex, EngineScenario, Rng,
+    budget_scenario, captured_payload, engine_scenarios, fixture, hashes, u32s, unhex,
+    BudgetScenario, EngineScenario, Rng,
 };
 
 /// Writes a small word-level tokenizer (made here, so tests run on a fresh clone) and a

@@ -432,3 +432,48 @@ fn translated_engines_agree_with_a_reference_under_random_churn() {
         }
     }
 }
+
+/// `fixtures/engines/budget.json` (vLLM 0.33.0's own code): a translated engine stores four
+/// prompts of 60 blocks, then evicts them all, oldest first. With no key budget each prompt
+/// scores what the fixture says after every message, and kv-indexer's keys are vLLM's.
+#[test]
+fn the_budget_fixture_scores_as_made_without_a_key_budget() {
+    let s = support::budget_scenario();
+    assert_eq!(s.prompts.len(), 4);
+    assert_eq!(s.messages.len(), s.kinds.len());
+    assert_eq!(s.messages.len(), s.matched_after.len());
+    for &index_engine in &INDEX_ENGINES {
+        let ix = indexer_on(index_engine, EngineHashes::Auto);
+        let model = ix.model_or_create(MODEL).expect("model");
+        for (p, (tokens, keys)) in s.prompts.iter().enumerate() {
+            assert_eq!(tokens.len(), 960, "prompt {p}");
+            assert_eq!(
+                &model.processor().block_hashes(tokens, &Default::default()),
+                keys,
+                "prompt {p}"
+            );
+        }
+        for (i, payload) in s.messages.iter().enumerate() {
+            let batch = decode_batch(payload).expect("decodes");
+            assert!(
+                batch.events.iter().all(|e| match s.kinds[i].as_str() {
+                    "stored" => matches!(e, KvEvent::BlockStored(_)),
+                    "removed" => matches!(e, KvEvent::BlockRemoved(_)),
+                    kind => panic!("message {i}: kind {kind}"),
+                }),
+                "message {i}"
+            );
+            ix.apply_batch(MODEL, "pod", &batch).expect("applies");
+            let held: Vec<u32> = s
+                .prompts
+                .iter()
+                .map(|(tokens, _)| matched(&ix, tokens, "pod"))
+                .collect();
+            assert_eq!(
+                held, s.matched_after[i],
+                "{index_engine:?}: after message {i}"
+            );
+        }
+        assert_eq!(mode(&ix, "pod"), Some(KeyMode::Translated));
+    }
+}

@@ -106,3 +106,47 @@ pub fn engine_scenarios() -> Vec<EngineScenario> {
         })
         .collect()
 }
+
+/// `engines/budget.json`: one translated vLLM engine (xxhash, seed 999, blocks of 16; made with
+/// vLLM 0.33.0's own code, see that folder's README) storing four distinct prompts of 60 blocks
+/// in two runs each, then evicting every block, oldest prompt first.
+pub struct BudgetScenario {
+    /// Each prompt's tokens and the keys vLLM's sha256_cbor gives them (seed "12345", blocks
+    /// of 16).
+    pub prompts: Vec<(Vec<u32>, Vec<BlockHash>)>,
+    /// The ZMQ payloads, in order: one batch per stored run, then one per evicted prompt.
+    pub messages: Vec<Vec<u8>>,
+    /// `"stored"` or `"removed"`, per message.
+    pub kinds: Vec<String>,
+    /// Blocks of each prompt held after each message, with no key budget.
+    pub matched_after: Vec<Vec<u32>>,
+}
+
+/// Loads `engines/budget.json`.
+pub fn budget_scenario() -> BudgetScenario {
+    let doc = fixture("engines/budget.json");
+    let list = |field: &str| doc[field].as_array().expect(field).clone();
+    BudgetScenario {
+        prompts: list("prompts")
+            .iter()
+            .map(|p| {
+                let keys = p["expected_keys"]
+                    .as_array()
+                    .expect("keys")
+                    .iter()
+                    .map(|k| BlockHash::new(k.as_str().expect("str").parse().expect("u64")))
+                    .collect();
+                (u32s(&p["tokens"]), keys)
+            })
+            .collect(),
+        messages: list("messages")
+            .iter()
+            .map(|m| unhex(m.as_str().expect("hex")))
+            .collect(),
+        kinds: list("kinds")
+            .iter()
+            .map(|k| k.as_str().expect("kind").to_owned())
+            .collect(),
+        matched_after: list("matched_after").iter().map(u32s).collect(),
+    }
+}
