@@ -35,15 +35,16 @@ pub use block_hash::BlockHash;
 
 /// vLLM's block hashes (`hashing`).
 pub use hashing::{
-    event_hash, none_hash, BlockDigest, DigestMemo, ExtraKeysFormat, HashScratch, LoraAdapter,
-    MemoStats, MultiModalItem, RequestExtras, TokenProcessor, TokenProcessorConfig,
+    event_hash, none_hash, BlockDigest, DigestMemo, ExtraKeysFormat, HashScratch, KeySpace,
+    LoraAdapter, MemoStats, MultiModalItem, RequestExtras, TokenProcessor, TokenProcessorConfig,
     TokenProcessorError, DEFAULT_HASH_SEED,
 };
 
 /// KV events on the wire (`events`).
 pub use events::{
     decode_batch, encode_batch, encode_batch_as, BlockRemoved, BlockStored, DecodeError,
-    EventBatch, KvEvent, Medium, MsgpackKind, MsgpackValue, WireForm,
+    EventBatch, KvEvent, Medium, MsgpackKind, MsgpackValue, RankOutOfRange, WireForm,
+    MAX_DATA_PARALLEL_RANK,
 };
 
 /// The block index (`index`).
@@ -56,9 +57,10 @@ pub use index::{
 /// The facade transports call (`indexer`).
 pub use indexer::{
     ApplyReport, EngineHashes, EngineKeyState, HashCheckStats, Indexer, IndexerSettings, KeyMode,
-    ModelSettings, ModelState, PodRef, PodScore, PodSpeculation, RecordEnd, RoutingRecorded,
-    ScoreError, ScoreResult, SettingsError, SpeculationSettings, SpeculationStats, TranslatedBlock,
-    TranslationReport, Untranslatable, ALL_PODS, DEFAULT_MAX_MODELS, MAX_TTL_FACTOR,
+    KeysImported, ModelSettings, ModelState, PodRef, PodScore, PodSpeculation, RecordEnd,
+    RoutingRecorded, ScoreError, ScoreResult, SettingsError, SpeculationSettings, SpeculationStats,
+    TranslatedBlock, TranslationReport, Untranslatable, ALL_PODS, DEFAULT_MAX_MODELS,
+    MAX_TTL_FACTOR,
 };
 
 /// 64-bit mixing, the project's one PRNG and its one FNV-1a (`mix`).

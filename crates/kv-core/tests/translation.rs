@@ -7,8 +7,7 @@ mod support;
 
 use kv_core::{
     decode_batch, BlockHash, BlockRemoved, BlockStored, EngineHashes, EventBatch, IndexConfig,
-    IndexEngine, Indexer, IndexerSettings, KeyMode, KvEvent, Medium, ModelSettings,
-    TokenProcessorConfig,
+    IndexEngine, Indexer, KeyMode, KvEvent, Medium, TokenProcessorConfig,
 };
 
 const MODEL: &str = "m";
@@ -21,23 +20,11 @@ fn indexer(engine_hashes: EngineHashes) -> Indexer {
 }
 
 fn indexer_on(index_engine: IndexEngine, engine_hashes: EngineHashes) -> Indexer {
-    Indexer::new(IndexerSettings {
-        index: IndexConfig {
-            engine: index_engine,
-            ..Default::default()
-        },
-        default_model: ModelSettings {
-            token_processor: TokenProcessorConfig {
-                hash_seed: Some("12345".into()),
-                block_size: 16,
-                ..Default::default()
-            },
-            engine_hashes,
-            ..Default::default()
-        },
+    let index = IndexConfig {
+        engine: index_engine,
         ..Default::default()
-    })
-    .expect("valid")
+    };
+    support::fixture_indexer(index, engine_hashes)
 }
 
 fn matched(ix: &Indexer, tokens: &[u32], pod: &str) -> u32 {

@@ -287,4 +287,28 @@ impl EventBatch {
             data_parallel_rank: Some(rank),
         }
     }
+
+    /// The data-parallel rank of the engine that published the batch: absent means rank 0
+    /// (vLLM before 0.10, or no data parallelism). The one conversion from the wire's
+    /// integer: a rank that is negative or above [`MAX_DATA_PARALLEL_RANK`] is an error
+    /// (counted and dropped by the caller), never read as rank 0.
+    pub fn rank(&self) -> Result<u32, RankOutOfRange> {
+        match self.data_parallel_rank {
+            None => Ok(0),
+            Some(r) => u32::try_from(r)
+                .ok()
+                .filter(|&r| r <= MAX_DATA_PARALLEL_RANK)
+                .ok_or(RankOutOfRange(r)),
+        }
+    }
 }
+
+/// The highest data-parallel rank a batch may name. vLLM deployments run tens of ranks at
+/// most; a larger value is a broken or hostile publisher, and each rank is an engine the
+/// index keeps state for.
+pub const MAX_DATA_PARALLEL_RANK: u32 = 65_535;
+
+/// A batch named a data-parallel rank outside `0..=MAX_DATA_PARALLEL_RANK`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[error("data_parallel_rank {0} is out of range (0..={MAX_DATA_PARALLEL_RANK})")]
+pub struct RankOutOfRange(pub i64);

@@ -56,6 +56,21 @@ pub enum ExtraKeysFormat {
     Untagged,
 }
 
+/// The settings a model's keys depend on, as state that outlives the process carries them
+/// (a snapshot): keys made under one key space mean nothing under another, so state from
+/// another key space is never loaded as keys.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KeySpace {
+    /// The root digest (from the hash seed).
+    pub none_hash: BlockDigest,
+    /// Tokens per key (`blockSize`).
+    pub block_size: u32,
+    /// Tokens per chained hash unit.
+    pub hash_block_size: u32,
+    /// The extra-key encoding.
+    pub extra_keys_format: ExtraKeysFormat,
+}
+
 /// A LoRA adapter as vLLM hashes it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct LoraAdapter {
@@ -210,6 +225,17 @@ impl TokenProcessor {
     /// The extra-key encoding in use.
     pub fn extra_keys_format(&self) -> ExtraKeysFormat {
         self.format
+    }
+
+    /// What decides the keys this processor gives a prompt (seed, block sizes, extra-key
+    /// encoding): two processors with equal key spaces key every prompt alike.
+    pub fn key_space(&self) -> KeySpace {
+        KeySpace {
+            none_hash: self.none_hash,
+            block_size: self.block_size as u32,
+            hash_block_size: self.hash_block_size as u32,
+            extra_keys_format: self.format,
+        }
     }
 
     /// The one hashing loop: chains every full hash unit of `tokens` and calls

@@ -77,6 +77,7 @@ impl RunLane {
         let stats = guard.index.stats();
         guard.tally.keys = stats.blocks;
         guard.tally.dropped_full = stats.dropped_full;
+        guard.tally.pool_exhausted = stats.pool_exhausted;
         self.counters.publish(&guard.tally);
         result
     }

@@ -266,6 +266,9 @@ pub struct IndexStats {
     pub orphan_runs: u64,
     /// Blocks not stored because no node could be allocated (never with a sane `size`).
     pub dropped_full: u64,
+    /// Holder changes the run index's word pool had no room for (each part then scores for
+    /// no one; never with a sane `size`).
+    pub pool_exhausted: u64,
     /// Blocks a lock-free reader counted as not held because the writer kept changing them
     /// for longer than a read waits (`engine: runs`; each made a score an underestimate).
     pub reads_given_up: u64,
@@ -284,6 +287,7 @@ impl IndexStats {
         self.pod_cache_evictions += other.pod_cache_evictions;
         self.orphan_runs += other.orphan_runs;
         self.dropped_full += other.dropped_full;
+        self.pool_exhausted += other.pool_exhausted;
         self.reads_given_up += other.reads_given_up;
         self.memory_bytes += other.memory_bytes;
     }

@@ -53,6 +53,41 @@ pub struct ApplyReport {
     /// The model that gave its place to this batch's model (`max_models` reached): its
     /// blocks are gone, so whatever tracks its publishers should start them afresh.
     pub evicted_model: Option<Arc<str>>,
+    /// The batch named a data-parallel rank out of range: nothing applied.
+    pub rank_out_of_range: bool,
+    /// Stored blocks of a batch that found its model evicted (`max_models`) every time it
+    /// was admitted again: not applied.
+    pub model_evicted_blocks: u64,
+}
+
+impl ApplyReport {
+    /// Blocks received and not indexed, and removals that found nothing, by a bounded reason
+    /// (one metric family): every drop the batch caused, in one list.
+    pub fn drops(&self) -> [(&'static str, u64); 6] {
+        let t = &self.translation;
+        [
+            ("unknown_removal", u64::from(t.unknown_removals)),
+            ("partial_block", u64::from(t.partial_blocks)),
+            ("uncovered_hash", u64::from(t.uncovered_hashes)),
+            ("translation_full", u64::from(t.full_blocks)),
+            ("model_evicted", self.model_evicted_blocks),
+            ("rank_out_of_range", u64::from(self.rank_out_of_range)),
+        ]
+    }
+}
+
+/// How many times a batch whose model gave its place while the batch waited for it is
+/// admitted again before its blocks are counted as dropped.
+const ADMIT_TRIES: usize = 3;
+
+/// What a snapshot's key state for one engine came to.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct KeysImported {
+    /// Map entries restored.
+    pub restored: usize,
+    /// Map entries dropped because the key budget (`size`) had no room (the oldest first;
+    /// their keys left the index with them).
+    pub dropped: usize,
 }
 
 /// Gives a map's memory back once it is mostly empty (a fleet that shrank).
@@ -60,6 +95,18 @@ fn shrink_if_sparse<K: std::hash::Hash + Eq, V>(map: &mut HashMap<K, V>) {
     if map.capacity() > 64 && map.len() < map.capacity() / 4 {
         map.shrink_to_fit();
     }
+}
+
+/// Blocks a batch's `BlockStored` events carry.
+fn stored_blocks(batch: &EventBatch) -> u64 {
+    batch
+        .events
+        .iter()
+        .map(|e| match e {
+            KvEvent::BlockStored(s) => s.block_hashes.len() as u64,
+            _ => 0,
+        })
+        .sum()
 }
 
 /// The index tier of an event's medium; no medium (vLLM < 0.10.2) means GPU.
@@ -110,23 +157,47 @@ impl Indexer {
         batch: &EventBatch,
         now: impl FnOnce() -> std::time::Instant,
     ) -> Result<ApplyReport, SettingsError> {
-        let (state, evicted_model) = self.admit(model)?;
-        let rank = batch
-            .data_parallel_rank
-            .and_then(|r| u32::try_from(r).ok())
-            .unwrap_or(0);
-        let key = EngineKey::new(pod, rank);
-        let mut report = ApplyReport {
-            evicted_model,
-            ..ApplyReport::default()
+        let mut report = ApplyReport::default();
+        let rank = match batch.rank() {
+            Ok(rank) => rank,
+            Err(_) => {
+                report.rank_out_of_range = true;
+                return Ok(report);
+            }
         };
-        self.make_room(&state, batch);
+        let key = EngineKey::new(pod, rank);
+        let mut now = Some(now);
+        for _ in 0..ADMIT_TRIES {
+            let (state, evicted_model) = self.admit(model)?;
+            if evicted_model.is_some() {
+                report.evicted_model = evicted_model;
+            }
+            if self.apply_to(&state, &key, batch, &mut now, &mut report) {
+                return Ok(report);
+            }
+            // The model gave its place while this batch was on its way: admit it again.
+        }
+        report.model_evicted_blocks = stored_blocks(batch);
+        Ok(report)
+    }
+
+    /// Applies `batch` of engine `key` to `state`; false (nothing applied) when the model was
+    /// evicted before its locks were taken.
+    fn apply_to(
+        &self,
+        state: &ModelState,
+        key: &EngineKey,
+        batch: &EventBatch,
+        now: &mut Option<impl FnOnce() -> std::time::Instant>,
+        report: &mut ApplyReport,
+    ) -> bool {
+        let pod = &*key.pod;
+        self.make_room(state, batch);
         // Only engines that published a non-indexable group have an entry.
         let mut skipped = state.skipped_groups.lock();
         let mut engines = state.engine_keys.lock();
         if state.evicted.load(Ordering::Acquire) {
-            // The model gave its place while this batch was on its way.
-            return Ok(report);
+            return false;
         }
         state.last_write.store(self.clock(), Ordering::Relaxed);
         let (engines, scratch) = &mut *engines;
@@ -135,7 +206,7 @@ impl Indexer {
         // Hashes are checked while they may be taken as keys; the first root run's verdict
         // (block 0 recomputed equal to the published hash) decides an undecided engine.
         let checks = if matches!(was, KeyMode::Undecided | KeyMode::Aligned) {
-            self.check_hashes(&state, batch)
+            self.check_hashes(state, batch)
         } else {
             Default::default()
         };
@@ -150,10 +221,10 @@ impl Indexer {
         // A translated or refused engine's hashes are not taken as keys: not mismatches to
         // count or warn about (the diagnosis is kept, to say why).
         let counted = matches!(mode, KeyMode::Undecided | KeyMode::Aligned);
-        self.record_checks(&state, &key.pod, batch, &checks, counted, &mut report);
+        self.record_checks(state, &key.pod, batch, &checks, counted, report);
         let speculating = !state.speculation.is_empty();
         let mut confirmed: Vec<Vec<BlockHash>> = Vec::new();
-        let applied = state.index.write_engine(&key, |w, engine| {
+        let applied = state.index.write_engine(key, |w, engine| {
             if changed.is_some() && was == KeyMode::Undecided && mode != KeyMode::Aligned {
                 // What was stored under the engine's own hashes is not keys.
                 report.blocks_removed += w.clear_engine(engine) as u64;
@@ -182,7 +253,7 @@ impl Indexer {
                                     w,
                                     engine,
                                     s,
-                                    &state,
+                                    state,
                                     &self.budget,
                                     scratch,
                                     &mut report.translation,
@@ -203,7 +274,7 @@ impl Indexer {
                         }
                     }
                     KvEvent::BlockRemoved(r) => {
-                        let skips = skipped.get(&key);
+                        let skips = skipped.get(key);
                         if r.group_idx
                             .is_some_and(|g| skips.is_some_and(|set| set.contains(&g)))
                         {
@@ -237,7 +308,7 @@ impl Indexer {
         });
         if applied.is_none() {
             report.engine_rejected = true;
-            engines.remove(&key);
+            engines.remove(key);
         }
         drop(skipped);
         if speculating {
@@ -253,7 +324,8 @@ impl Indexer {
                     })
                     .collect()
             };
-            state.speculation.confirm(pod, &stored, now());
+            let now = now.take().map_or_else(std::time::Instant::now, |f| f());
+            state.speculation.confirm(pod, &stored, now);
         }
         self.totals
             .unknown_events
@@ -261,21 +333,14 @@ impl Indexer {
         self.totals
             .skipped_group_events
             .fetch_add(report.skipped_group_events as u64, Ordering::Relaxed);
-        Ok(report)
+        true
     }
 
     /// When the shared key budget cannot take `batch`'s new blocks, evicts that many from the
     /// model holding the most keys, if it is another one (this model evicts its own as it
     /// stores). Takes one other model's writer at a time, never while holding this one's.
     fn make_room(&self, state: &ModelState, batch: &EventBatch) {
-        let incoming: u64 = batch
-            .events
-            .iter()
-            .map(|e| match e {
-                KvEvent::BlockStored(s) => s.block_hashes.len() as u64,
-                _ => 0,
-            })
-            .sum();
+        let incoming = stored_blocks(batch);
         let over = (self.budget.used() + incoming).saturating_sub(self.budget.limit());
         if over == 0 {
             return;
@@ -350,21 +415,23 @@ impl Indexer {
         }
     }
 
-    /// Restores an engine's key state from a snapshot (after its blocks were imported).
-    /// Returns the translated blocks restored.
+    /// Restores an engine's key state from a snapshot (after its blocks were imported), in
+    /// the order exported: when the key budget is short, the oldest map entries give their
+    /// place and their keys leave the index (no key outlives its entry).
     pub fn import_keys(
         &self,
         model: &str,
         key: &EngineKey,
         state: EngineKeyState,
-    ) -> Result<usize, SettingsError> {
+    ) -> Result<KeysImported, SettingsError> {
         let m = self.model_or_create(model)?;
         let mut engines = m.engine_keys.lock();
-        Ok(engines
-            .0
-            .entry(key.clone())
-            .or_default()
-            .import(state, &self.budget))
+        let keys = engines.0.entry(key.clone()).or_default();
+        let imported = m.index.write_engine(key, |w, engine| {
+            let (restored, dropped) = keys.import(state, w, engine, &self.budget);
+            KeysImported { restored, dropped }
+        });
+        Ok(imported.unwrap_or_default())
     }
 
     /// `pod` at rank `rank` holds `hashes` in `tier` (a snapshot being loaded). Returns the

@@ -45,7 +45,7 @@ use crate::index::{
     EngineKey, IndexConfig, IndexConfigError, IndexStats, KeyBudget, ModelIndex, TierWeights,
 };
 use crate::BlockHash;
-pub use apply::ApplyReport;
+pub use apply::{ApplyReport, KeysImported};
 pub use score::{PodRef, PodScore, ScoreError, ScoreResult, ALL_PODS};
 use speculation::Speculation;
 pub use speculation::{

@@ -10,6 +10,28 @@ use serde_json::Value;
 #[allow(unused_imports)]
 pub use kv_core::SplitMix64 as Rng;
 
+/// An indexer with the engine fixtures' index settings (hash seed "12345", blocks of 16: what
+/// their `expected_keys` were computed with) over `index`, translating as `engine_hashes` says.
+pub fn fixture_indexer(
+    index: kv_core::IndexConfig,
+    engine_hashes: kv_core::EngineHashes,
+) -> kv_core::Indexer {
+    kv_core::Indexer::new(kv_core::IndexerSettings {
+        index,
+        default_model: kv_core::ModelSettings {
+            token_processor: kv_core::TokenProcessorConfig {
+                hash_seed: Some("12345".into()),
+                block_size: 16,
+                ..Default::default()
+            },
+            engine_hashes,
+            ..Default::default()
+        },
+        ..Default::default()
+    })
+    .expect("valid")
+}
+
 /// Decodes lowercase hex.
 pub fn unhex(s: &str) -> Vec<u8> {
     (0..s.len())

@@ -35,6 +35,7 @@ pub(super) struct Tally {
     pub pod_cache_evictions: u64,
     pub orphan_runs: u64,
     pub dropped_full: u64,
+    pub pool_exhausted: u64,
 }
 
 /// Counters, readable at any time without the writer (as of the last finished write).
@@ -48,6 +49,7 @@ pub(super) struct Counters {
     pod_cache_evictions: AtomicU64,
     orphan_runs: AtomicU64,
     dropped_full: AtomicU64,
+    pool_exhausted: AtomicU64,
 }
 
 struct EngineState {
@@ -99,6 +101,7 @@ impl Counters {
             (&self.pod_cache_evictions, t.pod_cache_evictions),
             (&self.orphan_runs, t.orphan_runs),
             (&self.dropped_full, t.dropped_full),
+            (&self.pool_exhausted, t.pool_exhausted),
         ] {
             counter.store(value, Ordering::Relaxed);
         }
@@ -116,6 +119,7 @@ impl Counters {
             pod_cache_evictions: self.pod_cache_evictions.load(Ordering::Relaxed),
             orphan_runs: self.orphan_runs.load(Ordering::Relaxed),
             dropped_full: self.dropped_full.load(Ordering::Relaxed),
+            pool_exhausted: self.pool_exhausted.load(Ordering::Relaxed),
             reads_given_up: 0,
             memory_bytes: 0,
         }

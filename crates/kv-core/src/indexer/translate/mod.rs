@@ -22,9 +22,20 @@
 //!   until both are removed (vLLM keeps two physical blocks with one hash and announces each
 //!   removal). Aligned engines pay for this only while a block has a second copy;
 //! - everything here is dropped with the engine (`AllBlocksCleared`, a restart, a pod
-//!   forgotten); map entries take keys from the shared budget (`size`) and give them back.
+//!   forgotten); map entries take keys from the shared budget (`size`) and give them back;
+//! - a key is stored only together with the map entry that removes it: when the budget is
+//!   spent, the engine's oldest entry gives its place and its keys leave the index with it (the
+//!   newest blocks win), else the index evicts by its policy; what still finds no room is not
+//!   stored (counted, [`Untranslatable::Full`]). The map may hold entries whose keys the index
+//!   evicted, never keys without an entry;
+//! - the state is built by one path: [`EngineKeys`] applying events (from a socket, the shared
+//!   log or a replay), or restoring what it exported (a snapshot), in the map's order.
 
 use std::collections::HashMap;
+
+mod map;
+
+use map::TranslationMap;
 
 use super::apply::{indexable_kind, tier_of};
 use super::ModelState;
@@ -97,11 +108,23 @@ pub enum Untranslatable {
 pub struct TranslationReport {
     /// Runs whose keys were computed from tokens (or found in the map).
     pub translated_runs: u32,
-    /// Runs skipped, by [`Untranslatable`] (unknown parent, LoRA, extra keys, no tokens, full).
+    /// Runs skipped, by [`Untranslatable`] (unknown parent, LoRA, extra keys, no tokens, full;
+    /// a run stored in part counts under `full` too).
     pub untranslatable: [u32; 5],
-    /// Removed hashes the map did not know (stored before this replica listened, or never
-    /// translatable).
+    /// Engine blocks of runs stored in part or skipped because the key budget (`size`) had
+    /// no room for their map entries.
+    pub full_blocks: u32,
+    /// Removed hashes the map did not know (stored before this replica listened, never
+    /// translatable, or their entry gave its place under `size`).
     pub unknown_removals: u32,
+    /// Stored hashes in a run whose block size is not a multiple of `blockSize` (a partial
+    /// page: SGLang's last page of a node), which never make keys.
+    pub partial_blocks: u32,
+    /// Stored hashes beyond what the event's `token_ids` cover (no tokens to key them by).
+    pub uncovered_hashes: u32,
+    /// Map entries that gave their place to newer ones (the key budget was spent); their keys
+    /// left the index with them.
+    pub evicted_entries: u32,
     /// The engine's mode changed in this batch (to the new mode).
     pub mode_changed: Option<KeyMode>,
 }
@@ -128,25 +151,6 @@ impl Untranslatable {
     }
 }
 
-/// What one engine hash of a translated engine stands for.
-#[derive(Debug)]
-struct Translated {
-    /// The chained digest of the engine block's last chunk: what the next block continues.
-    tip: BlockDigest,
-    /// The keys of the chunks before the last (empty when the engine's block size is ours).
-    earlier: Box<[BlockHash]>,
-    /// Copies held, per tier.
-    copies: [u16; 4],
-}
-
-impl Translated {
-    /// Every key the engine block stands for, in chain order.
-    fn keys(&self, out: &mut Vec<BlockHash>) {
-        out.extend_from_slice(&self.earlier);
-        out.push(crate::hashing::event_hash(&self.tip));
-    }
-}
-
 /// One translated engine block, as a snapshot carries it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct TranslatedBlock {
@@ -166,7 +170,8 @@ pub struct TranslatedBlock {
 pub struct EngineKeyState {
     /// The engine's mode.
     pub mode: KeyMode,
-    /// Translated engines: every map entry.
+    /// Translated engines: every map entry, oldest first (the order the budget takes them
+    /// back in).
     pub translated: Vec<TranslatedBlock>,
     /// Aligned engines: blocks held more than once in a tier, with the copies beyond the first.
     pub copies: Vec<(BlockHash, Tier, u32)>,
@@ -176,10 +181,19 @@ pub struct EngineKeyState {
 #[derive(Debug, Default)]
 pub(super) struct EngineKeys {
     pub(super) mode: KeyMode,
-    /// Translated engines: engine hash -> what it stands for.
-    map: HashMap<BlockHash, Translated>,
+    /// Translated engines: engine hash -> what it stands for, oldest first.
+    map: TranslationMap,
     /// Aligned (and undecided) engines: copies beyond the first, by (key, tier).
     copies: HashMap<(BlockHash, Tier), u32>,
+}
+
+/// What making room for new map entries works with: the shared budget, the fence (entries
+/// made from this stamp on are the caller's own and never give their place) and the count of
+/// entries that gave theirs.
+struct Room<'a> {
+    budget: &'a KeyBudget,
+    fence: u64,
+    evicted: &'a mut u32,
 }
 
 /// Per-model scratch for one batch (reused; no allocation per block once grown).
@@ -209,8 +223,8 @@ impl EngineKeys {
             mode: self.mode,
             translated: self
                 .map
-                .iter()
-                .map(|(&engine_hash, t)| TranslatedBlock {
+                .in_order()
+                .map(|(engine_hash, t)| TranslatedBlock {
                     engine_hash,
                     tip: t.tip,
                     earlier: t.earlier.to_vec(),
@@ -225,37 +239,88 @@ impl EngineKeys {
         }
     }
 
-    /// Restores a snapshot's state (replacing this one), taking a key of the budget per map
-    /// entry; entries beyond the budget are dropped. Returns the entries restored.
-    pub(super) fn import(&mut self, state: EngineKeyState, budget: &KeyBudget) -> usize {
+    /// Restores a snapshot's state (replacing this one) after its blocks were imported:
+    /// entries in the order exported, each taking a key of the budget as a store's would, so
+    /// when the budget is short the oldest give their place and their keys leave the index
+    /// (a key never outlives its entry). Returns (entries restored, entries dropped).
+    pub(super) fn import(
+        &mut self,
+        state: EngineKeyState,
+        w: &mut IndexWriter<'_>,
+        engine: EngineId,
+        budget: &KeyBudget,
+    ) -> (usize, usize) {
         self.clear(budget);
         self.mode = state.mode;
+        let mut evicted = 0;
+        let mut dropped = 0;
         for t in state.translated {
-            if !budget.take() {
-                break;
+            // Every entry restored before this one is older: any may give its place.
+            let mut room = Room {
+                budget,
+                fence: u64::MAX,
+                evicted: &mut evicted,
+            };
+            if self.reserve(w, engine, &mut room) {
+                self.map
+                    .insert(t.engine_hash, t.tip, t.earlier.into(), t.copies);
+            } else {
+                // No room at all: its keys, imported with the blocks, go too.
+                remove_held(w, engine, &t.copies, &t.earlier, &t.tip);
+                dropped += 1;
             }
-            self.map.insert(
-                t.engine_hash,
-                Translated {
-                    tip: t.tip,
-                    earlier: t.earlier.into(),
-                    copies: t.copies,
-                },
-            );
         }
+        dropped += evicted as usize;
         self.copies = state
             .copies
             .into_iter()
             .map(|(hash, tier, n)| ((hash, tier), n))
             .collect();
-        self.map.len()
+        (self.map.len(), dropped)
     }
 
     /// Drops everything (the engine's cache is gone), giving the map's keys back.
     pub(super) fn clear(&mut self, budget: &KeyBudget) {
         budget.give_back(self.map.len() as u64);
-        self.map = HashMap::new();
+        self.map = TranslationMap::default();
         self.copies = HashMap::new();
+    }
+
+    /// Takes a key of the budget for a new map entry, making room as [`EngineKeys::make_room`]
+    /// does (the index's policy last). False when nothing can make room.
+    fn reserve(&mut self, w: &mut IndexWriter<'_>, engine: EngineId, room: &mut Room<'_>) -> bool {
+        loop {
+            if room.budget.take() {
+                return true;
+            }
+            if !self.make_room(w, engine, room, 1, true) {
+                return false;
+            }
+        }
+    }
+
+    /// Frees `need` keys of the budget: the engine's oldest entries made before the fence
+    /// give their place first (their keys leave the index with them), then, with
+    /// `or_index`, the index evicts by its policy. False when `need` keys are not free.
+    fn make_room(
+        &mut self,
+        w: &mut IndexWriter<'_>,
+        engine: EngineId,
+        room: &mut Room<'_>,
+        need: u64,
+        or_index: bool,
+    ) -> bool {
+        let free = |b: &KeyBudget| b.limit().saturating_sub(b.used());
+        while free(room.budget) < need {
+            if let Some((_, oldest)) = self.map.pop_oldest_before(room.fence) {
+                remove_held(w, engine, &oldest.copies, &oldest.earlier, &oldest.tip);
+                room.budget.give_back(1);
+                *room.evicted += 1;
+            } else if !or_index || w.evict((need - free(room.budget)) as usize) == 0 {
+                return false;
+            }
+        }
+        true
     }
 
     /// Decides the mode from `batch` when it can; returns the new mode when it changed.
@@ -366,6 +431,9 @@ impl EngineKeys {
         let per_block = s.block_size as usize;
         if per_block == 0 || !per_block.is_multiple_of(ours) {
             // A partial page (SGLang's last page of a node) never makes a key.
+            report.partial_blocks = report
+                .partial_blocks
+                .saturating_add(s.block_hashes.len() as u32);
             return Ok(0);
         }
         let k = per_block / ours;
@@ -376,6 +444,9 @@ impl EngineKeys {
         if blocks == 0 {
             return self.store_known(w, engine, tier, s, scratch);
         }
+        report.uncovered_hashes = report
+            .uncovered_hashes
+            .saturating_add((s.block_hashes.len() - blocks) as u32);
         let parent_key = s.parent_block_hash.map(|p| {
             self.map
                 .get(&p)
@@ -403,28 +474,46 @@ impl EngineKeys {
                 }
             },
         );
-        let outcome = w.store(engine, tier, parent_key, keys);
+        // Room first, for the entries and keys the run adds: the engine's oldest entries give
+        // their place (the newest blocks win; left to the index's policy, the run's own new
+        // keys could be what it evicts while old entries kept their share of the budget).
+        let slot = tier as usize;
+        let mut room = Room {
+            budget,
+            fence: self.map.next_stamp(),
+            evicted: &mut report.evicted_entries,
+        };
+        let new_entries = s.block_hashes[..blocks]
+            .iter()
+            .filter(|h| self.map.get(h).is_none())
+            .count();
+        let need = (new_entries + blocks * k) as u64;
+        self.make_room(w, engine, &mut room, need, false);
+        // Each block's map entry (what will remove its keys), then its keys: a block that
+        // finds no room for its entry is not stored, nor are the blocks after it.
+        let mut mapped = 0;
         for (j, &hash) in s.block_hashes[..blocks].iter().enumerate() {
-            let slot = tier as usize;
             if let Some(t) = self.map.get_mut(&hash) {
                 t.copies[slot] = t.copies[slot].saturating_add(1);
-                continue;
+            } else if self.reserve(w, engine, &mut room) {
+                let mut copies = [0u16; 4];
+                copies[slot] = 1;
+                let (tip, earlier) = (digests[(j + 1) * k - 1], &keys[j * k..(j + 1) * k - 1]);
+                self.map.insert(hash, tip, earlier.into(), copies);
+            } else {
+                break;
             }
-            if !budget.take() {
-                report.untranslatable[Untranslatable::Full as usize] += 1;
-                continue;
-            }
-            let mut copies = [0u16; 4];
-            copies[slot] = 1;
-            self.map.insert(
-                hash,
-                Translated {
-                    tip: digests[(j + 1) * k - 1],
-                    earlier: keys[j * k..(j + 1) * k - 1].into(),
-                    copies,
-                },
-            );
+            mapped = j + 1;
         }
+        if mapped < blocks {
+            report.untranslatable[Untranslatable::Full as usize] += 1;
+            report.full_blocks = report.full_blocks.saturating_add((blocks - mapped) as u32);
+        }
+        // The parent's keys may have left with its entry just now: the run is then stored as
+        // an orphan (held by hash, scored once its chain is back), as any run whose parent the
+        // engine does not hold.
+        keys.truncate(mapped * k);
+        let outcome = w.store(engine, tier, parent_key, keys);
         report.translated_runs += 1;
         Ok(outcome.added)
     }
@@ -471,6 +560,8 @@ impl EngineKeys {
                 continue;
             };
             if t.copies[slot] == 0 {
+                // A removal from a tier the engine did not hold the block in.
+                report.unknown_removals += 1;
                 continue;
             }
             t.copies[slot] -= 1;
@@ -484,6 +575,26 @@ impl EngineKeys {
             }
         }
         w.remove(engine, tier, &scratch.keys)
+    }
+}
+
+/// Removes one engine block's keys (`earlier`, then the tip's) from every tier `copies` says
+/// the engine holds it in (no allocation: the two parts go in two removals).
+fn remove_held(
+    w: &mut IndexWriter<'_>,
+    engine: EngineId,
+    copies: &[u16; 4],
+    earlier: &[BlockHash],
+    tip: &BlockDigest,
+) {
+    let last = [crate::hashing::event_hash(tip)];
+    for tier in [Tier::Gpu, Tier::Cpu, Tier::Storage, Tier::Other] {
+        if copies[tier as usize] > 0 {
+            if !earlier.is_empty() {
+                w.remove(engine, tier, earlier);
+            }
+            w.remove(engine, tier, &last);
+        }
     }
 }
 
