@@ -61,9 +61,12 @@ pub enum LineKind {
     Forgotten,
     /// An engine's key mode was decided (translated, refused).
     KeyMode,
+    /// A publisher's events were dropped for a reason its operator must act on (a rank out
+    /// of range, blocks its tokens do not cover, a key budget too small to translate).
+    Dropped,
 }
 
-const KINDS: usize = 5;
+const KINDS: usize = 6;
 
 impl LineKind {
     const ALL: [LineKind; KINDS] = [
@@ -72,6 +75,7 @@ impl LineKind {
         LineKind::GapFilled,
         LineKind::Forgotten,
         LineKind::KeyMode,
+        LineKind::Dropped,
     ];
 
     /// What the summary line calls these lines.
@@ -82,6 +86,7 @@ impl LineKind {
             LineKind::GapFilled => "gaps filled from a replay buffer",
             LineKind::Forgotten => "pods forgotten",
             LineKind::KeyMode => "engines whose key mode was decided",
+            LineKind::Dropped => "publishers whose events were dropped",
         }
     }
 }

@@ -17,6 +17,7 @@ pub struct IndexMetrics {
     memberships: IntGaugeVec,
     memory_bytes: IntGaugeVec,
     capacity_drops: IntGaugeVec,
+    pool_exhausted: IntGaugeVec,
     orphan_runs: IntGaugeVec,
     reads_given_up: IntGaugeVec,
 }
@@ -68,8 +69,14 @@ impl IndexMetrics {
             capacity_drops: gauge_vec(
                 r,
                 "kvindexer_index_capacity_drops",
-                "Memberships dropped because the index or a block was full",
+                "Memberships dropped because the index (size), a block (pod_cache_size) or the block ids (no_ids) were full",
                 &["model", "reason"],
+            ),
+            pool_exhausted: gauge_vec(
+                r,
+                "kvindexer_index_pool_exhausted",
+                "Holder changes the index's word pool had no room for (each part then scores for no one; 0 in a healthy index)",
+                &["model"],
             ),
         }
     }
@@ -103,6 +110,12 @@ impl IndexMetrics {
             self.capacity_drops
                 .with_label_values(&[&m, "pod_cache_size"])
                 .set(stats.pod_cache_evictions as i64);
+            self.capacity_drops
+                .with_label_values(&[&m, "no_ids"])
+                .set(stats.dropped_full as i64);
+            self.pool_exhausted
+                .with_label_values(&[&m])
+                .set(stats.pool_exhausted as i64);
         }
     }
 }

@@ -28,6 +28,8 @@ pub struct IngestMetrics {
     models_evicted: IntCounter,
     publishers: IntGaugeVec,
     pods_forgotten: IntCounterVec,
+    blocks_dropped: IntCounterVec,
+    rank_errors: IntCounterVec,
 }
 
 impl IngestMetrics {
@@ -140,6 +142,18 @@ impl IngestMetrics {
                 "Pods forgotten (blocks, engines and publisher states dropped), by reason",
                 &["reason"],
             ),
+            blocks_dropped: counter_vec(
+                r,
+                "kvindexer_blocks_dropped_total",
+                "Blocks received and not indexed, and removals that found nothing, by reason",
+                &["reason"],
+            ),
+            rank_errors: counter_vec(
+                r,
+                "kvindexer_rank_errors_total",
+                "Messages dropped because their data_parallel_rank was out of range, by publisher",
+                &["pod"],
+            ),
         }
     }
 
@@ -162,6 +176,7 @@ impl IngestMetrics {
             &self.sequence_gaps,
             &self.messages_lost,
             &self.pod_restarts,
+            &self.rank_errors,
         ] {
             let _ = vec.remove_label_values(&[&label]);
         }
@@ -200,6 +215,20 @@ impl IngestMetrics {
         if n > 0 {
             self.events_skipped.with_label_values(&[reason]).inc_by(n);
         }
+    }
+
+    /// `n` blocks were dropped for `reason` (a fixed label; see [`ApplyReport::drops`]).
+    pub fn dropped(&self, reason: &'static str, n: u64) {
+        if n > 0 {
+            self.blocks_dropped.with_label_values(&[reason]).inc_by(n);
+        }
+    }
+
+    /// A message of `pod` named a data-parallel rank out of range (dropped).
+    pub fn rank_error(&self, pod: &str) {
+        self.rank_errors
+            .with_label_values(&[&self.labels.pod(pod)])
+            .inc();
     }
 
     /// `n` queued messages were dropped (their pod past its share, or the queue past its total).
@@ -289,6 +318,9 @@ impl IngestMetrics {
         );
         self.skipped("unknown_type", u64::from(report.unknown_events));
         self.skipped("too_many_engines", u64::from(report.engine_rejected));
+        for (reason, n) in report.drops() {
+            self.dropped(reason, n);
+        }
         self.blocks_applied
             .with_label_values(&["stored"])
             .inc_by(report.blocks_stored);

@@ -19,6 +19,7 @@ pub struct TranslationMetrics {
     translated_blocks: IntGaugeVec,
     runs: IntCounterVec,
     untranslatable: IntCounterVec,
+    evicted: IntCounterVec,
 }
 
 impl TranslationMetrics {
@@ -49,6 +50,12 @@ impl TranslationMetrics {
                 "BlockStored runs (and BlockStored events of refused engines) not indexed because their keys could not be computed, by reason",
                 &["model", "reason"],
             ),
+            evicted: counter_vec(
+                r,
+                "kvindexer_translated_blocks_evicted_total",
+                "Translation-map entries that gave their place to newer ones because size was spent (their keys left the index with them)",
+                &["model"],
+            ),
         }
     }
 
@@ -56,10 +63,15 @@ impl TranslationMetrics {
     pub fn applied(&self, model: &str, report: &ApplyReport) {
         let t = &report.translation;
         let skipped: u32 = t.untranslatable.iter().sum::<u32>() + report.refused_events;
-        if t.translated_runs == 0 && skipped == 0 {
+        if t.translated_runs == 0 && skipped == 0 && t.evicted_entries == 0 {
             return;
         }
         let m = self.labels.model(model);
+        if t.evicted_entries > 0 {
+            self.evicted
+                .with_label_values(&[&m])
+                .inc_by(u64::from(t.evicted_entries));
+        }
         self.runs
             .with_label_values(&[&m])
             .inc_by(u64::from(t.translated_runs));

@@ -249,9 +249,10 @@ impl Follower {
             return Ok(false);
         };
         let cleared = self.feeder.indexer().clear_all();
-        let (publishers, memberships) =
-            store::apply_snapshot(&loaded.bytes, self.feeder.indexer())?;
-        self.feeder.publishers().restore(publishers);
+        let load = store::apply_snapshot(&loaded.bytes, self.feeder.indexer())?;
+        load.report(&self.rep.inner.metrics);
+        let memberships = load.memberships;
+        self.feeder.publishers().restore(load.publishers);
         drop(paused);
         metrics.reloaded();
         metrics.snapshot("load", loaded.bytes.len(), memberships);
@@ -287,6 +288,9 @@ impl Follower {
         let indexer = self.feeder.indexer();
         let held: u64 = indexer.stats().iter().map(|(_, s)| s.memberships).sum();
         let mut writer = SnapshotWriter::new(self.position, held);
+        for model in indexer.models() {
+            writer.key_space(model.name(), &model.processor().key_space());
+        }
         indexer.export_each(|model, key, blocks| writer.blocks(model, key, blocks));
         indexer.export_keys_each(|model, key, state| writer.engine_keys(model, key, state));
         for (key, state) in self.feeder.publishers().snapshot() {

@@ -289,7 +289,9 @@ impl Replication {
                 ..Restored::default()
             });
         };
-        let (publishers, memberships) = store::apply_snapshot(&loaded.bytes, indexer)?;
+        let load = store::apply_snapshot(&loaded.bytes, indexer)?;
+        load.report(&self.inner.metrics);
+        let (publishers, memberships) = (load.publishers, load.memberships);
         self.inner
             .metrics
             .replication

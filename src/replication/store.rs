@@ -131,36 +131,100 @@ pub async fn load_snapshot(
     Err(StoreError::Inconsistent(last_problem))
 }
 
-/// Loads a snapshot's blocks into `indexer`; returns its publisher states and memberships.
-pub fn apply_snapshot(
-    bytes: &[u8],
-    indexer: &Indexer,
-) -> Result<(Vec<(PublisherKey, PublisherState)>, u64), StoreError> {
+/// What loading a snapshot did.
+#[derive(Debug, Default)]
+pub struct SnapshotLoad {
+    /// The publisher states it carried.
+    pub publishers: Vec<(PublisherKey, PublisherState)>,
+    /// Memberships restored.
+    pub memberships: u64,
+    /// Blocks of models that could not be indexed here (e.g. past `maxModels`): not loaded.
+    pub dropped_blocks: u64,
+    /// Translation-map entries the key budget (`size`) had no room for (the oldest first;
+    /// their keys left the index with them).
+    pub dropped_entries: u64,
+    /// Blocks and map entries of models whose key space (hash seed, block sizes, extra-key
+    /// format) differs here from the writer's: keys of another key space, not loaded.
+    pub dropped_key_space: u64,
+}
+
+impl SnapshotLoad {
+    /// Counts what was dropped and says so once (the operator's `size` or `maxModels` is
+    /// smaller than the replica's that wrote the snapshot).
+    pub fn report(&self, metrics: &crate::metrics::Metrics) {
+        metrics
+            .ingest
+            .dropped("snapshot_model_refused", self.dropped_blocks);
+        metrics
+            .ingest
+            .dropped("snapshot_over_budget", self.dropped_entries);
+        metrics
+            .ingest
+            .dropped("snapshot_key_space", self.dropped_key_space);
+        if self.dropped_blocks + self.dropped_entries > 0 {
+            tracing::warn!(
+                blocks = self.dropped_blocks,
+                translation_entries = self.dropped_entries,
+                "snapshot: part of it was not loaded (this replica's size or maxModels is smaller than the one that wrote it); raise them to match"
+            );
+        }
+    }
+}
+
+/// Loads a snapshot's blocks, key states and publisher states into `indexer`.
+pub fn apply_snapshot(bytes: &[u8], indexer: &Indexer) -> Result<SnapshotLoad, StoreError> {
     let mut reader = SnapshotReader::new(bytes)?;
-    let mut publishers = Vec::new();
-    let mut memberships = 0u64;
+    let mut load = SnapshotLoad::default();
+    // Models whose keys in the snapshot are of another key space than this replica's.
+    let mut foreign: std::collections::HashSet<String> = Default::default();
     while let Some(item) = reader.next_item()? {
         match item {
+            SnapshotItem::KeySpace { model, space } => {
+                let here = indexer.model_or_create(model).ok();
+                let here = here.map(|m| m.processor().key_space());
+                if let Some(here) = here.filter(|here| *here != space) {
+                    tracing::error!(
+                        model,
+                        snapshot_block_size = space.block_size,
+                        block_size = here.block_size,
+                        same_seed = space.none_hash == here.none_hash,
+                        "snapshot: this model's keys were made with other hash settings (hashSeed or PYTHONHASHSEED, blockSize, extra-key format) than this replica's; its blocks are not loaded and come back as its pods publish. Replicas sharing a log must hash alike"
+                    );
+                    foreign.insert(model.to_owned());
+                }
+            }
+            SnapshotItem::Blocks { model, hashes, .. } if foreign.contains(model) => {
+                load.dropped_key_space += hashes.len() as u64;
+            }
+            SnapshotItem::EngineKeys { model, state, .. } if foreign.contains(model) => {
+                load.dropped_key_space += state.translated.len() as u64;
+            }
             SnapshotItem::Blocks {
                 model,
                 key,
                 tier,
                 hashes,
             } => match indexer.import(model, &key, tier, &hashes) {
-                Ok(added) => memberships += added as u64,
+                Ok(added) => load.memberships += added as u64,
                 Err(e) => {
+                    load.dropped_blocks += hashes.len() as u64;
                     tracing::warn!(model, error = %e, "snapshot: a model's blocks were not loaded")
                 }
             },
-            SnapshotItem::Publisher(key, state) => publishers.push((key, state)),
+            SnapshotItem::Publisher(key, state) => load.publishers.push((key, state)),
             SnapshotItem::EngineKeys { model, key, state } => {
-                if let Err(e) = indexer.import_keys(model, &key, state) {
-                    tracing::warn!(model, error = %e, "snapshot: an engine's key state was not loaded")
+                let entries = state.translated.len() as u64;
+                match indexer.import_keys(model, &key, state) {
+                    Ok(imported) => load.dropped_entries += imported.dropped as u64,
+                    Err(e) => {
+                        load.dropped_entries += entries;
+                        tracing::warn!(model, error = %e, "snapshot: an engine's key state was not loaded")
+                    }
                 }
             }
         }
     }
-    Ok((publishers, memberships))
+    Ok(load)
 }
 
 /// Stores `bytes` as the current snapshot: chunks first, then the meta (one `SET`),

@@ -250,10 +250,22 @@ impl Worker<'_> {
                 return;
             }
         };
+        let rank = match batch.rank() {
+            Ok(rank) => rank,
+            Err(e) => {
+                // No publisher to sequence it under: dropped and counted against the pod.
+                metrics.rank_error(&job.pod);
+                metrics.dropped("rank_out_of_range", stored_blocks(&batch));
+                if self.shared.warn_budget.allow(LineKind::Dropped) {
+                    tracing::warn!(pod = %job.pod, model = %job.model, seq = job.seq, error = %e, "KV event message dropped: its data-parallel rank is out of range (a broken publisher)");
+                }
+                return;
+            }
+        };
         let key = PublisherKey {
             pod: job.pod.clone(),
             model: job.model.clone(),
-            rank: rank_of(&batch),
+            rank,
         };
         let (gap_fill, from_log, link) = match job.via {
             Via::Socket(route, link) => (Some(route), None, link),
@@ -466,6 +478,7 @@ impl Worker<'_> {
         if let Some(mode) = report.translation.mode_changed {
             self.report_key_mode(key, mode);
         }
+        self.report_drops(key, &report);
         if report.first_mismatch && shared.warn_budget.allow(LineKind::HashMismatch) {
             let diagnosis = shared
                 .indexer
@@ -479,6 +492,24 @@ impl Worker<'_> {
 }
 
 impl Worker<'_> {
+    /// One log line (under the budget) for drops an operator must act on: blocks whose
+    /// tokens do not cover them (the engine's block size or event shape), and translated
+    /// blocks the key budget had no room for (`size` too small). Every drop is counted
+    /// (`kvindexer_blocks_dropped_total`) whether or not a line is printed.
+    fn report_drops(&self, key: &PublisherKey, report: &kv_core::ApplyReport) {
+        let t = &report.translation;
+        let (uncovered, full) = (t.partial_blocks + t.uncovered_hashes, t.full_blocks);
+        if uncovered + full == 0 || !self.shared.warn_budget.allow(LineKind::Dropped) {
+            return;
+        }
+        if uncovered > 0 {
+            tracing::warn!(pod = %key.pod, model = %key.model, rank = key.rank, partial = t.partial_blocks, uncovered = t.uncovered_hashes, "stored blocks not indexed: their token ids do not cover them (a partial page, or more hashes than tokens)");
+        }
+        if full > 0 {
+            tracing::warn!(pod = %key.pod, model = %key.model, rank = key.rank, blocks = full, "translated blocks not indexed: the key budget (size) has no room for their map entries; raise size");
+        }
+    }
+
     /// One log line (under the budget) when an engine's key mode is decided: translated is
     /// news (its hashes differ from the index's keys, and why), refused is a warning.
     fn report_key_mode(&self, key: &PublisherKey, mode: KeyMode) {
@@ -508,10 +539,14 @@ impl Worker<'_> {
     }
 }
 
-/// The batch's data-parallel rank (0 when absent or out of range).
-fn rank_of(batch: &EventBatch) -> u32 {
+/// Blocks a batch's `BlockStored` events carry (what a dropped batch loses).
+fn stored_blocks(batch: &EventBatch) -> u64 {
     batch
-        .data_parallel_rank
-        .and_then(|r| u32::try_from(r).ok())
-        .unwrap_or(0)
+        .events
+        .iter()
+        .map(|e| match e {
+            kv_core::KvEvent::BlockStored(s) => s.block_hashes.len() as u64,
+            _ => 0,
+        })
+        .sum()
 }

@@ -10,28 +10,36 @@
 //! - `3` engine keys (version 2): model, pod, `u32` rank, `u8` key mode (0 undecided, 1
 //!   aligned, 2 translated, 3 refused, then `u32` engine and `u32` index block sizes), `u32`
 //!   translated blocks, each `u64` engine hash, 32-byte tip digest, `u8` earlier keys and that
-//!   many `u64`, four `u16` copies; `u32` second copies, each `u64` hash, `u8` tier, `u32` copies;
+//!   many `u64` (version 3: a `u16` count), four `u16` copies; `u32` second copies, each `u64`
+//!   hash, `u8` tier, `u32` copies;
+//! - `4` key space (version 3), before any item of its model: model, the 32-byte root digest
+//!   (from the hash seed), `u32` block size, `u32` hash unit size, `u8` extra-key format (0
+//!   tagged, 1 untagged). A reader whose model keys prompts otherwise loads none of that model's
+//!   blocks or key states (they are keys of another key space), and counts them;
 //! - `0` end.
 //!
-//! Version 1 (no engine keys) is still read; version 2 is written.
+//! Versions 1 (no engine keys) and 2 (no key spaces) are still read; version 3 is written.
 //!
 //! Decoding checks every length against what is left, so a truncated or corrupt snapshot is
 //! an error, never a panic or an allocation larger than the input.
 
 use std::sync::Arc;
 
-use kv_core::{BlockHash, EngineKey, EngineKeyState, KeyMode, Tier, TranslatedBlock};
+use kv_core::{
+    BlockHash, EngineKey, EngineKeyState, ExtraKeysFormat, KeyMode, KeySpace, Tier, TranslatedBlock,
+};
 use thiserror::Error;
 
 use super::StreamId;
 use crate::ingest::{PublisherKey, PublisherState};
 
 const MAGIC: &[u8; 8] = b"KVIXSNAP";
-const VERSION: u32 = 2;
+const VERSION: u32 = 3;
 const TAG_END: u8 = 0;
 const TAG_BLOCKS: u8 = 1;
 const TAG_PUBLISHER: u8 = 2;
 const TAG_ENGINE_KEYS: u8 = 3;
+const TAG_KEY_SPACE: u8 = 4;
 
 /// Why a snapshot could not be read.
 #[derive(Debug, Error, PartialEq)]
@@ -113,6 +121,20 @@ impl SnapshotWriter {
         }
     }
 
+    /// A model's key space: written before any of the model's blocks or key states.
+    pub fn key_space(&mut self, model: &str, space: &KeySpace) {
+        self.out.push(TAG_KEY_SPACE);
+        self.string(model);
+        self.out.extend_from_slice(&space.none_hash);
+        self.out.extend_from_slice(&space.block_size.to_le_bytes());
+        self.out
+            .extend_from_slice(&space.hash_block_size.to_le_bytes());
+        self.out.push(match space.extra_keys_format {
+            ExtraKeysFormat::Tagged => 0,
+            ExtraKeysFormat::Untagged => 1,
+        });
+    }
+
     /// One publisher's sequence state.
     pub fn publisher(&mut self, key: &PublisherKey, state: &PublisherState) {
         self.out.push(TAG_PUBLISHER);
@@ -156,8 +178,8 @@ impl SnapshotWriter {
                 .extend_from_slice(&t.engine_hash.get().to_le_bytes());
             self.out.extend_from_slice(&t.tip);
             // An engine block holds at most a few hundred keys (block sizes are bounded).
-            let earlier = t.earlier.len().min(u8::MAX as usize);
-            self.out.push(earlier as u8);
+            let earlier = t.earlier.len().min(u16::MAX as usize);
+            self.out.extend_from_slice(&(earlier as u16).to_le_bytes());
             for k in &t.earlier[..earlier] {
                 self.out.extend_from_slice(&k.get().to_le_bytes());
             }
@@ -197,6 +219,13 @@ pub enum SnapshotItem<'a> {
     },
     /// A publisher's state.
     Publisher(PublisherKey, PublisherState),
+    /// A model's key space (version 3): its items that follow are keys of this space.
+    KeySpace {
+        /// The model.
+        model: &'a str,
+        /// Its key space when the snapshot was written.
+        space: KeySpace,
+    },
     /// An engine's key state (translation map, second copies).
     EngineKeys {
         /// The model.
@@ -214,6 +243,7 @@ pub struct SnapshotReader<'a> {
     at: usize,
     /// The log position the snapshot covers.
     pub position: StreamId,
+    version: u32,
     done: bool,
 }
 
@@ -227,12 +257,14 @@ impl<'a> SnapshotReader<'a> {
             data,
             at: 8,
             position: StreamId::ZERO,
+            version: 0,
             done: false,
         };
         let version = r.u32()?;
         if !(1..=VERSION).contains(&version) {
             return Err(SnapshotError::Format(Some(version)));
         }
+        r.version = version;
         r.position = StreamId {
             ms: r.u64()?,
             seq: r.u64()?,
@@ -312,7 +344,11 @@ impl<'a> SnapshotReader<'a> {
             let engine_hash = BlockHash::from(self.u64()?);
             let mut tip = [0u8; 32];
             tip.copy_from_slice(self.take(32)?);
-            let earlier_len = self.u8()? as usize;
+            let earlier_len = if self.version >= 3 {
+                self.u16()? as usize
+            } else {
+                self.u8()? as usize
+            };
             let earlier = (0..earlier_len)
                 .map(|_| self.u64().map(BlockHash::from))
                 .collect::<Result<_, _>>()?;
@@ -425,6 +461,32 @@ impl<'a> SnapshotReader<'a> {
                     state,
                 )))
             }
+            TAG_KEY_SPACE => {
+                let model = self.string()?;
+                let mut none_hash = [0u8; 32];
+                none_hash.copy_from_slice(self.take(32)?);
+                let block_size = self.u32()?;
+                let hash_block_size = self.u32()?;
+                let extra_keys_format = match self.u8()? {
+                    0 => ExtraKeysFormat::Tagged,
+                    1 => ExtraKeysFormat::Untagged,
+                    _ => {
+                        return Err(SnapshotError::Corrupt {
+                            at,
+                            what: "unknown extra-key format",
+                        })
+                    }
+                };
+                Ok(Some(SnapshotItem::KeySpace {
+                    model,
+                    space: KeySpace {
+                        none_hash,
+                        block_size,
+                        hash_block_size,
+                        extra_keys_format,
+                    },
+                }))
+            }
             TAG_ENGINE_KEYS => {
                 let model = self.string()?;
                 let pod = self.string()?;
@@ -455,161 +517,4 @@ pub fn checksum(parts: &[impl AsRef<[u8]>]) -> u64 {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn sample() -> (Vec<u8>, u64) {
-        let mut w = SnapshotWriter::new(StreamId { ms: 17, seq: 3 }, 3);
-        let blocks: Vec<(BlockHash, Tier)> = vec![
-            (BlockHash::from(1), Tier::Gpu),
-            (BlockHash::from(2), Tier::Cpu),
-            (BlockHash::from(u64::MAX - 1), Tier::Gpu),
-        ];
-        w.blocks("m", &EngineKey::new("10.0.0.1:8000", 2), &blocks);
-        let state = PublisherState {
-            last_seq: Some(41),
-            last_ts: 1.5e9,
-            received_by: "replica-a".into(),
-            messages: 42,
-            gaps: 1,
-            restarts: 0,
-            messages_lost: 3,
-            ..PublisherState::default()
-        };
-        let key = PublisherKey {
-            pod: "10.0.0.1:8000".into(),
-            model: "m".into(),
-            rank: 2,
-        };
-        w.publisher(&key, &state);
-        let keys = EngineKeyState {
-            mode: KeyMode::Translated,
-            translated: vec![TranslatedBlock {
-                engine_hash: BlockHash::from(77),
-                tip: [7; 32],
-                earlier: vec![BlockHash::from(5)],
-                copies: [1, 0, 2, 0],
-            }],
-            copies: vec![(BlockHash::from(9), Tier::Cpu, 2)],
-        };
-        w.engine_keys("m", &EngineKey::new("10.0.0.1:8000", 2), &keys);
-        w.finish()
-    }
-
-    /// A translated engine restored from a snapshot resolves its hashes as before: a removal
-    /// by engine hash removes the keys, a run continuing a restored block scores.
-    #[test]
-    fn a_translated_engines_map_survives_a_snapshot() {
-        use kv_core::{
-            BlockRemoved, BlockStored, EventBatch, Indexer, IndexerSettings, KvEvent, Medium,
-        };
-        let indexer = || Indexer::new(IndexerSettings::default()).expect("valid");
-        let tokens: Vec<u32> = (0..96).map(|i| i * 31 + 7).collect();
-        let run = |hashes: &[u64], parent: Option<u64>, toks: &[u32]| EventBatch {
-            ts: 0.0,
-            events: vec![KvEvent::BlockStored(Box::new(BlockStored {
-                block_hashes: hashes.iter().map(|&h| BlockHash::from(h)).collect(),
-                parent_block_hash: parent.map(BlockHash::from),
-                token_ids: toks.to_vec(),
-                block_size: 32,
-                medium: Some(Medium::Gpu),
-                ..Default::default()
-            }))],
-            data_parallel_rank: Some(0),
-        };
-        let source = indexer();
-        source
-            .apply_batch("m", "p", &run(&[11, 12], None, &tokens[..64]))
-            .expect("applies");
-        let mut w = SnapshotWriter::new(StreamId::ZERO, 8);
-        source.export_each(|model, key, blocks| w.blocks(model, key, blocks));
-        source.export_keys_each(|model, key, state| w.engine_keys(model, key, state));
-        let (bytes, _) = w.finish();
-
-        let restored = indexer();
-        super::super::store::apply_snapshot(&bytes, &restored).expect("loads");
-        let engines = restored.model("m").expect("model").key_modes();
-        assert_eq!(engines.values().map(|(_, n)| *n).sum::<usize>(), 2);
-        let matched = |ix: &Indexer| {
-            ix.score_tokens("m", &tokens, &["p"], None, None)
-                .expect("model")
-                .scores[0]
-                .matched_blocks
-        };
-        assert_eq!(matched(&restored), 4, "two engine blocks of 32: four keys");
-        restored
-            .apply_batch("m", "p", &run(&[13], Some(12), &tokens[64..]))
-            .expect("applies");
-        assert_eq!(
-            matched(&restored),
-            6,
-            "a continuation of a restored block scores"
-        );
-        let removed = EventBatch {
-            ts: 0.0,
-            events: vec![KvEvent::BlockRemoved(BlockRemoved {
-                block_hashes: vec![BlockHash::from(12)],
-                medium: Some(Medium::Gpu),
-                ..Default::default()
-            })],
-            data_parallel_rank: Some(0),
-        };
-        let r = restored.apply_batch("m", "p", &removed).expect("applies");
-        assert_eq!(r.blocks_removed, 2, "both keys of engine block 12");
-        assert_eq!(matched(&restored), 2);
-    }
-
-    #[test]
-    fn items_read_back_as_written() {
-        let (bytes, memberships) = sample();
-        assert_eq!(memberships, 3);
-        let mut r = SnapshotReader::new(&bytes).expect("header");
-        assert_eq!(r.position, StreamId { ms: 17, seq: 3 });
-        let mut got = Vec::new();
-        while let Some(rec) = r.next_item().expect("item") {
-            got.push(format!("{rec:?}"));
-        }
-        assert_eq!(got.len(), 4, "{got:?}");
-        assert!(
-            got[3].contains("Translated") && got[3].contains("copies: [1, 0, 2, 0]"),
-            "{got:?}"
-        );
-        assert!(
-            got[0].contains("Gpu") && got[0].contains("0xfffffffffffffffe"),
-            "{got:?}"
-        );
-        assert!(got[1].contains("Cpu"), "{got:?}");
-        assert!(
-            got[2].contains("Some(41)") && got[2].contains("replica-a"),
-            "{got:?}"
-        );
-    }
-
-    #[test]
-    fn every_truncation_and_a_bad_header_are_errors_not_panics() {
-        let (bytes, _) = sample();
-        for cut in 0..bytes.len() {
-            let result = SnapshotReader::new(&bytes[..cut]).and_then(|mut r| {
-                while r.next_item()?.is_some() {}
-                Ok(())
-            });
-            assert!(result.is_err(), "a snapshot cut at {cut} read as complete");
-        }
-        let mut bad = bytes.clone();
-        bad[8] = 9;
-        assert!(matches!(
-            SnapshotReader::new(&bad).err(),
-            Some(SnapshotError::Format(Some(_)))
-        ));
-    }
-
-    #[test]
-    fn the_checksum_sees_one_flipped_bit() {
-        let (bytes, _) = sample();
-        let mut flipped = bytes.clone();
-        flipped[30] ^= 1;
-        assert_ne!(checksum(&[&bytes]), checksum(&[&flipped]));
-        let (a, b) = bytes.split_at(10);
-        assert_eq!(checksum(&[&bytes]), checksum(&[a, b]));
-    }
-}
+mod tests;

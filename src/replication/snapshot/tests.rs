@@ -1,0 +1,228 @@
+//! The snapshot format's round trips, its refusal of corrupt input, and what loading does.
+
+use super::*;
+
+fn sample() -> (Vec<u8>, u64) {
+    let mut w = SnapshotWriter::new(StreamId { ms: 17, seq: 3 }, 3);
+    let blocks: Vec<(BlockHash, Tier)> = vec![
+        (BlockHash::from(1), Tier::Gpu),
+        (BlockHash::from(2), Tier::Cpu),
+        (BlockHash::from(u64::MAX - 1), Tier::Gpu),
+    ];
+    w.blocks("m", &EngineKey::new("10.0.0.1:8000", 2), &blocks);
+    let state = PublisherState {
+        last_seq: Some(41),
+        last_ts: 1.5e9,
+        received_by: "replica-a".into(),
+        messages: 42,
+        gaps: 1,
+        restarts: 0,
+        messages_lost: 3,
+        ..PublisherState::default()
+    };
+    let key = PublisherKey {
+        pod: "10.0.0.1:8000".into(),
+        model: "m".into(),
+        rank: 2,
+    };
+    w.publisher(&key, &state);
+    let keys = EngineKeyState {
+        mode: KeyMode::Translated,
+        translated: vec![TranslatedBlock {
+            engine_hash: BlockHash::from(77),
+            tip: [7; 32],
+            earlier: vec![BlockHash::from(5)],
+            copies: [1, 0, 2, 0],
+        }],
+        copies: vec![(BlockHash::from(9), Tier::Cpu, 2)],
+    };
+    w.engine_keys("m", &EngineKey::new("10.0.0.1:8000", 2), &keys);
+    w.finish()
+}
+
+/// A translated engine restored from a snapshot resolves its hashes as before: a removal
+/// by engine hash removes the keys, a run continuing a restored block scores.
+#[test]
+fn a_translated_engines_map_survives_a_snapshot() {
+    use kv_core::{
+        BlockRemoved, BlockStored, EventBatch, Indexer, IndexerSettings, KvEvent, Medium,
+    };
+    let indexer = || Indexer::new(IndexerSettings::default()).expect("valid");
+    let tokens: Vec<u32> = (0..96).map(|i| i * 31 + 7).collect();
+    let run = |hashes: &[u64], parent: Option<u64>, toks: &[u32]| EventBatch {
+        ts: 0.0,
+        events: vec![KvEvent::BlockStored(Box::new(BlockStored {
+            block_hashes: hashes.iter().map(|&h| BlockHash::from(h)).collect(),
+            parent_block_hash: parent.map(BlockHash::from),
+            token_ids: toks.to_vec(),
+            block_size: 32,
+            medium: Some(Medium::Gpu),
+            ..Default::default()
+        }))],
+        data_parallel_rank: Some(0),
+    };
+    let source = indexer();
+    source
+        .apply_batch("m", "p", &run(&[11, 12], None, &tokens[..64]))
+        .expect("applies");
+    let mut w = SnapshotWriter::new(StreamId::ZERO, 8);
+    source.export_each(|model, key, blocks| w.blocks(model, key, blocks));
+    source.export_keys_each(|model, key, state| w.engine_keys(model, key, state));
+    let (bytes, _) = w.finish();
+
+    let restored = indexer();
+    super::super::store::apply_snapshot(&bytes, &restored).expect("loads");
+    let engines = restored.model("m").expect("model").key_modes();
+    assert_eq!(engines.values().map(|(_, n)| *n).sum::<usize>(), 2);
+    let matched = |ix: &Indexer| {
+        ix.score_tokens("m", &tokens, &["p"], None, None)
+            .expect("model")
+            .scores[0]
+            .matched_blocks
+    };
+    assert_eq!(matched(&restored), 4, "two engine blocks of 32: four keys");
+    restored
+        .apply_batch("m", "p", &run(&[13], Some(12), &tokens[64..]))
+        .expect("applies");
+    assert_eq!(
+        matched(&restored),
+        6,
+        "a continuation of a restored block scores"
+    );
+    let removed = EventBatch {
+        ts: 0.0,
+        events: vec![KvEvent::BlockRemoved(BlockRemoved {
+            block_hashes: vec![BlockHash::from(12)],
+            medium: Some(Medium::Gpu),
+            ..Default::default()
+        })],
+        data_parallel_rank: Some(0),
+    };
+    let r = restored.apply_batch("m", "p", &removed).expect("applies");
+    assert_eq!(r.blocks_removed, 2, "both keys of engine block 12");
+    assert_eq!(matched(&restored), 2);
+}
+
+#[test]
+fn items_read_back_as_written() {
+    let (bytes, memberships) = sample();
+    assert_eq!(memberships, 3);
+    let mut r = SnapshotReader::new(&bytes).expect("header");
+    assert_eq!(r.position, StreamId { ms: 17, seq: 3 });
+    let mut got = Vec::new();
+    while let Some(rec) = r.next_item().expect("item") {
+        got.push(format!("{rec:?}"));
+    }
+    assert_eq!(got.len(), 4, "{got:?}");
+    assert!(
+        got[3].contains("Translated") && got[3].contains("copies: [1, 0, 2, 0]"),
+        "{got:?}"
+    );
+    assert!(
+        got[0].contains("Gpu") && got[0].contains("0xfffffffffffffffe"),
+        "{got:?}"
+    );
+    assert!(got[1].contains("Cpu"), "{got:?}");
+    assert!(
+        got[2].contains("Some(41)") && got[2].contains("replica-a"),
+        "{got:?}"
+    );
+}
+
+#[test]
+fn every_truncation_and_a_bad_header_are_errors_not_panics() {
+    let (bytes, _) = sample();
+    for cut in 0..bytes.len() {
+        let result = SnapshotReader::new(&bytes[..cut]).and_then(|mut r| {
+            while r.next_item()?.is_some() {}
+            Ok(())
+        });
+        assert!(result.is_err(), "a snapshot cut at {cut} read as complete");
+    }
+    let mut bad = bytes.clone();
+    bad[8] = 9;
+    assert!(matches!(
+        SnapshotReader::new(&bad).err(),
+        Some(SnapshotError::Format(Some(_)))
+    ));
+}
+
+#[test]
+fn the_checksum_sees_one_flipped_bit() {
+    let (bytes, _) = sample();
+    let mut flipped = bytes.clone();
+    flipped[30] ^= 1;
+    assert_ne!(checksum(&[&bytes]), checksum(&[&flipped]));
+    let (a, b) = bytes.split_at(10);
+    assert_eq!(checksum(&[&bytes]), checksum(&[a, b]));
+}
+
+/// A snapshot written under one hash seed, loaded by a replica of the same settings and by one
+/// whose model hashes with another seed (a changed `hashSeed` or `PYTHONHASHSEED`): the second
+/// loads none of the model's keys (no prompt hashes to them there) and counts them.
+#[test]
+fn a_snapshot_of_another_key_space_is_not_loaded_as_keys() {
+    use kv_core::{
+        BlockStored, EventBatch, Indexer, IndexerSettings, KvEvent, ModelSettings,
+        TokenProcessorConfig,
+    };
+    let indexer = |seed: &str| {
+        Indexer::new(IndexerSettings {
+            default_model: ModelSettings {
+                token_processor: TokenProcessorConfig {
+                    hash_seed: Some(seed.into()),
+                    block_size: 16,
+                    ..Default::default()
+                },
+                ..Default::default()
+            },
+            ..Default::default()
+        })
+        .expect("valid")
+    };
+    let tokens: Vec<u32> = (0..64).map(|i| i * 7 + 1).collect();
+    let source = indexer("1");
+    let hashes = source
+        .model_or_create("m")
+        .expect("model")
+        .processor()
+        .block_hashes(&tokens, &Default::default());
+    let batch = EventBatch {
+        ts: 0.0,
+        events: vec![KvEvent::BlockStored(Box::new(BlockStored {
+            block_hashes: hashes,
+            token_ids: tokens.clone(),
+            block_size: 16,
+            ..Default::default()
+        }))],
+        data_parallel_rank: Some(0),
+    };
+    source.apply_batch("m", "p", &batch).expect("applies");
+    let mut w = SnapshotWriter::new(StreamId::ZERO, 4);
+    for model in source.models() {
+        w.key_space(model.name(), &model.processor().key_space());
+    }
+    source.export_each(|model, key, blocks| w.blocks(model, key, blocks));
+    source.export_keys_each(|model, key, state| w.engine_keys(model, key, state));
+    let (bytes, _) = w.finish();
+    let matched = |ix: &Indexer| {
+        ix.score_tokens("m", &tokens, &["p"], None, None)
+            .expect("model")
+            .scores[0]
+            .matched_blocks
+    };
+
+    let same = indexer("1");
+    let load = super::super::store::apply_snapshot(&bytes, &same).expect("loads");
+    assert_eq!((load.memberships, load.dropped_key_space), (4, 0));
+    assert_eq!(matched(&same), 4);
+
+    let other = indexer("2");
+    let load = super::super::store::apply_snapshot(&bytes, &other).expect("loads");
+    assert_eq!(
+        (load.memberships, load.dropped_key_space),
+        (0, 4),
+        "keys of another key space are counted, not loaded"
+    );
+    assert_eq!(other.stats()[0].1.keys, 0);
+}
