@@ -8,19 +8,13 @@ mod support;
 
 use std::time::Duration;
 
-use bytes::Bytes;
 use kv_indexer::daemon;
 use zeromq::{SocketSend, ZmqMessage};
 
 const MODEL: &str = "engines/model";
 
 fn message(pod: &str, seq: u64, payload: &[u8]) -> ZmqMessage {
-    ZmqMessage::try_from(vec![
-        Bytes::from(format!("kv@{pod}@{MODEL}")),
-        Bytes::copy_from_slice(&seq.to_be_bytes()),
-        Bytes::copy_from_slice(payload),
-    ])
-    .expect("frames")
+    support::pods::payload_message(MODEL, pod, seq, payload)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

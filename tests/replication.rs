@@ -27,7 +27,8 @@ use kv_core::{
 use kv_indexer::config::{Config, ConfigDuration, ConnectEndpoint};
 use kv_indexer::daemon::{self, RunningDaemon};
 use kv_proto::kvindexer_v1::{kv_indexer_client::KvIndexerClient, ListPodsRequest};
-use support::redis::{free_port, RedisServer};
+use support::redis::RedisServer;
+use support::replica::{self, Process};
 use zeromq::{PubSocket, Socket, SocketSend, ZmqMessage};
 
 const MODEL: &str = "repl/model";
@@ -563,98 +564,13 @@ async fn replicas_keep_serving_through_a_redis_outage_and_agree_after_it() {
     }
 }
 
-/// A config file for a replica process.
-fn write_process_config(
-    dir: &std::path::Path,
-    name: &str,
-    redis: &str,
-    ports: (u16, u16, u16),
-) -> std::path::PathBuf {
-    let path = dir.join(format!("{name}.yaml"));
-    let text = format!(
-        "indexerConfig:\n  tokenProcessorConfig: {{blockSize: {BLOCK}, hashSeed: \"{SEED}\"}}\n\
-         kvEventsConfig: {{zmqEndpoint: \"tcp://127.0.0.1:{}\", concurrency: 2}}\n\
-         server: {{grpcAddr: \"127.0.0.1:{}\", metricsAddr: \"127.0.0.1:{}\"}}\n\
-         replication: {{enabled: true, redisUrl: \"{redis}\", keyPrefix: kill, replicaId: {name}, snapshotInterval: 1s}}\n",
-        ports.0, ports.1, ports.2
-    );
-    std::fs::write(&path, text).expect("config written");
-    path
-}
-
-struct Process {
-    child: std::process::Child,
-    grpc: String,
-    metrics: u16,
-}
-
-impl Process {
-    fn spawn(config: &std::path::Path, ports: (u16, u16, u16)) -> Self {
-        let child = std::process::Command::new(env!("CARGO_BIN_EXE_kv-indexer"))
-            .args(["serve", "--config"])
-            .arg(config)
-            .env("RUST_LOG", "warn")
-            .stdout(std::process::Stdio::null())
-            .stderr(std::process::Stdio::null())
-            .spawn()
-            .expect("kv-indexer starts");
-        Self {
-            child,
-            grpc: format!("http://127.0.0.1:{}", ports.1),
-            metrics: ports.2,
-        }
-    }
-
-    async fn ready(&self) -> bool {
-        use tokio::io::{AsyncReadExt, AsyncWriteExt};
-        let Ok(mut s) = tokio::net::TcpStream::connect(("127.0.0.1", self.metrics)).await else {
-            return false;
-        };
-        if s.write_all(b"GET /readyz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
-            .await
-            .is_err()
-        {
-            return false;
-        }
-        let mut body = String::new();
-        let _ = s.read_to_string(&mut body).await;
-        body.starts_with("HTTP/1.1 200")
-    }
-
-    /// Blocks per (pod, rank), from ListPods.
-    async fn pods(&self) -> Vec<(String, u32, u64)> {
-        let Ok(mut c) = KvIndexerClient::connect(self.grpc.clone()).await else {
-            return Vec::new();
-        };
-        match c
-            .list_pods(ListPodsRequest {
-                model: MODEL.into(),
-            })
-            .await
-        {
-            Ok(r) => r
-                .into_inner()
-                .pods
-                .into_iter()
-                .map(|p| (p.pod, p.data_parallel_rank, p.blocks))
-                .collect(),
-            Err(_) => Vec::new(),
-        }
-    }
-
-    async fn matched(&self, tokens: &[u32], pod: &str) -> u32 {
-        match KvIndexerClient::connect(self.grpc.clone()).await {
-            Ok(mut c) => matched_on(&mut c, tokens, pod).await,
-            Err(_) => 0,
-        }
-    }
-}
-
-impl Drop for Process {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
+/// Blocks per (pod, rank) on a replica process, from ListPods.
+async fn blocks_per_engine(p: &Process) -> Vec<(String, u32, u64)> {
+    p.pods(MODEL)
+        .await
+        .into_iter()
+        .map(|p| (p.pod, p.data_parallel_rank, p.blocks))
+        .collect()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -664,10 +580,12 @@ async fn a_sigkilled_replica_with_a_million_memberships_comes_back_warm_within_5
         return;
     };
     let dir = support::temp_dir("sigkill");
-    let ports_a = (free_port(), free_port(), free_port());
-    let ports_b = (free_port(), free_port(), free_port());
-    let config_a = write_process_config(&dir, "a", &redis.url(), ports_a);
-    let config_b = write_process_config(&dir, "b", &redis.url(), ports_b);
+    let ports_a = replica::ports();
+    let ports_b = replica::ports();
+    let config = |name, ports| {
+        replica::write_config(&dir, name, &redis.url(), "kill", ports, (SEED, BLOCK), "")
+    };
+    let (config_a, config_b) = (config("a", ports_a), config("b", ports_b));
     let a = Process::spawn(&config_a, ports_a);
     let mut b = Process::spawn(&config_b, ports_b);
     for p in [&a, &b] {
@@ -694,7 +612,7 @@ async fn a_sigkilled_replica_with_a_million_memberships_comes_back_warm_within_5
         for _ in 0..200 {
             publisher.send_seq(0, &first).await;
             tokio::time::sleep(Duration::from_millis(20)).await;
-            if a.matched(&tokens, &pod).await == PROMPT_BLOCKS as u32 {
+            if a.matched(MODEL, &tokens, &pod).await == PROMPT_BLOCKS as u32 {
                 break;
             }
         }
@@ -717,7 +635,7 @@ async fn a_sigkilled_replica_with_a_million_memberships_comes_back_warm_within_5
     let expected: u64 = (PODS * (BLOCKS_PER_POD + PROMPT_BLOCKS)) as u64;
     let deadline = Instant::now() + Duration::from_secs(60);
     loop {
-        let (pa, pb) = (a.pods().await, b.pods().await);
+        let (pa, pb) = (blocks_per_engine(&a).await, blocks_per_engine(&b).await);
         let total: u64 = pa.iter().map(|p| p.2).sum();
         if total == expected && pa == pb {
             break;
@@ -731,8 +649,7 @@ async fn a_sigkilled_replica_with_a_million_memberships_comes_back_warm_within_5
     }
     // A snapshot covering everything (interval 1 s), then SIGKILL and a restart.
     tokio::time::sleep(Duration::from_millis(2_500)).await;
-    let _ = b.child.kill();
-    let _ = b.child.wait();
+    b.kill();
     let restarted = Instant::now();
     b = Process::spawn(&config_b, ports_b);
     while !b.ready().await {
@@ -743,9 +660,9 @@ async fn a_sigkilled_replica_with_a_million_memberships_comes_back_warm_within_5
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     let ready_after = restarted.elapsed();
-    let want = a.pods().await;
+    let want = blocks_per_engine(&a).await;
     loop {
-        if b.pods().await == want {
+        if blocks_per_engine(&b).await == want {
             break;
         }
         assert!(
@@ -758,7 +675,7 @@ async fn a_sigkilled_replica_with_a_million_memberships_comes_back_warm_within_5
     for p in 0..PODS {
         let pod = format!("10.3.0.{p}:8000");
         assert_eq!(
-            b.matched(&prompt(p, 0), &pod).await,
+            b.matched(MODEL, &prompt(p, 0), &pod).await,
             PROMPT_BLOCKS as u32,
             "{pod}"
         );

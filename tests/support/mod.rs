@@ -10,6 +10,7 @@ mod core;
 pub mod dns;
 pub mod pods;
 pub mod redis;
+pub mod replica;
 #[allow(unused_imports)]
 pub use core::{
     budget_scenario, captured_payload, engine_scenarios, fixture, hashes, u32s, unhex,

@@ -39,10 +39,16 @@ pub fn ranked_message(
     hashes: &[BlockHash],
 ) -> ZmqMessage {
     let payload = encode_batch(&EventBatch::stored_on_gpu(1.7e9, rank, hashes, 16));
+    payload_message(model, pod, seq, &payload)
+}
+
+/// Message `seq` of `pod` for `model` carrying `payload` (a msgpack batch), as vLLM frames it:
+/// topic, big-endian sequence, payload.
+pub fn payload_message(model: &str, pod: &str, seq: u64, payload: &[u8]) -> ZmqMessage {
     ZmqMessage::try_from(vec![
         Bytes::from(format!("kv@{pod}@{model}")),
         Bytes::copy_from_slice(&seq.to_be_bytes()),
-        Bytes::from(payload),
+        Bytes::copy_from_slice(payload),
     ])
     .expect("non-empty")
 }
