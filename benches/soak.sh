@@ -11,6 +11,9 @@
 #     append what they queued meanwhile). At 300k blocks/s the log takes ~24 MB/s, so the
 #     replicas snapshot every 10 s (a smaller log restarts faster) and their append queues hold
 #     1 GiB (~40 s of outage; the defaults, 512 MiB, hold ~20 s);
+#   - a TRANSLATED share of each replica's steady pods (default 0.25: the first quarter) hash
+#     with another seed (vLLM's sha256_cbor, seed "-translated"), so the replicas translate
+#     them from their token ids (maps, replication and snapshots of translated engines);
 #   - every SAMPLE seconds (default 60) the RSS of r1, r2 and Redis is written to rss.csv.
 # At the end loadgen waits until r2 holds what r1 holds per (model, pod, rank) (`--agree-with`)
 # and the script prints the memory verdict (the largest RSS after the first WARMUP seconds,
@@ -28,6 +31,7 @@ CHURN="${CHURN:-10}"
 REDIS_EVERY="${REDIS_EVERY:-600}"
 SAMPLE="${SAMPLE:-60}"
 WARMUP="${WARMUP:-660}"
+TRANSLATED="${TRANSLATED:-0.25}"
 cargo build --release --quiet
 bin=target/release/kv-indexer
 work="$(mktemp -d)"
@@ -92,11 +96,12 @@ sampler=$!; pids+=("$sampler")
 
 "$bin" loadgen --zmq-endpoint tcp://127.0.0.1:16558 --grpc http://127.0.0.1:16052 \
   --metrics 127.0.0.1:16091 --model soak/second --pods 16 --rate "$RATE2" \
-  --duration "$DURATION" --score-concurrency 1 --json >"$out/loadgen-r2.json" 2>"$out/loadgen-r2.log" &
+  --duration "$DURATION" --score-concurrency 1 --translated-share "$TRANSLATED" \
+  --json >"$out/loadgen-r2.json" 2>"$out/loadgen-r2.log" &
 second=$!; pids+=("$second")
 "$bin" loadgen --zmq-endpoint tcp://127.0.0.1:16557 --grpc http://127.0.0.1:16051 \
   --metrics 127.0.0.1:16090 --model soak/first --pods 64 --rate "$RATE" --churn "$CHURN" \
-  --duration "$DURATION" --score-concurrency 1 --soak-sample "$SAMPLE" \
+  --duration "$DURATION" --score-concurrency 1 --soak-sample "$SAMPLE" --translated-share "$TRANSLATED" \
   --agree-with http://127.0.0.1:16052 --json >"$out/loadgen-r1.json" 2>"$out/loadgen-r1.log"
 wait "$second"
 wait "$sampler" || true

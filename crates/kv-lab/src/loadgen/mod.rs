@@ -157,8 +157,9 @@ pub struct LoadgenArgs {
     #[arg(long = "replica-metrics")]
     pub replica_metrics: Vec<String>,
     /// Share of the pods (the first ones) whose engines hash differently from the daemon: they
-    /// publish the same tokens under opaque hashes (as another algorithm or seed would), so the
-    /// daemon translates them from their token ids. 0: every pod aligned.
+    /// publish the same tokens under vLLM's `sha256_cbor` hashes with another seed (`--seed`
+    /// followed by `-translated`), so the daemon translates them from their token ids. 0: every
+    /// pod aligned.
     #[arg(long, default_value_t = 0.0)]
     pub translated_share: f64,
     /// Pods joining (each on a PUB socket of its own, storing one prompt) and leaving a second
@@ -274,6 +275,19 @@ fn prepare(args: &LoadgenArgs) -> Result<Vec<Document>, LoadgenError> {
         block_size: args.block_size,
         ..Default::default()
     })?;
+    // Translated pods' engines: the same algorithm and block size, another seed.
+    let other_seed = (args.translated_share > 0.0)
+        .then(|| {
+            TokenProcessor::new(&TokenProcessorConfig {
+                hash_seed: Some(format!(
+                    "{}-translated",
+                    args.seed.as_deref().unwrap_or_default()
+                )),
+                block_size: args.block_size,
+                ..Default::default()
+            })
+        })
+        .transpose()?;
     let mut x = 0x2545_F491_4F6C_DD1Du64;
     let mut docs = Vec::with_capacity(args.documents);
     for _ in 0..args.documents {
@@ -287,12 +301,9 @@ fn prepare(args: &LoadgenArgs) -> Result<Vec<Document>, LoadgenError> {
             .collect();
         let hashes = processor.block_hashes(&tokens, &RequestExtras::default());
         let (store, remove) = encode_document(&hashes, &tokens, args.block_size);
-        let translated = (args.translated_share > 0.0).then(|| {
-            let opaque: Vec<BlockHash> = hashes
-                .iter()
-                .map(|h| BlockHash::new(kv_core::mix64(h.get() ^ 0x0005_eed0_0005_eed0)))
-                .collect();
-            encode_document(&opaque, &tokens, args.block_size)
+        let translated = other_seed.as_ref().map(|other| {
+            let theirs = other.block_hashes(&tokens, &RequestExtras::default());
+            encode_document(&theirs, &tokens, args.block_size)
         });
         docs.push(Document {
             tokens,
