@@ -9,6 +9,7 @@ use serde_json::Value;
 mod core;
 pub mod dns;
 pub mod pods;
+pub mod prometheus;
 pub mod redis;
 pub mod replica;
 #[allow(unused_imports)]
