@@ -209,6 +209,7 @@ fn main() {
                 score: s.score,
                 matched_blocks: s.matched_blocks,
                 speculative_blocks: s.speculative_blocks,
+                data_parallel_rank: s.rank,
             })
             .collect(),
         ..Default::default()

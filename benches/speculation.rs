@@ -98,7 +98,7 @@ fn main() {
         let mut speculated = 0usize;
         for (i, p) in owned.into_iter().enumerate() {
             speculated += ix
-                .record_routing(MODEL, &pods[i % PODS], p, now)
+                .record_routing(MODEL, &pods[i % PODS], 0, p, now)
                 .expect("records")
                 .blocks();
         }

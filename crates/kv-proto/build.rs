@@ -18,6 +18,20 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             ],
             std::slice::from_ref(&root),
         )?;
+    // llm-d's own schema, for tests that read our answers through llm-d's generated client
+    // (its package is ours too, so it is generated into a folder of its own).
+    let upstream = out.join("llmd_upstream");
+    std::fs::create_dir_all(&upstream)?;
+    let mut config = prost_build::Config::new();
+    config.protoc_executable(protoc_bin_vendored::protoc_bin_path()?);
+    tonic_prost_build::configure()
+        .build_server(false)
+        .out_dir(&upstream)
+        .compile_with_config(
+            config,
+            &[root.join("vendor/llm-d/indexer.proto")],
+            &[root.join("vendor/llm-d")],
+        )?;
     println!("cargo:rerun-if-changed={}", root.display());
     Ok(())
 }

@@ -70,11 +70,17 @@ impl Feeder {
                 },
             ),
             // Recorded routings touch no publisher state: made here, as RecordRouting does.
-            LogEntry::Speculate { model, pod, hashes } => {
+            LogEntry::Speculate {
+                model,
+                pod,
+                rank,
+                hashes,
+            } => {
                 let shared = &self.dispatch.shared;
+                let now = std::time::Instant::now();
                 match shared
                     .indexer
-                    .record_routing(&model, &pod, hashes, std::time::Instant::now())
+                    .record_routing(&model, &pod, rank, hashes, now)
                 {
                     Ok(recorded) => shared.metrics.speculation.routing_recorded(recorded),
                     // The model is not indexed here (e.g. maxModels): nothing to speculate on.

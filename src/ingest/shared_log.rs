@@ -43,6 +43,8 @@ pub enum LogEntry {
         model: Arc<str>,
         /// The pod the gateway chose.
         pod: Arc<str>,
+        /// The data-parallel rank it was pinned to (0 without data parallelism).
+        rank: u32,
         /// The prompt's block hashes.
         hashes: Arc<[kv_core::BlockHash]>,
     },

@@ -361,12 +361,21 @@ pub async fn append(
             LogEntry::ClearPod { model, pod } => {
                 f.put("k", "c").put("p", &**pod).put("o", &**model);
             }
-            LogEntry::Speculate { model, pod, hashes } => {
+            LogEntry::Speculate {
+                model,
+                pod,
+                rank,
+                hashes,
+            } => {
                 let bytes: Vec<u8> = hashes.iter().flat_map(|h| h.get().to_be_bytes()).collect();
                 f.put("k", "x")
                     .put("p", &**pod)
                     .put("o", &**model)
                     .put("h", bytes);
+                // Absent (read as rank 0) from releases before ranks were recorded.
+                if *rank > 0 {
+                    f.put("n", *rank);
+                }
             }
         }
         script.arg(f.0.len()).arg(f.0);
@@ -595,7 +604,16 @@ impl Fields {
                         kv_core::BlockHash::new(u64::from_be_bytes(word))
                     })
                     .collect();
-                Some(LogEntry::Speculate { model, pod, hashes })
+                let rank = match self.text(&self.rank) {
+                    Some(rank) => rank.parse().ok()?,
+                    None => 0,
+                };
+                Some(LogEntry::Speculate {
+                    model,
+                    pod,
+                    rank,
+                    hashes,
+                })
             }
             _ => None,
         }

@@ -1,5 +1,8 @@
 //! llm-d compatibility: `indexer.v1.IndexerService/GetPodScores`, for gateways built against
-//! the llm-d indexer's API. A prompt in, pod scores out, through the same path as `ScorePods`.
+//! the llm-d indexer's API. A prompt in, pod scores out, through the same path as `ScorePods`:
+//! as llm-d's server answers, one entry per (pod, rank) for a data-parallel pod (the rank set,
+//! 0 included) and one entry without a rank for a pod without data parallelism. A pod that
+//! holds nothing of the prompt is listed once, with 0 and no rank.
 
 use tonic::{Request, Response, Status};
 
@@ -26,21 +29,14 @@ impl indexer_v1::indexer_service_server::IndexerService for LlmdIndexerApi {
                     model: req.model_name,
                     input: Some(Input::Prompt(req.prompt)),
                     pods: req.pod_identifiers,
+                    every_rank: true,
                     ..Default::default()
                 };
                 self.0
                     .score(r, deadline)
                     .await
                     .map(|resp| indexer_v1::GetPodScoresResponse {
-                        scores: resp
-                            .scores
-                            .into_iter()
-                            .map(|s| indexer_v1::PodScore {
-                                pod: s.pod,
-                                score: s.score,
-                                data_parallel_rank: 0,
-                            })
-                            .collect(),
+                        scores: per_rank(resp),
                     })
             }
             Err(s) => Err(s),
@@ -49,4 +45,33 @@ impl indexer_v1::indexer_service_server::IndexerService for LlmdIndexerApi {
             .count_request("GetPodScores", &result.as_ref().map(|_| ()));
         result.map(Response::new)
     }
+}
+
+/// ScorePods' answer as llm-d lists it: each data-parallel pod's holding ranks apart (their
+/// real blocks), every other pod once.
+fn per_rank(resp: kvindexer_v1::ScorePodsResponse) -> Vec<indexer_v1::PodScore> {
+    let mut ranks: std::collections::HashMap<&str, Vec<&kvindexer_v1::RankScore>> =
+        std::collections::HashMap::new();
+    for r in &resp.rank_scores {
+        if r.data_parallel_rank.is_some() {
+            ranks.entry(r.pod.as_str()).or_default().push(r);
+        }
+    }
+    let mut out = Vec::with_capacity(resp.scores.len() + resp.rank_scores.len());
+    for s in &resp.scores {
+        let rank = |r: Option<u32>| r.and_then(|r| i32::try_from(r).ok());
+        match ranks.get(s.pod.as_str()) {
+            Some(held) => out.extend(held.iter().map(|r| indexer_v1::PodScore {
+                pod: s.pod.clone(),
+                score: r.score,
+                data_parallel_rank: rank(r.data_parallel_rank),
+            })),
+            None => out.push(indexer_v1::PodScore {
+                pod: s.pod.clone(),
+                score: s.score,
+                data_parallel_rank: rank(s.data_parallel_rank),
+            }),
+        }
+    }
+    out
 }

@@ -177,8 +177,15 @@ pub fn record_routing(
             req.pod, req.model
         )));
     }
+    let rank = req.data_parallel_rank.unwrap_or(0);
+    if rank > kv_core::MAX_DATA_PARALLEL_RANK {
+        return Err(Status::invalid_argument(format!(
+            "data_parallel_rank {rank} is out of range (0..={})",
+            kv_core::MAX_DATA_PARALLEL_RANK
+        )));
+    }
     let recorded = indexer
-        .record_routing(&req.model, &req.pod, hashes.clone(), Instant::now())
+        .record_routing(&req.model, &req.pod, rank, hashes.clone(), Instant::now())
         .map_err(|e| Status::not_found(e.to_string()))?;
     metrics.speculation.routing_recorded(recorded);
     let blocks = recorded.blocks();
@@ -187,6 +194,7 @@ pub fn record_routing(
             log.append(LogEntry::Speculate {
                 model: req.model.as_str().into(),
                 pod: req.pod.as_str().into(),
+                rank,
                 hashes,
             });
         }

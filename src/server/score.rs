@@ -12,7 +12,7 @@ use tonic::Status;
 
 use super::grpc::ScoreService;
 use super::routing::ScoredPrompt;
-use kv_core::ScoreError;
+use kv_core::{ScoreError, ScoreResult};
 use kv_proto::kvindexer_v1;
 use kv_proto::kvindexer_v1::score_pods_request::Input;
 use kv_tokenize::{ChatInput, ChatMessage, LoadError, TokenizeError};
@@ -163,22 +163,25 @@ impl ScoreService {
         let salt = Some(req.cache_salt.as_str());
         // The hashes are kept only when a prompt key can be used (RecordRouting enabled);
         // otherwise the indexer hashes in its per-thread scratch and nothing is kept.
-        let (mut result, hashes) = if self.limits.enable_record_routing {
+        let mut result = if req.every_rank {
+            ScoreResult::with_ranks()
+        } else {
+            ScoreResult::default()
+        };
+        let hashes = if self.limits.enable_record_routing {
             let hashes = self
                 .indexer
                 .block_hashes(&req.model, &tokens, lora, salt)
                 .map_err(unknown_model)?;
-            let result = self
-                .indexer
-                .score_hashes(&req.model, &hashes, &req.pods)
+            self.indexer
+                .score_hashes_into(&req.model, &hashes, &req.pods, &mut result)
                 .map_err(unknown_model)?;
-            (result, Some(hashes))
+            Some(hashes)
         } else {
-            let result = self
-                .indexer
-                .score_tokens(&req.model, &tokens, &req.pods, lora, salt)
+            self.indexer
+                .score_tokens_into(&req.model, &tokens, &req.pods, lora, salt, &mut result)
                 .map_err(unknown_model)?;
-            (result, None)
+            None
         };
         result.prompt_tokens = tokens.len() as u32;
         self.metrics.scoring.lookup(
@@ -192,6 +195,17 @@ impl ScoreService {
                 score: s.score,
                 matched_blocks: s.matched_blocks,
                 speculative_blocks: s.speculative_blocks,
+                data_parallel_rank: s.rank,
+            })
+            .collect();
+        let rank_scores = result
+            .ranks
+            .iter()
+            .map(|r| kvindexer_v1::RankScore {
+                pod: result.pod_name(r.pod).to_owned(),
+                data_parallel_rank: r.rank,
+                score: r.score,
+                matched_blocks: r.matched_blocks,
             })
             .collect();
         let prompt_key = hashes.map_or_else(Vec::new, |hashes| {
@@ -207,6 +221,7 @@ impl ScoreService {
             total_blocks: result.total_blocks,
             prompt_tokens: result.prompt_tokens,
             prompt_key,
+            rank_scores,
         })
     }
 }

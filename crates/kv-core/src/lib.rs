@@ -57,10 +57,10 @@ pub use index::{
 /// The facade transports call (`indexer`).
 pub use indexer::{
     ApplyReport, EngineHashes, EngineKeyState, HashCheckStats, Indexer, IndexerSettings, KeyMode,
-    KeysImported, ModelSettings, ModelState, PodRef, PodScore, PodSpeculation, RecordEnd,
-    RoutingRecorded, ScoreError, ScoreResult, SettingsError, SpeculationSettings, SpeculationStats,
-    TranslatedBlock, TranslationReport, Untranslatable, ALL_PODS, DEFAULT_MAX_MODELS,
-    MAX_TTL_FACTOR,
+    KeysImported, ModelSettings, ModelState, PodRef, PodScore, PodSpeculation, RankScore,
+    RecordEnd, RoutingRecorded, ScoreError, ScoreResult, SettingsError, SpeculationSettings,
+    SpeculationStats, TranslatedBlock, TranslationReport, Untranslatable, ALL_PODS,
+    DEFAULT_MAX_MODELS, MAX_TTL_FACTOR,
 };
 
 /// 64-bit mixing, the project's one PRNG and its one FNV-1a (`mix`).

@@ -74,7 +74,8 @@ fn a_recorded_routing_scores_until_its_events_confirm_it() {
         // The gateway sends the prompt to b: six more blocks than a holds, all speculative.
         let t = Instant::now();
         assert_eq!(
-            ix.record_routing(MODEL, "b", p.clone(), t).expect("record"),
+            ix.record_routing(MODEL, "b", 0, p.clone(), t)
+                .expect("record"),
             RoutingRecorded::Speculated(10)
         );
         let after = ix.score_hashes(MODEL, &p, ALL_PODS).expect("score");
@@ -86,7 +87,8 @@ fn a_recorded_routing_scores_until_its_events_confirm_it() {
         );
         // Recorded for a, only what a does not hold is speculative.
         assert_eq!(
-            ix.record_routing(MODEL, "a", p.clone(), t).expect("record"),
+            ix.record_routing(MODEL, "a", 0, p.clone(), t)
+                .expect("record"),
             RoutingRecorded::Speculated(6)
         );
         let both = ix.score_hashes(MODEL, &p, &["a"]).expect("score");
@@ -114,7 +116,7 @@ fn the_speculative_weight_scales_only_the_speculative_blocks() {
     for ix in indexers(0.5) {
         let p = prompt(1, 8);
         ix.apply_batch(MODEL, "a", &stored(&p[..2])).expect("apply");
-        ix.record_routing(MODEL, "a", p.clone(), Instant::now())
+        ix.record_routing(MODEL, "a", 0, p.clone(), Instant::now())
             .expect("record");
         let r = ix.score_hashes(MODEL, &p, &["a"]).expect("score");
         assert_eq!(of(&r, "a"), Some((8, 6, 2.0 + 0.5 * 6.0)));
@@ -132,7 +134,7 @@ fn a_pod_without_events_is_scored_by_its_records_alone() {
         let p = prompt(1, 6);
         let t = Instant::now();
         assert_eq!(
-            ix.record_routing(MODEL, "silent", p.clone(), t)
+            ix.record_routing(MODEL, "silent", 0, p.clone(), t)
                 .expect("record"),
             RoutingRecorded::Speculated(6)
         );

@@ -2,7 +2,8 @@
 //! the daemon's servers, the `score` command and loadgen's client.
 //!
 //! - [`kvindexer_v1`]: `proto/kvindexer/v1/kv_indexer.proto` (ScorePods, ListPods, ClearPod);
-//! - [`indexer_v1`]: `proto/indexer/v1/indexer.proto` (llm-d's `GetPodScores`, unchanged);
+//! - [`indexer_v1`]: `proto/indexer/v1/indexer.proto` (llm-d's `GetPodScores`, field for field);
+//! - [`llmd_upstream`]: llm-d's own copy of that schema (client only, for tests);
 //! - [`FILE_DESCRIPTOR_SET`]: both schemas encoded, for server reflection;
 //! - [`token_ids_le`]: the packed form of `ScorePodsRequest.token_ids_le`, both ways.
 
@@ -16,6 +17,14 @@ pub mod kvindexer_v1 {
 pub mod indexer_v1 {
     #![allow(missing_docs, clippy::all, clippy::pedantic)]
     tonic::include_proto!("indexer.v1");
+}
+
+/// A client generated from llm-d's own `indexer.proto` (vendored unchanged in
+/// `proto/vendor/llm-d`, with its origin): tests read kv-indexer's `GetPodScores` through it,
+/// so the schema llm-d's gateways compile against is what is checked, not ours.
+pub mod llmd_upstream {
+    #![allow(missing_docs, clippy::all, clippy::pedantic)]
+    include!(concat!(env!("OUT_DIR"), "/llmd_upstream/indexer.v1.rs"));
 }
 
 /// Encoded descriptors of both schemas, for server reflection.

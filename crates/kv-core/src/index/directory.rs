@@ -64,6 +64,12 @@ pub struct EngineDirectory {
 pub struct DenseView {
     /// Engine id -> pod index ([`NO_POD`]: a free id).
     pod_of: Vec<u32>,
+    /// Engine id -> its data-parallel rank (0 for a free id).
+    rank_of: Vec<u32>,
+    /// Pod index -> whether the pod is data-parallel: it has an engine of a rank above 0
+    /// (vLLM fills the rank in every batch, 0 without data parallelism, so rank 0 alone
+    /// cannot tell).
+    parallel: Vec<bool>,
     /// Pod indexes in name order.
     name_order: Vec<u32>,
     /// Pod index -> its position in `name_order` ([`NO_POD`]: a free index).
@@ -80,6 +86,19 @@ impl DenseView {
             .iter()
             .map(|e| e.map_or(NO_POD, |entry| entry.pod))
             .collect();
+        let rank_of = d
+            .engines
+            .iter()
+            .map(|e| e.map_or(0, |entry| entry.rank))
+            .collect();
+        let mut parallel = vec![false; d.names.len()];
+        for entry in d.engines.iter().flatten() {
+            if entry.rank > 0 {
+                if let Some(p) = parallel.get_mut(entry.pod as usize) {
+                    *p = true;
+                }
+            }
+        }
         let name_order: Vec<u32> = d.by_name.values().map(|entry| entry.index).collect();
         let mut name_rank = vec![NO_POD; d.names.len()];
         for (rank, &p) in name_order.iter().enumerate() {
@@ -89,9 +108,23 @@ impl DenseView {
         }
         Self {
             pod_of,
+            rank_of,
+            parallel,
             name_order,
             name_rank,
         }
+    }
+
+    /// The data-parallel rank of an engine.
+    #[inline]
+    pub fn rank_of(&self, engine: EngineId) -> u32 {
+        self.rank_of.get(engine as usize).copied().unwrap_or(0)
+    }
+
+    /// Whether pod index `p` is data-parallel (an engine of a rank above 0 is registered).
+    #[inline]
+    pub fn is_parallel(&self, p: u32) -> bool {
+        self.parallel.get(p as usize).copied().unwrap_or(false)
     }
 
     /// The pod index of an engine.

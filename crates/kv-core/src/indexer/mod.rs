@@ -46,7 +46,7 @@ use crate::index::{
 };
 use crate::BlockHash;
 pub use apply::{ApplyReport, KeysImported};
-pub use score::{PodRef, PodScore, ScoreError, ScoreResult, ALL_PODS};
+pub use score::{PodRef, PodScore, RankScore, ScoreError, ScoreResult, ALL_PODS};
 use speculation::Speculation;
 pub use speculation::{
     PodSpeculation, RecordEnd, RoutingRecorded, SpeculationSettings, SpeculationStats,

@@ -108,6 +108,7 @@ mod tests {
                 score: scores[(rng.next_u64() % scores.len() as u64) as usize],
                 matched_blocks: (rng.next_u64() % 4) as u32,
                 speculative_blocks: 0,
+                rank: None,
             })
             .collect()
     }

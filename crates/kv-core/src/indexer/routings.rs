@@ -7,14 +7,17 @@ use super::{Indexer, RoutingRecorded, ScoreError};
 use crate::BlockHash;
 
 impl Indexer {
-    /// Records that the gateway routed a prompt (its block `hashes`) to `pod`: until the
-    /// pod's `BlockStored` confirms it, or it expires, the pod scores as holding those blocks
-    /// (speculative entries; see [`SpeculationSettings`](crate::SpeculationSettings)). Returns what was recorded: the
-    /// prompt's blocks after those the pod already holds for real, or why nothing was.
+    /// Records that the gateway routed a prompt (its block `hashes`) to `pod`, pinned to
+    /// data-parallel rank `rank` (0 without data parallelism): until the pod's `BlockStored`
+    /// confirms it, or it expires, that rank scores as holding those blocks (speculative
+    /// entries; see [`SpeculationSettings`](crate::SpeculationSettings)). Returns what was
+    /// recorded: the prompt's blocks after those the rank already holds for real, or why
+    /// nothing was.
     pub fn record_routing(
         &self,
         model: &str,
         pod: &str,
+        rank: u32,
         hashes: Arc<[BlockHash]>,
         now: std::time::Instant,
     ) -> Result<RoutingRecorded, ScoreError> {
@@ -23,17 +26,19 @@ impl Indexer {
             .ok_or_else(|| ScoreError::UnknownModel(model.to_owned()))?;
         let mut real = Vec::new();
         let directory = state.index.directory();
-        let engines = directory.engines_of(pod);
-        if !engines.is_empty() {
-            state
-                .index
-                .score_engines(&hashes, Some(engines), &self.settings.weights, &mut real);
+        if let Some(engine) = directory.engine(pod, rank) {
+            state.index.score_engines(
+                &hashes,
+                Some(std::slice::from_ref(&engine)),
+                &self.settings.weights,
+                &mut real,
+            );
         }
         let real_blocks = real.iter().map(|e| e.matched_blocks).max().unwrap_or(0) as usize;
         let fallback = state.speculation_fallback(pod);
         Ok(state
             .speculation
-            .record(pod, hashes, real_blocks, fallback, now))
+            .record(pod, rank, hashes, real_blocks, fallback, now))
     }
 
     /// Ends the speculative records whose deadline passed (every model), re-deciding which

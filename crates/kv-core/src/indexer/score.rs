@@ -41,6 +41,24 @@ pub struct PodScore {
     /// Of `matched_blocks`, those held only by speculative entries (recorded routings not yet
     /// confirmed by the pod's events), at the end of the run.
     pub speculative_blocks: u32,
+    /// The data-parallel rank the score comes from, for a data-parallel pod that holds part
+    /// of the prompt (the best rank; ties to the lowest): the rank a gateway pins the request
+    /// to. `None` for a pod without data parallelism, and for one holding nothing.
+    pub rank: Option<u32>,
+}
+
+/// One data-parallel rank's score ([`ScoreResult::ranks`], for callers that place ranks
+/// themselves).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct RankScore {
+    /// The pod (resolve with [`ScoreResult::pod_name`]).
+    pub pod: PodRef,
+    /// Its rank; `None` for a pod without data parallelism.
+    pub rank: Option<u32>,
+    /// Tier-weighted consecutive blocks from the prompt's start.
+    pub score: f64,
+    /// Consecutive blocks from the prompt's start this rank holds.
+    pub matched_blocks: u32,
 }
 
 /// A pod named in a [`ScoreResult`], without copying or reference-counting its name (listing
@@ -71,12 +89,30 @@ pub struct ScoreResult {
     unknown: Vec<Box<str>>,
     /// The speculative entries' directory (names of [`PodRef::Speculative`]).
     speculative: Option<Arc<EngineDirectory>>,
+    /// With [`ScoreResult::with_ranks`]: every (pod, rank) of the candidates that holds part
+    /// of the prompt (real blocks), best first; otherwise empty.
+    pub ranks: Vec<RankScore>,
+    want_ranks: bool,
 }
 
 impl ScoreResult {
+    /// A result that also lists every (pod, rank) holding part of the prompt
+    /// ([`ScoreResult::ranks`]).
+    pub fn with_ranks() -> Self {
+        Self {
+            want_ranks: true,
+            ..Self::default()
+        }
+    }
+
     /// The name of a scored pod, as named in the events' topic (or connect-mode config).
     pub fn pod(&self, score: &PodScore) -> &str {
-        match score.pod {
+        self.pod_name(score.pod)
+    }
+
+    /// The name of a pod handle of this result.
+    pub fn pod_name(&self, pod: PodRef) -> &str {
+        match pod {
             PodRef::Known(p) => self
                 .directory
                 .as_ref()
@@ -103,6 +139,9 @@ impl ScoreResult {
     }
 }
 
+/// A pod's best engine so far: (score, matched blocks, speculative blocks, rank).
+type Best = (f64, u32, u32, u32);
+
 /// The candidate list that means "every pod the model knows" (an empty list, typed).
 pub const ALL_PODS: &[&str] = &[];
 
@@ -117,9 +156,9 @@ struct PodScratch {
     engines: Vec<EngineScore>,
     /// The pods holding the prompt's first block in this call...
     holding: RoundMarks,
-    /// ...and, per pod index, its best engine's (score, matched blocks), then with its
-    /// speculative blocks added (score, matched, speculative).
-    best: Vec<(f64, u32, u32)>,
+    /// ...and, per pod index, its best engine's (score, matched blocks, rank), then with its
+    /// speculative blocks added.
+    best: Vec<Best>,
     /// The candidates' speculative engine ids.
     spec_candidates: Vec<EngineId>,
     /// The speculative walk's per-engine result.
@@ -308,38 +347,56 @@ impl Indexer {
         // Best engine per pod (DP ranks), by pod index.
         s.holding.next_round();
         if s.best.len() < directory.pod_slots() {
-            s.best.resize(directory.pod_slots(), (0.0, 0, 0));
+            s.best.resize(directory.pod_slots(), (0.0, 0, 0, 0));
         }
+        out.ranks.clear();
         for e in &s.engines {
             let Some(p) = dense.pod_of(e.engine) else {
                 continue;
             };
+            let rank = dense.rank_of(e.engine);
             let slot = &mut s.best[p as usize];
-            if s.holding.mark(p as usize) || (e.score, e.matched_blocks) > (slot.0, slot.1) {
-                *slot = (e.score, e.matched_blocks, 0);
+            // The best rank; among equals, the lowest.
+            let better = (e.score, e.matched_blocks, std::cmp::Reverse(rank))
+                > (slot.0, slot.1, std::cmp::Reverse(slot.3));
+            if s.holding.mark(p as usize) || better {
+                *slot = (e.score, e.matched_blocks, 0, rank);
+            }
+            if out.want_ranks && e.matched_blocks > 0 {
+                out.ranks.push(RankScore {
+                    pod: PodRef::Known(p),
+                    rank: dense.is_parallel(p).then_some(rank),
+                    score: e.score,
+                    matched_blocks: e.matched_blocks,
+                });
             }
         }
         let speculative = self.score_speculative(state, &directory, hashes, pods, s);
         let (holding, best) = (&s.holding, &s.best);
         let score_of = |p: u32| match best.get(p as usize) {
-            Some(&triple) if holding.is_marked(p as usize) => triple,
-            _ => (0.0, 0, 0),
+            Some(&(score, matched, spec, rank)) if holding.is_marked(p as usize) => {
+                let rank = (matched > 0 && dense.is_parallel(p)).then_some(rank);
+                (score, matched, spec, rank)
+            }
+            _ => (0.0, 0, 0, None),
         };
         let (spec_holding, spec_len) = (&s.spec_holding, &s.spec_len);
         let weight = self.settings.speculation.weight;
         // A pod known only by its speculative entries.
         let spec_only = |sp: u32| match spec_len.get(sp as usize) {
-            Some(&n) if spec_holding.is_marked(sp as usize) => (weight * n as f64, n, n),
-            _ => (0.0, 0, 0),
+            Some(&n) if spec_holding.is_marked(sp as usize) => (weight * n as f64, n, n, None),
+            _ => (0.0, 0, 0, None),
         };
-        let push = |out: &mut ScoreResult, pod, (score, matched_blocks, speculative_blocks)| {
-            out.scores.push(PodScore {
-                pod,
-                score,
-                matched_blocks,
-                speculative_blocks,
-            })
-        };
+        let push =
+            |out: &mut ScoreResult, pod, (score, matched_blocks, speculative_blocks, rank)| {
+                out.scores.push(PodScore {
+                    pod,
+                    score,
+                    matched_blocks,
+                    speculative_blocks,
+                    rank,
+                })
+            };
         // Two passes, holders then the rest, so only holders need sorting and the rest keep
         // their order (name order, or the caller's).
         for holders in [true, false] {
@@ -362,6 +419,7 @@ impl Indexer {
                         score: 0.0,
                         matched_blocks: 0,
                         speculative_blocks: 0,
+                        rank: None,
                     }));
                 }
                 if let Some(sdir) = &speculative {
@@ -395,7 +453,11 @@ impl Indexer {
                     }
                     // Unknown to the index: listed with 0, once.
                     if !holders && s.unknown.insert(name.into()) {
-                        push(out, PodRef::Unknown(out.unknown.len() as u32), (0.0, 0, 0));
+                        push(
+                            out,
+                            PodRef::Unknown(out.unknown.len() as u32),
+                            (0.0, 0, 0, None),
+                        );
                         out.unknown.push(name.into());
                     }
                 }
@@ -434,6 +496,11 @@ impl Indexer {
                 }
             }
         }
+        out.ranks.sort_by(|a, b| {
+            b.score
+                .total_cmp(&a.score)
+                .then(b.matched_blocks.cmp(&a.matched_blocks))
+        });
         out.directory = Some(directory);
         out.speculative = speculative;
     }
@@ -485,11 +552,13 @@ impl Indexer {
                 Some(p) => {
                     let slot = &mut s.best[p as usize];
                     if s.holding.mark(p as usize) {
-                        *slot = (0.0, 0, 0);
+                        *slot = (0.0, 0, 0, 0);
                     }
                     if n > slot.1 {
+                        // The recorded routing reaches further: its rank is the one to pin.
                         let extra = n - slot.1;
-                        *slot = (slot.0 + weight * extra as f64, n, extra);
+                        let rank = sdir.dense().rank_of(e.engine);
+                        *slot = (slot.0 + weight * extra as f64, n, extra, rank);
                     }
                 }
                 None => {

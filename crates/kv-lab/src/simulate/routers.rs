@@ -422,9 +422,9 @@ impl Router for Precise {
     fn routed(&mut self, req: &SimRequest, pod: usize, ctx: &RouterContext<'_>) {
         if self.speculation && !req.blocks.is_empty() {
             let hashes: Arc<[BlockHash]> = req.blocks.as_slice().into();
-            let _ = ctx
-                .indexer
-                .record_routing(ctx.model, &ctx.pod_names[pod], hashes, ctx.instant);
+            let _ =
+                ctx.indexer
+                    .record_routing(ctx.model, &ctx.pod_names[pod], 0, hashes, ctx.instant);
         }
     }
 }

@@ -151,6 +151,8 @@ pub struct PodSpeculation {
 #[derive(Debug)]
 struct Record {
     id: u64,
+    /// The data-parallel rank the request was pinned to (its engine in the speculative index).
+    rank: u32,
     hashes: Arc<[BlockHash]>,
     recorded: Instant,
     /// `None` while the pod is in fallback.
@@ -267,12 +269,13 @@ impl Speculation {
         })
     }
 
-    /// Records that `pod` was chosen for a prompt with `hashes` (`fallback`: the pod publishes
-    /// no usable events). Returns the record's blocks the pod did not already hold for real
-    /// (`real_blocks` of them, from the start, it does); 0 records nothing.
+    /// Records that `pod`'s rank `rank` was chosen for a prompt with `hashes` (`fallback`: the
+    /// pod publishes no usable events). Returns the record's blocks the rank did not already
+    /// hold for real (`real_blocks` of them, from the start, it does); 0 records nothing.
     pub(crate) fn record(
         &self,
         pod: &str,
+        rank: u32,
         hashes: Arc<[BlockHash]>,
         real_blocks: usize,
         fallback: bool,
@@ -289,15 +292,16 @@ impl Speculation {
         let state = &mut *state;
         let id = state.next_id;
         state.next_id += 1;
-        let key = EngineKey::new(pod, 0);
+        let key = EngineKey::new(pod, rank);
         let entry = state.pods.entry(key.pod.clone()).or_default();
         entry.fallback = fallback;
-        // Records this one covers (the same prompt, or a prefix of it) are redundant.
+        // Records of the rank this one covers (the same prompt, or a prefix of it) are
+        // redundant.
         let mut superseded = 0;
         let mut i = 0;
         while i < entry.records.len() {
             let old = &entry.records[i];
-            if common_prefix(&old.hashes, &hashes) == old.hashes.len() {
+            if old.rank == rank && common_prefix(&old.hashes, &hashes) == old.hashes.len() {
                 if let Some(old) = entry.records.remove(i) {
                     entry.by_last.remove(&old.hashes[old.hashes.len() - 1]);
                     entry.held -= old.hashes.len();
@@ -318,6 +322,7 @@ impl Speculation {
         state.held += n;
         entry.records.push_back(Record {
             id,
+            rank,
             hashes,
             recorded: now,
             deadline,
@@ -382,11 +387,12 @@ impl Speculation {
         let covered = entry
             .records
             .iter()
+            .filter(|r| r.rank == record.rank)
             .map(|r| common_prefix(&r.hashes, &record.hashes))
             .max()
             .unwrap_or(0);
         if covered < n {
-            let key = EngineKey::new(pod, 0);
+            let key = EngineKey::new(pod, record.rank);
             self.index.write_engine(&key, |w, e| {
                 w.remove(e, Tier::Gpu, &record.hashes[covered..]);
             });

@@ -49,11 +49,11 @@ fn removing_a_record_keeps_what_another_covers() {
     let system = chain(1, 8);
     let (a, b) = (branch(&system, 2, 4), branch(&system, 3, 4));
     assert_eq!(
-        s.record("p", a.clone(), 0, false, t),
+        s.record("p", 0, a.clone(), 0, false, t),
         RoutingRecorded::Speculated(12)
     );
     assert_eq!(
-        s.record("p", b.clone(), 8, false, t),
+        s.record("p", 0, b.clone(), 8, false, t),
         RoutingRecorded::Speculated(4)
     );
     assert_eq!(s.stats().entries, 16);
@@ -76,8 +76,15 @@ fn a_longer_prompt_supersedes_its_prefix_and_the_same_prompt_refreshes() {
     let t = Instant::now();
     let turn1 = chain(1, 5);
     let turn2 = chain(1, 9);
-    s.record("p", turn1.clone(), 0, false, t);
-    s.record("p", turn2.clone(), 0, false, t + Duration::from_millis(60));
+    s.record("p", 0, turn1.clone(), 0, false, t);
+    s.record(
+        "p",
+        0,
+        turn2.clone(),
+        0,
+        false,
+        t + Duration::from_millis(60),
+    );
     assert_eq!(s.stats().records, 1, "turn 1 is covered by turn 2");
     // At turn 1's deadline nothing expires: turn 2 lives on.
     assert_eq!(s.expire(t + Duration::from_millis(120), |_| false), 0);
@@ -95,14 +102,14 @@ fn fallback_pods_keep_records_under_the_pod_bound_oldest_first() {
     .expect("settings");
     let t = Instant::now();
     let (a, b, c) = (chain(1, 4), chain(2, 4), chain(3, 4));
-    s.record("p", a.clone(), 0, true, t);
-    s.record("p", b.clone(), 0, true, t);
+    s.record("p", 0, a.clone(), 0, true, t);
+    s.record("p", 0, b.clone(), 0, true, t);
     assert_eq!(
         s.expire(t + Duration::from_secs(60), |_| true),
         0,
         "no deadline"
     );
-    s.record("p", c.clone(), 0, true, t);
+    s.record("p", 0, c.clone(), 0, true, t);
     assert_eq!(held(&s, "p", &a), 0, "the oldest went for the bound");
     assert_eq!((held(&s, "p", &b), held(&s, "p", &c)), (4, 4));
     assert_eq!(s.pod("p").map(|p| (p.fallback, p.ttl)), Some((true, None)));
@@ -112,7 +119,7 @@ fn fallback_pods_keep_records_under_the_pod_bound_oldest_first() {
     assert_eq!(s.expire(later + Duration::from_millis(100), |_| false), 2);
     // A prompt longer than the bound is not recorded at all.
     assert_eq!(
-        s.record("p", chain(4, 11), 0, true, t),
+        s.record("p", 0, chain(4, 11), 0, true, t),
         RoutingRecorded::TooLong
     );
 }
@@ -125,9 +132,9 @@ fn the_model_bound_drops_the_oldest_record_of_any_pod() {
     })
     .expect("settings");
     let t = Instant::now();
-    s.record("p", chain(1, 4), 0, false, t);
-    s.record("q", chain(2, 4), 0, false, t);
-    s.record("r", chain(3, 4), 0, false, t);
+    s.record("p", 0, chain(1, 4), 0, false, t);
+    s.record("q", 0, chain(2, 4), 0, false, t);
+    s.record("r", 0, chain(3, 4), 0, false, t);
     assert_eq!(s.stats().held_blocks, 8);
     assert!(s.pod("p").is_none());
     assert_eq!(s.ends()[end_slot(RecordEnd::Evicted)], 1);
@@ -139,14 +146,14 @@ fn a_lagging_pod_gets_longer_deadlines_and_a_prompt_one_the_base() {
     let t = Instant::now();
     let ms = Duration::from_millis;
     // Confirmed 400 ms after the routing: the next record lives 2 x 400 ms.
-    s.record("p", chain(1, 2), 0, false, t);
+    s.record("p", 0, chain(1, 2), 0, false, t);
     s.confirm("p", &[&chain(1, 2)[..]], t + ms(400));
     assert_eq!(
         s.pod("p").map(|p| p.records),
         Some(0),
         "confirmed, nothing left"
     );
-    s.record("p", chain(2, 2), 0, false, t + ms(400));
+    s.record("p", 0, chain(2, 2), 0, false, t + ms(400));
     assert_eq!(s.pod("p").and_then(|p| p.ttl), Some(ms(800)));
     // A lag past the cap is capped.
     s.confirm(
@@ -154,14 +161,14 @@ fn a_lagging_pod_gets_longer_deadlines_and_a_prompt_one_the_base() {
         &[&chain(2, 2)[..]],
         t + ms(400) + Duration::from_secs(10),
     );
-    s.record("p", chain(3, 2), 0, false, t);
+    s.record("p", 0, chain(3, 2), 0, false, t);
     assert_eq!(
         s.pod("p").and_then(|p| p.ttl),
         Some(ms(100) * MAX_TTL_FACTOR)
     );
     // Already held for real: nothing to speculate.
     assert_eq!(
-        s.record("p", chain(4, 2), 2, false, t),
+        s.record("p", 0, chain(4, 2), 2, false, t),
         RoutingRecorded::AlreadyHeld
     );
 }
