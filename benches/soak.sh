@@ -19,7 +19,8 @@
 # and the script prints the memory verdict (the largest RSS after the first WARMUP seconds,
 # default 660: after the first Redis restart) against the one at WARMUP, and the counters of
 # anything lost.
-# Usage: benches/soak.sh [out-dir]   (needs redis-server and redis-cli on PATH; builds --release)
+# Usage: benches/soak.sh [out-dir]   (needs redis-server and redis-cli on PATH; builds --release
+# unless BIN names a binary)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out="${1:-$(mktemp -d)}"
@@ -32,8 +33,12 @@ REDIS_EVERY="${REDIS_EVERY:-600}"
 SAMPLE="${SAMPLE:-60}"
 WARMUP="${WARMUP:-660}"
 TRANSLATED="${TRANSLATED:-0.25}"
-cargo build --release --quiet
-bin=target/release/kv-indexer
+# BIN: a kv-indexer binary built beforehand (else this checkout, built here in release).
+bin="${BIN:-}"
+if [ -z "$bin" ]; then
+  cargo build --release --quiet
+  bin=target/release/kv-indexer
+fi
 work="$(mktemp -d)"
 pids=()
 redis_port=6391

@@ -18,6 +18,10 @@
 
 mod block_hash;
 mod events;
+// Index rules broken on purpose, for the differential test's negative controls only.
+#[cfg(feature = "fault-injection")]
+#[doc(hidden)]
+pub mod fault_injection;
 mod hashing;
 mod index;
 mod indexer;

@@ -392,6 +392,14 @@ fn shrink(
     (ops, err)
 }
 
+/// Seed `seed`'s chains and random stream of `n` ops over `engines` engines.
+fn stream(seed: u64, n: usize, engines: u32) -> (Vec<Vec<BlockHash>>, Vec<Op>) {
+    let mut rng = Rng::new(seed);
+    let chains = chains(&mut rng);
+    let ops = gen_ops(&mut rng, &chains, n, engines);
+    (chains, ops)
+}
+
 /// Runs `seeds` random streams of `n` ops over `engines` engines; panics with the shrunk case.
 fn check_seeds(
     seeds: std::ops::Range<u64>,
@@ -400,9 +408,7 @@ fn check_seeds(
     pcs: impl Fn(u64) -> Option<usize>,
 ) {
     for seed in seeds {
-        let mut rng = Rng::new(seed);
-        let chains = chains(&mut rng);
-        let ops = gen_ops(&mut rng, &chains, n, engines);
+        let (chains, ops) = stream(seed, n, engines);
         let pcs = pcs(seed);
         if run(&chains, &ops, pcs, engines).is_err() {
             let (ops, err) = shrink(&chains, ops, pcs, engines);
@@ -414,13 +420,49 @@ fn check_seeds(
     }
 }
 
+/// Six engines; exact on a third of the seeds, a small podCacheSize on the others, so member
+/// eviction (and set pages) are exercised.
+const SIX_ENGINES: (std::ops::Range<u64>, usize, u32) = (0..300, 150, 6);
+
+fn six_engines_bound(seed: u64) -> Option<usize> {
+    [None, Some(2), Some(4)][seed as usize % 3]
+}
+
 #[test]
 fn index_matches_reference_on_random_streams() {
-    // Six engines; exact on a third of the seeds, a small podCacheSize on the others, so member
-    // eviction (and set pages) are exercised.
-    check_seeds(0..300, 150, 6, |seed| {
-        [None, Some(2), Some(4)][seed as usize % 3]
-    });
+    let (seeds, n, engines) = SIX_ENGINES;
+    check_seeds(seeds, n, engines, six_engines_bound);
+}
+
+/// Negative controls: the run index with one rule of its holder order under `podCacheSize`
+/// broken on purpose (kv-core's test-only `fault-injection` feature) must fail the test above
+/// on one of its streams, and that stream must pass unbroken (the fault, not the stream, is
+/// what fails). The harness is the one above, both structures; only the run index is broken.
+#[test]
+fn a_run_index_with_a_broken_order_rule_fails_the_differential() {
+    use kv_core::fault_injection::{with_run_fault, RunFault};
+    let (seeds, n, engines) = SIX_ENGINES;
+    for fault in [
+        RunFault::MergeUnequalOrders,
+        RunFault::JoinUnequalOrder,
+        RunFault::DropNewest,
+    ] {
+        let caught = seeds.clone().find_map(|seed| {
+            let (chains, ops) = stream(seed, n, engines);
+            let pcs = six_engines_bound(seed);
+            let broken = with_run_fault(fault, || run(&chains, &ops, pcs, engines));
+            broken.err().map(|e| (seed, chains, ops, pcs, e))
+        });
+        let Some((seed, chains, ops, pcs, err)) = caught else {
+            panic!("{fault:?}: no stream of seeds {seeds:?} tells it from the reference");
+        };
+        assert_eq!(
+            run(&chains, &ops, pcs, engines),
+            Ok(()),
+            "seed {seed} fails unbroken too"
+        );
+        eprintln!("{fault:?} caught on seed {seed} (podCacheSize {pcs:?}): {err}");
+    }
 }
 
 #[test]

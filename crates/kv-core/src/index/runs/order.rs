@@ -12,6 +12,18 @@
 //!
 //! [`RunIndex::recolor`]: super::RunIndex
 
+/// Whether the order `$o` was built with the fault `RunFault::$f` armed (the differential
+/// test's negative controls; `false` without the `fault-injection` feature).
+macro_rules! broken {
+    ($o:expr, $f:ident) => {{
+        #[cfg(feature = "fault-injection")]
+        let broken = $o.fault == Some(crate::fault_injection::RunFault::$f);
+        #[cfg(not(feature = "fault-injection"))]
+        let broken = false;
+        broken
+    }};
+}
+
 /// The join order of every run's holders (see the module docs).
 #[derive(Debug)]
 pub(super) struct HolderOrder {
@@ -22,6 +34,9 @@ pub(super) struct HolderOrder {
     /// The order of the holder set a change is about to give part of a run: staged by the
     /// caller of `recolor`, which gives it to the part's run.
     pub staged: Vec<u32>,
+    /// A rule broken on purpose (the differential test's negative controls).
+    #[cfg(feature = "fault-injection")]
+    fault: Option<crate::fault_injection::RunFault>,
 }
 
 impl HolderOrder {
@@ -31,6 +46,8 @@ impl HolderOrder {
             bound: bound.max(1),
             by_run: Vec::new(),
             staged: Vec::new(),
+            #[cfg(feature = "fault-injection")]
+            fault: crate::fault_injection::armed(),
         }
     }
 
@@ -76,12 +93,12 @@ impl HolderOrder {
 
     /// Whether runs `a` and `b` list their members in the same order.
     pub fn same(&self, a: u32, b: u32) -> bool {
-        self.of(a) == self.of(b)
+        self.of(a) == self.of(b) || broken!(self, MergeUnequalOrders)
     }
 
     /// Whether run `r`'s order is the staged one.
     pub fn is_staged(&self, r: u32) -> bool {
-        self.of(r) == self.staged.as_slice()
+        self.of(r) == self.staged.as_slice() || broken!(self, JoinUnequalOrder)
     }
 
     /// Stages run `r`'s order with `m` added last; when that passes the bound, the oldest
@@ -91,7 +108,12 @@ impl HolderOrder {
         staged.clear();
         staged.extend_from_slice(self.of(r));
         staged.push(m);
-        let dropped = (staged.len() > self.bound).then(|| staged.remove(0));
+        let victim = if broken!(self, DropNewest) {
+            staged.len().saturating_sub(2)
+        } else {
+            0 // the oldest
+        };
+        let dropped = (staged.len() > self.bound).then(|| staged.remove(victim));
         debug_assert!(staged.len() <= self.bound, "a run held more than the bound");
         self.staged = staged;
         dropped
