@@ -1,6 +1,7 @@
 //! A few maximal prompts cannot starve short ones (over real sockets, the project's word-level
 //! tokenizer): eight concurrent 1 MB prompts run in the large-prompt lane while short prompts
-//! (about 1,000 tokens each, all different) keep being answered within 50 ms, p99.
+//! (about 1,000 tokens each, all different) keep being answered about as fast as without them
+//! (p99 within 10x the p99 of the same loop alone, earlier in the test, plus 250 ms).
 
 mod support;
 
@@ -62,36 +63,59 @@ async fn short_prompts_are_answered_while_maximal_ones_are_tokenized() {
     // Warm the tokenizer (loading is not what is measured).
     score(prompt(&vocab, 10, 0)).await.expect("warm-up");
 
+    let short_prompts = |first_seed: u64| {
+        let score = &score;
+        let vocab = &vocab;
+        async move {
+            let mut latencies = Vec::new();
+            for i in 0..60u64 {
+                let text = prompt(vocab, 1_000, first_seed + i);
+                let t = Instant::now();
+                score(text).await.expect("a short prompt is answered");
+                latencies.push(t.elapsed());
+            }
+            latencies.sort();
+            latencies
+        }
+    };
+    // The baseline: the same short prompts' loop alone (other prompts: none is cached).
+    let alone = short_prompts(10_000).await;
+
     let mut huge = prompt(&vocab, max_bytes / 6, 1);
     huge.truncate(max_bytes - 16);
     let big: Vec<_> = (0..8)
         .map(|i| {
             let text = format!("{i} {huge}");
-            tokio::spawn(score(text))
+            let (request, t) = (score(text), Instant::now());
+            tokio::spawn(async move { request.await.map(|_| t.elapsed()) })
         })
         .collect();
     tokio::time::sleep(Duration::from_millis(100)).await;
-    let mut latencies = Vec::new();
-    for i in 0..60u64 {
-        let text = prompt(&vocab, 1_000, 100 + i);
-        let t = Instant::now();
-        score(text).await.expect("a short prompt is answered");
-        latencies.push(t.elapsed());
-    }
-    let mut finished_big = 0;
+    let latencies = short_prompts(100).await;
+    let mut big_times = Vec::new();
     for b in big {
-        if b.await.expect("task").is_ok() {
-            finished_big += 1;
+        if let Ok(t) = b.await.expect("task") {
+            big_times.push(t);
         }
     }
-    latencies.sort();
-    let p99 = latencies[latencies.len() * 99 / 100 - 1];
-    let p50 = latencies[latencies.len() / 2];
-    eprintln!("short prompts beside 8 maximal ones: p50 {p50:?}, p99 {p99:?}; maximal answered {finished_big}/8");
+    let finished_big = big_times.len();
+    big_times.sort();
+    let figures = |l: &[Duration]| (l[l.len() / 2], l[l.len() * 99 / 100 - 1]);
+    let ((alone_p50, alone_p99), (p50, p99)) = (figures(&alone), figures(&latencies));
+    eprintln!("short prompts alone: p50 {alone_p50:?}, p99 {alone_p99:?}; beside 8 maximal ones: p50 {p50:?}, p99 {p99:?}; maximal answered {finished_big}/8 in {big_times:?}");
     assert_eq!(finished_big, 8, "the maximal prompts are served too");
+    // Not slowed by the maximal prompts, against the same loop alone (same daemon, machine
+    // and moment): they run in a lane of their own, one after another, so what is left is
+    // their load on the two cores. Debug build on a busy machine, 2026-11-26: alone p99 34 ms,
+    // beside them 36 ms. In the lane (one thread of the pool's eight) a maximal prompt took
+    // 1.0-1.7 s, answered 2.7 s to 12.2 s after they were sent. A build without the lane puts
+    // them on all eight threads at once, and a short prompt waits until one of them ends:
+    // seconds. The bound, 10x the baseline p99 plus 250 ms, is that wide so that only such
+    // waiting fails it.
+    let bound = alone_p99 * 10 + Duration::from_millis(250);
     assert!(
-        p99 <= Duration::from_millis(50),
-        "short prompts waited behind maximal ones: p99 {p99:?}"
+        p99 <= bound,
+        "short prompts waited behind maximal ones: p99 {p99:?}, {alone_p99:?} alone (bound {bound:?})"
     );
     d.shutdown().await;
 }
