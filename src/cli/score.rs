@@ -100,9 +100,21 @@ pub fn run(args: ScoreArgs) -> anyhow::Result<()> {
             "{} prompt tokens, {} full blocks",
             r.prompt_tokens, r.total_blocks
         );
-        println!("{:<28} {:>10} {:>15}", "pod", "score", "matched blocks");
-        for s in r.scores {
-            println!("{:<28} {:>10.1} {:>15}", s.pod, s.score, s.matched_blocks);
+        // Data-parallel pods name the rank their score comes from (a column only then).
+        if r.scores.iter().any(|s| s.data_parallel_rank.is_some()) {
+            println!("{:<28} {:>10} {:>15} {:>5}", "pod", "score", "matched blocks", "rank");
+            for s in r.scores {
+                let rank = s.data_parallel_rank.map_or("-".into(), |r| r.to_string());
+                println!(
+                    "{:<28} {:>10.1} {:>15} {:>5}",
+                    s.pod, s.score, s.matched_blocks, rank
+                );
+            }
+        } else {
+            println!("{:<28} {:>10} {:>15}", "pod", "score", "matched blocks");
+            for s in r.scores {
+                println!("{:<28} {:>10.1} {:>15}", s.pod, s.score, s.matched_blocks);
+            }
         }
         Ok(())
     })
