@@ -100,7 +100,12 @@ impl Pair {
 
     /// Replica B, started now.
     async fn start_b(&self) -> Process {
-        let b = Process::spawn(&self.config_b, self.ports_b);
+        self.start_b_with_env(&[]).await
+    }
+
+    /// Replica B, started now with `env` set.
+    async fn start_b_with_env(&self, env: &[(&str, &str)]) -> Process {
+        let b = Process::spawn_with_env(&self.config_b, self.ports_b, env);
         b.wait_ready(Duration::from_secs(30)).await;
         b
     }
@@ -171,6 +176,42 @@ async fn a_sigkilled_replica_scores_translated_pods_as_the_replica_that_heard_th
         scores(r, &t.s.tokens, pod, after, Duration::from_secs(20)).await;
     }
     assert_eq!(listed(&t.a, pod).await, listed(&b, pod).await);
+}
+
+/// A replica restarted with other hash settings (here `PYTHONHASHSEED` left in its
+/// environment, which overrides `hashSeed`) does not load the snapshot's keys of that model as
+/// its own: no prompt hashes to them there, and loading them made every pod score 0 while
+/// `ListPods` showed their blocks. It counts them and starts that model empty.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_restarted_with_another_seed_does_not_load_keys_it_cannot_hash_to() {
+    let Some(mut t) = Pair::start("translated-reseeded", "10.7.0.5:8000").await else {
+        return;
+    };
+    let mut b = t.start_b().await;
+    t.publish(2).await;
+    let (held, pod) = (t.s.matched_after[1], t.pod);
+    for r in [&t.a, &b] {
+        scores(r, &t.s.tokens, pod, held, Duration::from_secs(20)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(2_500)).await;
+    b.kill();
+    b = t.start_b_with_env(&[("PYTHONHASHSEED", "999")]).await;
+    let page = b.metrics_text().await;
+    let refused = support::metric(
+        &page,
+        "kvindexer_blocks_dropped_total{reason=\"snapshot_key_space\"}",
+    );
+    assert!(
+        refused >= f64::from(held),
+        "the snapshot's keys of the model are counted, not loaded: {refused}"
+    );
+    let listed_b = listed(&b, pod).await;
+    assert!(
+        listed_b.as_ref().is_none_or(|(_, blocks, _)| *blocks == 0),
+        "no foreign keys held for the pod: {listed_b:?}"
+    );
+    // A keeps its own.
+    scores(&t.a, &t.s.tokens, pod, held, Duration::from_secs(5)).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

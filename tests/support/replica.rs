@@ -60,11 +60,18 @@ pub struct Process {
 impl Process {
     /// Starts `kv-indexer serve --config config` (logs to stderr at `warn` are dropped).
     pub fn spawn(config: &Path, ports: Ports) -> Self {
+        Self::spawn_with_env(config, ports, &[])
+    }
+
+    /// [`Process::spawn`] with environment variables set (e.g. `PYTHONHASHSEED`, which
+    /// overrides the file's `hashSeed`); none is inherited from the test's environment.
+    pub fn spawn_with_env(config: &Path, ports: Ports, env: &[(&str, &str)]) -> Self {
         let child = std::process::Command::new(env!("CARGO_BIN_EXE_kv-indexer"))
             .args(["serve", "--config"])
             .arg(config)
             .env("RUST_LOG", "warn")
             .env_remove("PYTHONHASHSEED")
+            .envs(env.iter().copied())
             .stdout(std::process::Stdio::null())
             .stderr(std::process::Stdio::null())
             .spawn()
