@@ -102,7 +102,10 @@ pub fn run(args: ScoreArgs) -> anyhow::Result<()> {
         );
         // Data-parallel pods name the rank their score comes from (a column only then).
         if r.scores.iter().any(|s| s.data_parallel_rank.is_some()) {
-            println!("{:<28} {:>10} {:>15} {:>5}", "pod", "score", "matched blocks", "rank");
+            println!(
+                "{:<28} {:>10} {:>15} {:>5}",
+                "pod", "score", "matched blocks", "rank"
+            );
             for s in r.scores {
                 let rank = s.data_parallel_rank.map_or("-".into(), |r| r.to_string());
                 println!(
