@@ -32,8 +32,9 @@ use thiserror::Error;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
+use super::dispatch::Dispatch;
 use super::lifecycle::Link;
-use super::{sockets, Dispatch};
+use super::sockets;
 use crate::config::{ConnectEndpoint, DiscoveredService, DiscoveryConfig};
 use crate::warn_budget::WarnThrottle;
 

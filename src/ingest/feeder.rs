@@ -8,24 +8,11 @@ use std::sync::Arc;
 use kv_core::Indexer;
 use tokio::sync::{mpsc, watch};
 
-use super::{
-    sequence, worker_of, ClearOrigin, Dispatch, Job, LogEntry, Message, PublisherKey, Publishers,
-    Stamp, Via,
-};
-
-/// A worker's side of a pause: it says it arrived, then waits for the resume signal (or for
-/// the pauser to go away).
-pub(super) struct PauseGate {
-    arrived: mpsc::Sender<()>,
-    resume: watch::Receiver<bool>,
-}
-
-impl PauseGate {
-    pub(super) async fn hold(mut self) {
-        let _ = self.arrived.send(()).await;
-        let _ = self.resume.wait_for(|go| *go).await;
-    }
-}
+use super::dispatch::Dispatch;
+use super::jobs::{ClearOrigin, Job, Message, PauseGate, Via};
+use super::publishers::{worker_of, PublisherKey, Publishers};
+use super::sequence;
+use super::shared_log::{LogEntry, Stamp};
 
 /// Every worker paused; they resume when this is dropped.
 pub struct Paused {

@@ -7,7 +7,7 @@
 //! - a pod's lane holds at most `queueBytesPerPod` beside its newest message; past that, its
 //!   queued socket messages are dropped newest-first (never across a clear or a shared-log
 //!   entry) and one [`Dropped`] marker per run takes their place, so the worker resynchronises
-//!   that publisher when it gets there ([`super::workers`]): only the pod that exceeds its
+//!   that publisher when it gets there (the workers): only the pod that exceeds its
 //!   share loses anything, and never silently;
 //! - all inboxes together hold at most `queueBytes`; past it, the lane of the inbox holding the
 //!   most is cut the same way (its newest message too, when nothing else is left);
@@ -23,7 +23,7 @@ use std::sync::Arc;
 use parking_lot::Mutex;
 use tokio::sync::Notify;
 
-use super::{GapFillRoute, Job, Via};
+use super::jobs::{ClearOrigin, Dropped, Job, Via};
 
 /// What a queued job costs beside its payload (its record, the pod and model names).
 const JOB_OVERHEAD: usize = 128;
@@ -51,18 +51,6 @@ impl Budget {
     pub(super) fn used(&self) -> usize {
         self.used.load(Ordering::Relaxed)
     }
-}
-
-/// Socket messages of one pod and model dropped in a row: what the worker must resynchronise.
-pub(super) struct Dropped {
-    pub(super) pod: Arc<str>,
-    pub(super) model: Arc<str>,
-    /// The lowest and highest sequence numbers dropped.
-    pub(super) seqs: (u64, u64),
-    /// Messages dropped.
-    pub(super) messages: u64,
-    /// Where the publisher's gap fill is (from the newest dropped message).
-    pub(super) route: GapFillRoute,
 }
 
 /// What a push did beside queueing.
@@ -125,30 +113,8 @@ fn droppable_via(via: &Via) -> bool {
 fn from_log(job: &Job) -> bool {
     match job {
         Job::Message(m) => matches!(m.via, Via::Log(_)),
-        Job::ClearPod { origin, .. } => matches!(origin, super::ClearOrigin::Log),
+        Job::ClearPod { origin, .. } => matches!(origin, ClearOrigin::Log),
         _ => false,
-    }
-}
-
-impl Dropped {
-    fn of(m: super::Message) -> Self {
-        let route = match m.via {
-            Via::Socket(route, _) => route,
-            Via::Log(_) => GapFillRoute::None,
-        };
-        Self {
-            pod: m.pod,
-            model: m.model,
-            seqs: (m.seq, m.seq),
-            messages: 1,
-            route,
-        }
-    }
-
-    /// Takes in an older run of the same model.
-    fn absorb(&mut self, older: Dropped) {
-        self.seqs = (self.seqs.0.min(older.seqs.0), self.seqs.1.max(older.seqs.1));
-        self.messages += older.messages;
     }
 }
 

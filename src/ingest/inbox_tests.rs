@@ -5,7 +5,7 @@ use std::sync::Arc;
 use bytes::Bytes;
 
 use super::{Budget, Inbox, JOB_OVERHEAD};
-use crate::ingest::{ClearOrigin, GapFillRoute, Job, Message, Via};
+use crate::ingest::jobs::{ClearOrigin, GapFillRoute, Job, Message, Via};
 
 fn job(pod: &str, seq: u64, bytes: usize, via: Via) -> Job {
     Job::Message(Message {

@@ -31,8 +31,6 @@ use parking_lot::Mutex;
 use tokio::sync::watch;
 use zeromq::{Endpoint, SocketEvent};
 
-use super::{Dispatch, Job};
-
 /// What tells this replica that a pod left.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub enum Link {
@@ -111,7 +109,7 @@ impl Links {
 
     /// Drops links down for longer than `age` with no pod left on them (memory follows the
     /// links of pods known now).
-    fn prune(&self, age: Duration, now: Instant) {
+    pub(super) fn prune(&self, age: Duration, now: Instant) {
         self.links
             .lock()
             .retain(|_, s| s.open > 0 || s.closed_at.is_none_or(|t| now.duration_since(t) < age));
@@ -156,7 +154,7 @@ impl LifecycleSettings {
     }
 
     /// How often the sweeper looks: a quarter of the shortest limit, between 50 ms and 5 s.
-    fn sweep_interval(&self) -> Duration {
+    pub(super) fn sweep_interval(&self) -> Duration {
         let shortest = self
             .idle_timeout
             .map_or(self.grace_period, |t| t.min(self.grace_period));
@@ -270,56 +268,6 @@ impl Drop for ConnectMonitor {
     fn drop(&mut self) {
         if self.up {
             self.links.closed(&self.link);
-        }
-    }
-}
-
-/// Every sweep interval: proposes to each pod's worker to forget the pods past their grace
-/// period or idle timeout, refreshes the publisher gauges, and prints the log budget's
-/// summary every window.
-pub(super) async fn sweep(
-    dispatch: Arc<Dispatch>,
-    settings: LifecycleSettings,
-    mut shutdown: watch::Receiver<bool>,
-) {
-    let shared = dispatch.shared.clone();
-    let interval = settings.sweep_interval();
-    let mut last_summary = Instant::now();
-    loop {
-        tokio::select! {
-            _ = shutdown.changed() => return,
-            _ = tokio::time::sleep(interval) => {}
-        }
-        let mut counts = [0u64; 3];
-        let mut proposals = Vec::new();
-        shared
-            .publishers
-            .each_presence(&settings, &shared.links, |pod, presence, last, linked| {
-                counts[match presence {
-                    Presence::Live => 0,
-                    Presence::Idle(_) => 1,
-                    Presence::Gone(_) => 2,
-                }] += 1;
-                if let Some(reason) = shared.verdict(presence, last, linked) {
-                    proposals.push((pod.clone(), reason));
-                }
-            });
-        shared.metrics.ingest.publishers(counts);
-        for (pod, reason) in proposals {
-            if dispatch
-                .push(&pod.clone(), Job::Forget { pod, reason })
-                .closed
-            {
-                return;
-            }
-        }
-        let now = Instant::now();
-        shared
-            .links
-            .prune(settings.grace_period.saturating_mul(2), now);
-        if now.duration_since(last_summary) >= crate::warn_budget::WINDOW {
-            last_summary = now;
-            shared.warn_budget.summarize();
         }
     }
 }

@@ -1,7 +1,7 @@
 //! Every publisher's stream state, grouped by pod: one entry per pod holds its publishers
 //! (model, DP rank), the link that tells whether it is still there, and when it last spoke.
 //!
-//! Invariants: a pod's entry lives in the shard of its worker ([`super::worker_of`]), so the
+//! Invariants: a pod's entry lives in the shard of its worker ([`worker_of`]), so the
 //! worker is its only writer; finding, adding or forgetting a pod is O(1) (a fleet of 100,000
 //! pods costs no more per pod than a fleet of ten).
 
@@ -12,7 +12,57 @@ use std::time::Instant;
 use parking_lot::Mutex;
 
 use super::lifecycle::{LifecycleSettings, Link, Links, Presence};
-use super::{worker_of, PublisherKey, PublisherState};
+
+/// A publisher: one vLLM engine process (its own sequence counter).
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct PublisherKey {
+    /// Pod id.
+    pub pod: Arc<str>,
+    /// Model.
+    pub model: Arc<str>,
+    /// Data-parallel rank (from the batch).
+    pub rank: u32,
+}
+
+/// What the daemon knows about a publisher's stream.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct PublisherState {
+    /// The last sequence number applied.
+    pub last_seq: Option<u64>,
+    /// The timestamp (`ts`, vLLM's wall clock) of the batch applied last; with `last_seq` it
+    /// tells a stale message from a restart.
+    pub last_ts: f64,
+    /// The replica whose socket received the message applied last (this one's id when the
+    /// message came from its own socket).
+    pub received_by: Arc<str>,
+    /// Messages applied.
+    pub messages: u64,
+    /// Gaps seen.
+    pub gaps: u64,
+    /// Restarts seen.
+    pub restarts: u64,
+    /// Messages lost for good (gaps gap fill could not supply).
+    pub messages_lost: u64,
+    /// Gap fills that failed in a row (0 once one succeeds). While it is not 0 the publisher is
+    /// in backoff: its gaps are counted as lost without asking it again until `backoff_until`.
+    pub gap_fill_failures: u32,
+    /// No gap fill is asked of this publisher before this instant.
+    pub backoff_until: Option<std::time::Instant>,
+    /// Messages dropped from this replica's queue because the pod passed its share
+    /// (`queueBytesPerPod`, `queueBytes`); each drop starts a resync.
+    pub messages_dropped: u64,
+    /// Messages were lost (a gap or a drop nothing could fill) since the engine's blocks were
+    /// last cleared: its blocks may be short or stale.
+    pub stale: bool,
+}
+
+/// The worker (and publisher shard) a pod's messages go to.
+pub(crate) fn worker_of(pod: &str, workers: usize) -> usize {
+    use std::hash::{Hash, Hasher};
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    pod.hash(&mut h);
+    (h.finish() as usize) % workers.max(1)
+}
 
 /// One pod: its publishers and its presence.
 #[derive(Debug)]

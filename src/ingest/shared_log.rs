@@ -1,7 +1,7 @@
 //! The port between ingestion and a shared event log: what ingestion hands to a log, and what
 //! a log hands back. Ingestion owns these types; a log implementation (the daemon's Redis
-//! replication) implements [`SharedLog`] and feeds entries back through a
-//! [`Feeder`](super::Feeder). Dependencies run one way: the log's implementation uses
+//! replication) implements [`SharedLog`] and feeds entries back through the ingest's
+//! `Feeder`. Dependencies run one way: the log's implementation uses
 //! ingestion, never the reverse (not even in doc links).
 //!
 //! Invariant: [`SharedLog::append`] never waits (a worker or an RPC calls it on its path); a

@@ -7,8 +7,10 @@ use std::time::Duration;
 use tokio::sync::watch;
 use zeromq::{Socket, SocketRecv, SubSocket, ZmqMessage};
 
+use super::dispatch::{Dispatch, Shared};
+use super::jobs::{GapFillRoute, Job, Message, Via};
 use super::lifecycle::{ConnectMonitor, Link};
-use super::{topic, Dispatch, GapFillRoute, Job, Message, Shared, Via};
+use super::topic;
 use crate::config::ConnectEndpoint;
 
 /// How a receiver names the messages it gets.

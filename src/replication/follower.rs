@@ -13,7 +13,8 @@ use tokio::sync::watch;
 
 use super::snapshot::SnapshotWriter;
 use super::store::{self, StoreError};
-use super::{now_ms, Replication, StreamId, BACKOFF_MAX, BACKOFF_START, READ_BLOCK};
+use super::stream::{now_ms, StreamId};
+use super::{Replication, BACKOFF_MAX, BACKOFF_START, READ_BLOCK};
 use crate::ingest::{Feeder, LogEntry};
 use crate::warn_budget::WarnThrottle;
 

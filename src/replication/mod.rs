@@ -29,10 +29,13 @@
 
 mod appender;
 mod follower;
+mod keys;
 pub mod snapshot;
 mod store;
+mod stream;
 
-use std::fmt;
+pub use stream::StreamId;
+
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -44,6 +47,7 @@ use tokio::task::JoinHandle;
 use crate::config::{redact_url, ReplicationConfig};
 use crate::ingest::{Feeder, LogEntry, PublisherKey, PublisherState, SharedLog};
 use crate::metrics::Metrics;
+use keys::Keys;
 use kv_core::Indexer;
 
 /// Why replication could not be set up.
@@ -57,35 +61,6 @@ pub enum ReplicationError {
         /// Why.
         detail: String,
     },
-}
-
-/// A Redis stream entry id (`<ms>-<seq>`); log positions are these.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Default)]
-pub struct StreamId {
-    /// Milliseconds part.
-    pub ms: u64,
-    /// Sequence part.
-    pub seq: u64,
-}
-
-impl StreamId {
-    /// Before every entry.
-    pub const ZERO: StreamId = StreamId { ms: 0, seq: 0 };
-
-    /// Parses `<ms>-<seq>`.
-    pub fn parse(text: &str) -> Option<Self> {
-        let (ms, seq) = text.split_once('-')?;
-        Some(Self {
-            ms: ms.parse().ok()?,
-            seq: seq.parse().ok()?,
-        })
-    }
-}
-
-impl fmt::Display for StreamId {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}-{}", self.ms, self.seq)
-    }
 }
 
 /// The workers' (and the admin API's) side of the append queue: ingestion's [`SharedLog`],
@@ -130,28 +105,6 @@ impl SharedLog for LogSink {
                 self.queued.fetch_sub(bytes, Ordering::Relaxed);
             }
         }
-    }
-}
-
-/// The names of this deployment's keys.
-#[derive(Debug, Clone)]
-struct Keys {
-    log: String,
-    snapshot: String,
-    lock: String,
-}
-
-impl Keys {
-    fn new(prefix: &str) -> Self {
-        Self {
-            log: format!("{prefix}:log"),
-            snapshot: format!("{prefix}:snapshot"),
-            lock: format!("{prefix}:snapshot:lock"),
-        }
-    }
-
-    fn chunk(&self, generation: &str, i: usize) -> String {
-        format!("{}:{generation}:{i}", self.snapshot)
     }
 }
 
@@ -350,13 +303,6 @@ impl Replication {
     }
 }
 
-/// Wall-clock milliseconds since the epoch (stream ids and snapshot times are in these).
-fn now_ms() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis() as u64)
-}
-
 /// The host name (the default replica id): `$HOSTNAME`, else `/etc/hostname`, else "kv-indexer".
 fn host_name() -> String {
     std::env::var("HOSTNAME")
@@ -373,7 +319,7 @@ fn host_name() -> String {
 
 #[cfg(test)]
 mod tests {
-    use super::{queued_bytes, LogSink, StreamId};
+    use super::{queued_bytes, LogSink};
     use crate::ingest::{LogEntry, SharedLog};
     use std::sync::atomic::{AtomicUsize, Ordering};
     use std::sync::Arc;
@@ -427,15 +373,5 @@ mod tests {
             Some(()),
             "room again once taken"
         );
-    }
-
-    #[test]
-    fn stream_ids_parse_print_and_order_numerically() {
-        let a = StreamId::parse("1700000000000-9").expect("id");
-        let b = StreamId::parse("1700000000000-10").expect("id");
-        assert!(a < b);
-        assert_eq!(b.to_string(), "1700000000000-10");
-        assert!(StreamId::parse("nonsense").is_none());
-        assert!(StreamId::parse("1-").is_none());
     }
 }

@@ -7,8 +7,9 @@ use redis::Value;
 use serde::{Deserialize, Serialize};
 use thiserror::Error;
 
+use super::keys::Keys;
 use super::snapshot::{checksum, SnapshotError, SnapshotItem, SnapshotReader};
-use super::{now_ms, Keys, StreamId};
+use super::stream::{now_ms, StreamId};
 use crate::ingest::{LogEntry, Stamp};
 use crate::ingest::{PublisherKey, PublisherState};
 use kv_core::Indexer;

@@ -1,6 +1,6 @@
 //! The gRPC services' front: `kvindexer.v1.KvIndexer` (its RPCs handled by operation in
-//! [`super::score`], [`super::routing`] and [`super::admin`]) and, for clients of the llm-d
-//! indexer, `indexer.v1.IndexerService/GetPodScores` ([`super::llmd`]); the state they share,
+//! `score`, [`super::routing`] and `admin`) and, for clients of the llm-d indexer,
+//! `indexer.v1.IndexerService/GetPodScores` (`llmd`); the state they share,
 //! admission, deadlines and the decode-error mapping.
 //!
 //! Invariants: every request is validated before any work; at most `maxConcurrentRequests`

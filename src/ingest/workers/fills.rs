@@ -12,8 +12,8 @@ use kv_core::decode_batch;
 
 use super::{FillReport, Parked, Pending, Worker, BACKOFF_MAX, BACKOFF_START, LOG_FILL_GRACE};
 use crate::ingest::gap_fill;
-use crate::ingest::inbox::Dropped;
-use crate::ingest::{GapFillRoute, PublisherKey};
+use crate::ingest::jobs::{Dropped, GapFillRoute};
+use crate::ingest::publishers::PublisherKey;
 use crate::warn_budget::LineKind;
 
 impl Worker<'_> {

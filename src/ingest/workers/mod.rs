@@ -31,12 +31,14 @@ use tokio::sync::mpsc;
 
 mod fills;
 
+use super::dispatch::Shared;
 use super::gap_fill::GapFillError;
 use super::inbox::Inbox;
+use super::jobs::{ClearOrigin, GapFillRoute, Job, Message, Via};
 use super::lifecycle::{ForgetReason, Link};
+use super::publishers::{PublisherKey, PublisherState};
 use super::sequence::SeqOutcome;
 use super::shared_log::{LogEntry, Stamp};
-use super::{ClearOrigin, GapFillRoute, Job, Message, PublisherKey, PublisherState, Shared, Via};
 use crate::warn_budget::LineKind;
 
 /// Messages a publisher may park while its gap is being filled; beyond, the fill is given up.

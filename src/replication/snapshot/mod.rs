@@ -30,7 +30,7 @@ use kv_core::{
 };
 use thiserror::Error;
 
-use super::StreamId;
+use super::stream::StreamId;
 use crate::ingest::{PublisherKey, PublisherState};
 
 const MAGIC: &[u8; 8] = b"KVIXSNAP";

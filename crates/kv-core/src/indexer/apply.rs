@@ -12,8 +12,9 @@ use std::collections::HashMap;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
+use super::kinds::{indexable_kind, tier_of};
 use super::{EngineKeyState, Indexer, KeyMode, ModelState, SettingsError, TranslationReport};
-use crate::events::{EventBatch, KvEvent, Medium};
+use crate::events::{EventBatch, KvEvent};
 use crate::index::{EngineKey, Tier};
 use crate::BlockHash;
 
@@ -107,20 +108,6 @@ fn stored_blocks(batch: &EventBatch) -> u64 {
             _ => 0,
         })
         .sum()
-}
-
-/// The index tier of an event's medium; no medium (vLLM < 0.10.2) means GPU.
-pub(super) fn tier_of(medium: Option<&Medium>) -> Tier {
-    match medium {
-        None | Some(Medium::Gpu) => Tier::Gpu,
-        Some(Medium::Cpu) => Tier::Cpu,
-        Some(Medium::Storage) => Tier::Storage,
-        Some(Medium::Other(_)) => Tier::Other,
-    }
-}
-
-pub(super) fn indexable_kind(kind: Option<&str>) -> bool {
-    matches!(kind, None | Some("full_attention") | Some("mla_attention"))
 }
 
 impl Indexer {

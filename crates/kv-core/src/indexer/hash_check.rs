@@ -6,7 +6,7 @@
 
 use std::sync::Arc;
 
-use super::apply::indexable_kind;
+use super::kinds::indexable_kind;
 use super::{ApplyReport, Indexer, ModelState};
 use crate::events::{BlockStored, EventBatch, KvEvent};
 use crate::hashing::{

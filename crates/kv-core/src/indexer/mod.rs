@@ -27,9 +27,11 @@ use std::sync::Arc;
 
 mod apply;
 mod hash_check;
+mod kinds;
 mod order;
 mod routings;
 mod score;
+mod scored;
 mod speculation;
 mod translate;
 
@@ -46,7 +48,8 @@ use crate::index::{
 };
 use crate::BlockHash;
 pub use apply::{ApplyReport, KeysImported};
-pub use score::{PodRef, PodScore, RankScore, ScoreError, ScoreResult, ALL_PODS};
+pub use score::{ScoreError, ScoreResult, ALL_PODS};
+pub use scored::{PodRef, PodScore, RankScore};
 use speculation::Speculation;
 pub use speculation::{
     PodSpeculation, RecordEnd, RoutingRecorded, SpeculationSettings, SpeculationStats,

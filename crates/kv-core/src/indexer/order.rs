@@ -7,7 +7,7 @@
 //! [`group_in_name_order`] places them by counting, stable, in O(holders x groups) at worst;
 //! past [`MAX_GROUPS`] it declines and the caller sorts by [`holder_order`].
 
-use super::score::{PodRef, PodScore};
+use super::scored::{PodRef, PodScore};
 use crate::index::DenseView;
 
 /// The most distinct (score, matched) groups [`group_in_name_order`] takes on.

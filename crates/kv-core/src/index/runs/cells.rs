@@ -16,44 +16,14 @@
 
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering::Relaxed};
 
+#[cfg(test)]
+pub(super) use super::holders::probe;
+use super::holders::stored;
+pub(super) use super::holders::Words;
 use super::holders::{Holders, RunHolders};
 use crate::index::slab::Chunked;
 use crate::memory::Zeroable;
 use crate::seqlock::{StdFence, PROTOCOL};
-
-/// Test hook: runs a check after every store the writer makes to shared memory, so a test
-/// sees every intermediate state a reader could land between.
-#[cfg(test)]
-pub(super) mod probe {
-    use std::cell::RefCell;
-
-    thread_local! {
-        static HOOK: RefCell<Option<Box<dyn FnMut()>>> = RefCell::new(None);
-    }
-
-    /// Installs `check` on this thread (`None`: removes it).
-    pub fn install(check: Option<Box<dyn FnMut()>>) {
-        HOOK.with(|h| *h.borrow_mut() = check);
-    }
-
-    /// Runs the installed check (not from inside itself).
-    pub fn fire() {
-        HOOK.with(|h| {
-            if let Ok(mut h) = h.try_borrow_mut() {
-                if let Some(check) = h.as_mut() {
-                    check();
-                }
-            }
-        });
-    }
-}
-
-/// Runs the test hook after a store (nothing outside tests).
-#[inline(always)]
-pub(super) fn stored() {
-    #[cfg(test)]
-    probe::fire();
-}
 
 /// No run, no id (a free id's run; a missing hint).
 pub(super) const NONE: u32 = u32::MAX;
@@ -62,9 +32,6 @@ pub(super) const NONE: u32 = u32::MAX;
 pub(super) const ID_BITS: u32 = 16;
 /// Bits of a run number that select its slot inside a chunk (4Ki runs: 192 KiB).
 const RUN_BITS: u32 = 12;
-/// Bits of a pooled word's offset inside its chunk (64Ki words: 512 KiB). A pooled set never
-/// straddles two chunks, so this also bounds a set: 64Ki windows.
-pub(super) const WORD_BITS: u32 = 16;
 
 /// One block id: its hash, its run and a hint to where its chain went on.
 #[repr(C)]
@@ -322,8 +289,6 @@ impl<T: Zeroable, const N: usize> WriterChunks<T, N> {
     }
 }
 
-/// Pooled holder words (sets wider than one window).
-pub(super) type Words = Chunked<AtomicU64, { 1 << WORD_BITS }>;
 /// Block-id slots.
 pub(super) type IdSlots = Chunked<IdSlot, ID_CHUNK>;
 /// Run slots.

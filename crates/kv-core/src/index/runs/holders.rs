@@ -11,12 +11,55 @@
 //! Invariant: a pooled set's words lie in one chunk of the pool (a reader's torn view of a
 //! set's place is bounded by [`MAX_WORDS`] and by the chunks that exist).
 
+use std::sync::atomic::AtomicU64;
 use std::sync::atomic::Ordering::Relaxed;
 
-use super::cells::{Words, WORD_BITS};
+use crate::index::slab::Chunked;
 
 /// Bits per window.
 pub(super) const WINDOW: u32 = 64;
+
+/// Bits of a pooled word's offset inside its chunk (64Ki words: 512 KiB). A pooled set never
+/// straddles two chunks, so this also bounds a set: 64Ki windows.
+pub(super) const WORD_BITS: u32 = 16;
+
+/// Pooled holder words (sets wider than one window).
+pub(super) type Words = Chunked<AtomicU64, { 1 << WORD_BITS }>;
+
+/// Test hook: runs a check after every store the writer makes to shared memory (the cells'
+/// and the holder words'), so a test sees every intermediate state a reader could land
+/// between.
+#[cfg(test)]
+pub(super) mod probe {
+    use std::cell::RefCell;
+
+    thread_local! {
+        static HOOK: RefCell<Option<Box<dyn FnMut()>>> = RefCell::new(None);
+    }
+
+    /// Installs `check` on this thread (`None`: removes it).
+    pub fn install(check: Option<Box<dyn FnMut()>>) {
+        HOOK.with(|h| *h.borrow_mut() = check);
+    }
+
+    /// Runs the installed check (not from inside itself).
+    pub fn fire() {
+        HOOK.with(|h| {
+            if let Ok(mut h) = h.try_borrow_mut() {
+                if let Some(check) = h.as_mut() {
+                    check();
+                }
+            }
+        });
+    }
+}
+
+/// Runs the test hook after a store (nothing outside tests).
+#[inline(always)]
+pub(super) fn stored() {
+    #[cfg(test)]
+    probe::fire();
+}
 
 /// The longest pooled set (windows): one pool chunk.
 pub(super) const MAX_WORDS: u32 = 1 << WORD_BITS;
@@ -252,7 +295,7 @@ fn store(words: &Words, at: u64, bits: u64) {
     if let Some(w) = u32::try_from(at).ok().and_then(|at| words.get(at)) {
         w.store(bits, Relaxed);
     }
-    super::cells::stored();
+    stored();
 }
 
 /// Who holds a run: engines holding it in GPU memory, one bit per engine, and the other tiers,

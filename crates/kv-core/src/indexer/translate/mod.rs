@@ -37,7 +37,7 @@ mod map;
 
 use map::TranslationMap;
 
-use super::apply::{indexable_kind, tier_of};
+use super::kinds::{indexable_kind, tier_of};
 use super::ModelState;
 use crate::events::{BlockRemoved, BlockStored, EventBatch, KvEvent, MsgpackValue};
 use crate::hashing::{BlockDigest, HashScratch, RequestExtras, TokenProcessor};
