@@ -26,7 +26,8 @@ mod hashing;
 mod index;
 mod indexer;
 mod marks;
-// Memory for randomly probed structures: with the index's slab, the only `unsafe` in kv-core.
+// Memory for randomly probed structures: with the node index's slab and the run index's cells
+// (`index::runs::cells`), the only `unsafe` in kv-core.
 #[allow(unsafe_code)]
 mod memory;
 mod mix;

@@ -51,8 +51,9 @@
 //! Memory per block: 24 bytes (node) + 8 / load-factor bytes (table, load 0.67-0.85) + 4 bytes
 //! per membership (reverse list; up to 1.25x before compaction) + 1 bit (CLOCK).
 
-// The slab: with `crate::memory`, the only code in kv-core allowed `unsafe` (the `Zeroable`
-// contract of its atomics), each block with its `// SAFETY:` argument.
+// The slab: with `crate::memory` and the run index's cells (`runs::cells`), the only code in
+// kv-core allowed `unsafe` (the `Zeroable` contract of its atomics), each block with its
+// `// SAFETY:` argument.
 #[allow(unsafe_code)]
 mod slab;
 mod table;
