@@ -487,7 +487,9 @@ impl EngineKeys {
             .iter()
             .filter(|h| self.map.get(h).is_none())
             .count();
-        let need = (new_entries + blocks * k) as u64;
+        // A block already mapped brings no entry and (unless the index evicted them) no new
+        // keys: only new blocks need room, an entry and `k` keys each.
+        let need = (new_entries * (1 + k)) as u64;
         self.make_room(w, engine, &mut room, need, false);
         // Each block's map entry (what will remove its keys), then its keys: a block that
         // finds no room for its entry is not stored, nor are the blocks after it.
