@@ -131,6 +131,20 @@ impl Pair {
         }
     }
 
+    /// Starts B, sends the two stores (heard by A, reaching B through the log) and waits
+    /// until both score them, then for a snapshot covering them (written every second).
+    /// Returns B and the blocks held.
+    async fn stored_on_both_and_snapshotted(&mut self) -> (Process, u32) {
+        let b = self.start_b().await;
+        self.publish(2).await;
+        let held = self.s.matched_after[1];
+        for r in [&self.a, &b] {
+            scores(r, &self.s.tokens, self.pod, held, Duration::from_secs(20)).await;
+        }
+        tokio::time::sleep(Duration::from_millis(2_500)).await;
+        (b, held)
+    }
+
     /// Sends message `seq` (no retry: past the first, ZeroMQ delivers in order).
     async fn send(&mut self, seq: usize) {
         let next = message(self.pod, seq as u64, &self.s.messages[seq]);
@@ -149,17 +163,12 @@ async fn a_sigkilled_replica_scores_translated_pods_as_the_replica_that_heard_th
     let Some(mut t) = Pair::start("translated-sigkill", "10.7.0.1:8000").await else {
         return;
     };
-    let mut b = t.start_b().await;
-    // The two stores: 25 blocks, heard by A only; B follows through the log.
-    t.publish(2).await;
-    let (held, pod) = (t.s.matched_after[1], t.pod);
-    for r in [&t.a, &b] {
-        scores(r, &t.s.tokens, pod, held, Duration::from_secs(20)).await;
-    }
+    // The two stores: 25 blocks, heard by A only; B follows through the log. Then a
+    // snapshot, SIGKILL and a restart.
+    let (mut b, held) = t.stored_on_both_and_snapshotted().await;
+    let pod = t.pod;
     let before = listed(&b, pod).await.expect("listed on B");
     assert_eq!(before.0, "translated", "{before:?}");
-    // A snapshot covering the stores (every second), then SIGKILL and a restart.
-    tokio::time::sleep(Duration::from_millis(2_500)).await;
     b.kill();
     b = t.start_b().await;
     scores(&b, &t.s.tokens, pod, held, Duration::from_secs(10)).await;
@@ -187,13 +196,8 @@ async fn a_replica_restarted_with_another_seed_does_not_load_keys_it_cannot_hash
     let Some(mut t) = Pair::start("translated-reseeded", "10.7.0.5:8000").await else {
         return;
     };
-    let mut b = t.start_b().await;
-    t.publish(2).await;
-    let (held, pod) = (t.s.matched_after[1], t.pod);
-    for r in [&t.a, &b] {
-        scores(r, &t.s.tokens, pod, held, Duration::from_secs(20)).await;
-    }
-    tokio::time::sleep(Duration::from_millis(2_500)).await;
+    let (mut b, held) = t.stored_on_both_and_snapshotted().await;
+    let pod = t.pod;
     b.kill();
     b = t.start_b_with_env(&[("PYTHONHASHSEED", "999")]).await;
     let page = b.metrics_text().await;

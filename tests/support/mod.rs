@@ -216,3 +216,25 @@ pub async fn replay_router() -> (zeromq::RouterSocket, String) {
     let port = endpoint.rsplit(':').next().expect("port").to_owned();
     (router, format!("tcp://{{ip}}:{port}"))
 }
+
+/// `GET path` on a loopback port (HTTP/1.0: the body is neither chunked nor kept alive), given
+/// 10 s: status and body, `None` when nothing answers.
+pub async fn http_get(port: u16, path: &str) -> Option<(u16, String)> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut s = tokio::net::TcpStream::connect(("127.0.0.1", port))
+        .await
+        .ok()?;
+    let request = format!("GET {path} HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n");
+    s.write_all(request.as_bytes()).await.ok()?;
+    let mut response = String::new();
+    tokio::time::timeout(
+        std::time::Duration::from_secs(10),
+        s.read_to_string(&mut response),
+    )
+    .await
+    .ok()?
+    .ok()?;
+    let (head, body) = response.split_once("\r\n\r\n")?;
+    let code = head.split_whitespace().nth(1)?.parse().ok()?;
+    Some((code, body.to_owned()))
+}

@@ -11,7 +11,6 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 /// Whether `prometheus` and `promtool` are on `PATH`. When not: a failure under CI, else a
 /// `SKIPPED` line on stderr (written directly: the harness captures `eprintln!` of passing
@@ -132,21 +131,9 @@ impl PrometheusServer {
         std::fs::read_to_string(self.dir.join("prometheus.log")).unwrap_or_default()
     }
 
-    /// `GET path` (HTTP/1.0, so the body is neither chunked nor kept alive): status and body.
+    /// `GET path` on the server: status and body.
     async fn http(&self, path: &str) -> Option<(u16, String)> {
-        let mut s = tokio::net::TcpStream::connect(("127.0.0.1", self.port))
-            .await
-            .ok()?;
-        let request = format!("GET {path} HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n");
-        s.write_all(request.as_bytes()).await.ok()?;
-        let mut response = String::new();
-        tokio::time::timeout(Duration::from_secs(10), s.read_to_string(&mut response))
-            .await
-            .ok()?
-            .ok()?;
-        let (head, body) = response.split_once("\r\n\r\n")?;
-        let code = head.split_whitespace().nth(1)?.parse().ok()?;
-        Some((code, body.to_owned()))
+        super::http_get(self.port, path).await
     }
 
     /// `GET /api/v1/<path>` with `params` (encoded here): the `data` of a `success` answer,

@@ -92,9 +92,9 @@ impl Process {
 
     /// Whether `/readyz` answers 200.
     pub async fn ready(&self) -> bool {
-        self.http("/readyz")
+        super::http_get(self.metrics, "/readyz")
             .await
-            .is_some_and(|r| r.starts_with("HTTP/1.1 200"))
+            .is_some_and(|(code, _)| code == 200)
     }
 
     /// Waits (up to `within`) until ready; returns how long it took.
@@ -113,22 +113,10 @@ impl Process {
 
     /// The metrics page (empty when unreachable).
     pub async fn metrics_text(&self) -> String {
-        let page = self.http("/metrics").await.unwrap_or_default();
-        page.split_once("\r\n\r\n")
-            .map(|(_, body)| body.to_owned())
-            .unwrap_or_default()
-    }
-
-    async fn http(&self, path: &str) -> Option<String> {
-        use tokio::io::{AsyncReadExt, AsyncWriteExt};
-        let mut s = tokio::net::TcpStream::connect(("127.0.0.1", self.metrics))
+        super::http_get(self.metrics, "/metrics")
             .await
-            .ok()?;
-        let request = format!("GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
-        s.write_all(request.as_bytes()).await.ok()?;
-        let mut body = String::new();
-        let _ = s.read_to_string(&mut body).await;
-        Some(body)
+            .map(|(_, body)| body)
+            .unwrap_or_default()
     }
 
     /// `ListPods` of `model` (empty when unreachable).
