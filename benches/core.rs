@@ -7,8 +7,8 @@
 //! - decoding: blocks per second from vLLM-shaped payloads (map form 0.24+, array form <= 0.23)
 //!   vs rmp-serde decoding the same bytes into a generic value;
 //! - index: the Mooncake conversation trace driven on one thread (see `kv_lab::index_bench`):
-//!   block-ops/s, apply blocks/s, query p50/p99, bytes per (block, pod) membership, vs a flat
-//!   hash map probed block by block.
+//!   block-ops/s, apply blocks/s, query p50/p99, bytes per (block, pod) membership, vs kv-core's
+//!   reference index (a per-block map walked block by block).
 //!
 //! The trace is read from `../shared/traces/mooncake/conversation_trace.jsonl` or
 //! `$KV_INDEXER_TRACE`; without it the index part says so and is skipped.
@@ -23,7 +23,7 @@ use kv_core::{
 use kv_core::{DigestMemo, HashScratch, RequestExtras, TokenProcessor, TokenProcessorConfig};
 use kv_lab::alloc::{live_heap_bytes, CountingAllocator};
 use kv_lab::index_bench::{
-    apply_in_lanes, drive, median, FlatMapBackend, IndexBackend, IndexWorkload, KvIndexerBackend,
+    apply_in_lanes, drive, median, IndexBackend, IndexWorkload, KvIndexerBackend, ReferenceBackend,
     WorkloadShape,
 };
 use kv_lab::trace::load_mooncake;
@@ -247,16 +247,8 @@ fn bench_index() {
     println!("|---|---:|---:|---:|---:|---:|---:|");
     let mut reports = Vec::new();
     let backends: Vec<Box<dyn Fn() -> Box<dyn IndexBackend>>> = vec![
-        Box::new(|| Box::new(FlatMapBackend::default())),
+        Box::new(|| Box::new(ReferenceBackend::default())),
         Box::new(move || Box::new(KvIndexerBackend::new(shape.pods))),
-        Box::new(move || {
-            let runs = kv_core::IndexConfig {
-                max_keys: 1 << 26,
-                engine: kv_core::IndexEngine::Runs,
-                ..Default::default()
-            };
-            Box::new(KvIndexerBackend::with_config(shape.pods, runs))
-        }),
     ];
     // KV_BENCH_ONLY_OURS=1 skips the baseline (for profiling).
     let skip = usize::from(std::env::var_os("KV_BENCH_ONLY_OURS").is_some());
@@ -268,7 +260,7 @@ fn bench_index() {
             let mut kv = KvIndexerBackend::new(shape.pods);
             drive(&workload, &mut kv);
             eprintln!("{:?}", kv.index().stats());
-            eprintln!("{}", kv.index().debug_memory());
+            eprintln!("{} bytes", kv.index().memory_bytes());
             eprintln!(
                 "{}: walked blocks {} query s {:.3} => {:.2} ns/block; apply s {:.3}",
                 report.backend,
@@ -306,18 +298,18 @@ fn bench_index() {
 }
 
 /// Writer lanes: the replay's stores and removals (no queries) applied by one or two threads
-/// to an index of one or two lanes, on each engine; three rounds, medians.
+/// to an index of one or two lanes; three rounds, medians.
 fn writer_lanes(workload: &IndexWorkload, pods: u32) {
     println!("## Writer lanes ({pods} pods, apply only, medians of 3 rounds)");
-    println!("| engine | lanes | threads | apply blocks/s | vs 1 lane, 1 thread | busiest thread's share |");
-    println!("|---|---:|---:|---:|---:|---:|");
+    println!("| lanes | threads | apply blocks/s | vs 1 lane, 1 thread | busiest thread's share |");
+    println!("|---:|---:|---:|---:|---:|");
     let configs = [(1, 1), (1, 2), (2, 1), (2, 2)];
-    for engine in [kv_core::IndexEngine::Nodes, kv_core::IndexEngine::Runs] {
+    {
         let mut rounds: Vec<Vec<f64>> = vec![Vec::new(); configs.len()];
         let mut shares = vec![0.0; configs.len()];
         for _ in 0..3 {
             for (k, &(lanes, threads)) in configs.iter().enumerate() {
-                let run = apply_in_lanes(workload, pods, engine, lanes, threads);
+                let run = apply_in_lanes(workload, pods, lanes, threads);
                 rounds[k].push(run.apply_blocks_per_sec);
                 shares[k] = run.busiest_share;
             }
@@ -326,8 +318,7 @@ fn writer_lanes(workload: &IndexWorkload, pods: u32) {
         for (k, &(lanes, threads)) in configs.iter().enumerate() {
             let m = median(&rounds[k]);
             println!(
-                "| {} | {lanes} | {threads} | {:.1}M | {:.2} | {:.2} |",
-                engine.name(),
+                "| {lanes} | {threads} | {:.1}M | {:.2} | {:.2} |",
                 m / 1e6,
                 m / base,
                 shares[k]

@@ -132,7 +132,6 @@ pub async fn start(config: Config) -> Result<RunningDaemon, DaemonError> {
     let indexer = Arc::new(Indexer::new(config.indexer_settings())?);
     let index = &indexer.settings().index;
     tracing::info!(
-        engine = index.engine.name(),
         size = index.max_keys,
         writer_lanes = index.writer_lanes,
         "block index"

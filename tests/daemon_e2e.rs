@@ -11,7 +11,7 @@ mod support;
 use std::time::Duration;
 
 use bytes::Bytes;
-use kv_indexer::config::{Config, ConnectEndpoint, IndexEngineName};
+use kv_indexer::config::{Config, ConnectEndpoint};
 use kv_indexer::daemon;
 use kv_proto::kvindexer_v1::{
     kv_indexer_client::KvIndexerClient, score_pods_request::Input, ListPodsRequest,
@@ -155,13 +155,13 @@ async fn bind_mode_scores_what_vllm_published_for_every_wire_format() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_run_index_engine_scores_what_vllm_published_for_every_wire_format() {
+async fn one_writer_lane_scores_what_vllm_published_for_every_wire_format() {
     let mut config = base_config();
     config
         .indexer_config
         .kv_block_index_config
         .in_memory_config
-        .engine = IndexEngineName::Runs;
+        .writer_lanes = 1;
     scores_every_wire_format(config).await;
 }
 

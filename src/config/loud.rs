@@ -74,6 +74,14 @@ impl Config {
                 message: message.to_owned(),
             })
         };
+        let mem = &self.indexer_config.kv_block_index_config.in_memory_config;
+        if mem.engine == Some(super::RetiredEngine::Runs) {
+            warn(
+                "indexerConfig.kvBlockIndexConfig.inMemoryConfig.engine",
+                "is no longer a choice: the index has one structure (the run index, which \
+                 `runs` named); remove it",
+            );
+        }
         let ev = &self.kv_events_config;
         if ev.queue_depth.is_some() {
             warn(

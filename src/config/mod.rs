@@ -250,29 +250,21 @@ pub struct InMemoryConfig {
     pub writer_lanes: usize,
     /// Most models indexed; events of further models are dropped and counted.
     pub max_models: usize,
-    /// The index's data structure: `runs` (runs of a chain with one holder bitmap each, the
-    /// default: fewer bytes per membership, faster apply) or `nodes` (one node per block).
-    pub engine: IndexEngineName,
+    /// Retired: the index's data structure was once a choice (`runs` or `nodes`). The index
+    /// has one structure now; `nodes` is refused and `runs` warned about (it does nothing), so
+    /// a file written for an older release fails loudly or says what to remove.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub engine: Option<RetiredEngine>,
 }
 
-/// The `engine` names of the config file.
-#[derive(Debug, Clone, Copy, Default, Serialize, Deserialize, PartialEq, Eq)]
+/// The values the retired `engine` setting took.
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq)]
 #[serde(rename_all = "lowercase")]
-pub enum IndexEngineName {
-    /// [`kv_core::IndexEngine::Nodes`].
+pub enum RetiredEngine {
+    /// The node index, removed: refused with a message saying so.
     Nodes,
-    /// [`kv_core::IndexEngine::Runs`] (the default).
-    #[default]
+    /// The run index, now the only structure: accepted with a warning.
     Runs,
-}
-
-impl From<IndexEngineName> for kv_core::IndexEngine {
-    fn from(name: IndexEngineName) -> Self {
-        match name {
-            IndexEngineName::Nodes => kv_core::IndexEngine::Nodes,
-            IndexEngineName::Runs => kv_core::IndexEngine::Runs,
-        }
-    }
 }
 
 impl Default for InMemoryConfig {
@@ -282,7 +274,7 @@ impl Default for InMemoryConfig {
             pod_cache_size: None,
             writer_lanes: 2,
             max_models: kv_core::DEFAULT_MAX_MODELS,
-            engine: IndexEngineName::Runs,
+            engine: None,
         }
     }
 }

@@ -41,7 +41,6 @@ impl Config {
                 max_keys: mem.size,
                 pod_cache_size: mem.pod_cache_size,
                 writer_lanes: mem.writer_lanes,
-                engine: mem.engine.into(),
             },
             max_models: mem.max_models,
             default_model: ModelSettings {

@@ -64,22 +64,37 @@ fn unknown_fields_and_bad_values_name_the_field() {
 }
 
 #[test]
-fn the_index_engine_is_chosen_by_name_and_either_takes_pod_cache_size() {
+fn the_retired_engine_setting_is_refused_as_nodes_and_warned_about_as_runs() {
     let yaml = |mem: &str| {
         format!("indexerConfig:\n  kvBlockIndexConfig: {{inMemoryConfig: {{{mem}}}}}\n")
     };
+    let field = "indexerConfig.kvBlockIndexConfig.inMemoryConfig.engine";
     let c = Config::from_yaml(&yaml("engine: runs"), "f").expect("parses");
-    c.validate().expect("runs alone is valid");
-    assert_eq!(
-        c.indexer_settings().index.engine,
-        kv_core::IndexEngine::Runs
+    c.validate().expect("runs is accepted");
+    let warned = c.warnings();
+    assert!(
+        warned
+            .iter()
+            .any(|w| w.field == field && w.message.contains("no longer a choice")),
+        "{warned:?}"
+    );
+    let c = Config::from_yaml(&yaml("engine: nodes"), "f").expect("parses");
+    let e = c.validate().expect_err("the node index is gone");
+    assert!(
+        e.to_string().contains("retired") && e.to_string().contains(field),
+        "{e}"
+    );
+    let quiet = Config::from_yaml(&yaml("size: 1000"), "f").expect("parses");
+    assert!(
+        quiet.warnings().iter().all(|w| w.field != field),
+        "no engine, no warning"
     );
     let e = Config::from_yaml(&yaml("engine: radix"), "f").expect_err("unknown engine");
     assert!(e.to_string().contains("radix"), "{e}");
-    let c = Config::from_yaml(&yaml("engine: runs, podCacheSize: 10"), "f").expect("parses");
-    c.validate().expect("runs with podCacheSize");
+    let c = Config::from_yaml(&yaml("podCacheSize: 10"), "f").expect("parses");
+    c.validate().expect("podCacheSize");
     assert_eq!(c.indexer_settings().index.pod_cache_size, Some(10));
-    let c = Config::from_yaml(&yaml("engine: runs, podCacheSize: 0"), "f").expect("parses");
+    let c = Config::from_yaml(&yaml("podCacheSize: 0"), "f").expect("parses");
     let e = c.validate().expect_err("a bound of 0");
     assert!(e.to_string().contains("podCacheSize"), "{e}");
 }

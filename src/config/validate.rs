@@ -25,6 +25,14 @@ impl Config {
                 format!("must be between 1 and {}", u32::MAX - 2),
             ));
         }
+        if mem.engine == Some(super::RetiredEngine::Nodes) {
+            return Err(invalid(
+                "indexerConfig.kvBlockIndexConfig.inMemoryConfig.engine",
+                "nodes: the node index was retired; the index has one structure (runs of a \
+                 chain with holder bitmaps, what `engine: runs` chose), which keeps every \
+                 guarantee the node index kept; remove `engine`",
+            ));
+        }
         if mem.pod_cache_size == Some(0) {
             return Err(invalid(
                 "indexerConfig.kvBlockIndexConfig.inMemoryConfig.podCacheSize",

@@ -63,7 +63,7 @@ impl IndexMetrics {
             reads_given_up: gauge_vec(
                 r,
                 "kvindexer_index_reads_given_up",
-                "Blocks a score or lookup counted as not held because the writer kept changing them longer than a read waits (engine: runs; 0 in a healthy index)",
+                "Blocks a score or lookup counted as not held because the writer kept changing them longer than a read waits (0 in a healthy index)",
                 &["model"],
             ),
             capacity_drops: gauge_vec(

@@ -1,8 +1,8 @@
 //! kv-indexer's index against its peers on the Mooncake conversation trace, one thread, one
 //! process: SMG `kv-index` 2.0 `ChainIndex`, NVIDIA Dynamo `dynamo-kv-router` 1.6 `RadixTree`,
-//! and a flat hash map probed block by block (the reference). Every backend is driven through
+//! and kv-core's reference index, a per-block map walked block by block (the reference). Every backend is driven through
 //! the same prepared stream (`kv_lab::index_bench`); each query's answer (every pod's matched
-//! depth) is compared with the flat map's, and mismatching queries are counted.
+//! depth) is compared with the reference's, and mismatching queries are counted.
 //!
 //! Fleets: 16 pods (the replay), 80, 1,024, and 1,024 with a 128-block system prompt
 //! before every request (held by every pod). Each fleet runs `KV_BENCH_RUNS` rounds (default 3)
@@ -11,7 +11,7 @@
 //! Usage: `cargo run --release --manifest-path benches/peers/Cargo.toml [-- TRACE.jsonl]`;
 //! `KV_BENCH_FLEETS=16,80` picks fleets (`1024s` = 1,024 pods with the system prompt; `16e` and
 //! `16h`: 16 pods with one hash per removal call, tail first as vLLM evicts, and shuffled);
-//! `KV_BENCH_BACKENDS=smg,ours` picks backends (keys in `backends()`; the flat map always runs).
+//! `KV_BENCH_BACKENDS=smg,ours` picks backends (keys in `backends()`; the reference always runs).
 
 use std::time::Instant;
 
@@ -24,7 +24,7 @@ use kv_core::BlockHash;
 use kv_index::{ChainBlockMap, ChainIndex, ContentHash, SequenceHash, StoredBlock};
 use kv_lab::alloc::{live_heap_bytes, CountingAllocator};
 use kv_lab::index_bench::{
-    drive, median, BenchReport, FlatMapBackend, IndexBackend, IndexWorkload, IndexerFacadeBackend,
+    drive, median, BenchReport, ReferenceBackend, IndexBackend, IndexWorkload, IndexerFacadeBackend,
     KvIndexerBackend, QueryAnswer, Removals, RunIndexBackend, WorkloadShape,
 };
 use kv_lab::trace::load_mooncake;
@@ -260,15 +260,14 @@ fn fleets() -> Vec<Fleet> {
 
 type Maker = Box<dyn Fn(u32) -> Box<dyn IndexBackend>>;
 
-/// kv-indexer's `ModelIndex` on `engine` with `writer_lanes` lanes (exact membership).
-fn model_index(writer_lanes: usize, engine: kv_core::IndexEngine) -> Maker {
+/// kv-indexer's `ModelIndex` with `writer_lanes` lanes (exact membership).
+fn model_index(writer_lanes: usize) -> Maker {
     Box::new(move |pods| {
         Box::new(KvIndexerBackend::with_config(
             pods,
             kv_core::IndexConfig {
                 max_keys: 1 << 26,
                 writer_lanes,
-                engine,
                 ..Default::default()
             },
         ))
@@ -277,7 +276,7 @@ fn model_index(writer_lanes: usize, engine: kv_core::IndexEngine) -> Maker {
 
 fn backends() -> Vec<(&'static str, Maker)> {
     vec![
-        ("flat", Box::new(|_| Box::new(FlatMapBackend::default()))),
+        ("reference", Box::new(|_| Box::new(ReferenceBackend::default()))),
         ("smg", Box::new(|pods| Box::new(Smg::new(pods)))),
         (
             "dynamo",
@@ -298,18 +297,7 @@ fn backends() -> Vec<(&'static str, Maker)> {
             "facade",
             Box::new(|pods| Box::new(IndexerFacadeBackend::new(pods))),
         ),
-        ("runs-index", model_index(1, kv_core::IndexEngine::Runs)),
-        (
-            "runs-facade",
-            Box::new(|pods| {
-                Box::new(IndexerFacadeBackend::with_engine(
-                    pods,
-                    kv_core::IndexEngine::Runs,
-                ))
-            }),
-        ),
-        ("lanes", model_index(2, kv_core::IndexEngine::Nodes)),
-        ("runs-lanes", model_index(2, kv_core::IndexEngine::Runs)),
+        ("lanes", model_index(2)),
         (
             "bounded",
             Box::new(|pods| Box::new(KvIndexerBackend::with_pod_cache_size(pods, Some(10)))),
@@ -357,14 +345,14 @@ fn main() {
             t.elapsed().as_secs_f64()
         );
         println!();
-        println!("| backend | block-ops/s | apply blocks/s | query p50 | query p99 | bytes/membership | ops/s vs SMG | apply vs SMG | queries differing from the flat map (of which short) |");
+        println!("| backend | block-ops/s | apply blocks/s | query p50 | query p99 | bytes/membership | ops/s vs SMG | apply vs SMG | queries differing from the reference (of which short) |");
         println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|");
-        // KV_BENCH_BACKENDS=flat,facade picks backends (the flat map, the reference, always runs).
+        // KV_BENCH_BACKENDS=smg,facade picks backends (the reference always runs).
         let picked = std::env::var("KV_BENCH_BACKENDS").ok();
         let makers: Vec<_> = backends()
             .into_iter()
             .filter(|(key, _)| {
-                *key == "flat"
+                *key == "reference"
                     || picked
                         .as_deref()
                         .is_none_or(|p| p.split(',').any(|k| k == *key))

@@ -26,8 +26,8 @@ mod hashing;
 mod index;
 mod indexer;
 mod marks;
-// Memory for randomly probed structures: with the node index's slab and the run index's cells
-// (`index::runs::cells`), the only `unsafe` in kv-core.
+// Memory for randomly probed structures: with the run index's cells (`index::runs::cells`),
+// the only `unsafe` in kv-core.
 #[allow(unsafe_code)]
 mod memory;
 mod mix;
@@ -55,9 +55,13 @@ pub use events::{
 /// The block index (`index`).
 pub use index::{
     DenseView, EngineDirectory, EngineId, EngineKey, EngineScore, IndexConfig, IndexConfigError,
-    IndexEngine, IndexStats, IndexWriter, KeyBudget, ModelIndex, RunIndex, RunReader, RunScratch,
-    RunStats, StoreOutcome, Tier, TierWeights, MAX_ENGINES, MAX_RUN_ENGINES, MAX_WRITER_LANES,
+    IndexStats, IndexWriter, KeyBudget, ModelIndex, RunIndex, RunReader, RunScratch, RunStats,
+    StoreOutcome, Tier, TierWeights, MAX_RUN_ENGINES, MAX_WRITER_LANES,
 };
+
+/// The reference every index structure is checked against, and the differential harness
+/// that checks it (kv-core's tests, kv-lab's baseline).
+pub use index::{harness, reference::ReferenceIndex};
 
 /// The facade transports call (`indexer`).
 pub use indexer::{

@@ -1,8 +1,8 @@
-//! Memory for structures probed at random (the index's table and node chunks, the digest
+//! Memory for structures probed at random (the index's table and id chunks, the digest
 //! memo): large zeroed allocations with a transparent-huge-page hint, prefaulting, and the one
 //! software-prefetch hint.
 //!
-//! The index's table and node chunks are probed at random; on 4 KiB pages nearly every probe
+//! The index's table and id chunks are probed at random; on 4 KiB pages nearly every probe
 //! also misses the TLB. On Linux, `madvise(MADV_HUGEPAGE)` lets the kernel back them with 2 MiB
 //! pages where THP is enabled (`always` or `madvise`). Zeroed allocation also means no
 //! initialisation pass: untouched memory stays untouched.

@@ -3,23 +3,23 @@
 //! the digest memo run, and a deliberately broken variant shows the check can fail.
 //!
 //! Three primitives:
-//! - **Seqlock** (every node: hash and member words). The writer makes the sequence odd,
+//! - **Seqlock** (every run of the index: its bounds and holder words). The writer makes the sequence odd,
 //!   fences (Release), changes the data with relaxed stores, and publishes the next even
 //!   sequence with a Release store. A reader loads the sequence (Acquire), reads the data
 //!   relaxed, fences (Acquire), and keeps the read only if the sequence is unchanged and even.
-//!   A kept read is one version of the node, never a mix of two, and never older than the
-//!   sequence it saw. Anything the writer stored before the write (a fresh set's pages, the
-//!   largest-set bound) is visible to a reader that keeps the read.
+//!   A kept read is one version of the run, never a mix of two, and never older than the
+//!   sequence it saw. Anything the writer stored before the write (a fresh holder set's pooled
+//!   words) is visible to a reader that keeps the read.
 //! - **Claimed seqlock** (the digest memo's entries: many writers, readers that never wait).
 //!   A writer claims the entry by a compare-and-swap of the even sequence to odd (Acquire, so
 //!   its stores follow the previous writer's), then writes as above; a writer that finds the
 //!   entry claimed gives up. A reader makes one attempt and treats an odd or changed sequence
 //!   as a miss.
-//! - **Flag after data** (continuation bits; a rebuilt table). The data is complete before a
+//! - **Flag after data** (an id slot's run, a table slot; a rebuilt table). The data is complete before a
 //!   Release store of the flag; a reader that loads the flag with Acquire sees that data.
 //!   ([`arc_swap`] gives a table swap the same store/load semantics.)
 //!
-//! The model also fixes the order in which the run index (index v3) moves ids between runs
+//! The model also fixes the order in which the run index moves ids between runs
 //! under lock-free readers: receiving run written, slots pointed at it, old run shrunk
 //! (`index::runs::surgery` follows it; `index::runs::cells` has the rest of its rules).
 
@@ -174,7 +174,9 @@ impl Protocol {
     }
 
     /// Reader: runs `read` (relaxed loads) until it saw one version, and returns what it saw.
-    #[inline(always)]
+    /// (The index's readers use [`Protocol::begin_read`] and [`Protocol::still`]; the loom
+    /// models use this loop.)
+    #[cfg(loom)]
     pub fn read<W: Word, F: Fence, T>(&self, seq: &W, mut read: impl FnMut() -> T) -> T {
         loop {
             let s1 = seq.load(self.read_load);
@@ -189,12 +191,6 @@ impl Protocol {
             }
         }
     }
-}
-
-#[cfg(not(loom))]
-#[inline(always)]
-fn spin() {
-    std::hint::spin_loop();
 }
 
 /// Under the model a spinning reader must yield, or the writer would never be scheduled.
@@ -469,7 +465,7 @@ mod model {
         );
     }
 
-    /// A run of the run index (index v3): its ids `start .. end` and their holder set, under a
+    /// A run of the run index: its ids `start .. end` and their holder set, under a
     /// seqlock.
     #[derive(Default)]
     struct RunCell {

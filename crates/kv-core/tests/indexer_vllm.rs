@@ -6,7 +6,7 @@ mod support;
 
 use kv_core::{decode_batch, EventBatch, KvEvent};
 use kv_core::{ExtraKeysFormat, RequestExtras, TokenProcessor, TokenProcessorConfig};
-use kv_core::{IndexConfig, IndexEngine, Indexer, IndexerSettings, ModelSettings, ScoreError};
+use kv_core::{IndexConfig, Indexer, IndexerSettings, ModelSettings, ScoreError};
 
 const MODEL: &str = "Qwen/Qwen3-8B";
 
@@ -53,18 +53,17 @@ fn captured_events_score_the_request_that_produced_them() {
             "bytes_hashes_topic_kv-events_dp0",
         ] {
             // Without and with the digest memo (scores hash the prompt twice: the second time
-            // from the memo), on both index structures.
-            let engines = [IndexEngine::Nodes, IndexEngine::Runs];
-            for (memo_bytes, engine) in [0, 1 << 20]
+            // from the memo), on one writer lane and on three.
+            for (memo_bytes, lanes) in [0, 1 << 20]
                 .into_iter()
-                .flat_map(|m| engines.map(|e| (m, e)))
+                .flat_map(|m| [1, 3].map(|l| (m, l)))
             {
-                let ctx = format!("{version} {scenario} memo {memo_bytes} {engine:?}");
+                let ctx = format!("{version} {scenario} memo {memo_bytes} lanes {lanes}");
                 let (batch, tokens) = captured(version, scenario);
                 let ix = Indexer::new(IndexerSettings {
                     digest_memo_bytes: memo_bytes,
                     index: IndexConfig {
-                        engine,
+                        writer_lanes: lanes,
                         ..Default::default()
                     },
                     ..settings(Some("12345"), 16)
@@ -365,7 +364,6 @@ fn size_bounds_all_models_together_and_models_are_bounded() {
             max_keys: 100,
             pod_cache_size: Some(10),
             writer_lanes: 1,
-            ..Default::default()
         },
         max_models: 8,
         ..settings(Some("12345"), 16)

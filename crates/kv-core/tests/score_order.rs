@@ -6,16 +6,16 @@
 //! them.
 
 use kv_core::{
-    BlockHash, BlockRemoved, BlockStored, EventBatch, IndexConfig, IndexEngine, Indexer,
-    IndexerSettings, KvEvent, ScoreResult, ALL_PODS,
+    BlockHash, BlockRemoved, BlockStored, EventBatch, IndexConfig, Indexer, IndexerSettings,
+    KvEvent, ScoreResult, ALL_PODS,
 };
 
 const MODEL: &str = "m";
 
-fn indexer(engine: IndexEngine) -> Indexer {
+fn indexer(lanes: usize) -> Indexer {
     let settings = IndexerSettings {
         index: IndexConfig {
-            engine,
+            writer_lanes: lanes,
             ..Default::default()
         },
         ..Default::default()
@@ -73,8 +73,8 @@ fn pairs(want: &[(&str, u32)]) -> Vec<(String, u32)> {
 
 #[test]
 fn every_pod_lists_holders_best_first_ties_by_name_then_the_rest_in_name_order() {
-    for engine in [IndexEngine::Nodes, IndexEngine::Runs] {
-        let ix = indexer(engine);
+    for lanes in [1, 3] {
+        let ix = indexer(lanes);
         // Registered out of name order, so pod indexes do not follow names.
         for (pod, n) in [
             ("pod-d", 2),
@@ -95,7 +95,7 @@ fn every_pod_lists_holders_best_first_ties_by_name_then_the_rest_in_name_order()
             ("pod-d", 2),
             ("pod-e", 0),
         ];
-        assert_eq!(scored(&ix, ALL_PODS), pairs(&want), "{engine:?}");
+        assert_eq!(scored(&ix, ALL_PODS), pairs(&want), "{lanes} lanes");
 
         // pod-b leaves (its index is freed), pod-0 and pod-bb arrive (one reuses it): the next
         // score reads a new directory, in the new name order.
@@ -113,15 +113,15 @@ fn every_pod_lists_holders_best_first_ties_by_name_then_the_rest_in_name_order()
         assert_eq!(
             scored(&ix, ALL_PODS),
             pairs(&want),
-            "{engine:?}, after churn"
+            "{lanes} lanes, after churn"
         );
     }
 }
 
 #[test]
 fn candidates_list_holders_best_first_then_the_rest_in_the_callers_order_each_once() {
-    for engine in [IndexEngine::Nodes, IndexEngine::Runs] {
-        let ix = indexer(engine);
+    for lanes in [1, 3] {
+        let ix = indexer(lanes);
         for (pod, n) in [("pod-z", 3), ("pod-y", 1), ("pod-x", 3), ("pod-w", 1)] {
             store(&ix, pod, n);
         }
@@ -143,6 +143,6 @@ fn candidates_list_holders_best_first_then_the_rest_in_the_callers_order_each_on
             ("unknown-2", 0),
             ("unknown-1", 0),
         ];
-        assert_eq!(scored(&ix, &candidates), pairs(&want), "{engine:?}");
+        assert_eq!(scored(&ix, &candidates), pairs(&want), "{lanes} lanes");
     }
 }

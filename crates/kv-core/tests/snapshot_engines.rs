@@ -1,16 +1,17 @@
-//! Snapshots across index structures: what one indexer exports (blocks with their tiers, and
-//! the engine-hash maps of translated engines) restores into a fresh indexer on either
-//! structure (`engine: nodes` or `engine: runs`) with the same answers. A daemon restarted with
-//! another `engine` comes back warm from the snapshot the old one wrote.
+//! Snapshots across index shapes: what one indexer exports (blocks with their tiers, and the
+//! engine-hash maps of translated engines) restores into a fresh indexer with one writer lane
+//! or several with the same answers. A daemon restarted with another `writerLanes` comes back
+//! warm from the snapshot the old one wrote.
 
 use kv_core::{
     BlockHash, BlockRemoved, BlockStored, EngineKey, EngineKeyState, EventBatch, IndexConfig,
-    IndexEngine, Indexer, IndexerSettings, KvEvent, Medium, ModelSettings, SplitMix64, Tier,
-    TokenProcessor, TokenProcessorConfig,
+    Indexer, IndexerSettings, KvEvent, Medium, ModelSettings, SplitMix64, Tier, TokenProcessor,
+    TokenProcessorConfig,
 };
 
 const MODEL: &str = "m";
-const ENGINES: [IndexEngine; 2] = [IndexEngine::Nodes, IndexEngine::Runs];
+/// Writer lanes of the indexers a snapshot moves between.
+const LANES: [usize; 2] = [1, 3];
 
 fn processor_config() -> TokenProcessorConfig {
     TokenProcessorConfig {
@@ -20,14 +21,14 @@ fn processor_config() -> TokenProcessorConfig {
     }
 }
 
-fn indexer(engine: IndexEngine) -> Indexer {
+fn indexer(lanes: usize) -> Indexer {
     Indexer::new(IndexerSettings {
         default_model: ModelSettings {
             token_processor: processor_config(),
             ..Default::default()
         },
         index: IndexConfig {
-            engine,
+            writer_lanes: lanes,
             ..Default::default()
         },
         ..Default::default()
@@ -206,9 +207,9 @@ fn answers(ix: &Indexer, prompts: &[Vec<u32>]) -> Vec<Vec<(String, u32, u64)>> {
 }
 
 #[test]
-fn a_snapshot_of_either_structure_restores_into_either_with_the_same_answers() {
+fn a_snapshot_of_either_shape_restores_into_either_with_the_same_answers() {
     for seed in [1u64, 2, 3] {
-        for from in ENGINES {
+        for from in LANES {
             let source = indexer(from);
             let prompts = fill(&source, seed);
             let want = answers(&source, &prompts);
@@ -219,7 +220,7 @@ fn a_snapshot_of_either_structure_restores_into_either_with_the_same_answers() {
                 !snapshot.1.is_empty(),
                 "seed {seed}: decided engines (translated pod6 among them) carry key state"
             );
-            for to in ENGINES {
+            for to in LANES {
                 let restored = indexer(to);
                 restore(&restored, &snapshot);
                 assert_eq!(
@@ -262,14 +263,14 @@ fn state(ix: &Indexer) -> Snapshot {
 fn restored_then_replayed(
     batches: &[(String, EventBatch)],
     cut: usize,
-    engine: IndexEngine,
+    lanes: usize,
     corrupt: impl FnOnce(&mut Snapshot),
 ) -> Indexer {
-    let before = indexer(engine);
+    let before = indexer(lanes);
     apply(&before, &batches[..cut]);
     let mut snapshot = export(&before);
     corrupt(&mut snapshot);
-    let after = indexer(engine);
+    let after = indexer(lanes);
     restore(&after, &snapshot);
     apply(&after, &batches[cut..]);
     after
@@ -279,8 +280,8 @@ fn restored_then_replayed(
 fn a_restored_replica_that_replays_the_rest_holds_what_the_one_that_heard_it_all_holds() {
     for seed in [11u64, 12, 13, 14] {
         let (prompts, batches) = stream(seed);
-        for engine in ENGINES {
-            let heard = indexer(engine);
+        for lanes in LANES {
+            let heard = indexer(lanes);
             apply(&heard, &batches);
             let want = state(&heard);
             let mut mapped_at_cuts = 0;
@@ -292,7 +293,7 @@ fn a_restored_replica_that_replays_the_rest_holds_what_the_one_that_heard_it_all
                     })
                     .count();
                 assert!(removals_after > 0, "seed {seed}: removals after the cut");
-                let restored = restored_then_replayed(&batches, cut, engine, |snapshot| {
+                let restored = restored_then_replayed(&batches, cut, lanes, |snapshot| {
                     mapped_at_cuts += usize::from(
                         snapshot
                             .1
@@ -302,7 +303,7 @@ fn a_restored_replica_that_replays_the_rest_holds_what_the_one_that_heard_it_all
                 });
                 assert!(
                     state(&restored) == want,
-                    "seed {seed}, {engine:?}, cut at {cut}: the restored replica differs"
+                    "seed {seed}, {lanes} lanes, cut at {cut}: the restored replica differs"
                 );
                 assert_eq!(answers(&restored, &prompts), answers(&heard, &prompts));
             }
@@ -319,7 +320,7 @@ fn a_restored_replica_that_replays_the_rest_holds_what_the_one_that_heard_it_all
 #[test]
 fn a_restore_with_a_wrong_translated_copy_count_is_told_apart() {
     let (_, batches) = stream(11);
-    let heard = indexer(IndexEngine::Runs);
+    let heard = indexer(1);
     apply(&heard, &batches);
     let want = state(&heard);
     let mut differed = 0;
@@ -327,7 +328,7 @@ fn a_restore_with_a_wrong_translated_copy_count_is_told_apart() {
     // corruption at earlier cuts: the engine's cache was dropped anyway).
     for cut in [batches.len() / 2, 3 * batches.len() / 4, batches.len()] {
         let mut corrupted = false;
-        let restored = restored_then_replayed(&batches, cut, IndexEngine::Runs, |snapshot| {
+        let restored = restored_then_replayed(&batches, cut, 1, |snapshot| {
             let pod6 = snapshot.1.iter_mut().find(|(_, k, _)| &*k.pod == "pod6");
             let entry = pod6.and_then(|(_, _, s)| s.translated.first_mut());
             if let Some(held) = entry.and_then(|e| e.copies.iter_mut().find(|c| **c > 0)) {

@@ -6,21 +6,21 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kv_core::{
-    BlockHash, BlockStored, EventBatch, IndexConfig, IndexEngine, Indexer, IndexerSettings,
-    KvEvent, PodRef, RoutingRecorded, ScoreResult, SpeculationSettings, ALL_PODS,
+    BlockHash, BlockStored, EventBatch, IndexConfig, Indexer, IndexerSettings, KvEvent, PodRef,
+    RoutingRecorded, ScoreResult, SpeculationSettings, ALL_PODS,
 };
 
 const MODEL: &str = "m";
 
-/// One indexer on each index structure (speculative entries live beside either).
+/// One indexer with one writer lane, one with three (speculative entries live beside either).
 fn indexers(weight: f64) -> [Indexer; 2] {
-    [IndexEngine::Nodes, IndexEngine::Runs].map(|engine| indexer_on(engine, weight))
+    [1, 3].map(|lanes| indexer_on(lanes, weight))
 }
 
-fn indexer_on(engine: IndexEngine, weight: f64) -> Indexer {
+fn indexer_on(lanes: usize, weight: f64) -> Indexer {
     let indexer = Indexer::new(IndexerSettings {
         index: IndexConfig {
-            engine,
+            writer_lanes: lanes,
             ..Default::default()
         },
         speculation: SpeculationSettings {

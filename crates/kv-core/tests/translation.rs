@@ -7,21 +7,21 @@ mod support;
 
 use kv_core::{
     decode_batch, BlockHash, BlockRemoved, BlockStored, EngineHashes, EventBatch, IndexConfig,
-    IndexEngine, Indexer, KeyMode, KvEvent, Medium, TokenProcessorConfig,
+    Indexer, KeyMode, KvEvent, Medium, TokenProcessorConfig,
 };
 
 const MODEL: &str = "m";
 
-/// Both index structures: the engine-hash maps live beside either.
-const INDEX_ENGINES: [IndexEngine; 2] = [IndexEngine::Nodes, IndexEngine::Runs];
+/// Writer lanes of the indexers (the engine-hash maps live beside one lane or several).
+const LANES: [usize; 2] = [1, 3];
 
 fn indexer(engine_hashes: EngineHashes) -> Indexer {
-    indexer_on(IndexEngine::default(), engine_hashes)
+    indexer_on(1, engine_hashes)
 }
 
-fn indexer_on(index_engine: IndexEngine, engine_hashes: EngineHashes) -> Indexer {
+fn indexer_on(lanes: usize, engine_hashes: EngineHashes) -> Indexer {
     let index = IndexConfig {
-        engine: index_engine,
+        writer_lanes: lanes,
         ..Default::default()
     };
     support::fixture_indexer(index, engine_hashes)
@@ -46,11 +46,11 @@ fn mode(ix: &Indexer, pod: &str) -> Option<KeyMode> {
 fn every_engine_scores_exactly_with_the_default_settings() {
     let scenarios = support::engine_scenarios();
     assert!(scenarios.len() >= 8, "{}", scenarios.len());
-    for (s, &index_engine) in scenarios
+    for (s, &lanes) in scenarios
         .iter()
-        .flat_map(|s| INDEX_ENGINES.iter().map(move |e| (s, e)))
+        .flat_map(|s| LANES.iter().map(move |e| (s, e)))
     {
-        let ix = indexer_on(index_engine, EngineHashes::Auto);
+        let ix = indexer_on(lanes, EngineHashes::Auto);
         // The keys kv-indexer computes for the prompt are vLLM's own.
         assert_eq!(
             ix.block_hashes(MODEL, &s.tokens, None, None)
@@ -68,7 +68,7 @@ fn every_engine_scores_exactly_with_the_default_settings() {
             assert_eq!(
                 matched(&ix, &s.tokens, "pod"),
                 s.matched_after[i],
-                "{} on {index_engine:?}: after message {i}",
+                "{} on {lanes} lanes: after message {i}",
                 s.name
             );
         }
@@ -288,12 +288,12 @@ fn a_block_size_that_is_not_a_multiple_is_refused() {
 fn translated_engines_agree_with_a_reference_under_random_churn() {
     use std::collections::HashMap;
     const K: usize = 2;
-    for (seed, index_engine) in [1u64, 2, 3, 4]
+    for (seed, lanes) in [1u64, 2, 3, 4]
         .into_iter()
-        .flat_map(|seed| INDEX_ENGINES.map(|e| (seed, e)))
+        .flat_map(|seed| LANES.map(|e| (seed, e)))
     {
         let mut rng = kv_core::SplitMix64::new(seed);
-        let ix = indexer_on(index_engine, EngineHashes::Auto);
+        let ix = indexer_on(lanes, EngineHashes::Auto);
         let processor = kv_core::TokenProcessor::new(&TokenProcessorConfig {
             hash_seed: Some("12345".into()),
             block_size: 16,
@@ -413,7 +413,7 @@ fn translated_engines_agree_with_a_reference_under_random_churn() {
                 assert_eq!(
                     matched(&ix, prompt, "pod") as usize,
                     want,
-                    "seed {seed} on {index_engine:?}, step {step}, prompt {p}"
+                    "seed {seed} on {lanes} lanes, step {step}, prompt {p}"
                 );
             }
         }
@@ -429,8 +429,8 @@ fn the_budget_fixture_scores_as_made_without_a_key_budget() {
     assert_eq!(s.prompts.len(), 4);
     assert_eq!(s.messages.len(), s.kinds.len());
     assert_eq!(s.messages.len(), s.matched_after.len());
-    for &index_engine in &INDEX_ENGINES {
-        let ix = indexer_on(index_engine, EngineHashes::Auto);
+    for &lanes in &LANES {
+        let ix = indexer_on(lanes, EngineHashes::Auto);
         let model = ix.model_or_create(MODEL).expect("model");
         for (p, (tokens, keys)) in s.prompts.iter().enumerate() {
             assert_eq!(tokens.len(), 960, "prompt {p}");
@@ -456,10 +456,7 @@ fn the_budget_fixture_scores_as_made_without_a_key_budget() {
                 .iter()
                 .map(|(tokens, _)| matched(&ix, tokens, "pod"))
                 .collect();
-            assert_eq!(
-                held, s.matched_after[i],
-                "{index_engine:?}: after message {i}"
-            );
+            assert_eq!(held, s.matched_after[i], "{lanes} lanes: after message {i}");
         }
         assert_eq!(mode(&ix, "pod"), Some(KeyMode::Translated));
     }

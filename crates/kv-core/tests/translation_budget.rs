@@ -5,14 +5,14 @@
 
 mod support;
 
-use kv_core::{decode_batch, EngineHashes, IndexConfig, IndexEngine, Indexer};
+use kv_core::{decode_batch, EngineHashes, IndexConfig, Indexer};
 
 const MODEL: &str = "m";
 const POD: &str = "10.0.0.1:8000";
 
-fn indexer(engine: IndexEngine, size: usize) -> Indexer {
+fn indexer(lanes: usize, size: usize) -> Indexer {
     let index = IndexConfig {
-        engine,
+        writer_lanes: lanes,
         max_keys: size,
         ..Default::default()
     };
@@ -42,9 +42,9 @@ fn footprint(ix: &Indexer) -> (u64, usize) {
 fn under_a_key_budget_the_newest_prompt_wins_and_every_removal_reaches_its_keys() {
     let s = support::budget_scenario();
     let stores = s.kinds.iter().filter(|k| *k == "stored").count();
-    for engine in [IndexEngine::Runs, IndexEngine::Nodes] {
+    for lanes in [1, 3] {
         // Room for one prompt: 60 keys and the 60 map entries that remove them.
-        let ix = indexer(engine, 120);
+        let ix = indexer(lanes, 120);
         let (mut unknown, mut evicted) = (0u64, 0u64);
         for (i, payload) in s.messages.iter().enumerate() {
             let batch = decode_batch(payload).expect("decodes");
@@ -54,31 +54,31 @@ fn under_a_key_budget_the_newest_prompt_wins_and_every_removal_reaches_its_keys(
             let (keys, entries) = footprint(&ix);
             assert!(
                 keys + entries as u64 <= 120,
-                "{engine:?} after message {i}: {keys} keys and {entries} entries in a budget of 120"
+                "{lanes} lanes after message {i}: {keys} keys and {entries} entries in a budget of 120"
             );
             if i + 1 == stores {
                 assert_eq!(
                     held(&ix, &s),
                     [0, 0, 0, 60],
-                    "{engine:?}: the newest prompt holds the budget"
+                    "{lanes} lanes: the newest prompt holds the budget"
                 );
-                assert_eq!((keys, entries), (60, 60), "{engine:?}");
+                assert_eq!((keys, entries), (60, 60), "{lanes} lanes");
             }
         }
         assert_eq!(
             held(&ix, &s),
             [0, 0, 0, 0],
-            "{engine:?}: every block removed"
+            "{lanes} lanes: every block removed"
         );
         assert_eq!(
             footprint(&ix),
             (0, 0),
-            "{engine:?}: no key outlives its removal"
+            "{lanes} lanes: no key outlives its removal"
         );
-        assert_eq!(ix.stats()[0].1.memberships, 0, "{engine:?}");
+        assert_eq!(ix.stats()[0].1.memberships, 0, "{lanes} lanes");
         // The first three prompts' entries gave their place; their removals find nothing and
         // are counted.
-        assert_eq!((unknown, evicted), (180, 180), "{engine:?}");
+        assert_eq!((unknown, evicted), (180, 180), "{lanes} lanes");
     }
 }
 
@@ -86,7 +86,7 @@ fn under_a_key_budget_the_newest_prompt_wins_and_every_removal_reaches_its_keys(
 fn without_a_budget_the_same_events_hold_every_prompt() {
     // The control: the budget alone decides what the test above sees.
     let s = support::budget_scenario();
-    let ix = indexer(IndexEngine::Runs, 100_000);
+    let ix = indexer(1, 100_000);
     for payload in &s.messages[..8] {
         let batch = decode_batch(payload).expect("decodes");
         ix.apply_batch(MODEL, POD, &batch).expect("applies");
@@ -98,7 +98,7 @@ fn without_a_budget_the_same_events_hold_every_prompt() {
 fn a_snapshot_restored_under_a_smaller_budget_drops_entries_with_their_keys() {
     let s = support::budget_scenario();
     let stores = s.kinds.iter().filter(|k| *k == "stored").count();
-    let source = indexer(IndexEngine::Runs, 100_000);
+    let source = indexer(1, 100_000);
     for payload in &s.messages[..stores] {
         let batch = decode_batch(payload).expect("decodes");
         source.apply_batch(MODEL, POD, &batch).expect("applies");
@@ -111,7 +111,7 @@ fn a_snapshot_restored_under_a_smaller_budget_drops_entries_with_their_keys() {
     source.export_keys_each(|model, key, state| {
         states.push((model.to_owned(), key.clone(), state.clone()))
     });
-    let small = indexer(IndexEngine::Runs, 120);
+    let small = indexer(1, 120);
     for (model, key, held) in &blocks {
         let hashes: Vec<_> = held.iter().map(|(h, _)| *h).collect();
         small

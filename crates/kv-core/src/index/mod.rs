@@ -1,39 +1,24 @@
-//! The block index: for every (model, block hash), the engines that hold the block and in which
+//! The block index: for every (model, block key), the engines that hold the block and in which
 //! tier; and the prefix scoring walk over it.
 //!
-//! Two engines implement a lane ([`IndexConfig::engine`]): `runs` (index v3, the default,
-//! [`runs`] behind [`run_lane`]): holders per run of a chain as bitmaps, one writer and
-//! lock-free readers per lane; and `nodes`, described below. Both keep the same guarantees
-//! (exact membership, tiers, `podCacheSize`, CLOCK under `size`, lanes, export for snapshots);
-//! [`IndexWriter`] is the one write surface over both.
+//! One structure, the **run index** ([`runs`]): every block has an id, a chain's blocks take
+//! consecutive ids, and holders are kept per **run** (a stretch of ids with one holder set) as
+//! bitmaps over engines, so a store, a removal or a query costs per run it touches, not per
+//! block. [`runs`]'s module docs give its shape, costs, invariants and concurrency.
 //!
-//! A model's index ([`ModelIndex`]) is one or more **writer lanes**; an engine belongs to the
-//! lane its pod name hashes to (all DP ranks of a pod together). Each lane is a complete index
-//! of its engines' blocks with its own writer, so events of pods in different lanes apply in
-//! parallel; a reader walks every lane (an engine's results come from one lane only). Engine
-//! ids are global (`id % lanes` is the lane). A block held by pods of two lanes is a key in
-//! each; `size` is one budget for all lanes (and, in an indexer, all models).
-//!
-//! Shape (per lane of `nodes`):
-//! - a **node** per distinct block (24 bytes: hash, two member words with overflow pages beyond,
-//!   a hint to the block's most recently stored child), in a chunked slab; a stored run gets
-//!   consecutive node ids where free ids allow (freed ids are kept as ranges), so a chain is
-//!   mostly contiguous in memory;
-//! - a **table** from block hash to node (8-byte key-less slots, open addressing, sized to 1.5x
-//!   its live entries), published to readers through `ArcSwap` so a rebuild never blocks them;
-//! - per engine, a **reverse list** of the nodes it holds (4 bytes per membership, compacted
-//!   lazily), so clearing an engine costs O(its blocks), not O(index).
+//! Around it, this module is the index of one model ([`ModelIndex`]): one or more **writer
+//! lanes** ([`lane`]), each a complete run index of the engines assigned to it, by pod name (all
+//! DP ranks of a pod together), with one writer and lock-free readers. Events of engines in
+//! different lanes apply in parallel; a reader walks every lane ([`read`]; an engine's results
+//! come from its lane only). Engine ids are global (`id % lanes` is the lane, `id / lanes` the
+//! engine's slot in it). A block held by pods of two lanes is a key in each; `size` is one
+//! budget ([`KeyBudget`]) for all lanes and, in an indexer, all models.
 //!
 //! Reads ([`ModelIndex::score_engines`], [`ModelIndex::lookup`]) take no lock and write nothing
-//! shared: they pin the current table, then walk the prompt's hashes. Consecutive blocks of a
-//! chain are found through the parent's child hint (one compare) and only fall back to a table
-//! probe when the chain branches, so a 700-block prompt costs a few probes, not 700. Each node
-//! is read under its seqlock, so a reader sees each block's member list as of one moment.
-//!
-//! Writes go through one writer per lane ([`ModelIndex::write`], [`ModelIndex::write_engine`]),
-//! which callers hold for a whole event batch of one engine; different lanes and models write
-//! in parallel. Registering an engine takes a small registry lock (known engines are found in
-//! the published directory without it).
+//! shared. Writes go through a lane's [`IndexWriter`] ([`ModelIndex::write`],
+//! [`ModelIndex::write_engine`]), which callers hold for a whole event batch of one engine.
+//! Registering an engine takes a small registry lock (known engines are found in the published
+//! [`EngineDirectory`] without it).
 //!
 //! Decisions:
 //! - a `BlockStored` run whose parent this engine does not hold ("orphan") is stored anyway,
@@ -41,30 +26,28 @@
 //!   can never be mistaken for position 0 of another prompt; it only starts to score once its
 //!   parent's chain arrives (e.g. by replay), which is exactly right;
 //! - membership is exact by default: a block records every (engine, tier) that holds it, however
-//!   many (sets of more than two are interned, so a prefix the whole fleet holds costs one set);
-//!   `podCacheSize`, when configured, bounds it and drops the oldest member beyond (members keep
-//!   store order);
-//! - `size` full (the shared budget): a CLOCK hand over the nodes of the lane that needs the
-//!   key evicts a block not stored recently (second chance), with all its memberships; counted
-//!   as capacity evictions.
+//!   many; `podCacheSize`, when configured, bounds it and drops the oldest holder beyond (each
+//!   run keeps its holders' join order);
+//! - `size` full: the lane that needs keys evicts whole runs not stored into recently (CLOCK,
+//!   second chance) until the store is paid for, counted as capacity evictions.
 //!
-//! Memory per block: 24 bytes (node) + 8 / load-factor bytes (table, load 0.67-0.85) + 4 bytes
-//! per membership (reverse list; up to 1.25x before compaction) + 1 bit (CLOCK).
+//! Memory: docs/benchmarks.md measures bytes per block and per membership at 16 and 1,024
+//! pods (an id slot is 16 bytes, a table slot 8 at load 0.4-0.85, a run's holders inline up to
+//! one 64-engine window).
+//!
+//! `unsafe`: with `crate::memory`, only the run index's cells (`runs::cells`: the `Zeroable`
+//! contract of its atomics), each block with its `// SAFETY:` argument.
 
-// The slab: with `crate::memory` and the run index's cells (`runs::cells`), the only code in
-// kv-core allowed `unsafe` (the `Zeroable` contract of its atomics), each block with its
-// `// SAFETY:` argument.
-#[allow(unsafe_code)]
-mod slab;
-mod table;
-
+mod chunked;
 mod directory;
+pub mod harness;
+mod lane;
 mod read;
-mod run_lane;
+pub mod reference;
 mod runs;
+mod stats;
+mod table;
 mod types;
-mod write;
-mod writer;
 
 use std::sync::Arc;
 
@@ -74,93 +57,24 @@ use parking_lot::Mutex;
 use crate::BlockHash;
 use directory::DirectoryBuilder;
 pub use directory::{DenseView, EngineDirectory, NO_POD};
-use run_lane::RunLane;
+pub use lane::IndexWriter;
+use lane::Lane;
 pub use runs::{RunIndex, RunReader, RunScratch, RunStats, MAX_RUN_ENGINES};
-use slab::Slab;
-use table::Table;
+pub use stats::{IndexStats, StoreOutcome};
 pub use types::{
-    EngineId, EngineKey, EngineScore, IndexConfig, IndexConfigError, IndexEngine, IndexStats,
-    KeyBudget, Tier, TierWeights, MAX_ENGINES, MAX_WRITER_LANES,
+    EngineId, EngineKey, EngineScore, IndexConfig, IndexConfigError, KeyBudget, Tier, TierWeights,
+    MAX_WRITER_LANES,
 };
-pub use write::StoreOutcome;
-use write::{random_seed, Counters, Writer};
-pub use writer::IndexWriter;
 
 /// The index for one model: one or more **writer lanes**, each a complete index of the
 /// engines assigned to it (by pod name, so a pod's DP ranks share a lane). Events of engines in
 /// different lanes apply in parallel; a reader walks every lane, lock-free. Engine ids are
-/// global: engine `e` lives in lane `e % lanes`, at slot `e / lanes` of that lane's writer.
+/// global: engine `e` lives in lane `e % lanes`, at slot `e / lanes` of that lane.
 pub struct ModelIndex {
     config: IndexConfig,
-    lanes: Lanes,
+    lanes: Box<[Lane]>,
     directory: ArcSwap<EngineDirectory>,
     registry: Mutex<Registry>,
-}
-
-/// The lanes, of the configured engine.
-enum Lanes {
-    Nodes(Box<[Lane]>),
-    Runs(Box<[RunLane]>),
-}
-
-impl Lanes {
-    fn len(&self) -> usize {
-        match self {
-            Lanes::Nodes(l) => l.len(),
-            Lanes::Runs(l) => l.len(),
-        }
-    }
-
-    /// Runs `f` as lane `i`'s single writer.
-    fn write<R>(&self, i: usize, f: impl FnOnce(&mut IndexWriter<'_>) -> R) -> R {
-        match self {
-            Lanes::Nodes(l) => l[i].write(f),
-            Lanes::Runs(l) => l[i].write(f),
-        }
-    }
-
-    /// Lane `i`'s counters as of its last finished write.
-    fn counters(&self, i: usize) -> IndexStats {
-        match self {
-            Lanes::Nodes(l) => l[i].counters.snapshot(),
-            Lanes::Runs(l) => IndexStats {
-                reads_given_up: l[i].reader.gave_up(),
-                ..l[i].counters.snapshot()
-            },
-        }
-    }
-
-    /// Lane `i`'s bytes (takes its writer briefly).
-    fn memory_bytes(&self, i: usize) -> usize {
-        match self {
-            Lanes::Nodes(l) => l[i].memory_bytes(),
-            Lanes::Runs(l) => l[i].memory_bytes(),
-        }
-    }
-
-    /// Lane `i`'s registered engines with their live memberships.
-    fn live_engines(&self, i: usize) -> Vec<(EngineId, u64)> {
-        match self {
-            Lanes::Nodes(l) => l[i].writer.lock().live_engines(l[i].lane, l[i].lanes),
-            Lanes::Runs(l) => l[i].live_engines(),
-        }
-    }
-}
-
-/// One writer lane: nodes, table and writer state for its engines' blocks.
-pub(crate) struct Lane {
-    config: IndexConfig,
-    /// Mixes block hashes into table positions (random per lane).
-    seed: u64,
-    slab: Slab,
-    table: ArcSwap<Table>,
-    writer: Mutex<Writer>,
-    counters: Counters,
-    /// Keys this lane may create, shared by the lanes and with the other models' indexes.
-    budget: Arc<KeyBudget>,
-    /// This lane's number and the lane count (engine `e` is here iff `e % lanes == lane`).
-    lane: u32,
-    lanes: u32,
 }
 
 /// Engine registration (rare: a new publisher), shared by the lanes.
@@ -177,29 +91,13 @@ struct Registry {
     directory: DirectoryBuilder,
 }
 
-/// Maps the one hash value the slab reserves (0 = free node) to another value; a real block
-/// hash is 0 with probability 2^-64, and would merely share a key with this alias.
-#[inline(always)]
-fn key(hash: BlockHash) -> u64 {
-    match hash.get() {
-        0 => 0x9E37_79B9_7F4A_7C15,
-        h => h,
-    }
+/// A seed for a lane's table positions, random per process (so no publisher can aim its
+/// hashes at one probe sequence across restarts).
+fn random_seed() -> u64 {
+    use std::collections::hash_map::RandomState;
+    use std::hash::BuildHasher;
+    RandomState::new().hash_one(0x6b76_2d69_6e64_6578u64)
 }
-
-/// A membership word: `engine << 8 | tier` (the engine in the high 24 bits, bit 31 reserved).
-#[inline(always)]
-fn member(engine: EngineId, tier: Tier) -> u32 {
-    engine << 8 | tier as u32
-}
-
-/// The engine of a membership word (see [`member`]).
-#[inline(always)]
-fn member_engine(m: u32) -> EngineId {
-    m >> 8
-}
-
-const INITIAL_TABLE: usize = 1024;
 
 impl ModelIndex {
     /// An empty index with a key budget of its own. `config` must be valid
@@ -217,41 +115,17 @@ impl ModelIndex {
     ) -> Result<Self, IndexConfigError> {
         config.validate()?;
         let lanes = config.writer_lanes as u32;
-        let lanes_built = match config.engine {
-            IndexEngine::Nodes => Lanes::Nodes(
-                (0..lanes)
-                    .map(|lane| {
-                        let seed = random_seed();
-                        let table = Arc::new(Table::with_capacity(INITIAL_TABLE, seed));
-                        Lane {
-                            config: config.clone(),
-                            seed,
-                            slab: Slab::new(config.max_keys),
-                            table: ArcSwap::new(table.clone()),
-                            writer: Mutex::new(Writer::new(table)),
-                            counters: Counters::default(),
-                            budget: budget.clone(),
-                            lane,
-                            lanes,
-                        }
-                    })
-                    .collect(),
-            ),
-            IndexEngine::Runs => Lanes::Runs(
-                (0..lanes)
-                    .map(|lane| {
-                        // Room past `size` for one store's new blocks, which the lane
-                        // pays for by eviction after the store (`run_lane`).
-                        let capacity = u32::try_from(config.max_keys.saturating_add(1 << 16))
-                            .unwrap_or(u32::MAX - 2);
-                        let seed = random_seed();
-                        let index =
-                            RunIndex::with_pod_cache_size(seed, capacity, config.pod_cache_size);
-                        RunLane::new(index, budget.clone(), lane, lanes)
-                    })
-                    .collect(),
-            ),
-        };
+        let lanes_built = (0..lanes)
+            .map(|lane| {
+                // Room past `size` for one store's new blocks, which the lane pays for by
+                // eviction after the store (`lane`).
+                let capacity =
+                    u32::try_from(config.max_keys.saturating_add(1 << 16)).unwrap_or(u32::MAX - 2);
+                let index =
+                    RunIndex::with_pod_cache_size(random_seed(), capacity, config.pod_cache_size);
+                Lane::new(index, budget.clone(), lane, lanes)
+            })
+            .collect();
         Ok(Self {
             lanes: lanes_built,
             directory: ArcSwap::from_pointee(EngineDirectory::default()),
@@ -278,7 +152,7 @@ impl ModelIndex {
     /// held by engines of two lanes is a key in each.
     pub fn key_count(&self) -> u64 {
         (0..self.lanes.len())
-            .map(|i| self.lanes.counters(i).keys)
+            .map(|i| self.lanes[i].counters().keys)
             .sum()
     }
 
@@ -286,10 +160,16 @@ impl ModelIndex {
     pub fn stats(&self) -> IndexStats {
         let mut total = IndexStats::default();
         for i in 0..self.lanes.len() {
-            total.add(&self.lanes.counters(i));
+            total.add(&self.lanes[i].counters());
         }
         total.memory_bytes = self.memory_bytes() as u64;
         total
+    }
+
+    /// Bytes the index holds: every lane's ids, runs, table, holder words and bookkeeping
+    /// (takes each lane's writer briefly).
+    pub fn memory_bytes(&self) -> usize {
+        self.lanes.iter().map(Lane::memory_bytes).sum()
     }
 
     /// The lane of an engine id.
@@ -298,7 +178,7 @@ impl ModelIndex {
     }
 
     /// The id of `key`, registering the engine on first sight in the lane its pod hashes to.
-    /// `None` when `MAX_ENGINES` engines are registered.
+    /// `None` when its lane holds [`MAX_RUN_ENGINES`] engines.
     pub fn engine(&self, key: &EngineKey) -> Option<EngineId> {
         // Known engines are found in the published directory, without the registry's lock.
         if let Some(id) = self.directory.load().engine(&key.pod, key.dp_rank) {
@@ -314,9 +194,7 @@ impl ModelIndex {
             Some(slot) => slot,
             None => {
                 let slot = registry.next_slot[lane as usize];
-                let id = slot as u64 * lanes as u64 + lane as u64;
-                let runs_full = matches!(self.lanes, Lanes::Runs(_)) && slot >= MAX_RUN_ENGINES;
-                if id >= MAX_ENGINES as u64 || runs_full {
+                if slot >= MAX_RUN_ENGINES {
                     return None;
                 }
                 registry.next_slot[lane as usize] += 1;
@@ -329,7 +207,7 @@ impl ModelIndex {
         }
         registry.keys[id as usize] = Some(key.clone());
         registry.ids.insert(key.clone(), id);
-        self.lanes.write(lane as usize, |w| w.register(id));
+        self.lanes[lane as usize].write(|w| w.register(id));
         registry.directory.add(id, key);
         self.directory.store(Arc::new(registry.directory.publish()));
         Some(id)
@@ -388,11 +266,11 @@ impl ModelIndex {
     /// Runs `f` as the single writer of `engine`'s lane (hold it for a whole event batch of
     /// that engine). Writers of other lanes run in parallel; readers never wait.
     pub fn write<R>(&self, engine: EngineId, f: impl FnOnce(&mut IndexWriter<'_>) -> R) -> R {
-        self.lanes.write(self.lane_of(engine), f)
+        self.lanes[self.lane_of(engine)].write(f)
     }
 
     /// Registers `key` if needed and runs `f` as its lane's writer with its id; `None` when
-    /// the engine cannot be registered (`MAX_ENGINES`).
+    /// the engine cannot be registered ([`MAX_RUN_ENGINES`] in its lane).
     pub fn write_engine<R>(
         &self,
         key: &EngineKey,
@@ -406,8 +284,8 @@ impl ModelIndex {
     /// index sharing the key budget. Returns the blocks evicted.
     pub fn evict(&self, n: usize) -> usize {
         (0..self.lanes.len())
-            .max_by_key(|&i| self.lanes.counters(i).keys)
-            .map_or(0, |i| self.lanes.write(i, |w| w.evict(n)))
+            .max_by_key(|&i| self.lanes[i].counters().keys)
+            .map_or(0, |i| self.lanes[i].write(|w| w.evict(n)))
     }
 
     /// Calls `f` with every engine and the blocks it holds, with their tiers: what a snapshot
@@ -418,7 +296,7 @@ impl ModelIndex {
         let registry = self.registry.lock();
         let mut blocks = Vec::new();
         for i in 0..self.lanes.len() {
-            self.lanes.write(i, |w| {
+            self.lanes[i].write(|w| {
                 for id in w.engines() {
                     if let Some(Some(key)) = registry.keys.get(id as usize) {
                         blocks.clear();
@@ -435,7 +313,7 @@ impl ModelIndex {
         let registry = self.registry.lock();
         let mut out = Vec::new();
         for i in 0..self.lanes.len() {
-            for (id, live) in self.lanes.live_engines(i) {
+            for (id, live) in self.lanes[i].live_engines() {
                 if let Some(Some(key)) = registry.keys.get(id as usize) {
                     out.push((key.clone(), live));
                 }
@@ -458,17 +336,6 @@ mod tests {
             max_keys,
             pod_cache_size,
             writer_lanes,
-            engine: IndexEngine::Nodes,
-        })
-        .expect("valid config")
-    }
-
-    fn runs(max_keys: usize, writer_lanes: usize) -> ModelIndex {
-        ModelIndex::new(IndexConfig {
-            max_keys,
-            pod_cache_size: None,
-            writer_lanes,
-            engine: IndexEngine::Runs,
         })
         .expect("valid config")
     }
@@ -490,10 +357,7 @@ mod tests {
 
     #[test]
     fn consecutive_prefix_with_holes_and_tiers() {
-        for (lanes, ix) in [1, 2, 3]
-            .into_iter()
-            .flat_map(|l| [(l, index(1000, None, l)), (l, runs(1000, l))])
-        {
+        for (lanes, ix) in [1, 2, 3].map(|l| (l, index(1000, None, l))) {
             let a = ix.engine(&EngineKey::new("a", 0)).expect("room");
             let b = ix.engine(&EngineKey::new("b", 0)).expect("room");
             store(&ix, a, Tier::Gpu, None, &[1, 2, 3, 4]);
@@ -567,7 +431,7 @@ mod tests {
 
     #[test]
     fn runs_evict_at_size_and_keep_the_count() {
-        let ix = runs(10, 1);
+        let ix = index(10, None, 1);
         let e = ix.engine(&EngineKey::new("a", 0)).expect("room");
         store(&ix, e, Tier::Gpu, None, &[1, 2, 3, 4, 5, 6]);
         store(&ix, e, Tier::Gpu, None, &[11, 12, 13, 14, 15, 16]);
@@ -592,7 +456,6 @@ mod tests {
     fn runs_keep_pod_cache_size_and_count_what_it_drops() {
         let ix = ModelIndex::new(IndexConfig {
             pod_cache_size: Some(2),
-            engine: IndexEngine::Runs,
             ..IndexConfig::default()
         })
         .expect("runs take podCacheSize");

@@ -1,11 +1,11 @@
-//! The hash -> node table: open addressing with linear probing over `AtomicU64` slots, read
+//! The hash -> block id table: open addressing with linear probing over `AtomicU64` slots, read
 //! without locks, written by the index's single writer.
 //!
-//! A slot is `0` (empty), `1` (tombstone) or `tag << 32 | (node_id + 2)`, the tag being the low
+//! A slot is `0` (empty), `1` (tombstone) or `tag << 32 | (id + 2)`, the tag being the low
 //! 32 bits of the mixed block hash, from which the home slot is also derived. Slots carry no
-//! full key: a tag match is confirmed against the node's hash, which the reader reads anyway.
+//! full key: a tag match is confirmed against the id slot's hash, which the reader reads anyway.
 //! Because the tag determines the home slot, a rebuild re-places entries without reading any
-//! node. 8 bytes per slot.
+//! id slot. 8 bytes per slot.
 //!
 //! The capacity is any size (not a power of two): a slot is chosen by multiply-shift range
 //! reduction, so a rebuild can size the table to 1.5x its live entries instead of rounding up to
@@ -14,7 +14,7 @@
 //! Invariants: the writer never moves an entry (deletes leave tombstones), so a concurrent reader
 //! can miss only an entry inserted after it looked, never an old one; the table is rebuilt into a
 //! new allocation (published through `ArcSwap`) before empty slots run out, so every probe ends.
-//! A slot is stored after the node it names is written ("flag after data", `seqlock`).
+//! A slot is stored after the id slot it names is written ("flag after data", `seqlock`).
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -105,7 +105,7 @@ impl Table {
         self.capacity() * std::mem::size_of::<AtomicU64>()
     }
 
-    /// The node holding `hash`, if any. `hash_of(id)` reads a node's current hash.
+    /// The block id holding `hash`, if any. `hash_of(id)` reads an id slot's current hash.
     #[inline(always)]
     pub fn find(&self, hash: u64, hash_of: impl Fn(u32) -> u64) -> Option<u32> {
         let tag = mix(hash, self.seed) as u32;
@@ -120,25 +120,6 @@ impl Table {
                 if hash_of(id) == hash {
                     return Some(id);
                 }
-            }
-            pos = self.next(pos);
-        }
-        None
-    }
-
-    /// The first entry whose tag matches `hash`, unverified (a batch prefetches the candidate's
-    /// node before verifying it; a 32-bit tag collision only costs a fallback `find`).
-    #[inline(always)]
-    pub fn find_tagged(&self, hash: u64) -> Option<u32> {
-        let tag = mix(hash, self.seed) as u32;
-        let mut pos = self.home(tag);
-        for _ in 0..self.slots.len() {
-            let slot = self.slots[pos].load(PROTOCOL.flag_observe);
-            if slot == EMPTY {
-                return None;
-            }
-            if slot != TOMBSTONE && (slot >> 32) as u32 == tag {
-                return Some(id_of(slot));
             }
             pos = self.next(pos);
         }
@@ -185,7 +166,8 @@ impl Table {
     }
 
     /// Writer: records `hash -> id` (the caller knows `hash` is absent). Returns whether it
-    /// reused a tombstone.
+    /// reused a tombstone. (The index inserts at a vacancy; the tests insert directly.)
+    #[cfg(test)]
     pub fn insert(&self, hash: u64, id: u32) -> bool {
         self.insert_entry(entry(mix(hash, self.seed) as u32, id))
     }

@@ -8,9 +8,6 @@ use thiserror::Error;
 /// Dense per-model id of an engine (one vLLM process: a pod and its data-parallel rank).
 pub type EngineId = u32;
 
-/// The most engines per model (a member is `engine << 8 | tier` with bit 31 reserved).
-pub const MAX_ENGINES: usize = (1 << 23) - 1;
-
 /// Who published: the pod (topic's `<pod>` part, or a configured id) and its DP rank.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct EngineKey {
@@ -84,7 +81,7 @@ impl TierWeights {
 }
 
 /// The keys several model indexes share: `size` bounds the whole indexer, not each model (a
-/// publisher that names many models cannot multiply it). Taken when a block's node is created,
+/// publisher that names many models cannot multiply it). Taken when a block enters a lane,
 /// given back when it is freed.
 #[derive(Debug)]
 pub struct KeyBudget {
@@ -149,30 +146,6 @@ pub struct IndexConfig {
     /// Writer lanes (`writerLanes`): events of engines in different lanes apply in parallel;
     /// a query walks every lane. 1 to [`MAX_WRITER_LANES`].
     pub writer_lanes: usize,
-    /// The data structure each lane is (`engine`).
-    pub engine: IndexEngine,
-}
-
-/// The data structure of an index's lanes.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub enum IndexEngine {
-    /// One node per distinct block with its member list (index v2).
-    Nodes,
-    /// Runs of a chain with one holder bitmap each (index v3): fewer bytes per membership and
-    /// work per run rather than per block; `podCacheSize` keeps each run's holder order. The
-    /// default.
-    #[default]
-    Runs,
-}
-
-impl IndexEngine {
-    /// The configuration name (`nodes`, `runs`).
-    pub fn name(self) -> &'static str {
-        match self {
-            IndexEngine::Nodes => "nodes",
-            IndexEngine::Runs => "runs",
-        }
-    }
 }
 
 /// The most writer lanes an index may have.
@@ -184,7 +157,6 @@ impl Default for IndexConfig {
             max_keys: 100_000_000,
             pod_cache_size: None,
             writer_lanes: 1,
-            engine: IndexEngine::Runs,
         }
     }
 }
@@ -245,50 +217,4 @@ pub struct EngineScore {
     pub matched_blocks: u32,
     /// Those blocks' tier weights, summed.
     pub score: f64,
-}
-
-/// A snapshot of a model index's size and activity.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct IndexStats {
-    /// Distinct block keys.
-    pub keys: u64,
-    /// (block, engine, tier) memberships.
-    pub memberships: u64,
-    /// Memberships added by stores.
-    pub admissions: u64,
-    /// Memberships removed by `BlockRemoved`, clears and engine removal.
-    pub removals: u64,
-    /// Memberships dropped because the index reached `size`.
-    pub capacity_evictions: u64,
-    /// Memberships dropped because a block reached `podCacheSize` (only when it is set).
-    pub pod_cache_evictions: u64,
-    /// Stored runs whose parent the engine did not hold.
-    pub orphan_runs: u64,
-    /// Blocks not stored because no node could be allocated (never with a sane `size`).
-    pub dropped_full: u64,
-    /// Holder changes the run index's word pool had no room for (each part then scores for
-    /// no one; never with a sane `size`).
-    pub pool_exhausted: u64,
-    /// Blocks a lock-free reader counted as not held because the writer kept changing them
-    /// for longer than a read waits (`engine: runs`; each made a score an underestimate).
-    pub reads_given_up: u64,
-    /// Bytes held by the index's structures.
-    pub memory_bytes: u64,
-}
-
-impl IndexStats {
-    /// Adds another lane's counters (memory included).
-    pub(super) fn add(&mut self, other: &IndexStats) {
-        self.keys += other.keys;
-        self.memberships += other.memberships;
-        self.admissions += other.admissions;
-        self.removals += other.removals;
-        self.capacity_evictions += other.capacity_evictions;
-        self.pod_cache_evictions += other.pod_cache_evictions;
-        self.orphan_runs += other.orphan_runs;
-        self.dropped_full += other.dropped_full;
-        self.pool_exhausted += other.pool_exhausted;
-        self.reads_given_up += other.reads_given_up;
-        self.memory_bytes += other.memory_bytes;
-    }
 }

@@ -1,8 +1,7 @@
 //! The index benchmark's backends: kv-indexer's index alone ([`KvIndexerBackend`]), behind its
-//! facade ([`IndexerFacadeBackend`]), and the flat map every answer is checked against
-//! ([`FlatMapBackend`]).
+//! facade ([`IndexerFacadeBackend`]), the bare run index ([`RunIndexBackend`]), and kv-core's
+//! reference index, which every answer is checked against ([`ReferenceBackend`]).
 
-use std::collections::HashMap;
 use std::sync::Arc;
 
 use kv_core::BlockHash;
@@ -21,19 +20,18 @@ pub struct KvIndexerBackend {
 }
 
 impl KvIndexerBackend {
-    /// A node index (`engine: nodes`, index v2) for `pods` engines, exact membership.
+    /// The model index for `pods` engines, exact membership.
     pub fn new(pods: u32) -> Self {
         Self::with_pod_cache_size(pods, None)
     }
 
-    /// A node index for `pods` engines with `podCacheSize` set to `bound` (`None`: exact).
+    /// The model index for `pods` engines with `podCacheSize` set to `bound` (`None`: exact).
     pub fn with_pod_cache_size(pods: u32, bound: Option<usize>) -> Self {
         Self::with_config(
             pods,
             kv_core::IndexConfig {
                 max_keys: 1 << 26,
                 pod_cache_size: bound,
-                engine: kv_core::IndexEngine::Nodes,
                 ..Default::default()
             },
         )
@@ -42,9 +40,6 @@ impl KvIndexerBackend {
     /// An index for `pods` engines (`pod-0`...) with `config`.
     pub fn with_config(pods: u32, config: kv_core::IndexConfig) -> Self {
         let mut name = "kv-indexer".to_owned();
-        if config.engine != kv_core::IndexEngine::Nodes {
-            name.push_str(&format!(", engine {}", config.engine.name()));
-        }
         if let Some(b) = config.pod_cache_size {
             name.push_str(&format!(", podCacheSize {b}"));
         }
@@ -113,7 +108,7 @@ impl IndexBackend for KvIndexerBackend {
     }
 }
 
-/// The run index (index v3's core, [`kv_core::RunIndex`]): pod `p` is engine `p`, GPU tier.
+/// The bare run index ([`kv_core::RunIndex`], no lanes or budget): pod `p` is engine `p`, GPU tier.
 pub struct RunIndexBackend {
     index: kv_core::RunIndex,
     scratch: kv_core::RunScratch,
@@ -174,7 +169,8 @@ impl IndexBackend for RunIndexBackend {
         hashes: &[BlockHash],
         _content: &[u64],
     ) {
-        self.index.store(pod, kv_core::Tier::Gpu, parent, hashes);
+        self.index
+            .store_each(pod, kv_core::Tier::Gpu, parent, hashes, |_, _| {});
     }
 
     fn remove(&mut self, pod: u32, hashes: &[BlockHash]) {
@@ -217,24 +213,15 @@ const BENCH_MODEL: &str = "bench";
 impl IndexerFacadeBackend {
     /// A facade with default settings (exact membership) and `pods` pods.
     pub fn new(pods: u32) -> Self {
-        Self::with_engine(pods, kv_core::IndexEngine::Nodes)
-    }
-
-    /// A facade whose index lanes are `engine`, with `pods` pods.
-    pub fn with_engine(pods: u32, engine: kv_core::IndexEngine) -> Self {
         let settings = kv_core::IndexerSettings {
             index: kv_core::IndexConfig {
                 max_keys: 1 << 26,
-                engine,
                 ..Default::default()
             },
             ..Default::default()
         };
         Self {
-            name: match engine {
-                kv_core::IndexEngine::Nodes => "kv-indexer through Indexer (facade)",
-                kv_core::IndexEngine::Runs => "kv-indexer through Indexer (facade), engine runs",
-            },
+            name: "kv-indexer through Indexer (facade)",
             indexer: kv_core::Indexer::new(settings).expect("benchmark config is valid"),
             pods: (0..pods).map(|p| format!("pod-{p}")).collect(),
             result: kv_core::ScoreResult::default(),
@@ -321,57 +308,26 @@ impl IndexBackend for IndexerFacadeBackend {
     }
 }
 
-/// The baseline every design is compared with: a flat hash map from block hash to holders,
-/// probed block by block. Also the reference every answer is checked against, so it is kept
-/// obviously right: per block, the holders are stamped, then the pods still matching keep
-/// their stamp (O(holders + matching) per block, fine with 1,024 holders).
+/// kv-core's reference index ([`kv_core::ReferenceIndex`]: a plain per-block map, walked
+/// block by block), pod `p` as engine `p`, GPU tier: what every other backend's answers are
+/// checked against, the same reference kv-core's differential harness uses.
 #[derive(Default)]
-pub struct FlatMapBackend {
-    map: HashMap<BlockHash, Vec<u32>>,
-    active: Vec<u32>,
-    /// Per pod: the step at which it was last seen holding the block being checked.
-    stamp: Vec<u64>,
-    step: u64,
+pub struct ReferenceBackend {
+    index: kv_core::ReferenceIndex,
 }
 
-impl IndexBackend for FlatMapBackend {
+impl IndexBackend for ReferenceBackend {
     fn name(&self) -> &str {
-        "flat-hashmap"
+        "reference (per-block map)"
     }
 
     fn query(&mut self, hashes: &[BlockHash], _content: &[u64]) -> QueryAnswer {
         let mut answer = QueryAnswer::default();
-        let Some(first) = hashes.first().and_then(|h| self.map.get(h)) else {
-            return answer;
-        };
-        self.active.clear();
-        self.active.extend_from_slice(first);
-        let mut depth = 1;
-        for h in &hashes[1..] {
-            self.step += 1;
-            if let Some(holders) = self.map.get(h) {
-                for &p in holders {
-                    if self.stamp.len() <= p as usize {
-                        self.stamp.resize(p as usize + 1, 0);
-                    }
-                    self.stamp[p as usize] = self.step;
-                }
-            }
-            let (stamp, step) = (&self.stamp, self.step);
-            self.active.retain(|&p| {
-                let stays = stamp.get(p as usize) == Some(&step);
-                if !stays {
-                    answer.add(p, depth);
-                }
-                stays
-            });
-            if self.active.is_empty() {
-                return answer;
-            }
-            depth += 1;
-        }
-        for &p in &self.active {
-            answer.add(p, depth);
+        for s in self
+            .index
+            .score(hashes, None, &kv_core::TierWeights::default())
+        {
+            answer.add(s.engine, s.matched_blocks);
         }
         answer
     }
@@ -383,22 +339,10 @@ impl IndexBackend for FlatMapBackend {
         hashes: &[BlockHash],
         _content: &[u64],
     ) {
-        for h in hashes {
-            let holders = self.map.entry(*h).or_default();
-            if !holders.contains(&pod) {
-                holders.push(pod);
-            }
-        }
+        self.index.store(pod, kv_core::Tier::Gpu, hashes);
     }
 
     fn remove(&mut self, pod: u32, hashes: &[BlockHash]) {
-        for h in hashes {
-            if let Some(holders) = self.map.get_mut(h) {
-                holders.retain(|p| *p != pod);
-                if holders.is_empty() {
-                    self.map.remove(h);
-                }
-            }
-        }
+        self.index.remove(pod, kv_core::Tier::Gpu, hashes);
     }
 }

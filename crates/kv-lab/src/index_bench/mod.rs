@@ -21,7 +21,7 @@ use kv_core::BlockHash;
 
 mod backends;
 
-pub use backends::{FlatMapBackend, IndexerFacadeBackend, KvIndexerBackend, RunIndexBackend};
+pub use backends::{IndexerFacadeBackend, KvIndexerBackend, ReferenceBackend, RunIndexBackend};
 
 use crate::lru::LruSet;
 use crate::trace::MooncakeRequest;
@@ -293,7 +293,7 @@ impl BenchReport {
     }
 
     /// Queries whose answer differs from `reference`'s (0 for an exact index against the
-    /// flat map).
+    /// reference).
     pub fn mismatches(&self, reference: &BenchReport) -> usize {
         self.answers
             .iter()
@@ -397,7 +397,6 @@ pub struct LaneRun {
 pub fn apply_in_lanes(
     workload: &IndexWorkload,
     pods: u32,
-    engine: kv_core::IndexEngine,
     lanes: usize,
     threads: usize,
 ) -> LaneRun {
@@ -406,7 +405,6 @@ pub fn apply_in_lanes(
         kv_core::IndexConfig {
             max_keys: 1 << 26,
             writer_lanes: lanes,
-            engine,
             ..Default::default()
         },
     );

@@ -1,7 +1,6 @@
-//! The index benchmark's unit tests: the simulated stream, and every backend's answers against the flat map.
+//! The index benchmark's unit tests: the simulated stream, and every backend's answers against the reference.
 
 use super::*;
-use kv_core::IndexEngine;
 
 fn req(ids: &[u64], input: u64) -> MooncakeRequest {
     MooncakeRequest {
@@ -40,7 +39,7 @@ fn simulation_stores_missing_runs_and_evicts_lru() {
 }
 
 #[test]
-fn the_flat_map_and_kv_indexer_agree_on_a_small_trace() {
+fn the_reference_and_kv_indexer_agree_on_a_small_trace() {
     let reqs: Vec<_> = (0..200u64)
         .map(|i| req(&[0, 1 + i % 7, 100 + i], 96))
         .collect();
@@ -54,24 +53,18 @@ fn the_flat_map_and_kv_indexer_agree_on_a_small_trace() {
     };
     for removals in [Removals::Batched, Removals::OnePerEvent, Removals::Shuffled] {
         let w = IndexWorkload::simulate(&reqs, WorkloadShape { removals, ..shape });
-        let a = drive(&w, &mut FlatMapBackend::default());
+        let a = drive(&w, &mut ReferenceBackend::default());
         let b = drive(&w, &mut KvIndexerBackend::new(3));
         let c = drive(&w, &mut IndexerFacadeBackend::new(3));
         let d = drive(&w, &mut RunIndexBackend::new());
-        let e = drive(
-            &w,
-            &mut IndexerFacadeBackend::with_engine(3, IndexEngine::Runs),
-        );
-        let runs = kv_core::IndexConfig {
+        let lanes = kv_core::IndexConfig {
             max_keys: 1 << 20,
-            engine: IndexEngine::Runs,
             writer_lanes: 2,
             ..Default::default()
         };
-        let f = drive(&w, &mut KvIndexerBackend::with_config(3, runs));
+        let f = drive(&w, &mut KvIndexerBackend::with_config(3, lanes));
         assert!(a.checksum > 0);
-        assert_eq!(e.mismatches(&a), 0, "facade on runs, {removals:?}");
-        assert_eq!(f.mismatches(&a), 0, "runs in two lanes, {removals:?}");
+        assert_eq!(f.mismatches(&a), 0, "two writer lanes, {removals:?}");
         assert_eq!(b.mismatches(&a), 0, "{removals:?}");
         assert_eq!(c.mismatches(&a), 0, "{removals:?}");
         assert_eq!(d.mismatches(&a), 0, "{removals:?}");
@@ -90,17 +83,17 @@ fn every_holder_of_a_shared_prefix_is_reported_and_a_bound_under_counts() {
         ..Default::default()
     };
     let w = IndexWorkload::simulate(&reqs, shape);
-    let flat = drive(&w, &mut FlatMapBackend::default());
-    let last = flat.answers.last().copied().unwrap_or_default();
+    let reference = drive(&w, &mut ReferenceBackend::default());
+    let last = reference.answers.last().copied().unwrap_or_default();
     assert_eq!(last.holders, 100, "every pod holds the system prompt");
     let exact = drive(&w, &mut KvIndexerBackend::new(100));
-    assert_eq!(exact.mismatches(&flat), 0);
+    assert_eq!(exact.mismatches(&reference), 0);
     let bounded = drive(
         &w,
         &mut KvIndexerBackend::with_pod_cache_size(100, Some(10)),
     );
     assert!(
-        bounded.short_answers(&flat) >= 200,
+        bounded.short_answers(&reference) >= 200,
         "a bound of 10 must under-count once more than 10 pods hold the prefix"
     );
 }

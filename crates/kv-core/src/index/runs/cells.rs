@@ -21,7 +21,7 @@ pub(super) use super::holders::probe;
 use super::holders::stored;
 pub(super) use super::holders::Words;
 use super::holders::{Holders, RunHolders};
-use crate::index::slab::Chunked;
+use crate::index::chunked::Chunked;
 use crate::memory::Zeroable;
 use crate::seqlock::{StdFence, PROTOCOL};
 

@@ -14,7 +14,7 @@
 use std::sync::atomic::AtomicU64;
 use std::sync::atomic::Ordering::Relaxed;
 
-use crate::index::slab::Chunked;
+use crate::index::chunked::Chunked;
 
 /// Bits per window.
 pub(super) const WINDOW: u32 = 64;

@@ -1,12 +1,12 @@
-//! The run index (index v3): block hashes to the engines (and tiers) that hold them, with
+//! The run index: block hashes to the engines (and tiers) that hold them, with
 //! holders kept per **run** instead of per block; one writer, lock-free readers.
 //!
 //! Shape:
 //! - every block in the index has an id, whose slot holds its hash and its run (side by side:
-//!   a jump to an id reads one cache line); the table (shared with the v2 index: key-less
-//!   tagged slots) maps hash -> id. New blocks of a stored run take consecutive ids where free
-//!   ids allow, so a chain is a stretch of ids ([`free`] picks a free range the stretch fits
-//!   in, or a long one, before short ones);
+//!   a jump to an id reads one cache line); the table (key-less tagged slots) maps hash -> id.
+//!   New blocks of a stored run take consecutive ids where free ids allow, so a chain is a
+//!   stretch of ids ([`free`] picks a free range the stretch fits in, or a long one, before
+//!   short ones);
 //! - a **run** is a stretch of ids `start .. end` whose blocks all have one holder set. Runs
 //!   split where a store, a removal or a block leaving cuts them, and merge with a neighbour of
 //!   equal holders again, always relabelling the smaller side;

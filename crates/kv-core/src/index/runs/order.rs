@@ -1,5 +1,5 @@
 //! Holder order under `podCacheSize`: which of a run's holders came first, so a store that
-//! would pass the bound drops the oldest, as the node index does per block.
+//! would pass the bound drops the oldest holder of the block.
 //!
 //! Kept by the writer alone (readers never need it) and only when a bound is set. A member is
 //! `engine * 4 + tier`, as in the holder sets. Every block of a run has the same holders in

@@ -34,20 +34,10 @@ impl RunIndex {
         }
     }
 
-    /// `engine` stores `hashes` after `parent` in `tier` (a `BlockStored`).
-    pub fn store(
-        &mut self,
-        engine: EngineId,
-        tier: Tier,
-        parent: Option<BlockHash>,
-        hashes: &[BlockHash],
-    ) -> StoreOutcome {
-        self.store_each(engine, tier, parent, hashes, |_, _| {})
-    }
-
-    /// [`RunIndex::store`], telling `held(hash, added)` for every block the engine holds
-    /// afterwards: `added` when the membership is new, not when the engine already held the
-    /// block in that tier.
+    /// `engine` stores `hashes` after `parent` in `tier` (a `BlockStored`), telling
+    /// `held(hash, added)` for every block the engine holds afterwards: `added` when the
+    /// membership is new, not when the engine already held the block in that tier. (The one
+    /// store of the structure; [`crate::IndexWriter`] is the surface callers use.)
     pub fn store_each(
         &mut self,
         engine: EngineId,

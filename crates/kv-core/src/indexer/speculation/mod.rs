@@ -34,9 +34,7 @@ use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 
-use crate::index::{
-    EngineKey, IndexConfig, IndexConfigError, IndexEngine, KeyBudget, ModelIndex, Tier,
-};
+use crate::index::{EngineKey, IndexConfig, IndexConfigError, KeyBudget, ModelIndex, Tier};
 use crate::BlockHash;
 
 /// The longest deadline a lagging pod's records get, in multiples of `speculativeTtl`.
@@ -234,9 +232,6 @@ impl Speculation {
             max_keys: settings.max_blocks.max(1),
             pod_cache_size: None,
             writer_lanes: 1,
-            // Speculative entries: a few short-lived chains per pod; the node index's
-            // per-block CLOCK suits them.
-            engine: IndexEngine::Nodes,
         };
         let budget = KeyBudget::new(config.max_keys as u64);
         Ok(Self {

@@ -1,74 +1,59 @@
-//! The run index against a plain model (hash -> member set, probed per block), under random
-//! stores, removals in any order (holes at every offset) and clears.
+//! The run index's own cases (splits, merges, hints, free ranges, forged runs, chunk
+//! crossings, a full index, table rebuilds, export, eviction), each checked against the one
+//! reference ([`ReferenceIndex`]). Random streams run through the differential harness
+//! (`kv-core/tests/index_differential.rs`, which also runs the bare run index).
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet};
 
 use super::{RunIndex, RunScratch};
+use crate::index::reference::ReferenceIndex;
 use crate::index::types::{Tier, TierWeights};
 use crate::{mix64, BlockHash, SplitMix64};
 
 /// Room for every test's blocks.
 const CAPACITY: u32 = 1 << 20;
 
-/// The reference: memberships per block, a query walks block by block.
+/// The reference, in the shapes these cases compare.
 #[derive(Default)]
-struct Model {
-    held: HashMap<u64, BTreeSet<(u32, u8)>>,
-}
+struct Model(ReferenceIndex);
 
 impl Model {
     fn store(&mut self, engine: u32, tier: Tier, hashes: &[BlockHash]) {
-        for h in hashes {
-            self.held
-                .entry(h.get())
-                .or_default()
-                .insert((engine, tier as u8));
-        }
+        self.0.store(engine, tier, hashes);
     }
 
     fn remove(&mut self, engine: u32, tier: Tier, hashes: &[BlockHash]) {
-        for h in hashes {
-            if let Some(set) = self.held.get_mut(&h.get()) {
-                set.remove(&(engine, tier as u8));
-                if set.is_empty() {
-                    self.held.remove(&h.get());
-                }
-            }
-        }
+        self.0.remove(engine, tier, hashes);
     }
 
     fn clear(&mut self, engine: u32) {
-        self.held.retain(|_, set| {
-            set.retain(|&(e, _)| e != engine);
-            !set.is_empty()
-        });
+        self.0.clear_engine(engine);
     }
 
     /// Per engine: blocks matched from block 0 (any tier), and their best tier weights.
     fn score(&self, prompt: &[BlockHash]) -> BTreeMap<u32, (u32, f64)> {
-        let weights = TierWeights::default();
-        let best = |h: &BlockHash, engine: u32| {
-            self.held.get(&h.get()).and_then(|set| {
-                set.iter()
-                    .filter(|&&(e, _)| e == engine)
-                    .map(|&(_, t)| weights.of(Tier::from_bits(t as u32)))
-                    .reduce(f64::max)
-            })
-        };
-        let mut out = BTreeMap::new();
-        let Some(first) = prompt.first().and_then(|h| self.held.get(&h.get())) else {
-            return out;
-        };
-        let engines: BTreeSet<u32> = first.iter().map(|&(e, _)| e).collect();
-        for e in engines {
-            let (mut n, mut sum) = (0, 0.0);
-            while let Some(w) = prompt.get(n).and_then(|h| best(h, e)) {
-                n += 1;
-                sum += w;
-            }
-            out.insert(e, (n as u32, sum));
-        }
-        out
+        let scores = self.0.score(prompt, None, &TierWeights::default());
+        scores
+            .into_iter()
+            .map(|s| (s.engine, (s.matched_blocks, s.score)))
+            .collect()
+    }
+
+    /// The holders of `h`, sorted.
+    fn holders(&self, h: BlockHash) -> Vec<(u32, u8)> {
+        let mut held: Vec<(u32, u8)> = self
+            .0
+            .holders(h)
+            .iter()
+            .map(|&(e, t)| (e, t as u8))
+            .collect();
+        held.sort_unstable();
+        held
+    }
+
+    /// Every block with its sorted holders.
+    fn blocks(&self) -> Vec<(BlockHash, Vec<(u32, u8)>)> {
+        self.0.blocks().map(|(h, _)| (h, self.holders(h))).collect()
     }
 }
 
@@ -119,7 +104,7 @@ fn store(
     parent: Option<BlockHash>,
     hs: &[BlockHash],
 ) {
-    index.store(e, t, parent, hs);
+    index.store_each(e, t, parent, hs, |_, _| {});
     model.store(e, t, hs);
 }
 
@@ -155,11 +140,7 @@ fn check(index: &RunIndex, model: &Model, prompts: &[Vec<BlockHash>], step: usiz
         let what = format!("step {step}, prompt {p}");
         assert_same_scores(&scores(index, prompt), &model.score(prompt), &what);
         for h in prompt {
-            let expected: Vec<(u32, u8)> = model
-                .held
-                .get(&h.get())
-                .map(|s| s.iter().copied().collect())
-                .unwrap_or_default();
+            let expected = model.holders(*h);
             let mut got: Vec<(u32, u8)> = index
                 .reader()
                 .lookup(*h)
@@ -170,7 +151,7 @@ fn check(index: &RunIndex, model: &Model, prompts: &[Vec<BlockHash>], step: usiz
             assert_eq!(got, expected, "step {step}, holders");
         }
     }
-    assert_eq!(index.stats().blocks, model.held.len() as u64, "step {step}");
+    assert_eq!(index.stats().blocks, model.0.keys() as u64, "step {step}");
 }
 
 /// Mostly GPU, sometimes another tier (an engine then holds a block in two tiers).
@@ -226,32 +207,6 @@ fn random_run(index: &mut RunIndex, model: &mut Model, engines: u32, seed: u64, 
 }
 
 #[test]
-fn random_stores_removals_and_clears_match_the_model() {
-    for seed in 0..20 {
-        let mut index = RunIndex::new(seed, CAPACITY);
-        let mut model = Model::default();
-        random_run(&mut index, &mut model, 6, seed, 600);
-    }
-}
-
-#[test]
-fn many_holders_across_windows_match_the_model() {
-    // Engines spread over 1,024 ids: holder sets span many 64-member windows.
-    for seed in 0..4 {
-        let mut index = RunIndex::new(seed, CAPACITY);
-        let mut model = Model::default();
-        let mut rng = SplitMix64::new(seed ^ 0xABCD);
-        let prompt = prompts(1, 64, &mut rng).remove(0);
-        for e in (0..1024).step_by(7) {
-            let part = &prompt[..32 + (e as usize % 32)];
-            store(&mut index, &mut model, e, Tier::Gpu, None, part);
-        }
-        check(&index, &model, std::slice::from_ref(&prompt), 0);
-        random_run(&mut index, &mut model, 1024, seed, 300);
-    }
-}
-
-#[test]
 fn one_run_held_by_1024_engines_in_mixed_tiers() {
     let mut rng = SplitMix64::new(17);
     let chain = prompts(1, 50, &mut rng).remove(0);
@@ -295,13 +250,13 @@ fn a_hole_splits_a_run_and_a_refill_merges_it_back() {
     let mut rng = SplitMix64::new(9);
     let chain = prompts(1, 100, &mut rng).remove(0);
     let mut index = RunIndex::new(1, CAPACITY);
-    index.store(0, Tier::Gpu, None, &chain);
-    index.store(1, Tier::Gpu, None, &chain);
+    index.store_each(0, Tier::Gpu, None, &chain, |_, _| {});
+    index.store_each(1, Tier::Gpu, None, &chain, |_, _| {});
     assert_eq!(index.stats().runs, 1, "one run, two holders");
     index.remove(1, Tier::Gpu, &chain[50..51]);
     assert_eq!(index.stats().runs, 3, "the hole splits the run in three");
     assert_eq!(index.stats().splits_hole, 1);
-    index.store(1, Tier::Gpu, Some(chain[49]), &chain[50..51]);
+    index.store_each(1, Tier::Gpu, Some(chain[49]), &chain[50..51], |_, _| {});
     assert_eq!(index.stats().runs, 1, "the refill merges the three back");
     let got: Vec<_> = scores(&index, &chain)
         .into_iter()
@@ -321,10 +276,10 @@ fn a_run_hints_the_run_its_chain_went_on_in_last() {
         let id = index.find(h.get()).expect("indexed");
         index.id(id).run()
     };
-    index.store(0, Tier::Gpu, None, &chain[..30]);
+    index.store_each(0, Tier::Gpu, None, &chain[..30], |_, _| {});
     // Another chain takes the ids after it, so the continuation jumps.
-    index.store(1, Tier::Gpu, None, &other);
-    index.store(0, Tier::Gpu, Some(chain[29]), &chain[30..]);
+    index.store_each(1, Tier::Gpu, None, &other, |_, _| {});
+    index.store_each(0, Tier::Gpu, Some(chain[29]), &chain[30..], |_, _| {});
     let first = index.run_slot(run_of(&index, chain[29]));
     assert_eq!(
         first.end(),
@@ -332,7 +287,7 @@ fn a_run_hints_the_run_its_chain_went_on_in_last() {
     );
     assert_eq!(first.after(), run_of(&index, chain[30]));
     // A second child of the same block, stored later, becomes the hint.
-    index.store(2, Tier::Gpu, Some(chain[29]), &branch);
+    index.store_each(2, Tier::Gpu, Some(chain[29]), &branch, |_, _| {});
     let first = index.run_slot(run_of(&index, chain[29]));
     assert_eq!(first.after(), run_of(&index, branch[0]));
     assert_ne!(run_of(&index, branch[0]), run_of(&index, chain[30]));
@@ -345,14 +300,14 @@ fn a_new_chain_takes_the_free_range_it_fits_in_whole() {
     let holed = prompts(1, 300, &mut rng).remove(0);
     let new = prompts(1, 200, &mut rng).remove(0);
     let mut index = RunIndex::new(4, CAPACITY);
-    index.store(0, Tier::Gpu, None, &long);
-    index.store(0, Tier::Gpu, None, &holed);
+    index.store_each(0, Tier::Gpu, None, &long, |_, _| {});
+    index.store_each(0, Tier::Gpu, None, &holed, |_, _| {});
     // 300 ids freed in one range, then fifteen holes of 10 ids (freed last: the newest).
     index.remove(0, Tier::Gpu, &long);
     for hole in holed.chunks(20) {
         index.remove(0, Tier::Gpu, &hole[..10]);
     }
-    index.store(1, Tier::Gpu, None, &new);
+    index.store_each(1, Tier::Gpu, None, &new, |_, _| {});
     let first = index.find(new[0].get()).expect("indexed");
     for (k, h) in new.iter().enumerate() {
         assert_eq!(index.find(h.get()), Some(first + k as u32), "block {k}");
@@ -369,8 +324,8 @@ fn tail_first_removal_relabels_one_block_per_event() {
     let mut rng = SplitMix64::new(4);
     let chain = prompts(1, 1000, &mut rng).remove(0);
     let mut index = RunIndex::new(2, CAPACITY);
-    index.store(0, Tier::Gpu, None, &chain);
-    index.store(1, Tier::Gpu, None, &chain);
+    index.store_each(0, Tier::Gpu, None, &chain, |_, _| {});
+    index.store_each(1, Tier::Gpu, None, &chain, |_, _| {});
     let before = index.stats().relabels;
     for h in chain.iter().rev().take(500) {
         index.remove(1, Tier::Gpu, std::slice::from_ref(h));
@@ -390,8 +345,8 @@ fn a_forged_run_cannot_change_what_others_score() {
     let mut index = RunIndex::new(3, CAPACITY);
     // The forger knows the honest chain and stores it out of order, with gaps, before anyone.
     let forged: Vec<BlockHash> = honest.iter().rev().step_by(2).copied().collect();
-    index.store(7, Tier::Gpu, Some(honest[3]), &forged);
-    index.store(0, Tier::Gpu, None, &honest);
+    index.store_each(7, Tier::Gpu, Some(honest[3]), &forged, |_, _| {});
+    index.store_each(0, Tier::Gpu, None, &honest, |_, _| {});
     let got = scores(&index, &honest);
     assert_eq!(
         got.get(&0).map(|s| s.0),
@@ -433,7 +388,7 @@ fn a_full_index_drops_new_blocks_and_counts_them() {
     let mut rng = SplitMix64::new(6);
     let chain = prompts(1, 40, &mut rng).remove(0);
     let mut index = RunIndex::new(8, 32);
-    index.store(0, Tier::Gpu, None, &chain);
+    index.store_each(0, Tier::Gpu, None, &chain, |_, _| {});
     assert_eq!(index.stats().blocks, 32, "capacity");
     assert_eq!(index.stats().dropped_full, 8);
     let got = scores(&index, &chain);
@@ -443,7 +398,7 @@ fn a_full_index_drops_new_blocks_and_counts_them() {
         "what was kept still scores"
     );
     index.clear_engine(0);
-    index.store(1, Tier::Gpu, None, &chain[..10]);
+    index.store_each(1, Tier::Gpu, None, &chain[..10], |_, _| {});
     assert_eq!(index.stats().blocks, 10, "freed ids are used again");
 }
 
@@ -461,7 +416,7 @@ fn a_churning_table_is_rebuilt_before_tombstones_fill_it_and_keeps_every_block()
     let mut table = std::sync::Arc::as_ptr(&index.table);
     for step in 0..60_000 {
         let hash = BlockHash::new(mix64(step as u64 ^ 0xC0FFEE) | 1);
-        index.store(0, Tier::Gpu, None, &[hash]);
+        index.store_each(0, Tier::Gpu, None, &[hash], |_, _| {});
         held.push(hash);
         if held.len() > live {
             let gone = held.swap_remove(rng.below(held.len() as u64) as usize);
@@ -513,9 +468,13 @@ fn export_lists_every_membership_of_an_engine() {
             let got: BTreeSet<(u64, u8)> = out.iter().map(|(h, t)| (h.get(), *t as u8)).collect();
             assert_eq!(got.len(), out.len(), "each membership once");
             let want: BTreeSet<(u64, u8)> = model
-                .held
-                .iter()
-                .flat_map(|(&h, set)| set.iter().filter(|m| m.0 == e).map(move |m| (h, m.1)))
+                .blocks()
+                .into_iter()
+                .flat_map(|(h, set)| {
+                    set.into_iter()
+                        .filter(|m| m.0 == e)
+                        .map(move |m| (h.get(), m.1))
+                })
                 .collect();
             assert_eq!(got, want, "seed {seed}, engine {e}");
         }
@@ -539,10 +498,10 @@ fn eviction_takes_unreferenced_runs_whole_and_the_rest_stays_exact() {
     // Whatever is left is exactly as the model says; what left, left for every holder.
     let mut gone = 0u64;
     let mut memberships = 0u64;
-    for (h, set) in model.held.clone() {
+    for (h, set) in model.blocks() {
         let mut got: Vec<(u32, u8)> = index
             .reader()
-            .lookup(BlockHash::new(h))
+            .lookup(h)
             .into_iter()
             .map(|(e, t)| (e, t as u8))
             .collect();
@@ -550,9 +509,11 @@ fn eviction_takes_unreferenced_runs_whole_and_the_rest_stays_exact() {
         if got.is_empty() {
             gone += 1;
             memberships += set.len() as u64;
-            model.held.remove(&h);
+            for (e, t) in set {
+                model.remove(e, Tier::from_bits(t as u32), &[h]);
+            }
         } else {
-            assert_eq!(got, set.into_iter().collect::<Vec<_>>());
+            assert_eq!(got, set);
         }
     }
     assert_eq!(gone, evicted as u64);
@@ -560,8 +521,8 @@ fn eviction_takes_unreferenced_runs_whole_and_the_rest_stays_exact() {
     check(&index, &model, &chains, 0);
     // Second chance: a chain stored again is referenced; the next eviction passes it by.
     let kept = &chains[7];
-    if model.held.contains_key(&kept[0].get()) {
-        index.store(2, Tier::Gpu, None, kept);
+    if !model.holders(kept[0]).is_empty() {
+        index.store_each(2, Tier::Gpu, None, kept, |_, _| {});
         let all = index.stats().blocks as usize - kept.len();
         index.evict(all.max(1), |_, _| {});
         assert!(

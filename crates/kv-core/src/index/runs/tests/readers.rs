@@ -10,8 +10,8 @@ fn a_block_whose_slot_names_the_wrong_run_reads_as_not_held_and_is_counted() {
     let mut rng = SplitMix64::new(5);
     let chains = prompts(2, 20, &mut rng);
     let mut index = RunIndex::new(5, CAPACITY);
-    index.store(0, Tier::Gpu, None, &chains[0]);
-    index.store(1, Tier::Gpu, None, &chains[1][10..]);
+    index.store_each(0, Tier::Gpu, None, &chains[0], |_, _| {});
+    index.store_each(1, Tier::Gpu, None, &chains[1][10..], |_, _| {});
     let (Some(bad), Some(other)) = (
         index.find(chains[0][5].get()),
         index.find(chains[1][15].get()),
@@ -63,7 +63,7 @@ mod concurrent {
         let mut rng = SplitMix64::new(99);
         let chain = prompts(1, 400, &mut rng).remove(0);
         let mut index = RunIndex::new(99, CAPACITY);
-        index.store(0, Tier::Gpu, None, &chain);
+        index.store_each(0, Tier::Gpu, None, &chain, |_, _| {});
         let reader = index.reader().clone();
         let checks = std::rc::Rc::new(std::cell::Cell::new(0u64));
         let (count, chain2) = (checks.clone(), chain.clone());
@@ -104,7 +104,7 @@ mod concurrent {
         let mut rng = SplitMix64::new(99);
         let chain = prompts(1, 400, &mut rng).remove(0);
         let mut index = RunIndex::new(99, CAPACITY);
-        index.store(0, Tier::Gpu, None, &chain);
+        index.store_each(0, Tier::Gpu, None, &chain, |_, _| {});
         let reader = index.reader().clone();
         let done = Arc::new(AtomicBool::new(false));
         // Reader 0 scores the chain and looks up every 7th block; reader 1 looks up every block.
@@ -186,7 +186,13 @@ mod concurrent {
             let t = tier(rng);
             match rng.next_u64() % 8 {
                 0..=2 => {
-                    index.store(e, t, a.checked_sub(1).map(|p| chain[p]), &chain[a..b]);
+                    index.store_each(
+                        e,
+                        t,
+                        a.checked_sub(1).map(|p| chain[p]),
+                        &chain[a..b],
+                        |_, _| {},
+                    );
                 }
                 3 | 4 => {
                     for h in chain[a..b].iter().rev() {
@@ -199,7 +205,7 @@ mod concurrent {
                     let fresh: Vec<BlockHash> = (0..1 + rng.next_u64() % 40)
                         .map(|_| BlockHash::new(mix64(rng.next_u64()) | 1))
                         .collect();
-                    index.store(e, t, None, &fresh);
+                    index.store_each(e, t, None, &fresh, |_, _| {});
                     side.push(fresh);
                     if side.len() > 50 {
                         let gone = side.swap_remove((rng.next_u64() % side.len() as u64) as usize);

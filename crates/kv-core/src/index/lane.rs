@@ -1,5 +1,6 @@
-//! A writer lane on the run index (`engine: runs`): a [`RunIndex`] behind the lane's writer
-//! lock, read lock-free through its [`RunReader`], with the facade's bookkeeping around it.
+//! A writer lane: a [`RunIndex`] behind the lane's writer lock, read lock-free through its
+//! [`RunReader`], with the model index's bookkeeping around it (engine slots, live
+//! memberships, counters, the shared key budget). [`IndexWriter`] is the one write surface.
 //!
 //! The run index knows engines by their slot in the lane (`engine id / lanes`), so holder
 //! bitmaps stay dense whatever the lane count; this module maps slots to global ids and back.
@@ -14,16 +15,15 @@ use std::sync::Arc;
 use parking_lot::Mutex;
 
 use super::runs::{RunIndex, RunReader};
+use super::stats::{Counters, IndexStats, StoreOutcome, Tally};
 use super::types::{EngineId, KeyBudget, Tier};
-use super::write::{Counters, StoreOutcome, Tally};
-use super::IndexWriter;
 use crate::BlockHash;
 
-/// One writer lane of run-index engines.
-pub(super) struct RunLane {
-    pub reader: RunReader,
-    writer: Mutex<RunState>,
-    pub counters: Counters,
+/// One writer lane: the run index of the engines whose pods hash to it.
+pub(super) struct Lane {
+    reader: RunReader,
+    writer: Mutex<LaneState>,
+    counters: Counters,
     budget: Arc<KeyBudget>,
     /// This lane's number and the lane count (engine `e` is here iff `e % lanes == lane`).
     lane: u32,
@@ -31,25 +31,26 @@ pub(super) struct RunLane {
 }
 
 /// What only the lane's writer touches.
-struct RunState {
+struct LaneState {
     index: RunIndex,
     /// Per slot: `Some(live memberships)` for a registered engine.
     engines: Vec<Option<u64>>,
     tally: Tally,
 }
 
-/// The writer of a [`RunLane`] (see [`IndexWriter`], which dispatches to it).
-pub(super) struct RunLaneWriter<'a> {
-    lane: &'a RunLane,
-    state: &'a mut RunState,
+/// A lane's writer, held for a batch of operations on engines of that lane (an engine of
+/// another lane, or not registered, is ignored: nothing stored, removed or cleared).
+pub struct IndexWriter<'a> {
+    lane: &'a Lane,
+    state: &'a mut LaneState,
 }
 
-impl RunLane {
+impl Lane {
     /// A lane over `index` (empty).
     pub fn new(index: RunIndex, budget: Arc<KeyBudget>, lane: u32, lanes: u32) -> Self {
         Self {
             reader: index.reader().clone(),
-            writer: Mutex::new(RunState {
+            writer: Mutex::new(LaneState {
                 index,
                 engines: Vec::new(),
                 tally: Tally::default(),
@@ -70,16 +71,29 @@ impl RunLane {
     /// Runs `f` as the lane's single writer.
     pub fn write<R>(&self, f: impl FnOnce(&mut IndexWriter<'_>) -> R) -> R {
         let mut guard = self.writer.lock();
-        let result = f(&mut IndexWriter::runs(RunLaneWriter {
+        let result = f(&mut IndexWriter {
             lane: self,
             state: &mut guard,
-        }));
+        });
         let stats = guard.index.stats();
         guard.tally.keys = stats.blocks;
         guard.tally.dropped_full = stats.dropped_full;
         guard.tally.pool_exhausted = stats.pool_exhausted;
         self.counters.publish(&guard.tally);
         result
+    }
+
+    /// The lane's counters as of its last finished write, with its readers' give-ups.
+    pub fn counters(&self) -> IndexStats {
+        IndexStats {
+            reads_given_up: self.reader.gave_up(),
+            ..self.counters.snapshot()
+        }
+    }
+
+    /// The lane's lock-free reader.
+    pub fn reader(&self) -> &RunReader {
+        &self.reader
     }
 
     /// Bytes the lane holds (takes its writer briefly).
@@ -108,7 +122,7 @@ fn uncount(engines: &mut [Option<u64>], tally: &mut Tally, slot: u32, membership
     tally.memberships -= memberships;
 }
 
-impl RunLaneWriter<'_> {
+impl IndexWriter<'_> {
     /// The slot of `engine`, if it is a registered engine of this lane.
     #[inline]
     fn slot(&self, engine: EngineId) -> Option<u32> {
@@ -124,7 +138,8 @@ impl RunLaneWriter<'_> {
         }
     }
 
-    pub fn register(&mut self, engine: EngineId) {
+    /// Gives a newly registered engine of this lane its (empty) state.
+    pub(super) fn register(&mut self, engine: EngineId) {
         let lane = self.lane;
         if engine % lane.lanes == lane.lane {
             let slot = (engine / lane.lanes) as usize;
@@ -135,7 +150,8 @@ impl RunLaneWriter<'_> {
         }
     }
 
-    pub fn unregister(&mut self, engine: EngineId) {
+    /// Forgets an engine's state (after its blocks were cleared).
+    pub(super) fn unregister(&mut self, engine: EngineId) {
         let lane = self.lane;
         if engine % lane.lanes == lane.lane {
             if let Some(e) = self.state.engines.get_mut((engine / lane.lanes) as usize) {
@@ -149,13 +165,28 @@ impl RunLaneWriter<'_> {
         }
     }
 
-    pub fn engines(&self) -> Vec<EngineId> {
+    /// The lane's registered engines.
+    pub(super) fn engines(&self) -> Vec<EngineId> {
         (0..self.state.engines.len() as u32)
             .filter(|&s| self.state.engines[s as usize].is_some())
             .map(|s| self.lane.engine_of(s))
             .collect()
     }
 
+    /// `BlockStored`: `engine` holds `hashes` (a chain continuing `parent`) in `tier`.
+    pub fn store(
+        &mut self,
+        engine: EngineId,
+        tier: Tier,
+        parent: Option<BlockHash>,
+        hashes: &[BlockHash],
+    ) -> StoreOutcome {
+        self.store_each(engine, tier, parent, hashes, |_, _| {})
+    }
+
+    /// [`IndexWriter::store`], telling `held(hash, added)` for every block the engine holds
+    /// afterwards: `added` when the membership is new, not when the engine already held the
+    /// block in that tier (a second copy, which the caller may count).
     pub fn store_each(
         &mut self,
         engine: EngineId,
@@ -181,10 +212,7 @@ impl RunLaneWriter<'_> {
             uncount(engines, tally, victim, memberships);
             tally.pod_cache_evictions += memberships;
         });
-        let t = &mut self.state.tally;
-        t.admissions += added;
-        t.memberships += added;
-        t.orphan_runs += u64::from(outcome.orphan);
+        self.state.tally.stored(&outcome);
         let new_blocks = self.state.index.stats().blocks - before;
         self.charge(new_blocks);
         outcome
@@ -217,6 +245,8 @@ impl RunLaneWriter<'_> {
         })
     }
 
+    /// Evicts at least `n` blocks (CLOCK) with all their memberships, or all the lane has:
+    /// room for another index sharing the key budget. Returns the blocks evicted.
     pub fn evict(&mut self, n: usize) -> usize {
         let evicted = self.evict_blocks(n);
         self.lane.budget.give_back(evicted as u64);
@@ -236,6 +266,7 @@ impl RunLaneWriter<'_> {
         removed
     }
 
+    /// `BlockRemoved`: `engine` no longer holds `hashes` in `tier`. Returns memberships removed.
     pub fn remove(&mut self, engine: EngineId, tier: Tier, hashes: &[BlockHash]) -> usize {
         match self.slot(engine) {
             Some(slot) => self.settle(slot, |index| index.remove(slot, tier, hashes)),
@@ -243,6 +274,7 @@ impl RunLaneWriter<'_> {
         }
     }
 
+    /// `AllBlocksCleared` / a restart: drops every block `engine` holds, in every tier.
     pub fn clear_engine(&mut self, engine: EngineId) -> usize {
         match self.slot(engine) {
             Some(slot) => self.settle(slot, |index| index.clear_engine(slot)),
@@ -250,12 +282,15 @@ impl RunLaneWriter<'_> {
         }
     }
 
+    /// Appends every block `engine` holds, with its tier, to `out`. For snapshots: O(the
+    /// engine's memberships).
     pub fn export_engine(&mut self, engine: EngineId, out: &mut Vec<(BlockHash, Tier)>) {
         if let Some(slot) = self.slot(engine) {
             self.state.index.export(slot, out);
         }
     }
 
+    /// Total memberships `engine` holds.
     pub fn engine_blocks(&mut self, engine: EngineId) -> u64 {
         self.slot(engine)
             .and_then(|slot| self.state.engines.get(slot as usize).copied().flatten())
