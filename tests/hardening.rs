@@ -62,7 +62,7 @@ async fn a_forged_sequence_cannot_wrap_the_loss_counter() {
         .publishers()
         .snapshot()
         .into_iter()
-        .find(|(k, _)| &*k.pod == POD)
+        .find(|(k, _)| &*k.engine.pod == POD)
         .map(|(_, s)| s)
         .expect("publisher");
     assert_eq!(state.messages_lost, 4);

@@ -174,7 +174,9 @@ async fn a_pod_whose_gap_fill_hangs_does_not_delay_the_others() {
         d.publishers()
             .snapshot()
             .iter()
-            .filter(|(k, _)| k.pod.starts_with("127.0.0.1") || k.pod.starts_with("127.0.0.3"))
+            .filter(|(k, _)| {
+                k.engine.pod.starts_with("127.0.0.1") || k.engine.pod.starts_with("127.0.0.3")
+            })
             .filter(|(_, s)| s.gap_fill_failures > 0 && s.messages_lost > 0)
             .count()
     };
@@ -237,7 +239,7 @@ async fn a_pod_whose_gap_fill_hangs_does_not_delay_the_others() {
     );
     let healthy_state = publishers
         .iter()
-        .find(|(k, _)| &*k.pod == pod)
+        .find(|(k, _)| &*k.engine.pod == pod)
         .map(|(_, s)| s.clone())
         .expect("healthy publisher");
     assert_eq!(healthy_state.messages_lost, 0);

@@ -464,7 +464,7 @@ async fn connect_mode_applies_each_message_once_though_every_replica_appends_it(
             let states = r.publishers().snapshot();
             let (_, state) = states
                 .iter()
-                .find(|(k, _)| *k.pod == *pod)
+                .find(|(k, _)| *k.engine.pod == *pod)
                 .expect("publisher known");
             assert_eq!(state.messages, *sent, "{pod}: messages applied once each");
             assert_eq!(state.last_seq, Some(sent - 1));

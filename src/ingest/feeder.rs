@@ -100,11 +100,7 @@ impl Feeder {
         seq: u64,
         stamp: Stamp,
     ) -> bool {
-        let key = PublisherKey {
-            pod: pod.clone(),
-            model: model.clone(),
-            rank: stamp.rank,
-        };
+        let key = PublisherKey::new(pod.clone(), model.clone(), stamp.rank);
         let last = self.dispatch.shared.publishers.last_applied(&key);
         matches!(
             sequence::SeqOutcome::classify_timed(last, seq, stamp.ts),

@@ -9,19 +9,29 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Instant;
 
+use kv_core::EngineKey;
 use parking_lot::Mutex;
 
 use super::lifecycle::{LifecycleSettings, Link, Links, Presence};
 
-/// A publisher: one vLLM engine process (its own sequence counter).
+/// A publisher: one vLLM engine (pod and data-parallel rank, the index's [`EngineKey`]) and
+/// the model its stream is about; each has its own sequence counter.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct PublisherKey {
-    /// Pod id.
-    pub pod: Arc<str>,
+    /// The engine: pod id and data-parallel rank (from the batch, [`kv_core::EventBatch::rank`]).
+    pub engine: EngineKey,
     /// Model.
     pub model: Arc<str>,
-    /// Data-parallel rank (from the batch).
-    pub rank: u32,
+}
+
+impl PublisherKey {
+    /// The publisher of `model`'s events at `pod`, rank `rank`.
+    pub fn new(pod: Arc<str>, model: Arc<str>, rank: u32) -> Self {
+        Self {
+            engine: EngineKey { pod, dp_rank: rank },
+            model,
+        }
+    }
 }
 
 /// What the daemon knows about a publisher's stream.
@@ -91,10 +101,13 @@ impl PodEntry {
         let at = self
             .publishers
             .iter()
-            .position(|(model, rank, _)| *model == key.model && *rank == key.rank);
+            .position(|(model, rank, _)| *model == key.model && *rank == key.engine.dp_rank);
         let at = at.unwrap_or_else(|| {
-            self.publishers
-                .push((key.model.clone(), key.rank, PublisherState::default()));
+            self.publishers.push((
+                key.model.clone(),
+                key.engine.dp_rank,
+                PublisherState::default(),
+            ));
             self.publishers.len() - 1
         });
         &mut self.publishers[at].2
@@ -125,11 +138,7 @@ impl Publishers {
             for (pod, entry) in shard.lock().iter() {
                 for (model, rank, state) in &entry.publishers {
                     all.push((
-                        PublisherKey {
-                            pod: pod.clone(),
-                            model: model.clone(),
-                            rank: *rank,
-                        },
+                        PublisherKey::new(pod.clone(), model.clone(), *rank),
                         state.clone(),
                     ));
                 }
@@ -151,12 +160,12 @@ impl Publishers {
             shard.lock().clear();
         }
         for (key, state) in states {
-            self.shard(&key.pod)
+            self.shard(&key.engine.pod)
                 .lock()
-                .entry(key.pod.clone())
+                .entry(key.engine.pod.clone())
                 .or_insert_with(PodEntry::new)
                 .publishers
-                .push((key.model, key.rank, state));
+                .push((key.model, key.engine.dp_rank, state));
         }
     }
 
@@ -166,8 +175,10 @@ impl Publishers {
         key: &PublisherKey,
         f: impl FnOnce(&mut PublisherState) -> R,
     ) -> R {
-        let mut shard = self.shard(&key.pod).lock();
-        let entry = shard.entry(key.pod.clone()).or_insert_with(PodEntry::new);
+        let mut shard = self.shard(&key.engine.pod).lock();
+        let entry = shard
+            .entry(key.engine.pod.clone())
+            .or_insert_with(PodEntry::new);
         f(entry.state(key))
     }
 
@@ -202,12 +213,12 @@ impl Publishers {
 
     /// The last sequence applied for `key`, with its batch timestamp.
     pub(crate) fn last_applied(&self, key: &PublisherKey) -> Option<(u64, f64)> {
-        let shard = self.shard(&key.pod).lock();
-        let entry = shard.get(&key.pod)?;
+        let shard = self.shard(&key.engine.pod).lock();
+        let entry = shard.get(&key.engine.pod)?;
         entry
             .publishers
             .iter()
-            .find(|(model, rank, _)| *model == key.model && *rank == key.rank)
+            .find(|(model, rank, _)| *model == key.model && *rank == key.engine.dp_rank)
             .and_then(|(_, _, s)| s.last_seq.map(|seq| (seq, s.last_ts)))
     }
 
@@ -220,8 +231,10 @@ impl Publishers {
         link: Option<&Link>,
         f: impl FnOnce(&mut PublisherState),
     ) {
-        let mut shard = self.shard(&key.pod).lock();
-        let entry = shard.entry(key.pod.clone()).or_insert_with(PodEntry::new);
+        let mut shard = self.shard(&key.engine.pod).lock();
+        let entry = shard
+            .entry(key.engine.pod.clone())
+            .or_insert_with(PodEntry::new);
         entry.last_message = Instant::now();
         if let Some(link) = link {
             if entry.link.as_ref() != Some(link) {

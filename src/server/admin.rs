@@ -59,9 +59,8 @@ impl ScoreService {
             for (key, blocks) in model.index().engine_blocks() {
                 let publisher = publishers
                     .get(&PublisherKey {
-                        pod: key.pod.clone(),
+                        engine: key.clone(),
                         model: model_name.clone(),
-                        rank: key.dp_rank,
                     })
                     .cloned()
                     .unwrap_or_default();

@@ -176,7 +176,7 @@ impl Protocol {
     /// Reader: runs `read` (relaxed loads) until it saw one version, and returns what it saw.
     /// (The index's readers use [`Protocol::begin_read`] and [`Protocol::still`]; the loom
     /// models use this loop.)
-    #[cfg(loom)]
+    #[cfg(all(test, loom))]
     pub fn read<W: Word, F: Fence, T>(&self, seq: &W, mut read: impl FnMut() -> T) -> T {
         loop {
             let s1 = seq.load(self.read_load);
@@ -194,7 +194,7 @@ impl Protocol {
 }
 
 /// Under the model a spinning reader must yield, or the writer would never be scheduled.
-#[cfg(loom)]
+#[cfg(all(test, loom))]
 fn spin() {
     loom::thread::yield_now();
 }

@@ -32,11 +32,7 @@ impl Worker<'_> {
         let last_dropped = dropped.seqs.1;
         let mut counted = false;
         for rank in ranks {
-            let key = PublisherKey {
-                pod: dropped.pod.clone(),
-                model: dropped.model.clone(),
-                rank,
-            };
+            let key = PublisherKey::new(dropped.pod.clone(), dropped.model.clone(), rank);
             if !counted {
                 self.state(&key, |s| s.messages_dropped += dropped.messages);
                 counted = true;
@@ -84,7 +80,7 @@ impl Worker<'_> {
         closed_by_log: Arc<AtomicBool>,
     ) -> Option<u64> {
         let metrics = &self.shared.metrics.ingest;
-        let Some(endpoint) = route.endpoint(&key.pod, key.rank) else {
+        let Some(endpoint) = route.endpoint(&key.engine.pod, key.engine.dp_rank) else {
             metrics.gap_fill("unavailable");
             return None;
         };
@@ -168,7 +164,7 @@ impl Worker<'_> {
                     }
                 }
                 if self.shared.warn_budget.allow(LineKind::GapFilled) {
-                    tracing::info!(pod = %key.pod, model = %key.model, rank = key.rank, from = parked.wanted.start, to = parked.wanted.end, applied, elapsed = ?report.elapsed, "filled a gap from the publisher's replay buffer");
+                    tracing::info!(pod = %key.engine.pod, model = %key.model, rank = key.engine.dp_rank, from = parked.wanted.start, to = parked.wanted.end, applied, elapsed = ?report.elapsed, "filled a gap from the publisher's replay buffer");
                 }
                 if parked.count_lost {
                     let wanted = parked.wanted.end - parked.wanted.start;
@@ -179,7 +175,7 @@ impl Worker<'_> {
                 metrics.gap_fill(e.label());
                 let failures = self.back_off(&key);
                 if let Some(suppressed) = self.shared.gap_fill_warn.allow() {
-                    tracing::warn!(pod = %key.pod, model = %key.model, error = %e, failures, suppressed, "gap fill failed; the missed events are lost and this publisher is backed off");
+                    tracing::warn!(pod = %key.engine.pod, model = %key.model, error = %e, failures, suppressed, "gap fill failed; the missed events are lost and this publisher is backed off");
                 }
                 self.lose(&key, &parked);
             }

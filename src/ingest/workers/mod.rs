@@ -216,7 +216,7 @@ impl Worker<'_> {
         let shared = self.shared;
         // A fill in flight for the pod reports to nobody.
         self.parked
-            .retain(|key, _| !(key.pod == *pod && models.contains(&key.model)));
+            .retain(|key, _| !(key.engine.pod == *pod && models.contains(&key.model)));
         let mut removed = 0;
         for model in models {
             removed += shared.indexer.remove_pod(model, pod);
@@ -264,11 +264,7 @@ impl Worker<'_> {
                 return;
             }
         };
-        let key = PublisherKey {
-            pod: job.pod.clone(),
-            model: job.model.clone(),
-            rank,
-        };
+        let key = PublisherKey::new(job.pod.clone(), job.model.clone(), rank);
         let (gap_fill, from_log, link) = match job.via {
             Via::Socket(route, link) => (Some(route), None, link),
             Via::Log(replica) => (None, Some(replica), None),
@@ -351,7 +347,7 @@ impl Worker<'_> {
                 None
             }
             SeqOutcome::Gap { missing } => {
-                metrics.gap(&key.pod);
+                metrics.gap(&key.engine.pod);
                 self.state(&key, |s| s.gaps += 1);
                 Some((missing.clone(), true))
             }
@@ -394,13 +390,13 @@ impl Worker<'_> {
     /// A publisher's stream starts over (it restarted, or its sequence cannot be the one we
     /// knew): its blocks are cleared and the restart counted.
     fn restart(&self, key: &PublisherKey, last: Option<u64>, seq: u64, why: &str) {
-        self.shared.metrics.ingest.restart(&key.pod);
-        let removed = self
-            .shared
-            .indexer
-            .clear_engine(&key.model, &key.pod, key.rank);
+        self.shared.metrics.ingest.restart(&key.engine.pod);
+        let removed =
+            self.shared
+                .indexer
+                .clear_engine(&key.model, &key.engine.pod, key.engine.dp_rank);
         if self.shared.warn_budget.allow(LineKind::Restart) {
-            tracing::warn!(pod = %key.pod, model = %key.model, rank = key.rank, last_seq = ?last, seq, removed, "{why}");
+            tracing::warn!(pod = %key.engine.pod, model = %key.model, rank = key.engine.dp_rank, last_seq = ?last, seq, removed, "{why}");
         }
         self.state(key, |s| {
             s.restarts += 1;
@@ -412,7 +408,7 @@ impl Worker<'_> {
     /// its engine clears them (a restart), so the publisher is marked stale in ListPods.
     fn lost(&self, key: &PublisherKey, n: u64) {
         if n > 0 {
-            self.shared.metrics.ingest.lost(&key.pod, n);
+            self.shared.metrics.ingest.lost(&key.engine.pod, n);
             self.state(key, |s| {
                 s.messages_lost += n;
                 s.stale = true;
@@ -439,11 +435,11 @@ impl Worker<'_> {
         });
         if let (Some(log), None) = (&shared.log, &message.from_log) {
             log.append(LogEntry::Message {
-                pod: key.pod.clone(),
+                pod: key.engine.pod.clone(),
                 model: key.model.clone(),
                 seq: message.seq,
                 stamp: Some(Stamp {
-                    rank: key.rank,
+                    rank: key.engine.dp_rank,
                     ts: message.batch.ts,
                 }),
                 payload: message.payload,
@@ -454,7 +450,10 @@ impl Worker<'_> {
     /// Applies one batch to the index and counts what it did.
     fn apply_batch(&self, key: &PublisherKey, batch: &EventBatch) {
         let shared = self.shared;
-        let report = match shared.indexer.apply_batch(&key.model, &key.pod, batch) {
+        let report = match shared
+            .indexer
+            .apply_batch(&key.model, &key.engine.pod, batch)
+        {
             Ok(r) => r,
             Err(e @ kv_core::SettingsError::TooManyModels { .. }) => {
                 shared.metrics.ingest.skipped("too_many_models", 1);
@@ -474,7 +473,10 @@ impl Worker<'_> {
             shared.publishers.forget_model(evicted);
             tracing::warn!(model = %evicted, admitted = %key.model, "maxModels reached: the model holding the fewest blocks gave its place (its blocks dropped, its publishers start afresh); name real models in the config to keep them, or set allowedModels");
         }
-        shared.metrics.ingest.applied(&key.pod, &key.model, &report);
+        shared
+            .metrics
+            .ingest
+            .applied(&key.engine.pod, &key.model, &report);
         shared.metrics.index.applied(&report);
         shared.metrics.translation.applied(&key.model, &report);
         if let Some(mode) = report.translation.mode_changed {
@@ -485,10 +487,10 @@ impl Worker<'_> {
             let diagnosis = shared
                 .indexer
                 .model(&key.model)
-                .and_then(|m| m.hash_check(&key.pod))
+                .and_then(|m| m.hash_check(&key.engine.pod))
                 .and_then(|c| c.diagnosis)
                 .unwrap_or_default();
-            tracing::warn!(model = %key.model, pod = %key.pod, "block hash mismatch: every score for this pod will be 0. {diagnosis}");
+            tracing::warn!(model = %key.model, pod = %key.engine.pod, "block hash mismatch: every score for this pod will be 0. {diagnosis}");
         }
     }
 }
@@ -505,10 +507,10 @@ impl Worker<'_> {
             return;
         }
         if uncovered > 0 {
-            tracing::warn!(pod = %key.pod, model = %key.model, rank = key.rank, partial = t.partial_blocks, uncovered = t.uncovered_hashes, "stored blocks not indexed: their token ids do not cover them (a partial page, or more hashes than tokens)");
+            tracing::warn!(pod = %key.engine.pod, model = %key.model, rank = key.engine.dp_rank, partial = t.partial_blocks, uncovered = t.uncovered_hashes, "stored blocks not indexed: their token ids do not cover them (a partial page, or more hashes than tokens)");
         }
         if full > 0 {
-            tracing::warn!(pod = %key.pod, model = %key.model, rank = key.rank, blocks = full, "translated blocks not indexed: the key budget (size) has no room for their map entries; raise size");
+            tracing::warn!(pod = %key.engine.pod, model = %key.model, rank = key.engine.dp_rank, blocks = full, "translated blocks not indexed: the key budget (size) has no room for their map entries; raise size");
         }
     }
 
@@ -523,19 +525,19 @@ impl Worker<'_> {
             shared
                 .indexer
                 .model(&key.model)
-                .and_then(|m| m.hash_check(&key.pod))
+                .and_then(|m| m.hash_check(&key.engine.pod))
                 .and_then(|c| c.diagnosis)
                 .unwrap_or_else(|| "the events' block size is not blockSize".to_owned())
         };
         match mode {
             KeyMode::Translated => {
-                tracing::info!(pod = %key.pod, model = %key.model, rank = key.rank, "engine's block hashes are not the index's keys: translating its blocks from their token ids (exact scores, a map entry per block). Why they differ: {}", why())
+                tracing::info!(pod = %key.engine.pod, model = %key.model, rank = key.engine.dp_rank, "engine's block hashes are not the index's keys: translating its blocks from their token ids (exact scores, a map entry per block). Why they differ: {}", why())
             }
             KeyMode::Refused { engine, ours } => {
-                tracing::warn!(pod = %key.pod, model = %key.model, rank = key.rank, engine_block_size = engine, block_size = ours, "engine's block size is not a multiple of blockSize: its blocks are not indexed (set the engine's block or page size to a multiple of {ours}, e.g. SGLang --page-size {ours})")
+                tracing::warn!(pod = %key.engine.pod, model = %key.model, rank = key.engine.dp_rank, engine_block_size = engine, block_size = ours, "engine's block size is not a multiple of blockSize: its blocks are not indexed (set the engine's block or page size to a multiple of {ours}, e.g. SGLang --page-size {ours})")
             }
             KeyMode::Aligned | KeyMode::Undecided => {
-                tracing::debug!(pod = %key.pod, model = %key.model, rank = key.rank, mode = mode.label(), "engine key mode decided")
+                tracing::debug!(pod = %key.engine.pod, model = %key.model, rank = key.engine.dp_rank, mode = mode.label(), "engine key mode decided")
             }
         }
     }

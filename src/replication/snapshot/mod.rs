@@ -138,10 +138,11 @@ impl SnapshotWriter {
     /// One publisher's sequence state.
     pub fn publisher(&mut self, key: &PublisherKey, state: &PublisherState) {
         self.out.push(TAG_PUBLISHER);
-        self.string(&key.pod);
+        self.string(&key.engine.pod);
         self.string(&key.model);
         self.string(&state.received_by);
-        self.out.extend_from_slice(&key.rank.to_le_bytes());
+        self.out
+            .extend_from_slice(&key.engine.dp_rank.to_le_bytes());
         let seq = state.last_seq.unwrap_or(u64::MAX);
         self.out.extend_from_slice(&seq.to_le_bytes());
         self.out.extend_from_slice(&state.last_ts.to_le_bytes());
@@ -457,7 +458,7 @@ impl<'a> SnapshotReader<'a> {
                     ..PublisherState::default()
                 };
                 Ok(Some(SnapshotItem::Publisher(
-                    PublisherKey { pod, model, rank },
+                    PublisherKey::new(pod, model, rank),
                     state,
                 )))
             }

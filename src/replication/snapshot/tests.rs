@@ -20,11 +20,7 @@ fn sample() -> (Vec<u8>, u64) {
         messages_lost: 3,
         ..PublisherState::default()
     };
-    let key = PublisherKey {
-        pod: "10.0.0.1:8000".into(),
-        model: "m".into(),
-        rank: 2,
-    };
+    let key = PublisherKey::new("10.0.0.1:8000".into(), "m".into(), 2);
     w.publisher(&key, &state);
     let keys = EngineKeyState {
         mode: KeyMode::Translated,
