@@ -288,11 +288,13 @@ fn backends() -> Vec<(&'static str, Maker)> {
                 })
             }),
         ),
+        // The bare core before the model index that wraps it (the order of the earlier
+        // sequences: an earlier backend's freed memory moves a later one's figures).
+        ("runs", Box::new(|_| Box::new(RunIndexBackend::new()))),
         (
             "ours",
             Box::new(|pods| Box::new(KvIndexerBackend::new(pods))),
         ),
-        ("runs", Box::new(|_| Box::new(RunIndexBackend::new()))),
         (
             "facade",
             Box::new(|pods| Box::new(IndexerFacadeBackend::new(pods))),

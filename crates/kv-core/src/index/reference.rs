@@ -95,29 +95,45 @@ impl ReferenceIndex {
 
     /// Every engine holding the prompt's first block (restricted to `candidates` when given):
     /// how many consecutive blocks from block 0 it holds in any tier, and the sum of each
-    /// block's best tier weight. Sorted by engine. Per block: the holders' best weights, then
-    /// the engines still matching keep going (O(holders + matching) per block, so a 1,024-pod
-    /// fleet stays quick to check).
+    /// block's best tier weight. Sorted by engine. Per block: the holders' best weights are
+    /// stamped with the block's round, then the engines still matching keep going
+    /// (O(holders + matching) per block, so a 1,024-pod fleet stays quick to check).
     pub fn score(
         &self,
         hashes: &[BlockHash],
         candidates: Option<&[EngineId]>,
         weights: &TierWeights,
     ) -> Vec<EngineScore> {
-        let mut best: HashMap<EngineId, f64> = HashMap::new();
+        // Per engine id: the round (block) it was last seen holding, and its best weight then.
+        let mut seen: Vec<(usize, f64)> = Vec::new();
         let mut active: Vec<EngineScore> = Vec::new();
         let mut done: Vec<EngineScore> = Vec::new();
         for (i, h) in hashes.iter().enumerate() {
-            best.clear();
+            let round = i + 1;
             for &(engine, tier) in self.holders(*h) {
-                let w = best.entry(engine).or_insert(0.0);
-                *w = w.max(weights.of(tier));
+                let e = engine as usize;
+                if seen.len() <= e {
+                    seen.resize(e + 1, (0, 0.0));
+                }
+                let w = weights.of(tier);
+                seen[e] = match seen[e] {
+                    (r, best) if r == round => (round, best.max(w)),
+                    _ => (round, w),
+                };
             }
+            let held = |engine: EngineId| match seen.get(engine as usize) {
+                Some(&(r, w)) if r == round => Some(w),
+                _ => None,
+            };
             if i == 0 {
+                let mut first: Vec<EngineId> = self.holders(*h).iter().map(|m| m.0).collect();
+                first.sort_unstable();
+                first.dedup();
                 active.extend(
-                    best.keys()
+                    first
+                        .into_iter()
                         .filter(|e| candidates.is_none_or(|c| c.contains(e)))
-                        .map(|&engine| EngineScore {
+                        .map(|engine| EngineScore {
                             engine,
                             matched_blocks: 0,
                             score: 0.0,
@@ -126,7 +142,7 @@ impl ReferenceIndex {
             }
             let mut k = 0;
             while k < active.len() {
-                match best.get(&active[k].engine) {
+                match held(active[k].engine) {
                     Some(w) => {
                         active[k].matched_blocks += 1;
                         active[k].score += w;
