@@ -18,8 +18,8 @@
 use std::time::{Duration, Instant};
 
 use kv_core::{
-    decode_batch, encode_batch, BlockStored, EventBatch, Indexer, IndexerSettings, KvEvent, Medium,
-    RequestExtras, SplitMix64, TokenProcessor, TokenProcessorConfig,
+    decode_batch, encode_batch, BlockStored, EngineHash, EventBatch, Indexer, IndexerSettings,
+    KvEvent, Medium, RequestExtras, SplitMix64, TokenProcessor, TokenProcessorConfig,
 };
 use kv_lab::alloc::{live_heap_bytes, CountingAllocator};
 use kv_lab::index_bench::median;
@@ -42,7 +42,7 @@ fn payloads() -> Vec<Vec<u8>> {
             encode_batch(&EventBatch {
                 ts: 1.7e9,
                 events: vec![KvEvent::BlockStored(Box::new(BlockStored {
-                    block_hashes: hashes,
+                    block_hashes: hashes.into_iter().map(EngineHash::aligned).collect(),
                     token_ids: tokens,
                     block_size: 16,
                     medium: Some(Medium::Gpu),

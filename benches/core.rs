@@ -16,7 +16,7 @@
 use std::hint::black_box;
 use std::time::Instant;
 
-use kv_core::BlockHash;
+use kv_core::EngineHash;
 use kv_core::{
     decode_batch, encode_batch_as, BlockRemoved, BlockStored, EventBatch, KvEvent, Medium, WireForm,
 };
@@ -141,14 +141,14 @@ fn payloads() -> (Vec<Vec<u8>>, Vec<Vec<u8>>, usize) {
     let mut h = 0x1234_5678_9abc_def0u64;
     let mut next_hash = || {
         h = h.wrapping_mul(6364136223846793005).wrapping_add(1);
-        BlockHash::new(h)
+        EngineHash::new(h)
     };
     for batch in 0..200 {
         let mut events = Vec::new();
         for e in 0..9 {
             let stored = e < 4;
             let n = if stored { 32 } else { 1 };
-            let hashes: Vec<BlockHash> = (0..n).map(|_| next_hash()).collect();
+            let hashes: Vec<EngineHash> = (0..n).map(|_| next_hash()).collect();
             blocks += n;
             if stored {
                 let parent = next_hash();

@@ -18,7 +18,7 @@
 use std::time::Instant;
 
 use kv_core::{
-    decode_batch, encode_batch, BlockHash, BlockStored, EventBatch, Indexer, IndexerSettings,
+    decode_batch, encode_batch, BlockStored, EngineHash, EventBatch, Indexer, IndexerSettings,
     KvEvent, Medium, SplitMix64,
 };
 use kv_indexer::replication::snapshot::{checksum, SnapshotItem, SnapshotReader, SnapshotWriter};
@@ -44,8 +44,8 @@ fn messages() -> Vec<(String, Vec<u8>)> {
     let mut rng = SplitMix64::new(2026);
     let mut out = Vec::new();
     for _ in 0..PROMPTS {
-        let hashes: Vec<BlockHash> = (0..BLOCKS)
-            .map(|_| BlockHash::from(rng.next_u64()))
+        let hashes: Vec<EngineHash> = (0..BLOCKS)
+            .map(|_| EngineHash::from(rng.next_u64()))
             .collect();
         let mut pods = Vec::new();
         while pods.len() < HOLDERS {

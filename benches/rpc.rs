@@ -20,7 +20,7 @@
 
 use std::time::{Duration, Instant};
 
-use kv_core::{BlockStored, EventBatch, KvEvent};
+use kv_core::{BlockStored, EngineHash, EventBatch, KvEvent};
 use kv_lab::index_bench::median;
 use kv_proto::kvindexer_v1::kv_indexer_client::KvIndexerClient;
 use kv_proto::kvindexer_v1::score_pods_request::Input;
@@ -161,7 +161,7 @@ fn start(
         let batch = EventBatch {
             ts: 0.0,
             events: vec![KvEvent::BlockStored(Box::new(BlockStored {
-                block_hashes: hashes.clone(),
+                block_hashes: hashes.iter().map(|&k| EngineHash::aligned(k)).collect(),
                 block_size: 16,
                 ..Default::default()
             }))],

@@ -18,7 +18,9 @@ use std::hint::black_box;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kv_core::{BlockHash, EventBatch, Indexer, IndexerSettings, ScoreResult, SplitMix64};
+use kv_core::{
+    BlockHash, EngineHash, EventBatch, Indexer, IndexerSettings, ScoreResult, SplitMix64,
+};
 use kv_lab::alloc::{live_heap_bytes, CountingAllocator};
 use kv_lab::index_bench::median;
 
@@ -57,8 +59,10 @@ fn pod(p: usize) -> String {
     format!("10.0.0.{p}:8000")
 }
 
+/// The pods are aligned engines: they publish the prompts' keys as their hashes.
 fn stored(hashes: &[BlockHash]) -> EventBatch {
-    EventBatch::stored_on_gpu(1.7e9, 0, hashes, 16)
+    let published: Vec<EngineHash> = hashes.iter().map(|&k| EngineHash::aligned(k)).collect();
+    EventBatch::stored_on_gpu(1.7e9, 0, &published, 16)
 }
 
 /// Scores every prompt against every pod; returns seconds and the best score seen (kept so

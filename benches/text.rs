@@ -12,7 +12,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kv_core::{BlockStored, EventBatch, KvEvent};
+use kv_core::{BlockStored, EngineHash, EventBatch, KvEvent};
 use kv_core::{Indexer, IndexerSettings, ModelSettings};
 use kv_tokenize::{LoadedTokenizer, SourceSettings};
 use kv_tokenize::{TokenizerService, TokenizerSettings};
@@ -101,7 +101,7 @@ async fn run(dir: PathBuf) {
             let batch = EventBatch {
                 ts: 0.0,
                 events: vec![KvEvent::BlockStored(Box::new(BlockStored {
-                    block_hashes: hashes.clone(),
+                    block_hashes: hashes.iter().map(|&k| EngineHash::aligned(k)).collect(),
                     block_size: 16,
                     ..Default::default()
                 }))],

@@ -15,7 +15,7 @@
 use std::time::Instant;
 
 use kv_core::{
-    BlockHash, BlockRemoved, BlockStored, EngineHashes, EventBatch, Indexer, IndexerSettings,
+    BlockRemoved, BlockStored, EngineHash, EngineHashes, EventBatch, Indexer, IndexerSettings,
     KvEvent, Medium, ModelSettings, RequestExtras, SplitMix64, TokenProcessor,
     TokenProcessorConfig,
 };
@@ -46,7 +46,7 @@ fn indexer() -> Indexer {
     .expect("valid")
 }
 
-fn stored(hashes: &[BlockHash], parent: Option<BlockHash>, tokens: &[u32], bs: u32) -> KvEvent {
+fn stored(hashes: &[EngineHash], parent: Option<EngineHash>, tokens: &[u32], bs: u32) -> KvEvent {
     KvEvent::BlockStored(Box::new(BlockStored {
         block_hashes: hashes.to_vec(),
         parent_block_hash: parent,
@@ -73,10 +73,14 @@ fn pod_batches(pod: usize, engine: Option<u64>, bs: usize) -> Vec<EventBatch> {
         let tokens: Vec<u32> = (0..PROMPT_TOKENS)
             .map(|_| rng.below(151_000) as u32)
             .collect();
-        let hashes: Vec<BlockHash> = match engine {
-            None => processor.block_hashes(&tokens, &RequestExtras::default()),
+        let hashes: Vec<EngineHash> = match engine {
+            None => processor
+                .block_hashes(&tokens, &RequestExtras::default())
+                .into_iter()
+                .map(EngineHash::aligned)
+                .collect(),
             Some(_) => (0..PROMPT_TOKENS / bs)
-                .map(|_| BlockHash::new(opaque.next_u64()))
+                .map(|_| EngineHash::new(opaque.next_u64()))
                 .collect(),
         };
         let half = hashes.len() / 2;

@@ -8,8 +8,8 @@ mod support;
 use std::time::Duration;
 
 use bytes::Bytes;
-use kv_core::BlockHash;
 use kv_core::{encode_batch, BlockStored, EventBatch, KvEvent, Medium};
+use kv_core::{BlockHash, EngineHash};
 use kv_core::{RequestExtras, TokenProcessor, TokenProcessorConfig};
 use kv_indexer::config::{Config, ModelConfig};
 use kv_indexer::daemon::{self, RunningDaemon};
@@ -27,7 +27,7 @@ fn block_stored(hashes: &[BlockHash], tokens: &[u32], block_size: usize) -> Vec<
     encode_batch(&EventBatch {
         ts: 1.7e9,
         events: vec![KvEvent::BlockStored(Box::new(BlockStored {
-            block_hashes: hashes.to_vec(),
+            block_hashes: hashes.iter().map(|&k| EngineHash::aligned(k)).collect(),
             token_ids: tokens.to_vec(),
             block_size: block_size as u32,
             medium: Some(Medium::Gpu),

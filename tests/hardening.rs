@@ -7,7 +7,7 @@ mod support;
 use std::time::Duration;
 
 use bytes::Bytes;
-use kv_core::{encode_batch, BlockHash, BlockStored, EventBatch, KvEvent, Medium};
+use kv_core::{encode_batch, BlockHash, BlockStored, EngineHash, EventBatch, KvEvent, Medium};
 use kv_indexer::daemon::{self, RunningDaemon};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use zeromq::{PubSocket, Socket, SocketSend, ZmqMessage};
@@ -338,7 +338,7 @@ async fn models_named_by_topics_cannot_multiply_the_index() {
         let payload = encode_batch(&EventBatch {
             ts: 1.7e9,
             events: vec![KvEvent::BlockStored(Box::new(BlockStored {
-                block_hashes: (1..=100).map(|i| BlockHash::new(m << 32 | i)).collect(),
+                block_hashes: (1..=100).map(|i| EngineHash::new(m << 32 | i)).collect(),
                 block_size: 16,
                 medium: Some(Medium::Gpu),
                 ..Default::default()

@@ -23,15 +23,17 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use kv_core::{encode_batch, BlockHash, EventBatch};
+use kv_core::{encode_batch, BlockHash, EngineHash, EventBatch};
 use kv_indexer::daemon;
 use zeromq::{PubSocket, Socket, SocketSend, ZmqMessage};
 
 const MODEL: &str = "iso/model";
 
+/// A run of `hashes`, published by an aligned engine (its hashes are the index's keys).
 fn stored(hashes: &[BlockHash]) -> Bytes {
+    let published: Vec<EngineHash> = hashes.iter().map(|&k| EngineHash::aligned(k)).collect();
     Bytes::from(encode_batch(&EventBatch::stored_on_gpu(
-        1.7e9, 0, hashes, 16,
+        1.7e9, 0, &published, 16,
     )))
 }
 

@@ -22,8 +22,8 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use kv_core::{
-    encode_batch, BlockHash, BlockRemoved, BlockStored, EventBatch, KvEvent, Medium, RequestExtras,
-    TokenProcessor, TokenProcessorConfig,
+    encode_batch, BlockHash, BlockRemoved, BlockStored, EngineHash, EventBatch, KvEvent, Medium,
+    RequestExtras, TokenProcessor, TokenProcessorConfig,
 };
 use kv_indexer::config::{Config, ConfigDuration, ConnectEndpoint};
 use kv_indexer::daemon::{self, RunningDaemon};
@@ -93,8 +93,8 @@ fn processor() -> TokenProcessor {
 
 fn stored(hashes: &[BlockHash], parent: Option<BlockHash>, tokens: Vec<u32>) -> KvEvent {
     KvEvent::BlockStored(Box::new(BlockStored {
-        block_hashes: hashes.to_vec(),
-        parent_block_hash: parent,
+        block_hashes: hashes.iter().map(|&k| EngineHash::aligned(k)).collect(),
+        parent_block_hash: parent.map(EngineHash::aligned),
         token_ids: tokens,
         block_size: BLOCK as u32,
         medium: Some(Medium::Gpu),
@@ -438,7 +438,7 @@ async fn connect_mode_applies_each_message_once_though_every_replica_appends_it(
             let hashes = processor.block_hashes(&prompt(p, n), &RequestExtras::default());
             publisher
                 .send(&payload(vec![KvEvent::BlockRemoved(BlockRemoved {
-                    block_hashes: hashes,
+                    block_hashes: hashes.into_iter().map(EngineHash::aligned).collect(),
                     medium: Some(Medium::Gpu),
                     ..Default::default()
                 })]))

@@ -7,7 +7,7 @@ mod support;
 use std::time::Duration;
 
 use bytes::Bytes;
-use kv_core::{encode_batch, BlockHash, BlockStored, EventBatch, KvEvent, Medium};
+use kv_core::{encode_batch, BlockStored, EngineHash, EventBatch, KvEvent, Medium};
 use kv_indexer::config::Config;
 use kv_indexer::daemon::{self, RunningDaemon};
 use kv_proto::kvindexer_v1::{kv_indexer_client::KvIndexerClient, ClearPodRequest};
@@ -21,7 +21,7 @@ fn stored(first: u64, n: u64) -> Bytes {
     Bytes::from(encode_batch(&EventBatch {
         ts: 1.7e9,
         events: vec![KvEvent::BlockStored(Box::new(BlockStored {
-            block_hashes: (first..first + n).map(BlockHash::new).collect(),
+            block_hashes: (first..first + n).map(EngineHash::new).collect(),
             block_size: 16,
             medium: Some(Medium::Gpu),
             ..Default::default()

@@ -358,11 +358,11 @@ async fn under_a_key_budget_the_newest_blocks_win_and_every_removal_reaches_its_
 
 /// A payload: one `BlockStored` run of `hashes` (blocks of `block_size`, `tokens`), GPU.
 fn run(hashes: &[u64], block_size: u32, tokens: Vec<u32>, rank: Option<i64>) -> Vec<u8> {
-    use kv_core::{encode_batch, BlockHash, BlockStored, EventBatch, KvEvent, Medium};
+    use kv_core::{encode_batch, BlockStored, EngineHash, EventBatch, KvEvent, Medium};
     encode_batch(&EventBatch {
         ts: 1.7e9,
         events: vec![KvEvent::BlockStored(Box::new(BlockStored {
-            block_hashes: hashes.iter().map(|&h| BlockHash::new(h)).collect(),
+            block_hashes: hashes.iter().map(|&h| EngineHash::new(h)).collect(),
             token_ids: tokens,
             block_size,
             medium: Some(Medium::Gpu),

@@ -13,7 +13,8 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use kv_core::{
-    encode_batch, mix64, BlockHash, BlockStored, EngineHashes, EventBatch, KvEvent, Medium,
+    encode_batch, mix64, BlockHash, BlockStored, EngineHash, EngineHashes, EventBatch, KvEvent,
+    Medium,
 };
 use kv_indexer::config::{Config, ConfigDuration, ModelConfig};
 use kv_indexer::daemon::{self, RunningDaemon};
@@ -91,10 +92,16 @@ fn hash(kind: u64, round: u64, i: u64) -> BlockHash {
     BlockHash::new(mix64(kind << 56 ^ round << 20 ^ i))
 }
 
+/// What a test engine publishes for `hashes`: the same values (whether they are the keys of
+/// the tokens they come with is what the daemon finds out).
+fn published(hashes: &[BlockHash]) -> Vec<EngineHash> {
+    hashes.iter().map(|&k| EngineHash::aligned(k)).collect()
+}
+
 /// One `BlockStored` run from the prompt's start with `tokens` (GPU, rank 0).
 fn root_run(hashes: Vec<BlockHash>, tokens: Vec<u32>, block_size: u32) -> Vec<u8> {
     let stored = BlockStored {
-        block_hashes: hashes,
+        block_hashes: published(&hashes),
         token_ids: tokens,
         block_size,
         medium: Some(Medium::Gpu),
@@ -122,7 +129,12 @@ impl Driver {
         Self {
             publisher: support::pods::connect(d).await,
             grpc: support::client(d).await,
-            flood: encode_batch(&EventBatch::stored_on_gpu(1.7e9, 0, &blocks, 16)),
+            flood: encode_batch(&EventBatch::stored_on_gpu(
+                1.7e9,
+                0,
+                &published(&blocks),
+                16,
+            )),
             round: 0,
         }
     }
@@ -135,7 +147,8 @@ impl Driver {
                 .map(|i| (mix64(k << 56 ^ n << 8 ^ i) % 50_000) as u32)
                 .collect()
         };
-        let refused = encode_batch(&EventBatch::stored_on_gpu(1.7e9, 0, &[hash(2, n, 0)], 24));
+        let refused = published(&[hash(2, n, 0)]);
+        let refused = encode_batch(&EventBatch::stored_on_gpu(1.7e9, 0, &refused, 24));
         let evicted: Vec<BlockHash> = (0..200).map(|i| hash(5, n, i)).collect();
         let mut messages = vec![
             // Hashes that are not vLLM's for the tokens, under engineHashes: aligned.

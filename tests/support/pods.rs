@@ -4,7 +4,7 @@
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use kv_core::{encode_batch, BlockHash, EventBatch};
+use kv_core::{encode_batch, BlockHash, EngineHash, EventBatch};
 use kv_indexer::config::ConfigDuration;
 use kv_indexer::daemon::RunningDaemon;
 use kv_proto::kvindexer_v1::{ListPodsRequest, PodInfo, PodState};
@@ -30,7 +30,8 @@ pub fn stored_message(model: &str, pod: &str, seq: u64, hashes: &[BlockHash]) ->
 }
 
 /// Message `seq` of data-parallel rank `rank` of `pod` for `model`: one `BlockStored` run of
-/// `hashes` (GPU), the rank in the batch as vLLM's publisher fills it in.
+/// `hashes` (GPU), the rank in the batch as vLLM's publisher fills it in. The test engines are
+/// aligned: they publish the index's keys as their hashes.
 pub fn ranked_message(
     model: &str,
     pod: &str,
@@ -38,7 +39,8 @@ pub fn ranked_message(
     seq: u64,
     hashes: &[BlockHash],
 ) -> ZmqMessage {
-    let payload = encode_batch(&EventBatch::stored_on_gpu(1.7e9, rank, hashes, 16));
+    let published: Vec<EngineHash> = hashes.iter().map(|&k| EngineHash::aligned(k)).collect();
+    let payload = encode_batch(&EventBatch::stored_on_gpu(1.7e9, rank, &published, 16));
     payload_message(model, pod, seq, &payload)
 }
 

@@ -10,8 +10,10 @@
 //!   token ids), pod scores and speculative entries (recorded routings not yet confirmed by
 //!   events) ([`Indexer`]): what a transport (the daemon, a gateway, a benchmark) calls.
 //!
-//! Every block is named by a [`BlockHash`]. The facts about vLLM this crate relies on (wire
-//! format, hashing, per-version differences) are in `docs/vllm-compatibility.md`.
+//! Every block in the index is keyed by a [`BlockHash`] (computed from token ids); what an
+//! engine publishes in its events is an [`EngineHash`], a key only for an aligned engine
+//! ([`BlockHash::aligned`]) or through translation. The facts about vLLM this crate relies on
+//! (wire format, hashing, per-version differences) are in `docs/vllm-compatibility.md`.
 //!
 //! No async runtime, no sockets, no metrics registry: counters are returned or read, and the
 //! embedding program exports them.
@@ -36,7 +38,7 @@ mod seqlock;
 // The public surface: everything a transport, a gateway, the lab or a benchmark uses. Modules
 // stay private; what is not listed here is an implementation detail.
 
-pub use block_hash::BlockHash;
+pub use block_hash::{BlockHash, EngineHash};
 
 /// vLLM's block hashes (`hashing`).
 pub use hashing::{

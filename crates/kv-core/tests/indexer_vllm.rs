@@ -4,7 +4,7 @@
 
 mod support;
 
-use kv_core::{decode_batch, EventBatch, KvEvent};
+use kv_core::{decode_batch, EngineHash, EventBatch, KvEvent};
 use kv_core::{ExtraKeysFormat, RequestExtras, TokenProcessor, TokenProcessorConfig};
 use kv_core::{IndexConfig, Indexer, IndexerSettings, ModelSettings, ScoreError};
 
@@ -163,7 +163,7 @@ fn salted_root_runs_are_verified_from_the_published_extra_keys() {
     };
     let hashes = processor.block_hashes(&tokens, &extras);
     let stored = kv_core::BlockStored {
-        block_hashes: hashes.clone(),
+        block_hashes: hashes.iter().map(|&k| EngineHash::aligned(k)).collect(),
         token_ids: tokens.clone(),
         block_size: 16,
         extra_keys: Some(vec![
@@ -226,7 +226,12 @@ fn mismatches_are_counted_per_pod_and_diagnosed() {
     let default_seed_run = EventBatch {
         ts: 0.0,
         events: vec![KvEvent::BlockStored(Box::new(kv_core::BlockStored {
-            block_hashes: processor.block_hashes(&tokens, &RequestExtras::default()),
+            // The default seed's hashes: what that engine publishes, not our keys.
+            block_hashes: processor
+                .block_hashes(&tokens, &RequestExtras::default())
+                .iter()
+                .map(|h| EngineHash::new(h.get()))
+                .collect(),
             token_ids: tokens,
             block_size: 16,
             ..Default::default()
@@ -358,7 +363,7 @@ fn data_parallel_ranks_are_separate_engines_of_one_pod() {
 /// models events can create.
 #[test]
 fn size_bounds_all_models_together_and_models_are_bounded() {
-    use kv_core::{BlockHash, BlockStored, EventBatch, IndexConfig, KvEvent};
+    use kv_core::{BlockStored, EventBatch, IndexConfig, KvEvent};
     let indexer = Indexer::new(IndexerSettings {
         index: IndexConfig {
             max_keys: 100,
@@ -373,7 +378,7 @@ fn size_bounds_all_models_together_and_models_are_bounded() {
         ts: 0.0,
         events: vec![KvEvent::BlockStored(Box::new(BlockStored {
             block_hashes: (0..n)
-                .map(|i| BlockHash::new(model << 32 | (i + 1)))
+                .map(|i| EngineHash::new(model << 32 | (i + 1)))
                 .collect(),
             block_size: 16,
             ..Default::default()
@@ -425,7 +430,7 @@ fn size_bounds_all_models_together_and_models_are_bounded() {
 /// place is a configured model, an unconfigured one is refused.
 #[test]
 fn configured_models_keep_their_place() {
-    use kv_core::{BlockHash, BlockStored, EventBatch, KvEvent, SettingsError};
+    use kv_core::{BlockStored, EventBatch, KvEvent, SettingsError};
     let mut s = settings(Some("12345"), 16);
     s.max_models = 2;
     s.models
@@ -434,7 +439,7 @@ fn configured_models_keep_their_place() {
     let batch = |n: u64| EventBatch {
         ts: 0.0,
         events: vec![KvEvent::BlockStored(Box::new(BlockStored {
-            block_hashes: vec![BlockHash::new(n)],
+            block_hashes: vec![EngineHash::new(n)],
             block_size: 16,
             ..Default::default()
         }))],

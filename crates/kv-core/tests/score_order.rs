@@ -6,8 +6,8 @@
 //! them.
 
 use kv_core::{
-    BlockHash, BlockRemoved, BlockStored, EventBatch, IndexConfig, Indexer, IndexerSettings,
-    KvEvent, ScoreResult, ALL_PODS,
+    BlockHash, BlockRemoved, BlockStored, EngineHash, EventBatch, IndexConfig, Indexer,
+    IndexerSettings, KvEvent, ScoreResult, ALL_PODS,
 };
 
 const MODEL: &str = "m";
@@ -27,6 +27,11 @@ fn hashes(n: u64) -> Vec<BlockHash> {
     (1..=n).map(|i| BlockHash::new(0x1000 + i)).collect()
 }
 
+/// What the pods (aligned engines) publish for the first `n` blocks.
+fn published(n: u64) -> Vec<EngineHash> {
+    hashes(n).into_iter().map(EngineHash::aligned).collect()
+}
+
 fn apply(ix: &Indexer, pod: &str, event: KvEvent) {
     let batch = EventBatch {
         ts: 0.0,
@@ -39,7 +44,7 @@ fn apply(ix: &Indexer, pod: &str, event: KvEvent) {
 /// `pod` stores the first `n` blocks of the prompt.
 fn store(ix: &Indexer, pod: &str, n: u64) {
     let stored = BlockStored {
-        block_hashes: hashes(n),
+        block_hashes: published(n),
         parent_block_hash: None,
         block_size: 16,
         ..Default::default()
@@ -50,7 +55,7 @@ fn store(ix: &Indexer, pod: &str, n: u64) {
 /// `pod` drops every block of the prompt (it stays registered, holding nothing).
 fn drop_all(ix: &Indexer, pod: &str) {
     let removed = BlockRemoved {
-        block_hashes: hashes(8),
+        block_hashes: published(8),
         ..Default::default()
     };
     apply(ix, pod, KvEvent::BlockRemoved(removed));

@@ -4,9 +4,9 @@
 //! warm from the snapshot the old one wrote.
 
 use kv_core::{
-    BlockHash, BlockRemoved, BlockStored, EngineKey, EngineKeyState, EventBatch, IndexConfig,
-    Indexer, IndexerSettings, KvEvent, Medium, ModelSettings, SplitMix64, Tier, TokenProcessor,
-    TokenProcessorConfig,
+    BlockHash, BlockRemoved, BlockStored, EngineHash, EngineKey, EngineKeyState, EventBatch,
+    IndexConfig, Indexer, IndexerSettings, KvEvent, Medium, ModelSettings, SplitMix64, Tier,
+    TokenProcessor, TokenProcessorConfig,
 };
 
 const MODEL: &str = "m";
@@ -53,11 +53,11 @@ fn prompts(rng: &mut SplitMix64) -> Vec<Vec<u32>> {
 
 /// The hash an engine publishes for its block `j`: the index's key (blocks of 16), or,
 /// `translated`, an opaque function of its content's key (blocks of 32).
-fn published(keys: &[BlockHash], j: usize, translated: bool) -> BlockHash {
+fn published(keys: &[BlockHash], j: usize, translated: bool) -> EngineHash {
     if translated {
-        BlockHash::new(kv_core::mix64(keys[2 * j + 1].get() ^ 0xE17))
+        EngineHash::new(kv_core::mix64(keys[2 * j + 1].get() ^ 0xE17))
     } else {
-        keys[j]
+        EngineHash::aligned(keys[j])
     }
 }
 

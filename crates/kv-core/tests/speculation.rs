@@ -6,8 +6,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kv_core::{
-    BlockHash, BlockStored, EventBatch, IndexConfig, Indexer, IndexerSettings, KvEvent, PodRef,
-    RoutingRecorded, ScoreResult, SpeculationSettings, ALL_PODS,
+    BlockHash, BlockStored, EngineHash, EventBatch, IndexConfig, Indexer, IndexerSettings, KvEvent,
+    PodRef, RoutingRecorded, ScoreResult, SpeculationSettings, ALL_PODS,
 };
 
 const MODEL: &str = "m";
@@ -44,7 +44,7 @@ fn stored(hashes: &[BlockHash]) -> EventBatch {
     EventBatch {
         ts: 1.0,
         events: vec![KvEvent::BlockStored(Box::new(BlockStored {
-            block_hashes: hashes.to_vec(),
+            block_hashes: hashes.iter().map(|&k| EngineHash::aligned(k)).collect(),
             block_size: 16,
             ..Default::default()
         }))],

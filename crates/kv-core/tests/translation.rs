@@ -6,8 +6,8 @@
 mod support;
 
 use kv_core::{
-    decode_batch, BlockHash, BlockRemoved, BlockStored, EngineHashes, EventBatch, IndexConfig,
-    Indexer, KeyMode, KvEvent, Medium, TokenProcessorConfig,
+    decode_batch, BlockHash, BlockRemoved, BlockStored, EngineHash, EngineHashes, EventBatch,
+    IndexConfig, Indexer, KeyMode, KvEvent, Medium, TokenProcessorConfig,
 };
 
 const MODEL: &str = "m";
@@ -184,7 +184,7 @@ fn a_store_without_tokens_is_resolved_through_the_map() {
     let KvEvent::BlockStored(stored) = &first.events[0] else {
         panic!("a store");
     };
-    let offload = |hashes: Vec<BlockHash>| EventBatch {
+    let offload = |hashes: Vec<EngineHash>| EventBatch {
         ts: 0.0,
         events: vec![KvEvent::BlockStored(Box::new(BlockStored {
             block_hashes: hashes,
@@ -211,7 +211,7 @@ fn a_store_without_tokens_is_resolved_through_the_map() {
     ix.apply_batch(MODEL, "pod", &gpu_evicted).expect("applies");
     assert_eq!(matched(&ix, &s.tokens, "pod"), 12);
     let r = ix
-        .apply_batch(MODEL, "pod", &offload(vec![BlockHash::new(42)]))
+        .apply_batch(MODEL, "pod", &offload(vec![EngineHash::new(42)]))
         .expect("applies");
     assert_eq!(r.translation.untranslatable[3], 1, "{r:?}");
 }
@@ -224,7 +224,7 @@ fn a_block_size_that_is_not_a_multiple_is_refused() {
     let pages = EventBatch {
         ts: 0.0,
         events: vec![KvEvent::BlockStored(Box::new(BlockStored {
-            block_hashes: (1..=64).map(BlockHash::new).collect(),
+            block_hashes: (1..=64).map(EngineHash::new).collect(),
             token_ids: tokens.clone(),
             block_size: 1,
             medium: Some(Medium::Other("GPU".into())),
@@ -245,7 +245,7 @@ fn a_block_size_that_is_not_a_multiple_is_refused() {
     );
 
     // A translated engine's partial page (a shorter block size) makes no key.
-    let page = |hashes: Vec<BlockHash>, tokens: Vec<u32>, parent: Option<BlockHash>| EventBatch {
+    let page = |hashes: Vec<EngineHash>, tokens: Vec<u32>, parent: Option<EngineHash>| EventBatch {
         ts: 0.0,
         events: vec![KvEvent::BlockStored(Box::new(BlockStored {
             block_size: tokens.len() as u32,
@@ -261,7 +261,7 @@ fn a_block_size_that_is_not_a_multiple_is_refused() {
     ix.apply_batch(
         MODEL,
         "p",
-        &page(vec![BlockHash::new(7)], (0..16).collect(), None),
+        &page(vec![EngineHash::new(7)], (0..16).collect(), None),
     )
     .expect("applies");
     let r = ix
@@ -269,9 +269,9 @@ fn a_block_size_that_is_not_a_multiple_is_refused() {
             MODEL,
             "p",
             &page(
-                vec![BlockHash::new(8)],
+                vec![EngineHash::new(8)],
                 (16..21).collect(),
-                Some(BlockHash::new(7)),
+                Some(EngineHash::new(7)),
             ),
         )
         .expect("applies");
@@ -317,12 +317,12 @@ fn translated_engines_agree_with_a_reference_under_random_churn() {
             .collect();
         // The engine's opaque hash of engine block j: a function of its content's key.
         let engine_hash = |keys: &[BlockHash], j: usize| {
-            BlockHash::new(kv_core::mix64(keys[j * K + 1].get() ^ 0xE17))
+            EngineHash::new(kv_core::mix64(keys[j * K + 1].get() ^ 0xE17))
         };
-        let mut copies: HashMap<BlockHash, u32> = HashMap::new();
+        let mut copies: HashMap<EngineHash, u32> = HashMap::new();
         let store = |p: usize,
                      from: usize,
-                     copies: &mut HashMap<BlockHash, u32>,
+                     copies: &mut HashMap<EngineHash, u32>,
                      rng: &mut kv_core::SplitMix64| {
             let blocks = prompts[p].len() / 32;
             let split = from + rng.below((blocks - from) as u64) as usize;
@@ -331,7 +331,7 @@ fn translated_engines_agree_with_a_reference_under_random_churn() {
                 if a == b {
                     continue;
                 }
-                let hashes: Vec<BlockHash> = (a..b).map(|j| engine_hash(&keys[p], j)).collect();
+                let hashes: Vec<EngineHash> = (a..b).map(|j| engine_hash(&keys[p], j)).collect();
                 for h in &hashes {
                     *copies.entry(*h).or_insert(0) += 1;
                 }
@@ -366,7 +366,7 @@ fn translated_engines_agree_with_a_reference_under_random_churn() {
                 let from = if cached == blocks { blocks - 1 } else { cached };
                 store(p, from, &mut copies, &mut rng)
             } else if roll < 97 {
-                let held: Vec<BlockHash> = {
+                let held: Vec<EngineHash> = {
                     let mut v: Vec<_> = copies
                         .iter()
                         .filter(|(_, &n)| n > 0)

@@ -26,7 +26,8 @@
 use std::sync::Arc;
 
 use kv_core::{
-    BlockHash, EngineKey, EngineKeyState, ExtraKeysFormat, KeyMode, KeySpace, Tier, TranslatedBlock,
+    BlockHash, EngineHash, EngineKey, EngineKeyState, ExtraKeysFormat, KeyMode, KeySpace, Tier,
+    TranslatedBlock,
 };
 use thiserror::Error;
 
@@ -342,7 +343,7 @@ impl<'a> SnapshotReader<'a> {
         let n = self.count(8 + 32 + 1 + 8)?;
         let mut translated = Vec::with_capacity(n);
         for _ in 0..n {
-            let engine_hash = BlockHash::from(self.u64()?);
+            let engine_hash = EngineHash::from(self.u64()?);
             let mut tip = [0u8; 32];
             tip.copy_from_slice(self.take(32)?);
             let earlier_len = if self.version >= 3 {

@@ -25,7 +25,7 @@ fn sample() -> (Vec<u8>, u64) {
     let keys = EngineKeyState {
         mode: KeyMode::Translated,
         translated: vec![TranslatedBlock {
-            engine_hash: BlockHash::from(77),
+            engine_hash: EngineHash::from(77),
             tip: [7; 32],
             earlier: vec![BlockHash::from(5)],
             copies: [1, 0, 2, 0],
@@ -48,8 +48,8 @@ fn a_translated_engines_map_survives_a_snapshot() {
     let run = |hashes: &[u64], parent: Option<u64>, toks: &[u32]| EventBatch {
         ts: 0.0,
         events: vec![KvEvent::BlockStored(Box::new(BlockStored {
-            block_hashes: hashes.iter().map(|&h| BlockHash::from(h)).collect(),
-            parent_block_hash: parent.map(BlockHash::from),
+            block_hashes: hashes.iter().map(|&h| EngineHash::from(h)).collect(),
+            parent_block_hash: parent.map(EngineHash::from),
             token_ids: toks.to_vec(),
             block_size: 32,
             medium: Some(Medium::Gpu),
@@ -88,7 +88,7 @@ fn a_translated_engines_map_survives_a_snapshot() {
     let removed = EventBatch {
         ts: 0.0,
         events: vec![KvEvent::BlockRemoved(BlockRemoved {
-            block_hashes: vec![BlockHash::from(12)],
+            block_hashes: vec![EngineHash::from(12)],
             medium: Some(Medium::Gpu),
             ..Default::default()
         })],
@@ -186,7 +186,7 @@ fn a_snapshot_of_another_key_space_is_not_loaded_as_keys() {
     let batch = EventBatch {
         ts: 0.0,
         events: vec![KvEvent::BlockStored(Box::new(BlockStored {
-            block_hashes: hashes,
+            block_hashes: hashes.into_iter().map(EngineHash::aligned).collect(),
             token_ids: tokens.clone(),
             block_size: 16,
             ..Default::default()

@@ -4,7 +4,7 @@
 
 use super::msgpack::{self, Int, MsgpackKind, Reader};
 use super::{BlockRemoved, BlockStored, DecodeError, EventBatch, KvEvent, Medium, MsgpackValue};
-use crate::BlockHash;
+use crate::EngineHash;
 
 /// Decodes one `KVEventBatch` payload.
 pub fn decode_batch(payload: &[u8]) -> Result<EventBatch, DecodeError> {
@@ -331,12 +331,12 @@ fn removed_field(r: &mut Reader<'_>, ev: &mut BlockRemoved, name: &str) -> Resul
     Ok(())
 }
 
-fn read_hashes(r: &mut Reader<'_>, out: &mut Vec<BlockHash>) -> Result<(), DecodeError> {
+fn read_hashes(r: &mut Reader<'_>, out: &mut Vec<EngineHash>) -> Result<(), DecodeError> {
     if r.try_nil() {
         return Ok(());
     }
     let n = r.array_len()?;
-    r.charge(n.saturating_mul(std::mem::size_of::<BlockHash>()))?;
+    r.charge(n.saturating_mul(std::mem::size_of::<EngineHash>()))?;
     out.reserve(n.min(1 << 20));
     for _ in 0..n {
         out.push(read_hash(r)?);
@@ -344,12 +344,13 @@ fn read_hashes(r: &mut Reader<'_>, out: &mut Vec<BlockHash>) -> Result<(), Decod
     Ok(())
 }
 
-/// A block hash in any of its wire forms, as the index's key.
+/// A block hash in any of its wire forms, as the engine published it (the last 8 bytes,
+/// big-endian, of a byte string).
 #[inline(always)]
-fn read_hash(r: &mut Reader<'_>) -> Result<BlockHash, DecodeError> {
+fn read_hash(r: &mut Reader<'_>) -> Result<EngineHash, DecodeError> {
     let at = r.position();
     match r.peek_kind()? {
-        MsgpackKind::Int => Ok(BlockHash::new(match r.int()? {
+        MsgpackKind::Int => Ok(EngineHash::new(match r.int()? {
             Int::Unsigned(v) => v,
             // 0.9 `builtin` hashes are signed 64-bit; keep their two's-complement bits.
             Int::Negative(v) => v as u64,
@@ -364,7 +365,7 @@ fn read_hash(r: &mut Reader<'_>) -> Result<BlockHash, DecodeError> {
             }
             let mut tail = [0u8; 8];
             tail.copy_from_slice(&bytes[bytes.len() - 8..]);
-            Ok(BlockHash::new(u64::from_be_bytes(tail)))
+            Ok(EngineHash::new(u64::from_be_bytes(tail)))
         }
         found => Err(DecodeError::UnexpectedType {
             expected: "block hash (int or bytes)",

@@ -250,10 +250,10 @@ mod tests {
     use super::*;
     use crate::events::encode::{encode_batch_as, WireForm};
     use crate::events::{decode_batch, Medium};
-    use crate::BlockHash;
+    use crate::EngineHash;
 
-    fn hashes(v: &[u64]) -> Vec<BlockHash> {
-        v.iter().copied().map(BlockHash::new).collect()
+    fn hashes(v: &[u64]) -> Vec<EngineHash> {
+        v.iter().copied().map(EngineHash::new).collect()
     }
 
     #[test]
@@ -283,7 +283,7 @@ mod tests {
     fn every_field_round_trips_through_the_decoder() {
         let full = BlockStored {
             block_hashes: hashes(&[1, u64::MAX, 1 << 40]),
-            parent_block_hash: Some(BlockHash::new(7)),
+            parent_block_hash: Some(EngineHash::new(7)),
             token_ids: (0..48).collect(),
             block_size: 16,
             lora_id: Some(-3),

@@ -3,8 +3,8 @@
 //! Wire format (`docs/vllm-compatibility.md` §1, §2): a batch is the array `[ts, events, data_parallel_rank?]`;
 //! an event is an array `[tag, field...]` (vLLM <= 0.23) or a map `{"type": tag, field: value}`
 //! (vLLM >= 0.24). Hashes are u64 (default), signed ints (0.9 `builtin`) or byte strings (32 raw
-//! digest bytes, or 64+ for concatenated hybrid-group hashes): the index key is always the last 8
-//! bytes, big-endian.
+//! digest bytes, or 64+ for concatenated hybrid-group hashes): an [`EngineHash`] is always the
+//! last 8 bytes, big-endian. Events carry what the engine published, never index keys.
 //!
 //! Invariants: decoding never panics; malformed input yields a [`DecodeError`] whose
 //! [`DecodeError::reason`] is a bounded metric label; unknown fields, extra trailing array
@@ -20,7 +20,7 @@ pub use encode::{encode_batch, encode_batch_as, WireForm};
 
 pub use msgpack::MsgpackKind;
 
-use crate::BlockHash;
+use crate::EngineHash;
 use thiserror::Error;
 
 /// Why a payload could not be decoded. Positions are byte offsets into the payload.
@@ -186,10 +186,11 @@ pub enum MsgpackValue {
 /// `BlockStored`: a run of full blocks one engine cached, with the hash of the block before it.
 #[derive(Debug, Clone, PartialEq, Default)]
 pub struct BlockStored {
-    /// The run's block hashes (index keys), in chain order.
-    pub block_hashes: Vec<BlockHash>,
-    /// The hash of the block the run continues; `None` when it starts at the prompt's start.
-    pub parent_block_hash: Option<BlockHash>,
+    /// The run's block hashes as the engine published them, in chain order.
+    pub block_hashes: Vec<EngineHash>,
+    /// The engine's hash of the block the run continues; `None` when it starts at the
+    /// prompt's start.
+    pub parent_block_hash: Option<EngineHash>,
     /// The tokens of the run (for SWA groups it spans skipped blocks too).
     pub token_ids: Vec<u32>,
     /// The group's block size.
@@ -223,8 +224,8 @@ pub struct BlockStored {
 /// `BlockRemoved`: blocks an engine evicted (vLLM sends one event per evicted hash).
 #[derive(Debug, Clone, PartialEq, Default)]
 pub struct BlockRemoved {
-    /// The evicted hashes.
-    pub block_hashes: Vec<BlockHash>,
+    /// The evicted hashes, as the engine published them.
+    pub block_hashes: Vec<EngineHash>,
     /// The tier they were evicted from.
     pub medium: Option<Medium>,
     /// The KV-cache group (0.20+).
@@ -275,7 +276,7 @@ impl EventBatch {
     /// One `BlockStored` run of `hashes` on the GPU tier (`block_size` tokens each, no parent),
     /// published at `ts` by the engine of data-parallel rank `rank`: the batch tests,
     /// benchmarks and simulations send when they speak vLLM's wire format.
-    pub fn stored_on_gpu(ts: f64, rank: i64, hashes: &[BlockHash], block_size: u32) -> Self {
+    pub fn stored_on_gpu(ts: f64, rank: i64, hashes: &[EngineHash], block_size: u32) -> Self {
         Self {
             ts,
             events: vec![KvEvent::BlockStored(Box::new(BlockStored {

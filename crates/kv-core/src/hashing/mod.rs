@@ -35,7 +35,8 @@ pub const DEFAULT_HASH_SEED: &str = "vllm-none-hash";
 /// A full 32-byte block digest, as vLLM keeps it internally.
 pub type BlockDigest = [u8; 32];
 
-/// The hash a KV event carries for a digest: its last 8 bytes, big-endian.
+/// The index key of a digest: its last 8 bytes, big-endian (what an aligned engine's KV events
+/// carry for it).
 #[inline(always)]
 pub fn event_hash(digest: &BlockDigest) -> BlockHash {
     let mut tail = [0u8; 8];

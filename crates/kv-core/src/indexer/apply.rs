@@ -13,6 +13,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use super::kinds::{indexable_kind, tier_of};
+use super::translate::aligned_keys;
 use super::{EngineKeyState, Indexer, KeyMode, ModelState, SettingsError, TranslationReport};
 use crate::events::{EventBatch, KvEvent};
 use crate::index::{EngineKey, Tier};
@@ -231,7 +232,7 @@ impl Indexer {
                         match mode {
                             KeyMode::Undecided | KeyMode::Aligned => {
                                 let tier = tier_of(s.medium.as_ref());
-                                let outcome = keys.store_published(w, engine, tier, s);
+                                let outcome = keys.store_published(w, engine, tier, s, scratch);
                                 report.blocks_stored += outcome.added as u64;
                                 report.orphan_runs += u32::from(outcome.orphan);
                             }
@@ -299,18 +300,18 @@ impl Indexer {
         }
         drop(skipped);
         if speculating {
-            let stored: Vec<&[BlockHash]> = if mode == KeyMode::Translated {
-                confirmed.iter().map(Vec::as_slice).collect()
-            } else {
-                batch
+            if mode != KeyMode::Translated {
+                // The hashes were taken as keys as published.
+                confirmed = batch
                     .events
                     .iter()
                     .filter_map(|e| match e {
-                        KvEvent::BlockStored(s) => Some(&s.block_hashes[..]),
+                        KvEvent::BlockStored(s) => Some(aligned_keys(&s.block_hashes).collect()),
                         _ => None,
                     })
-                    .collect()
-            };
+                    .collect();
+            }
+            let stored: Vec<&[BlockHash]> = confirmed.iter().map(Vec::as_slice).collect();
             let now = now.take().map_or_else(std::time::Instant::now, |f| f());
             state.speculation.confirm(pod, &stored, now);
         }

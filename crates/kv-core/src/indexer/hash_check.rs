@@ -12,6 +12,7 @@ use crate::events::{BlockStored, EventBatch, KvEvent};
 use crate::hashing::{
     ExtraKeysFormat, RequestExtras, TokenProcessor, TokenProcessorConfig, DEFAULT_HASH_SEED,
 };
+use crate::{BlockHash, EngineHash};
 
 /// The root runs' checks of one batch, before they are tallied.
 #[derive(Debug, Default)]
@@ -40,11 +41,11 @@ impl Indexer {
                 continue;
             };
             let block = processor.block_size();
-            let first = processor
+            let ours = processor
                 .block_hashes(&s.token_ids[..block], &extras)
                 .first()
                 .copied();
-            if first == Some(s.block_hashes[0]) {
+            if publishes(s.block_hashes[0], ours) {
                 checks.matches += 1;
             } else {
                 checks.mismatches += 1;
@@ -90,6 +91,13 @@ impl Indexer {
     }
 }
 
+/// Whether the engine's hash `published` is the key `ours` kv-indexer computed for the same
+/// block: the question the check asks (an engine whose hashes are our keys is aligned), so
+/// the two are compared by value, the one place an engine's hash meets a computed key.
+fn publishes(published: EngineHash, ours: Option<BlockHash>) -> bool {
+    ours.is_some_and(|key| key.get() == published.get())
+}
+
 /// A root run whose block 0 can be recomputed from the event alone, with its extra keys.
 fn checkable<'a>(
     state: &ModelState,
@@ -122,7 +130,7 @@ fn diagnose(processor: &TokenProcessor, s: &BlockStored, extras: &RequestExtras)
     }
     let block = processor.block_size();
     let tokens = &s.token_ids[..block];
-    let target = s.block_hashes[0];
+    let published = s.block_hashes[0];
     let try_config = |seed: Option<&str>, format: ExtraKeysFormat| {
         let config = TokenProcessorConfig {
             hash_seed: seed.map(str::to_owned),
@@ -130,10 +138,10 @@ fn diagnose(processor: &TokenProcessor, s: &BlockStored, extras: &RequestExtras)
             hash_block_size: Some(processor.hash_block_size()),
             extra_keys_format: format,
         };
-        TokenProcessor::new(&config)
+        let key = TokenProcessor::new(&config)
             .ok()
-            .and_then(|p| p.block_hashes(tokens, extras).first().copied())
-            == Some(target)
+            .and_then(|p| p.block_hashes(tokens, extras).first().copied());
+        publishes(published, key)
     };
     for seed in [None, Some("0"), Some("")] {
         if try_config(seed, processor.extra_keys_format()) {

@@ -4,7 +4,7 @@
 
 use std::sync::Arc;
 
-use kv_core::BlockHash;
+use kv_core::{BlockHash, EngineHash};
 
 use super::{IndexBackend, QueryAnswer};
 
@@ -290,9 +290,10 @@ impl IndexBackend for IndexerFacadeBackend {
         hashes: &[BlockHash],
         _content: &[u64],
     ) {
+        // The facade's engines are aligned: they publish the index's keys as their hashes.
         let stored = kv_core::BlockStored {
-            block_hashes: hashes.to_vec(),
-            parent_block_hash: parent,
+            block_hashes: published(hashes),
+            parent_block_hash: parent.map(EngineHash::aligned),
             block_size: 16,
             ..Default::default()
         };
@@ -301,11 +302,16 @@ impl IndexBackend for IndexerFacadeBackend {
 
     fn remove(&mut self, pod: u32, hashes: &[BlockHash]) {
         let removed = kv_core::BlockRemoved {
-            block_hashes: hashes.to_vec(),
+            block_hashes: published(hashes),
             ..Default::default()
         };
         self.apply(pod, kv_core::KvEvent::BlockRemoved(removed));
     }
+}
+
+/// What an aligned engine publishes for the index's keys `keys`.
+fn published(keys: &[BlockHash]) -> Vec<EngineHash> {
+    keys.iter().map(|&k| EngineHash::aligned(k)).collect()
 }
 
 /// kv-core's reference index ([`kv_core::ReferenceIndex`]: a plain per-block map, walked

@@ -37,7 +37,7 @@ pub use report::{ChurnReport, LoadgenReport, ReplicaReport, ScorePhase, SoakRepo
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use zeromq::{PubSocket, Socket, SocketSend, ZmqMessage};
 
-use kv_core::BlockHash;
+use kv_core::EngineHash;
 use kv_core::{encode_batch, BlockRemoved, BlockStored, EventBatch, KvEvent, Medium};
 use kv_core::{RequestExtras, TokenProcessor, TokenProcessorConfig, TokenProcessorError};
 
@@ -198,7 +198,7 @@ impl Document {
 }
 
 /// Encodes a prompt's runs (32 blocks, 4 per message) and its removals (leaf first).
-fn encode_document(hashes: &[BlockHash], tokens: &[u32], block_size: usize) -> Payloads {
+fn encode_document(hashes: &[EngineHash], tokens: &[u32], block_size: usize) -> Payloads {
     let mut runs = Vec::new();
     for (r, chunk) in hashes.chunks(RUN_BLOCKS).enumerate() {
         let start = r * RUN_BLOCKS;
@@ -228,8 +228,8 @@ fn encode_document(hashes: &[BlockHash], tokens: &[u32], block_size: usize) -> P
 
 /// `BlockStored` of a run, as vLLM 0.33 sends it for a plain full-attention request.
 fn block_stored(
-    hashes: &[BlockHash],
-    parent: Option<BlockHash>,
+    hashes: &[EngineHash],
+    parent: Option<EngineHash>,
     tokens: &[u32],
     block_size: usize,
 ) -> KvEvent {
@@ -247,7 +247,7 @@ fn block_stored(
 }
 
 /// `BlockRemoved` of one hash (vLLM sends one event per evicted block).
-fn block_removed(hash: BlockHash) -> KvEvent {
+fn block_removed(hash: EngineHash) -> KvEvent {
     KvEvent::BlockRemoved(BlockRemoved {
         block_hashes: vec![hash],
         medium: Some(Medium::Gpu),
@@ -299,10 +299,17 @@ fn prepare(args: &LoadgenArgs) -> Result<Vec<Document>, LoadgenError> {
                 (x % 150_000) as u32
             })
             .collect();
-        let hashes = processor.block_hashes(&tokens, &RequestExtras::default());
+        // Aligned pods' engines publish the index's keys as their hashes.
+        let keys = processor.block_hashes(&tokens, &RequestExtras::default());
+        let hashes: Vec<EngineHash> = keys.iter().map(|&k| EngineHash::aligned(k)).collect();
         let (store, remove) = encode_document(&hashes, &tokens, args.block_size);
         let translated = other_seed.as_ref().map(|other| {
-            let theirs = other.block_hashes(&tokens, &RequestExtras::default());
+            // Another seed's hashes: what that engine publishes, not the index's keys.
+            let theirs: Vec<EngineHash> = other
+                .block_hashes(&tokens, &RequestExtras::default())
+                .iter()
+                .map(|h| EngineHash::new(h.get()))
+                .collect();
             encode_document(&theirs, &tokens, args.block_size)
         });
         docs.push(Document {

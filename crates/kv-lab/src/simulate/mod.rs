@@ -37,9 +37,9 @@ use std::time::{Duration, Instant};
 
 use serde::Serialize;
 
-use kv_core::BlockHash;
 use kv_core::SplitMix64;
 use kv_core::{decode_batch, encode_batch, BlockRemoved, BlockStored, EventBatch, KvEvent, Medium};
+use kv_core::{BlockHash, EngineHash};
 use kv_core::{Indexer, IndexerSettings};
 
 use engine::{Engine, EngineConfig, EngineStats};
@@ -131,6 +131,7 @@ pub struct PodMetrics {
 }
 
 /// vLLM-shaped payloads (map form, through kv-core's one encoder) for the events a pod emits.
+/// The simulated engines hash as the index does (aligned): they publish its keys.
 mod wire {
     use super::*;
 
@@ -157,7 +158,7 @@ mod wire {
             .iter()
             .map(|&h| {
                 KvEvent::BlockRemoved(BlockRemoved {
-                    block_hashes: vec![h],
+                    block_hashes: vec![EngineHash::aligned(h)],
                     medium: Some(Medium::Gpu),
                     ..Default::default()
                 })
@@ -165,8 +166,8 @@ mod wire {
             .collect();
         events.extend(stored.iter().map(|(parent, hashes)| {
             KvEvent::BlockStored(Box::new(BlockStored {
-                block_hashes: hashes.clone(),
-                parent_block_hash: *parent,
+                block_hashes: hashes.iter().map(|&h| EngineHash::aligned(h)).collect(),
+                parent_block_hash: parent.map(EngineHash::aligned),
                 block_size: block_size as u32,
                 medium: Some(Medium::Gpu),
                 ..Default::default()
@@ -532,11 +533,14 @@ pub fn run(
 #[cfg(test)]
 mod tests {
     use super::wire;
-    use kv_core::BlockHash;
-    use kv_core::{decode_batch, KvEvent};
+    use kv_core::{decode_batch, BlockHash, EngineHash, KvEvent};
 
     fn h(v: u64) -> BlockHash {
         BlockHash::new(v)
+    }
+
+    fn e(v: u64) -> EngineHash {
+        EngineHash::new(v)
     }
 
     /// The simulated pods' payloads take the daemon's decode path and mean what they say.
@@ -546,8 +550,8 @@ mod tests {
             .expect("stored");
         match stored.events.as_slice() {
             [KvEvent::BlockStored(s)] => {
-                assert_eq!(s.block_hashes, vec![h(11), h(12)]);
-                assert_eq!(s.parent_block_hash, Some(h(10)));
+                assert_eq!(s.block_hashes, vec![e(11), e(12)]);
+                assert_eq!(s.parent_block_hash, Some(e(10)));
                 assert_eq!(s.block_size, 16);
             }
             other => panic!("unexpected {other:?}"),
@@ -559,7 +563,7 @@ mod tests {
             "one BlockRemoved per hash, as vLLM sends"
         );
         assert!(
-            matches!(&removed.events[1], KvEvent::BlockRemoved(r) if r.block_hashes == [h(12)])
+            matches!(&removed.events[1], KvEvent::BlockRemoved(r) if r.block_hashes == [e(12)])
         );
         let cleared = decode_batch(&wire::cleared()).expect("cleared");
         assert!(matches!(

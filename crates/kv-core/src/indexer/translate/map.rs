@@ -15,7 +15,7 @@ use std::collections::hash_map::Entry;
 use std::collections::{HashMap, VecDeque};
 
 use crate::hashing::BlockDigest;
-use crate::BlockHash;
+use crate::{BlockHash, EngineHash};
 
 /// What one engine hash of a translated engine stands for.
 #[derive(Debug)]
@@ -38,11 +38,12 @@ impl Translated {
     }
 }
 
-/// Engine hash -> [`Translated`], with the entries' order (see the module docs).
+/// Engine hash -> [`Translated`] (the index keys it stands for), with the entries' order (see
+/// the module docs).
 #[derive(Debug, Default)]
 pub(super) struct TranslationMap {
-    entries: HashMap<BlockHash, Translated>,
-    order: VecDeque<(BlockHash, u64)>,
+    entries: HashMap<EngineHash, Translated>,
+    order: VecDeque<(EngineHash, u64)>,
     next: u64,
 }
 
@@ -57,11 +58,11 @@ impl TranslationMap {
         self.next
     }
 
-    pub(super) fn get(&self, hash: &BlockHash) -> Option<&Translated> {
+    pub(super) fn get(&self, hash: &EngineHash) -> Option<&Translated> {
         self.entries.get(hash)
     }
 
-    pub(super) fn get_mut(&mut self, hash: &BlockHash) -> Option<&mut Translated> {
+    pub(super) fn get_mut(&mut self, hash: &EngineHash) -> Option<&mut Translated> {
         self.entries.get_mut(hash)
     }
 
@@ -69,7 +70,7 @@ impl TranslationMap {
     /// it holds copies).
     pub(super) fn insert(
         &mut self,
-        hash: BlockHash,
+        hash: EngineHash,
         tip: BlockDigest,
         earlier: Box<[BlockHash]>,
         copies: [u16; 4],
@@ -89,7 +90,7 @@ impl TranslationMap {
     }
 
     /// Removes `hash`'s entry (its item in the order goes stale).
-    pub(super) fn remove(&mut self, hash: &BlockHash) -> Option<Translated> {
+    pub(super) fn remove(&mut self, hash: &EngineHash) -> Option<Translated> {
         let removed = self.entries.remove(hash);
         self.compact_if_stale();
         removed
@@ -97,7 +98,7 @@ impl TranslationMap {
 
     /// Removes and returns the oldest entry, if it was made before `before` (entries made
     /// since, e.g. the run being stored, are never taken).
-    pub(super) fn pop_oldest_before(&mut self, before: u64) -> Option<(BlockHash, Translated)> {
+    pub(super) fn pop_oldest_before(&mut self, before: u64) -> Option<(EngineHash, Translated)> {
         while let Some(&(hash, stamp)) = self.order.front() {
             let live = self.entries.get(&hash).is_some_and(|t| t.stamp == stamp);
             if !live {
@@ -117,7 +118,7 @@ impl TranslationMap {
     }
 
     /// Every live entry, oldest first.
-    pub(super) fn in_order(&self) -> impl Iterator<Item = (BlockHash, &Translated)> {
+    pub(super) fn in_order(&self) -> impl Iterator<Item = (EngineHash, &Translated)> {
         self.order.iter().filter_map(|&(hash, stamp)| {
             self.entries
                 .get(&hash)
@@ -141,8 +142,8 @@ impl TranslationMap {
 mod tests {
     use super::*;
 
-    fn h(n: u64) -> BlockHash {
-        BlockHash::new(n)
+    fn h(n: u64) -> EngineHash {
+        EngineHash::new(n)
     }
 
     #[test]

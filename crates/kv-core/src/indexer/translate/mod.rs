@@ -1,9 +1,10 @@
 //! Keys from tokens: every engine's blocks are indexed under one key space, vLLM's
 //! `sha256_cbor` with the configured seed and block size, whatever the engine publishes.
 //!
-//! An engine is **aligned** when its published hashes are those keys (vLLM with
-//! `--prefix-caching-hash-algo sha256_cbor`, the same `PYTHONHASHSEED` and block size): its
-//! hashes are stored as they come, no extra memory. Otherwise it is **translated**: each
+//! An engine is **aligned** when its published hashes ([`EngineHash`]) are those keys
+//! ([`BlockHash`]; vLLM with `--prefix-caching-hash-algo sha256_cbor`, the same
+//! `PYTHONHASHSEED` and block size): its hashes are taken as keys as they come
+//! ([`aligned_keys`], the one place), no extra memory. Otherwise it is **translated**: each
 //! `BlockStored` run's keys are computed from its `token_ids`, chained on the key of its parent
 //! (found through the engine's map), and the map keeps, per engine hash, what it stands for
 //! (the chained digest the next run continues, and the keys of its chunks), for
@@ -42,7 +43,7 @@ use super::ModelState;
 use crate::events::{BlockRemoved, BlockStored, EventBatch, KvEvent, MsgpackValue};
 use crate::hashing::{BlockDigest, HashScratch, RequestExtras, TokenProcessor};
 use crate::index::{EngineId, IndexWriter, KeyBudget, Tier};
-use crate::BlockHash;
+use crate::{BlockHash, EngineHash};
 
 /// How the index keys of an engine's blocks are found (the `engineHashes` setting, per model).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
@@ -155,7 +156,7 @@ impl Untranslatable {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct TranslatedBlock {
     /// The engine's hash of the block.
-    pub engine_hash: BlockHash,
+    pub engine_hash: EngineHash,
     /// The chained digest of its last chunk (what the next block continues).
     pub tip: BlockDigest,
     /// The keys of its chunks before the last.
@@ -366,13 +367,16 @@ impl EngineKeys {
         engine: EngineId,
         tier: Tier,
         s: &BlockStored,
+        scratch: &mut Scratch,
     ) -> crate::index::StoreOutcome {
         let copies = &mut self.copies;
+        scratch.keys.clear();
+        scratch.keys.extend(aligned_keys(&s.block_hashes));
         w.store_each(
             engine,
             tier,
-            s.parent_block_hash,
-            &s.block_hashes,
+            s.parent_block_hash.map(BlockHash::aligned),
+            &scratch.keys,
             |hash, added| {
                 if !added {
                     *copies.entry((hash, tier)).or_insert(0) += 1;
@@ -394,11 +398,13 @@ impl EngineKeys {
         scratch: &mut Scratch,
     ) -> usize {
         let tier = tier_of(r.medium.as_ref());
-        if self.copies.is_empty() {
-            return w.remove(engine, tier, &r.block_hashes);
-        }
         scratch.keys.clear();
-        for &hash in &r.block_hashes {
+        let keys = aligned_keys(&r.block_hashes);
+        if self.copies.is_empty() {
+            scratch.keys.extend(keys);
+            return w.remove(engine, tier, &scratch.keys);
+        }
+        for hash in keys {
             match self.copies.get_mut(&(hash, tier)) {
                 Some(n) => {
                     *n -= 1;
@@ -578,6 +584,14 @@ impl EngineKeys {
         }
         w.remove(engine, tier, &scratch.keys)
     }
+}
+
+/// An aligned (or undecided) engine's published hashes taken as the index's keys: the one
+/// place an engine's hashes become keys without translation ([`BlockHash::aligned`]). An
+/// undecided engine's are taken so meanwhile; if its events then show it translated, what was
+/// stored under them is cleared.
+pub(super) fn aligned_keys(hashes: &[EngineHash]) -> impl Iterator<Item = BlockHash> + '_ {
+    hashes.iter().map(|&hash| BlockHash::aligned(hash))
 }
 
 /// Removes one engine block's keys (`earlier`, then the tip's) from every tier `copies` says
