@@ -24,8 +24,8 @@ use kv_core::BlockHash;
 use kv_index::{ChainBlockMap, ChainIndex, ContentHash, SequenceHash, StoredBlock};
 use kv_lab::alloc::{live_heap_bytes, CountingAllocator};
 use kv_lab::index_bench::{
-    drive, median, BenchReport, ReferenceBackend, IndexBackend, IndexWorkload, IndexerFacadeBackend,
-    KvIndexerBackend, QueryAnswer, Removals, RunIndexBackend, WorkloadShape,
+    drive, median, BenchReport, IndexBackend, IndexWorkload, IndexerFacadeBackend,
+    KvIndexerBackend, QueryAnswer, ReferenceBackend, Removals, RunIndexBackend, WorkloadShape,
 };
 use kv_lab::trace::load_mooncake;
 
@@ -276,7 +276,10 @@ fn model_index(writer_lanes: usize) -> Maker {
 
 fn backends() -> Vec<(&'static str, Maker)> {
     vec![
-        ("reference", Box::new(|_| Box::new(ReferenceBackend::default()))),
+        (
+            "reference",
+            Box::new(|_| Box::new(ReferenceBackend::default())),
+        ),
         ("smg", Box::new(|pods| Box::new(Smg::new(pods)))),
         (
             "dynamo",
