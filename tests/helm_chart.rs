@@ -494,3 +494,117 @@ fn alerts_and_the_dashboard_render_from_deploy_monitoring_when_enabled() {
     let json = std::fs::read_to_string(monitoring.join("kv-indexer-dashboard.json")).expect("json");
     assert_eq!(board["data"]["kv-indexer.json"], json.trim_end());
 }
+
+/// The `endpointPicker` section of the configuration the chart writes, if any.
+fn picker_section(by_kind: &HashMap<String, serde_json::Value>) -> Option<serde_json::Value> {
+    let text = by_kind["ConfigMap"]["data"]["kv-indexer.yaml"]
+        .as_str()
+        .expect("config text");
+    let config: serde_json::Value = serde_yaml::from_str(text).expect("YAML");
+    config.get("endpointPicker").cloned()
+}
+
+/// The `from` peers of the NetworkPolicy's rule for `port`, if it has one.
+fn peers_of(by_kind: &HashMap<String, serde_json::Value>, port: u16) -> Option<serde_json::Value> {
+    let rules = by_kind["NetworkPolicy"]["spec"]["ingress"].as_array()?;
+    let rule = rules.iter().find(|r| {
+        let mut ports = r["ports"].as_array().into_iter().flatten();
+        ports.any(|p| p["port"] == port)
+    })?;
+    Some(rule["from"].clone())
+}
+
+#[test]
+fn the_endpoint_picker_port_and_configuration_appear_only_when_enabled() {
+    // By default nothing of it: no port, no peers, no configuration.
+    let docs = render(json!({}));
+    let text = serde_json::to_string(&docs).expect("json");
+    for word in [
+        "endpointPicker",
+        "grpc-ext-proc",
+        "9002",
+        "h2c",
+        "gateway-name",
+    ] {
+        assert!(!text.contains(word), "{word} rendered by default");
+    }
+    let by_kind = check_types(&docs);
+    assert_eq!(picker_section(&by_kind), None);
+    assert_eq!(peers_of(&by_kind, 9002), None, "closed by default");
+
+    let by_kind = check_types(&render(json!({"endpointPicker": {"enabled": true}})));
+    assert_eq!(
+        picker_section(&by_kind),
+        Some(json!({
+            "enabled": true,
+            "addr": "0.0.0.0:9002",
+            "metricsUrlTemplate": "http://{pod}/metrics",
+            "metricsInterval": "50ms",
+            "weights": {"prefix": 3, "queue": 2, "kvCacheUtilization": 2},
+        }))
+    );
+    let d: Deployment = serde_json::from_value(by_kind["Deployment"].clone()).expect("typed");
+    let c = &d.spec.expect("spec").template.spec.expect("pod").containers[0];
+    let ports: Vec<(Option<&str>, i32)> = c
+        .ports
+        .iter()
+        .flatten()
+        .map(|p| (p.name.as_deref(), p.container_port))
+        .collect();
+    assert_eq!(ports.last(), Some(&(Some("grpc-ext-proc"), 9002)));
+    // The daemon's HTTP health stays the probes' (the metrics port).
+    let ready = c.readiness_probe.as_ref().and_then(|p| p.http_get.as_ref());
+    assert_eq!(ready.and_then(|h| h.path.as_deref()), Some("/readyz"));
+    let svc: Service = serde_json::from_value(by_kind["Service"].clone()).expect("typed");
+    let ports = svc.spec.expect("spec").ports.unwrap_or_default();
+    let ext_proc = ports
+        .iter()
+        .find(|p| p.name.as_deref() == Some("grpc-ext-proc"))
+        .expect("the Service's ext_proc port");
+    assert_eq!(ext_proc.port, 9002);
+    assert_eq!(ext_proc.app_protocol.as_deref(), Some("kubernetes.io/h2c"));
+    assert_eq!(
+        ext_proc.target_port,
+        Some(k8s_openapi::apimachinery::pkg::util::intstr::IntOrString::Int(9002))
+    );
+    // Opened to the gateway's proxies only; the other rules as before.
+    let peers = peers_of(&by_kind, 9002).expect("a rule for the picker's port");
+    assert_eq!(
+        peers,
+        json!([{
+            "namespaceSelector": {},
+            "podSelector": {"matchLabels": {"gateway.networking.k8s.io/gateway-name": "inference-gateway"}},
+        }])
+    );
+    assert_eq!(
+        peers_of(&by_kind, 50051).expect("gRPC")[0]["podSelector"]["matchLabels"]
+            ["app.kubernetes.io/name"],
+        "epp"
+    );
+
+    // Its settings follow the values.
+    let by_kind = check_types(&render(json!({"endpointPicker": {
+        "enabled": true,
+        "port": 9102,
+        "metricsUrlTemplate": "http://{pod}/custom-metrics",
+        "metricsInterval": "200ms",
+        "weights": {"prefix": 1, "queue": 0, "kvCacheUtilization": 0},
+    }})));
+    assert_eq!(
+        picker_section(&by_kind),
+        Some(json!({
+            "enabled": true,
+            "addr": "0.0.0.0:9102",
+            "metricsUrlTemplate": "http://{pod}/custom-metrics",
+            "metricsInterval": "200ms",
+            "weights": {"prefix": 1, "queue": 0, "kvCacheUtilization": 0},
+        }))
+    );
+    let ports = by_kind["Service"]["spec"]["ports"].to_string();
+    assert!(ports.contains("9102") && !ports.contains("9002"), "{ports}");
+    assert!(peers_of(&by_kind, 9102).is_some());
+
+    // In sidecar mode the EPP kv-indexer runs in is the picker.
+    let why = refusal(json!({"mode": "sidecar", "endpointPicker": {"enabled": true}}));
+    assert!(why.contains("needs mode: standalone"), "{why}");
+}
