@@ -571,6 +571,7 @@ fn the_endpoint_picker_port_and_configuration_appear_only_when_enabled() {
     let by_kind = check_types(&docs);
     assert_eq!(picker_section(&by_kind), None);
     assert_eq!(peers_of(&by_kind, 9002), None, "closed by default");
+    assert!(!embedded_config(&by_kind).endpoint_picker.enabled);
 
     let by_kind = check_types(&render(json!({"endpointPicker": {"enabled": true}})));
     assert_eq!(
@@ -622,6 +623,15 @@ fn the_endpoint_picker_port_and_configuration_appear_only_when_enabled() {
         "epp"
     );
 
+    // kv-indexer reads the section as written.
+    let picker = embedded_config(&by_kind).endpoint_picker;
+    assert!(picker.enabled);
+    assert_eq!(picker.addr, "0.0.0.0:9002");
+    assert_eq!(picker.metrics_url_template, "http://{pod}/metrics");
+    assert_eq!(picker.metrics_interval.to_string(), "50ms");
+    let w = &picker.weights;
+    assert_eq!((w.prefix, w.queue, w.kv_cache_utilization), (3.0, 2.0, 2.0));
+
     // Its settings follow the values.
     let by_kind = check_types(&render(json!({"endpointPicker": {
         "enabled": true,
@@ -640,6 +650,10 @@ fn the_endpoint_picker_port_and_configuration_appear_only_when_enabled() {
             "weights": {"prefix": 1, "queue": 0, "kvCacheUtilization": 0},
         }))
     );
+    let picker = embedded_config(&by_kind).endpoint_picker;
+    assert_eq!(picker.addr, "0.0.0.0:9102");
+    assert_eq!(picker.weights.queue, 0.0);
+    assert_eq!(picker.metrics_interval.to_string(), "200ms");
     let ports = by_kind["Service"]["spec"]["ports"].to_string();
     assert!(ports.contains("9102") && !ports.contains("9002"), "{ports}");
     assert!(peers_of(&by_kind, 9102).is_some());
