@@ -18,6 +18,9 @@
 //! - "Destination Endpoint Served" / conformance `GatewayDestinationEndpointServed`: response
 //!   messages are answered, and a served fallback is counted
 //!   (`response_messages_are_answered_and_a_served_fallback_counted`);
+//! - the request: OpenAI completions and chat bodies, a LoRA adapter named as the model and
+//!   `cache_salt` scored as ScorePods scores them
+//!   (`a_lora_adapter_and_a_cache_salt_are_scored_as_score_pods_scores_them`);
 //! - "Health Checking": `liveness`, `readiness` and `envoy.service.ext_proc.v3.ExternalProcessor`
 //!   are SERVING (`health_reports_serving_for_the_three_names`).
 
@@ -170,6 +173,84 @@ async fn the_subset_hint_is_obeyed() {
     let a = read(&exchange(&mut client, ask(Some(Hint::List(&none)))).await);
     assert_eq!(a.immediate.as_ref().map(|i| i.0), Some(503), "{a:?}");
     assert_eq!(a.header, None);
+    fleet.daemon.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lora_adapter_and_a_cache_salt_are_scored_as_score_pods_scores_them() {
+    use kv_core::{LoraAdapter, RequestExtras};
+    let (adapter_pod, salted_pod) = (FakePod::start().await, FakePod::start().await);
+    let mut c = support::picker::config(None);
+    c.indexer_config.token_processor_config.engine_hashes = kv_core::EngineHashes::Aligned;
+    let model = c.models.get_mut(MODEL).expect("configured");
+    model
+        .lora_adapters
+        .insert("sql-adapter".into(), "/adapters/sql".into());
+    let mut fleet = Fleet::start(c).await;
+    let ids = prompt_ids(9, 64);
+    let adapter = LoraAdapter {
+        name: "sql-adapter".into(),
+        path: "/adapters/sql".into(),
+    };
+    fleet
+        .store_with(
+            &adapter_pod.name,
+            &ids,
+            RequestExtras {
+                lora: Some(adapter),
+                ..Default::default()
+            },
+        )
+        .await;
+    fleet
+        .store_with(
+            &salted_pod.name,
+            &ids,
+            RequestExtras {
+                cache_salt: Some("tenant-1".into()),
+                ..Default::default()
+            },
+        )
+        .await;
+    fleet.scraped(2, 2).await;
+    let mut client = fleet.client().await;
+    let ask = |body: serde_json::Value| {
+        request(
+            COMPLETIONS_PATH,
+            None,
+            None,
+            body.to_string().as_bytes(),
+            1 << 16,
+        )
+    };
+    for _ in 0..5 {
+        // The adapter's name as the model (vLLM serves an adapter as a model): its base model's
+        // pods, hashed with the adapter.
+        let a = read(
+            &exchange(
+                &mut client,
+                ask(json!({"model": "sql-adapter", "prompt": ids})),
+            )
+            .await,
+        );
+        assert_eq!(first(&a), adapter_pod.name, "{a:?}");
+        let a = read(
+            &exchange(
+                &mut client,
+                ask(json!({"model": MODEL, "prompt": ids, "cache_salt": "tenant-1"})),
+            )
+            .await,
+        );
+        assert_eq!(first(&a), salted_pod.name, "{a:?}");
+    }
+    // Negative control: another tenant's salt matches neither pod's blocks, so the salted pod
+    // does not win every time.
+    let mut winners = std::collections::BTreeSet::new();
+    for i in 0..30 {
+        let body = json!({"model": MODEL, "prompt": ids, "cache_salt": format!("other-{i}")});
+        winners.insert(first(&read(&exchange(&mut client, ask(body)).await)));
+    }
+    assert!(winners.len() > 1, "{winners:?}");
     fleet.daemon.shutdown().await;
 }
 

@@ -164,7 +164,16 @@ impl Fleet {
     /// Publishes `pod` storing every full block of `ids` (with their token ids, as vLLM does),
     /// until the index holds them all.
     pub async fn store(&mut self, pod: &str, ids: &[u32]) {
-        let hashes = self.processor.block_hashes(ids, &RequestExtras::default());
+        self.store_with(pod, ids, RequestExtras::default()).await;
+    }
+
+    /// [`Fleet::store`] for a request with `extras` (a LoRA adapter, a cache salt), hashed as
+    /// vLLM hashes such a request; the daemon must take the engine's hashes as keys
+    /// (`engineHashes: aligned`), since the events do not carry the salt.
+    pub async fn store_with(&mut self, pod: &str, ids: &[u32], extras: RequestExtras) {
+        let lora = extras.lora.as_ref().map(|l| l.name.clone());
+        let salt = extras.cache_salt.clone();
+        let hashes = self.processor.block_hashes(ids, &extras);
         assert!(!hashes.is_empty(), "the prompt must have full blocks");
         let tokens = &ids[..hashes.len() * BLOCK];
         let seq = self.seq.entry(pod.to_owned()).or_default();
@@ -175,7 +184,7 @@ impl Fleet {
             let held = self
                 .daemon
                 .indexer
-                .score_tokens(MODEL, ids, &[pod], None, None)
+                .score_tokens(MODEL, ids, &[pod], lora.as_deref(), salt.as_deref())
                 .ok()
                 .and_then(|r| r.scores.first().map(|s| s.matched_blocks as usize));
             if held == Some(hashes.len()) {
