@@ -22,8 +22,8 @@ impl PickerMetrics {
             picks: counter_vec(
                 r,
                 "kvindexer_picker_picks_total",
-                "Endpoint-picker requests by outcome: picked, no_candidates (503), shed (429), \
-                 bad_request (400), error (500)",
+                "Endpoint-picker requests by outcome: picked, picked_without_prefix, \
+                 no_candidates (503), shed (429), bad_request (400)",
                 &["outcome"],
             ),
             pick_latency: latency(
