@@ -44,7 +44,7 @@ for round in $(seq "$rounds"); do
     --pods 8 --documents 64 --prompt-blocks 500 --rate "$RATE" --duration "$DURATION" \
     --score-concurrency "$CONCURRENCY" 2>/dev/null
   curl -fs http://127.0.0.1:9592/metrics |
-    grep -E '^kvindexer_picker_(picks_total|metrics_unusable_total|scrapes_total)' || true
+    grep -E '^kvindexer_(picker_(picks_total|metrics_unusable_total|scrapes_total|pick_latency_seconds_(sum|count))|score_latency_seconds_(sum|count))' || true
   kill "$daemon"
   wait "$daemon" 2>/dev/null || true
   daemon=""
