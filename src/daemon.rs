@@ -68,6 +68,21 @@ pub enum DaemonError {
     },
 }
 
+/// A gRPC server builder, with TLS when `server.tls` is set (the daemon's gRPC and the
+/// endpoint picker).
+fn grpc_builder(tls: &crate::config::TlsConfig) -> Result<tonic::transport::Server, DaemonError> {
+    let builder = tonic::transport::Server::builder();
+    if !tls.enabled() {
+        return Ok(builder);
+    }
+    builder
+        .tls_config(tls_config(tls)?)
+        .map_err(|e| DaemonError::Tls {
+            what: "server.tls".into(),
+            detail: e.to_string(),
+        })
+}
+
 /// The rustls server configuration from `server.tls` (files read at start).
 fn tls_config(
     tls: &crate::config::TlsConfig,
@@ -98,6 +113,8 @@ pub struct RunningDaemon {
     pub grpc_addr: SocketAddr,
     /// The HTTP address actually bound.
     pub metrics_addr: SocketAddr,
+    /// The endpoint picker's address actually bound, when it is enabled.
+    pub picker_addr: Option<SocketAddr>,
     /// The bind-mode ZMQ endpoint actually bound, if bind mode is on.
     pub zmq_endpoint: Option<String>,
     /// The index.
@@ -108,6 +125,7 @@ pub struct RunningDaemon {
     ready: Arc<AtomicBool>,
     ingest: IngestHandle,
     appender: Option<JoinHandle<()>>,
+    picker: Option<crate::picker::RunningPicker>,
     grpc: JoinHandle<Result<(), tonic::transport::Error>>,
     http: JoinHandle<std::io::Result<()>>,
     grace: Duration,
@@ -198,7 +216,7 @@ pub async fn start(config: Config) -> Result<RunningDaemon, DaemonError> {
         metrics.clone(),
         ingest.pods.clone(),
         config.server.clone(),
-        log,
+        log.clone(),
     );
     let (health_reporter, health_service) = tonic_health::server::health_reporter();
     health_reporter
@@ -222,15 +240,15 @@ pub async fn start(config: Config) -> Result<RunningDaemon, DaemonError> {
             source,
         })?;
     let mut grpc_shutdown = shutdown_rx.clone();
-    let mut builder = tonic::transport::Server::builder();
-    if config.server.tls.enabled() {
-        builder = builder
-            .tls_config(tls_config(&config.server.tls)?)
-            .map_err(|e| DaemonError::Tls {
-                what: "server.tls".into(),
-                detail: e.to_string(),
-            })?;
-    }
+    let builder = grpc_builder(&config.server.tls)?;
+    let picker_setup = crate::picker::PickerSetup {
+        indexer: indexer.clone(),
+        tokenizers: service.tokenizers.clone(),
+        metrics: metrics.clone(),
+        pods: ingest.pods.clone(),
+        log: log.clone(),
+        ready: ready.clone(),
+    };
     let grpc = tokio::spawn(
         builder
             // A 500-block prompt is ~25 KB of token ids: open windows wide enough that a
@@ -281,6 +299,29 @@ pub async fn start(config: Config) -> Result<RunningDaemon, DaemonError> {
             .await
     });
 
+    let picker = match config.endpoint_picker.enabled {
+        true => {
+            let addr = &config.endpoint_picker.addr;
+            let listener = listen("endpoint picker", addr).await?;
+            let builder = grpc_builder(&config.server.tls)?;
+            let started = crate::picker::start(
+                &config,
+                picker_setup,
+                listener,
+                builder,
+                shutdown_rx.clone(),
+            )
+            .await
+            .map_err(|source| DaemonError::Listen {
+                what: "endpoint picker",
+                addr: addr.clone(),
+                source,
+            })?;
+            Some(started)
+        }
+        false => None,
+    };
+
     if replication.is_none() {
         ready.store(true, Ordering::Relaxed);
     }
@@ -295,6 +336,8 @@ pub async fn start(config: Config) -> Result<RunningDaemon, DaemonError> {
         ready,
         ingest,
         appender,
+        picker_addr: picker.as_ref().map(|p| p.addr),
+        picker,
         grpc,
         http,
         grace: Duration::from_millis(config.server.shutdown_grace_ms),
@@ -344,6 +387,9 @@ impl RunningDaemon {
         let drain = async {
             self.ingest.join().await;
             let _ = self.grpc.await;
+            if let Some(picker) = self.picker {
+                picker.join().await;
+            }
             let _ = self.http.await;
             // Last: the workers and the admin API have let go of the append queue, so the
             // appender flushes what they appended and stops.

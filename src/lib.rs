@@ -9,6 +9,8 @@
 //!   it depends on ingestion and never the reverse;
 //! - [`server`]: gRPC (ScorePods, admin, llm-d compatibility, health, reflection) and HTTP
 //!   (metrics, probes);
+//! - [`picker`]: the endpoint picker of an `InferencePool` (Envoy ext_proc, GIE's protocol), off
+//!   by default, scoring through the server's ScorePods path and kv-core's pick;
 //! - [`config`], [`metrics`], [`daemon`]: the YAML schema, the Prometheus registry (attached to
 //!   the index and the tokenizer from the outside), and the wiring with ordered start-up and
 //!   graceful shutdown; `warn_budget`: how many warning lines input can cause; `heap`: freed
@@ -24,6 +26,7 @@ pub mod daemon;
 mod heap;
 mod ingest;
 mod metrics;
+mod picker;
 pub mod replication;
 mod server;
 mod warn_budget;

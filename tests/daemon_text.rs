@@ -7,9 +7,6 @@ mod support;
 
 use std::time::Duration;
 
-use bytes::Bytes;
-use kv_core::{encode_batch, BlockStored, EventBatch, KvEvent, Medium};
-use kv_core::{BlockHash, EngineHash};
 use kv_core::{RequestExtras, TokenProcessor, TokenProcessorConfig};
 use kv_indexer::config::{Config, ModelConfig};
 use kv_indexer::daemon::{self, RunningDaemon};
@@ -20,22 +17,7 @@ use kv_proto::kvindexer_v1::{
 };
 use kv_tokenize::LoadedTokenizer;
 use kv_tokenize::{ChatInput, ChatMessage as Msg};
-use zeromq::{PubSocket, Socket, SocketSend, ZmqMessage};
-
-/// One map-form `BlockStored` batch, as vLLM >= 0.24 publishes it (kv-core's encoder).
-fn block_stored(hashes: &[BlockHash], tokens: &[u32], block_size: usize) -> Vec<u8> {
-    encode_batch(&EventBatch {
-        ts: 1.7e9,
-        events: vec![KvEvent::BlockStored(Box::new(BlockStored {
-            block_hashes: hashes.iter().map(|&k| EngineHash::aligned(k)).collect(),
-            token_ids: tokens.to_vec(),
-            block_size: block_size as u32,
-            medium: Some(Medium::Gpu),
-            ..Default::default()
-        }))],
-        data_parallel_rank: Some(0),
-    })
-}
+use zeromq::{PubSocket, Socket, SocketSend};
 
 struct Fleet {
     daemon: RunningDaemon,
@@ -98,19 +80,16 @@ impl Fleet {
     ) -> u32 {
         let hashes = self.processor.block_hashes(ids, &RequestExtras::default());
         assert!(!hashes.is_empty(), "the prompt must have full blocks");
-        let payload = block_stored(
-            &hashes,
-            &ids[..hashes.len() * self.block_size],
-            self.block_size,
-        );
-        let topic = format!("kv@{pod}@{model}");
+        let tokens = &ids[..hashes.len() * self.block_size];
         for _ in 0..100 {
-            let msg = ZmqMessage::try_from(vec![
-                Bytes::from(topic.clone()),
-                Bytes::copy_from_slice(&self.seq.to_be_bytes()),
-                Bytes::from(payload.clone()),
-            ])
-            .expect("frames");
+            let msg = support::pods::token_stored_message(
+                model,
+                pod,
+                self.seq,
+                &hashes,
+                tokens,
+                self.block_size,
+            );
             self.publisher.send(msg).await.expect("send");
             tokio::time::sleep(Duration::from_millis(50)).await;
             let r = self
@@ -249,12 +228,9 @@ async fn prompt_and_chat_with_the_projects_own_tokenizer() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn qwen3_chat_finds_the_blocks_vllm_stored() {
-    let Some(dir) = support::shared_tokenizer("qwen3") else {
+    let Some((dir, samples)) = support::shared_samples("qwen3") else {
         return;
     };
-    let samples: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(dir.join("samples.json")).expect("samples"))
-            .expect("json");
     let chat = &samples["chat"];
     let ids: Vec<u32> = support::u32s(&chat["ids"]);
     let model = "Qwen/Qwen3-8B";

@@ -3,7 +3,10 @@
 //! is available here. Every rendered manifest must deserialize into the Kubernetes API types
 //! (`k8s-openapi`; the Prometheus Operator's kinds are checked field by field), and the
 //! configuration the chart writes must be one kv-indexer accepts, for the default values and
-//! each mode.
+//! each mode. The example manifests of `deploy/examples` are checked too: the vLLM ones for
+//! kv-indexer's settings, the InferencePool one against the Gateway API Inference Extension's
+//! CRD (vendored in `tests/fixtures/gie`, checked by `helm_chart/openapi.rs`) and against the
+//! Service the chart renders with the endpoint picker on.
 
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -16,6 +19,8 @@ use kv_indexer::config::Config;
 use serde::Deserialize;
 use serde_json::json;
 
+#[path = "helm_chart/openapi.rs"]
+mod openapi;
 #[path = "helm_chart/render.rs"]
 mod render;
 use render::{chart_dir, render};
@@ -318,6 +323,48 @@ fn connect_mode_discovers_a_deployment_by_its_headless_service() {
     assert_eq!(by_kind["Deployment"]["spec"]["replicas"], 3);
 }
 
+/// The vLLM examples of `deploy/examples`, checked below; `examples/inferencepool.yaml` is
+/// checked by the endpoint picker's tests. A new example must be added to one of them.
+const VLLM_EXAMPLES: [&str; 3] = [
+    "examples/vllm-deployment.yaml",
+    "examples/vllm-statefulset-connect.yaml",
+    "examples/vllm-deployment-connect.yaml",
+];
+const INFERENCEPOOL_EXAMPLE: &str = "examples/inferencepool.yaml";
+
+/// The documents of a (multi-document) YAML file under `deploy/`.
+fn deploy_docs(file: &str) -> Vec<serde_json::Value> {
+    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("deploy")
+        .join(file);
+    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{file}: {e}"));
+    serde_yaml::Deserializer::from_str(&text)
+        .map(|doc| {
+            let v = serde_yaml::Value::deserialize(doc).unwrap_or_else(|e| panic!("{file}: {e}"));
+            serde_json::to_value(v).expect("json")
+        })
+        .filter(|v| !v.is_null())
+        .collect()
+}
+
+#[test]
+fn every_example_manifest_is_checked() {
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("deploy/examples");
+    let mut found: Vec<String> = std::fs::read_dir(dir)
+        .expect("deploy/examples")
+        .flatten()
+        .map(|e| format!("examples/{}", e.file_name().to_string_lossy()))
+        .collect();
+    found.sort();
+    let mut checked: Vec<String> = VLLM_EXAMPLES
+        .iter()
+        .chain([&INFERENCEPOOL_EXAMPLE])
+        .map(|f| f.to_string())
+        .collect();
+    checked.sort();
+    assert_eq!(found, checked);
+}
+
 #[test]
 fn the_sidecar_patch_and_vllm_examples_are_valid_and_configured_for_kv_indexer() {
     let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("deploy");
@@ -328,15 +375,8 @@ fn the_sidecar_patch_and_vllm_examples_are_valid_and_configured_for_kv_indexer()
     let d: Deployment = serde_json::from_value(patch).expect("the patch is a Deployment");
     let c = &d.spec.expect("spec").template.spec.expect("pod").containers[0];
     assert_eq!(c.name, "kv-indexer");
-    for file in [
-        "examples/vllm-deployment.yaml",
-        "examples/vllm-statefulset-connect.yaml",
-        "examples/vllm-deployment-connect.yaml",
-    ] {
-        let text = std::fs::read_to_string(root.join(file)).expect("example");
-        for doc in serde_yaml::Deserializer::from_str(&text) {
-            let v = serde_json::to_value(serde_yaml::Value::deserialize(doc).expect("yaml"))
-                .expect("json");
+    for file in VLLM_EXAMPLES {
+        for v in deploy_docs(file) {
             match v["kind"].as_str() {
                 Some("Deployment") | Some("StatefulSet") => {
                     let args = v["spec"]["template"]["spec"]["containers"][0]["args"].to_string();
@@ -493,4 +533,346 @@ fn alerts_and_the_dashboard_render_from_deploy_monitoring_when_enabled() {
     assert_eq!(meta["annotations"]["grafana_folder"], "kv-indexer");
     let json = std::fs::read_to_string(monitoring.join("kv-indexer-dashboard.json")).expect("json");
     assert_eq!(board["data"]["kv-indexer.json"], json.trim_end());
+}
+
+/// The `endpointPicker` section of the configuration the chart writes, if any.
+fn picker_section(by_kind: &HashMap<String, serde_json::Value>) -> Option<serde_json::Value> {
+    let text = by_kind["ConfigMap"]["data"]["kv-indexer.yaml"]
+        .as_str()
+        .expect("config text");
+    let config: serde_json::Value = serde_yaml::from_str(text).expect("YAML");
+    config.get("endpointPicker").cloned()
+}
+
+/// The `from` peers of the NetworkPolicy's rule for `port`, if it has one.
+fn peers_of(by_kind: &HashMap<String, serde_json::Value>, port: u16) -> Option<serde_json::Value> {
+    let rules = by_kind["NetworkPolicy"]["spec"]["ingress"].as_array()?;
+    let rule = rules.iter().find(|r| {
+        let mut ports = r["ports"].as_array().into_iter().flatten();
+        ports.any(|p| p["port"] == port)
+    })?;
+    Some(rule["from"].clone())
+}
+
+#[test]
+fn the_endpoint_picker_port_and_configuration_appear_only_when_enabled() {
+    // By default nothing of it: no port, no peers, no configuration.
+    let docs = render(json!({}));
+    let text = serde_json::to_string(&docs).expect("json");
+    for word in [
+        "endpointPicker",
+        "grpc-ext-proc",
+        "9002",
+        "h2c",
+        "gateway-name",
+    ] {
+        assert!(!text.contains(word), "{word} rendered by default");
+    }
+    let by_kind = check_types(&docs);
+    assert_eq!(picker_section(&by_kind), None);
+    assert_eq!(peers_of(&by_kind, 9002), None, "closed by default");
+    assert!(!embedded_config(&by_kind).endpoint_picker.enabled);
+
+    let by_kind = check_types(&render(json!({"endpointPicker": {"enabled": true}})));
+    assert_eq!(
+        picker_section(&by_kind),
+        Some(json!({
+            "enabled": true,
+            "addr": "0.0.0.0:9002",
+            "metricsUrlTemplate": "http://{pod}/metrics",
+            "metricsInterval": "50ms",
+            "weights": {"prefix": 3, "queue": 2, "kvCacheUtilization": 2},
+        }))
+    );
+    let d: Deployment = serde_json::from_value(by_kind["Deployment"].clone()).expect("typed");
+    let c = &d.spec.expect("spec").template.spec.expect("pod").containers[0];
+    let ports: Vec<(Option<&str>, i32)> = c
+        .ports
+        .iter()
+        .flatten()
+        .map(|p| (p.name.as_deref(), p.container_port))
+        .collect();
+    assert_eq!(ports.last(), Some(&(Some("grpc-ext-proc"), 9002)));
+    // The daemon's HTTP health stays the probes' (the metrics port).
+    let ready = c.readiness_probe.as_ref().and_then(|p| p.http_get.as_ref());
+    assert_eq!(ready.and_then(|h| h.path.as_deref()), Some("/readyz"));
+    let svc: Service = serde_json::from_value(by_kind["Service"].clone()).expect("typed");
+    let ports = svc.spec.expect("spec").ports.unwrap_or_default();
+    let ext_proc = ports
+        .iter()
+        .find(|p| p.name.as_deref() == Some("grpc-ext-proc"))
+        .expect("the Service's ext_proc port");
+    assert_eq!(ext_proc.port, 9002);
+    assert_eq!(ext_proc.app_protocol.as_deref(), Some("kubernetes.io/h2c"));
+    assert_eq!(
+        ext_proc.target_port,
+        Some(k8s_openapi::apimachinery::pkg::util::intstr::IntOrString::Int(9002))
+    );
+    // Opened to the gateway's proxies only; the other rules as before.
+    let peers = peers_of(&by_kind, 9002).expect("a rule for the picker's port");
+    assert_eq!(
+        peers,
+        json!([{
+            "namespaceSelector": {},
+            "podSelector": {"matchLabels": {"gateway.networking.k8s.io/gateway-name": "inference-gateway"}},
+        }])
+    );
+    assert_eq!(
+        peers_of(&by_kind, 50051).expect("gRPC")[0]["podSelector"]["matchLabels"]
+            ["app.kubernetes.io/name"],
+        "epp"
+    );
+
+    // kv-indexer reads the section as written.
+    let picker = embedded_config(&by_kind).endpoint_picker;
+    assert!(picker.enabled);
+    assert_eq!(picker.addr, "0.0.0.0:9002");
+    assert_eq!(picker.metrics_url_template, "http://{pod}/metrics");
+    assert_eq!(picker.metrics_interval.to_string(), "50ms");
+    let w = &picker.weights;
+    assert_eq!((w.prefix, w.queue, w.kv_cache_utilization), (3.0, 2.0, 2.0));
+
+    // Its settings follow the values.
+    let by_kind = check_types(&render(json!({"endpointPicker": {
+        "enabled": true,
+        "port": 9102,
+        "metricsUrlTemplate": "http://{pod}/custom-metrics",
+        "metricsInterval": "200ms",
+        "weights": {"prefix": 1, "queue": 0, "kvCacheUtilization": 0},
+    }})));
+    assert_eq!(
+        picker_section(&by_kind),
+        Some(json!({
+            "enabled": true,
+            "addr": "0.0.0.0:9102",
+            "metricsUrlTemplate": "http://{pod}/custom-metrics",
+            "metricsInterval": "200ms",
+            "weights": {"prefix": 1, "queue": 0, "kvCacheUtilization": 0},
+        }))
+    );
+    let picker = embedded_config(&by_kind).endpoint_picker;
+    assert_eq!(picker.addr, "0.0.0.0:9102");
+    assert_eq!(picker.weights.queue, 0.0);
+    assert_eq!(picker.metrics_interval.to_string(), "200ms");
+    let ports = by_kind["Service"]["spec"]["ports"].to_string();
+    assert!(ports.contains("9102") && !ports.contains("9002"), "{ports}");
+    assert!(peers_of(&by_kind, 9102).is_some());
+
+    // In sidecar mode the EPP kv-indexer runs in is the picker.
+    let why = refusal(json!({"mode": "sidecar", "endpointPicker": {"enabled": true}}));
+    assert!(why.contains("needs mode: standalone"), "{why}");
+}
+
+/// The Gateway API Inference Extension's InferencePool CRD (`tests/fixtures/gie/ORIGIN.md`).
+fn inferencepool_crd() -> serde_json::Value {
+    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures/gie/inference.networking.k8s.io_inferencepools.yaml");
+    serde_yaml::from_str(&std::fs::read_to_string(path).expect("CRD")).expect("YAML")
+}
+
+/// What is wrong with the documents of an InferencePool example: the pool against GIE's CRD, and
+/// what it names against what it must name: the chart's Service rendered with the endpoint
+/// picker on (release `kvi`) and its ext_proc port, the pods of `vllm-deployment.yaml` and their
+/// API port, an HTTPRoute sending `/v1/` to the pool through a Gateway of the file, and that
+/// Gateway's proxies among the peers the chart's NetworkPolicy lets reach the picker.
+fn inferencepool_problems(docs: &[serde_json::Value]) -> Vec<String> {
+    let of_kind = |kind: &str| -> Vec<&serde_json::Value> {
+        docs.iter().filter(|d| d["kind"] == kind).collect()
+    };
+    let [pool] = of_kind("InferencePool")[..] else {
+        return vec!["not exactly one InferencePool".into()];
+    };
+    let mut problems = openapi::validate_against_crd(&inferencepool_crd(), pool);
+    let spec = &pool["spec"];
+
+    let chart = check_types(&render(json!({"endpointPicker": {"enabled": true}})));
+    let picker = &spec["endpointPickerRef"];
+    let service = &chart["Service"];
+    if picker["name"] != service["metadata"]["name"] {
+        problems.push(format!(
+            "endpointPickerRef.name {} is not the chart's Service {}",
+            picker["name"], service["metadata"]["name"]
+        ));
+    }
+    let (kind, group) = (picker.get("kind"), picker.get("group"));
+    if kind.is_some_and(|k| k != "Service") || group.is_some_and(|g| g != "") {
+        problems.push(format!("endpointPickerRef is not a Service: {picker}"));
+    }
+    let ports = service["spec"]["ports"].as_array().expect("ports");
+    let ext_proc = ports
+        .iter()
+        .find(|p| p["name"] == "grpc-ext-proc")
+        .expect("the chart's Service has the picker's port");
+    if picker["port"]["number"] != ext_proc["port"] {
+        problems.push(format!(
+            "endpointPickerRef.port.number {} is not the chart's Service port grpc-ext-proc {}",
+            picker["port"]["number"], ext_proc["port"]
+        ));
+    }
+    assert_eq!(ext_proc["appProtocol"], "kubernetes.io/h2c");
+
+    let vllm = deploy_docs(VLLM_EXAMPLES[0])
+        .into_iter()
+        .find(|d| d["kind"] == "Deployment")
+        .expect("the vLLM Deployment");
+    let labels = &vllm["spec"]["template"]["metadata"]["labels"];
+    let selects = spec["selector"]["matchLabels"]
+        .as_object()
+        .is_some_and(|m| !m.is_empty() && m.iter().all(|(k, v)| labels[k] == *v));
+    if !selects {
+        problems.push(format!(
+            "spec.selector {} does not select the pods of {} ({labels})",
+            spec["selector"], VLLM_EXAMPLES[0]
+        ));
+    }
+    let api_port = vllm["spec"]["template"]["spec"]["containers"][0]["ports"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .find(|p| p["name"] == "http")
+        .map(|p| p["containerPort"].clone())
+        .expect("vLLM's API port");
+    if spec["targetPorts"] != json!([{"number": api_port}]) {
+        problems.push(format!(
+            "spec.targetPorts {} is not vLLM's API port {api_port}",
+            spec["targetPorts"]
+        ));
+    }
+
+    let gateways = of_kind("Gateway");
+    let gateway_names: Vec<&serde_json::Value> =
+        gateways.iter().map(|g| &g["metadata"]["name"]).collect();
+    for g in &gateways {
+        let ok = g["apiVersion"] == "gateway.networking.k8s.io/v1"
+            && g["spec"]["gatewayClassName"]
+                .as_str()
+                .is_some_and(|c| !c.is_empty())
+            && g["spec"]["listeners"]
+                .as_array()
+                .is_some_and(|l| !l.is_empty());
+        if !ok {
+            problems.push(format!("an incomplete Gateway: {g}"));
+        }
+    }
+    let list = |v: &serde_json::Value| v.as_array().cloned().unwrap_or_default();
+    let routed = of_kind("HTTPRoute").iter().any(|r| {
+        let through_gateway = list(&r["spec"]["parentRefs"])
+            .iter()
+            .any(|p| p["kind"] == "Gateway" && gateway_names.contains(&&p["name"]));
+        let to_pool = list(&r["spec"]["rules"]).iter().any(|rule| {
+            let v1 = json!({"type": "PathPrefix", "value": "/v1/"});
+            list(&rule["matches"]).iter().any(|m| m["path"] == v1)
+                && list(&rule["backendRefs"]).iter().any(|b| {
+                    b["group"] == "inference.networking.k8s.io"
+                        && b["kind"] == "InferencePool"
+                        && b["name"] == pool["metadata"]["name"]
+                })
+        });
+        r["apiVersion"] == "gateway.networking.k8s.io/v1" && through_gateway && to_pool
+    });
+    if !routed {
+        problems.push("no HTTPRoute sends /v1/ to the pool through a Gateway of the file".into());
+    }
+    let label = "gateway.networking.k8s.io/gateway-name";
+    let port = ext_proc["port"].as_u64().expect("port") as u16;
+    let admitted = list(&peers_of(&chart, port).expect("the picker's rule"))
+        .iter()
+        .any(|peer| gateway_names.contains(&&peer["podSelector"]["matchLabels"][label]));
+    if !admitted {
+        problems.push("the chart's NetworkPolicy does not admit the Gateway's proxies".into());
+    }
+    problems
+}
+
+#[test]
+fn the_inferencepool_example_is_valid_and_names_kv_indexer_as_its_endpoint_picker() {
+    let docs = deploy_docs(INFERENCEPOOL_EXAMPLE);
+    let kinds: Vec<&str> = docs.iter().filter_map(|d| d["kind"].as_str()).collect();
+    assert_eq!(kinds, ["InferencePool", "Gateway", "HTTPRoute"]);
+    let problems = inferencepool_problems(&docs);
+    assert!(problems.is_empty(), "{problems:#?}");
+}
+
+/// Negative controls: each edit breaks the example, and the check must say how.
+#[test]
+fn a_broken_inferencepool_example_fails_the_check() {
+    type Edit = fn(&mut serde_json::Value);
+    fn pool(docs: &mut [serde_json::Value]) -> &mut serde_json::Value {
+        docs.iter_mut()
+            .find(|d| d["kind"] == "InferencePool")
+            .expect("the pool")
+    }
+    let edits: [(&str, Edit); 12] = [
+        ("Service port grpc-ext-proc", |p| {
+            p["spec"]["endpointPickerRef"]["port"]["number"] = json!(9003)
+        }),
+        ("spec.selector: required", |p| {
+            p["spec"].as_object_mut().expect("spec").remove("selector");
+        }),
+        (
+            "endpointPickerRef.failureMode: \"FailSometimes\" is not one of",
+            |p| p["spec"]["endpointPickerRef"]["failureMode"] = json!("FailSometimes"),
+        ),
+        ("appProtocol: \"http2\" is not one of", |p| {
+            p["spec"]["appProtocol"] = json!("http2")
+        }),
+        ("port.number: \"9002\" is not an integer", |p| {
+            p["spec"]["endpointPickerRef"]["port"]["number"] = json!("9002")
+        }),
+        ("port is required when kind is 'Service'", |p| {
+            let r = p["spec"]["endpointPickerRef"].as_object_mut().expect("ref");
+            r.remove("port");
+        }),
+        ("spec.endpointPickerref: unknown field", |p| {
+            let spec = p["spec"].as_object_mut().expect("spec");
+            let r = spec.remove("endpointPickerRef").expect("ref");
+            spec.insert("endpointPickerref".into(), r);
+        }),
+        ("port number must be unique", |p| {
+            p["spec"]["targetPorts"] = json!([{"number": 8000}, {"number": 8000}])
+        }),
+        ("70000 is above 65535", |p| {
+            p["spec"]["targetPorts"] = json!([{"number": 70000}])
+        }),
+        ("does not select the pods", |p| {
+            p["spec"]["selector"]["matchLabels"] = json!({"app": "vllm-llama"})
+        }),
+        ("is not the chart's Service", |p| {
+            p["spec"]["endpointPickerRef"]["name"] = json!("kv-indexer")
+        }),
+        ("version v1alpha2 is not served", |p| {
+            p["apiVersion"] = json!("inference.networking.k8s.io/v1alpha2")
+        }),
+    ];
+    let example = deploy_docs(INFERENCEPOOL_EXAMPLE);
+    for (expected, edit) in edits {
+        let mut docs = example.clone();
+        edit(pool(&mut docs));
+        let problems = inferencepool_problems(&docs);
+        assert!(
+            problems.iter().any(|p| p.contains(expected)),
+            "{expected:?} not among {problems:#?}"
+        );
+    }
+    // The route to the pool, and the Gateway the chart's NetworkPolicy admits.
+    let mut docs = example.clone();
+    pool(&mut docs)["metadata"]["name"] = json!("another-pool");
+    let problems = inferencepool_problems(&docs);
+    assert!(
+        problems.iter().any(|p| p.contains("no HTTPRoute")),
+        "{problems:#?}"
+    );
+    let mut docs = example;
+    for d in docs.iter_mut().filter(|d| d["kind"] == "Gateway") {
+        d["metadata"]["name"] = json!("another-gateway");
+    }
+    let problems = inferencepool_problems(&docs);
+    assert!(
+        problems.iter().any(|p| p.contains("no HTTPRoute")),
+        "{problems:#?}"
+    );
+    assert!(
+        problems.iter().any(|p| p.contains("does not admit")),
+        "{problems:#?}"
+    );
 }

@@ -1,6 +1,7 @@
 //! Optional TLS for gRPC (rustls), over real sockets: with `server.tls` set, a client that
 //! trusts the certificate scores, a plaintext client is refused; with `clientCaFile`, a client
-//! without a certificate is refused too. The certificates are made here with `openssl`.
+//! without a certificate is refused too; the endpoint picker's port (ext_proc and its health
+//! service) is TLS the same way. The certificates are made here with `openssl`.
 
 mod support;
 
@@ -83,15 +84,40 @@ fn tls_config(dir: &Path, mutual: bool) -> Config {
     c
 }
 
-async fn list_pods(port: u16, tls: Option<ClientTlsConfig>) -> Result<(), String> {
+/// A channel to `localhost:port`, over TLS when `tls` is given.
+async fn channel(
+    port: u16,
+    tls: Option<ClientTlsConfig>,
+) -> Result<tonic::transport::Channel, String> {
     let scheme = if tls.is_some() { "https" } else { "http" };
     let mut endpoint =
         Endpoint::from_shared(format!("{scheme}://localhost:{port}")).map_err(|e| e.to_string())?;
     if let Some(tls) = tls {
         endpoint = endpoint.tls_config(tls).map_err(|e| e.to_string())?;
     }
-    let channel = endpoint.connect().await.map_err(|e| format!("{e:?}"))?;
-    KvIndexerClient::new(channel)
+    endpoint.connect().await.map_err(|e| format!("{e:?}"))
+}
+
+/// The test certificates in `dir`; `false` (after saying so) where openssl cannot make them,
+/// which CI does not accept.
+fn certificates_or_skip(dir: &Path) -> bool {
+    if certificates(dir) {
+        return true;
+    }
+    if std::env::var("CI").as_deref() == Ok("true") {
+        panic!("CI must have openssl to make the test certificates");
+    }
+    use std::io::Write;
+    let _ = writeln!(
+        std::io::stderr().lock(),
+        "SKIPPED {}: no openssl to make test certificates (CI has it)",
+        std::thread::current().name().unwrap_or("a TLS test")
+    );
+    false
+}
+
+async fn list_pods(port: u16, tls: Option<ClientTlsConfig>) -> Result<(), String> {
+    KvIndexerClient::new(channel(port, tls).await?)
         .list_pods(ListPodsRequest::default())
         .await
         .map(|_| ())
@@ -101,15 +127,7 @@ async fn list_pods(port: u16, tls: Option<ClientTlsConfig>) -> Result<(), String
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn grpc_over_tls_and_mutual_tls() {
     let dir = support::temp_dir("tls");
-    if !certificates(&dir) {
-        if std::env::var("CI").as_deref() == Ok("true") {
-            panic!("CI must have openssl to make the test certificates");
-        }
-        use std::io::Write;
-        let _ = writeln!(
-            std::io::stderr().lock(),
-            "SKIPPED grpc_over_tls_and_mutual_tls: no openssl to make test certificates (CI has it)"
-        );
+    if !certificates_or_skip(&dir) {
         return;
     }
     let ca = Certificate::from_pem(std::fs::read(dir.join("ca.pem")).expect("ca"));
@@ -153,4 +171,43 @@ async fn grpc_over_tls_and_mutual_tls() {
         .err()
         .expect("a missing key file fails start-up");
     assert!(e.to_string().contains("server.tls.keyFile"), "{e}");
+}
+
+/// `grpc.health.v1.Health/Check` of `service` on `port`, over TLS when `tls` is given.
+async fn health(port: u16, tls: Option<ClientTlsConfig>, service: &str) -> Result<i32, String> {
+    use tonic_health::pb::{health_client::HealthClient, HealthCheckRequest};
+    HealthClient::new(channel(port, tls).await?)
+        .check(HealthCheckRequest {
+            service: service.into(),
+        })
+        .await
+        .map(|r| r.into_inner().status)
+        .map_err(|s| s.to_string())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_endpoint_picker_serves_tls_as_the_grpc_port_does() {
+    let dir = support::temp_dir("tls-picker");
+    if !certificates_or_skip(&dir) {
+        return;
+    }
+    let ca = Certificate::from_pem(std::fs::read(dir.join("ca.pem")).expect("ca"));
+    let trusting = ClientTlsConfig::new()
+        .ca_certificate(ca)
+        .domain_name("localhost");
+    let mut c = tls_config(&dir, false);
+    c.endpoint_picker.enabled = true;
+    c.endpoint_picker.addr = "127.0.0.1:0".into();
+    let d = daemon::start(c).await.expect("daemon starts with TLS");
+    let port = d.picker_addr.expect("the picker is on").port();
+    assert_eq!(
+        health(port, Some(trusting), "liveness").await,
+        Ok(1),
+        "a trusting client is served"
+    );
+    assert!(
+        health(port, None, "liveness").await.is_err(),
+        "plaintext is refused"
+    );
+    d.shutdown().await;
 }

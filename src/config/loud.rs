@@ -123,7 +123,8 @@ impl Config {
         }
         let scoring = &self.scoring;
         let scoring_defaults = super::ScoringConfig::default();
-        if !server.enable_record_routing && !self.replication.enabled {
+        let recorded = server.enable_record_routing || self.endpoint_picker.enabled;
+        if !recorded && !self.replication.enabled {
             for (field, set) in [
                 (
                     "scoring.speculativeTtl",
@@ -145,8 +146,9 @@ impl Config {
                 if set {
                     warn(
                         field,
-                        "applies to recorded routings, and server.enableRecordRouting is false \
-                         (and no replica shares its log): none are recorded",
+                        "applies to recorded routings, and server.enableRecordRouting and \
+                         endpointPicker.enabled are false (and no replica shares its log): none \
+                         are recorded",
                     );
                 }
             }
@@ -195,6 +197,7 @@ impl Config {
                 }
             }
         }
+        self.endpoint_picker.warnings(&mut out);
         out
     }
 }

@@ -1,6 +1,6 @@
 //! The daemon's configuration: YAML in the shape operators already use for llm-d's
 //! precise-prefix-cache scorer (`indexerConfig`, `kvEventsConfig`), plus kv-indexer's own
-//! sections (`server`, `scoring`, `models`).
+//! sections (`server`, `scoring`, `models`, `replication`, `endpointPicker`).
 //!
 //! Invariants: every field has a default, so an empty file (or none) is a working config; an
 //! unknown field or a bad value is an error naming the field's path; environment overrides
@@ -10,6 +10,7 @@
 mod duration;
 mod events;
 mod loud;
+mod picker;
 mod settings;
 mod validate;
 
@@ -19,6 +20,7 @@ pub use events::{
     MAX_POD_LEN,
 };
 pub use loud::ConfigWarning;
+pub use picker::{EndpointPickerConfig, PickWeightsConfig};
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -81,6 +83,8 @@ pub struct Config {
     pub models: BTreeMap<String, ModelConfig>,
     /// Several replicas sharing one index through Redis (off by default).
     pub replication: ReplicationConfig,
+    /// kv-indexer as an InferencePool's endpoint picker (Envoy ext_proc; off by default).
+    pub endpoint_picker: EndpointPickerConfig,
 }
 
 /// Replication through Redis (or Valkey): a shared event log, snapshots and warm restarts.

@@ -235,6 +235,7 @@ impl Config {
             let unit = m.hash_block_size.or(tp.hash_block_size);
             check_block_sizes(&format!("models.{model}"), block, unit)?;
         }
+        self.endpoint_picker.validate()?;
         self.validate_replication()
     }
 

@@ -13,6 +13,7 @@
 mod discovery;
 mod index;
 mod ingest;
+mod picker;
 mod registry;
 mod replication;
 mod scoring;
@@ -28,6 +29,7 @@ use prometheus::{Encoder, IntGauge, Registry, TextEncoder};
 pub use discovery::DiscoveryMetrics;
 pub use index::IndexMetrics;
 pub use ingest::IngestMetrics;
+pub use picker::PickerMetrics;
 pub use registry::Labels;
 pub use replication::ReplicationMetrics;
 pub use scoring::ScoringMetrics;
@@ -54,6 +56,8 @@ pub struct Metrics {
     pub translation: TranslationMetrics,
     /// The replication log, snapshots and Redis (zero while replication is off).
     pub replication: ReplicationMetrics,
+    /// The endpoint picker (zero while it is off).
+    pub picker: PickerMetrics,
     /// Tokenization (the tokenizer service's observer).
     pub tokenizer: Arc<TokenizerMetrics>,
     /// The process's resident memory, read at scrape time (soak tests watch it).
@@ -73,6 +77,7 @@ impl Metrics {
             speculation: SpeculationMetrics::new(&registry, labels.clone()),
             translation: TranslationMetrics::new(&registry, labels.clone()),
             replication: ReplicationMetrics::new(&registry),
+            picker: PickerMetrics::new(&registry),
             tokenizer: Arc::new(TokenizerMetrics::new(&registry)),
             resident_memory: registry::gauge(
                 &registry,

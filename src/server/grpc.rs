@@ -24,7 +24,7 @@ use kv_tokenize::TokenizerService;
 /// State shared by both services.
 pub struct ScoreService {
     pub(super) indexer: Arc<Indexer>,
-    pub(super) tokenizers: Arc<TokenizerService>,
+    pub(crate) tokenizers: Arc<TokenizerService>,
     pub(super) metrics: Arc<Metrics>,
     pub(super) pods: Pods,
     pub(super) limits: ServerConfig,
@@ -59,13 +59,29 @@ impl ScoreService {
     }
 
     /// Takes a slot of `maxConcurrentRequests`, or refuses at once.
-    pub(super) fn admit(&self) -> Result<tokio::sync::OwnedSemaphorePermit, Status> {
+    pub(crate) fn admit(&self) -> Result<tokio::sync::OwnedSemaphorePermit, Status> {
         self.in_flight.clone().try_acquire_owned().map_err(|_| {
             Status::resource_exhausted(format!(
                 "too many score requests in flight (server.maxConcurrentRequests = {})",
                 self.limits.max_concurrent_requests
             ))
         })
+    }
+
+    /// `RecordRouting` on this service's prompt keys and shared log (the RPC, once admitted;
+    /// the endpoint picker records its picks through it).
+    pub(crate) fn record(
+        &self,
+        req: kvindexer_v1::RecordRoutingRequest,
+    ) -> Result<kvindexer_v1::RecordRoutingResponse, Status> {
+        routing::record_routing(
+            &self.indexer,
+            &self.prompt_keys,
+            &self.metrics,
+            self.log.as_ref(),
+            self.limits.max_prompt_tokens,
+            req,
+        )
     }
 
     /// Counts an RPC's outcome by gRPC code.
@@ -113,14 +129,7 @@ impl kvindexer_v1::kv_indexer_server::KvIndexer for KvIndexerApi {
             ));
         }
         let result = match svc.admit() {
-            Ok(_permit) => routing::record_routing(
-                &svc.indexer,
-                &svc.prompt_keys,
-                &svc.metrics,
-                svc.log.as_ref(),
-                svc.limits.max_prompt_tokens,
-                request.into_inner(),
-            ),
+            Ok(_permit) => svc.record(request.into_inner()),
             Err(s) => Err(s),
         };
         svc.count_request("RecordRouting", &result.as_ref().map(|_| ()));

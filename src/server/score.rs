@@ -70,7 +70,9 @@ impl ScoreService {
         Ok(())
     }
 
-    pub(super) async fn score(
+    /// `ScorePods` (validated, tokenized, scored; a prompt key when RecordRouting is on): the
+    /// RPC's body, and the endpoint picker's score.
+    pub(crate) async fn score(
         &self,
         req: kvindexer_v1::ScorePodsRequest,
         deadline: Instant,

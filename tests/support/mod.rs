@@ -8,6 +8,7 @@ use serde_json::Value;
 #[path = "../../crates/kv-core/tests/support/mod.rs"]
 mod core;
 pub mod dns;
+pub mod picker;
 pub mod pods;
 pub mod prometheus;
 pub mod redis;
@@ -123,6 +124,15 @@ pub fn shared_tokenizer(name: &str) -> Option<std::path::PathBuf> {
         "tokenizer.json",
         "the real tokenizers",
     )
+}
+
+/// `../shared/tokenizers/<name>` and its `samples.json` (text, ids and a chat as the reference
+/// implementation encodes them), or `None` after saying why the caller is skipped.
+pub fn shared_samples(name: &str) -> Option<(std::path::PathBuf, Value)> {
+    let dir = shared_tokenizer(name)?;
+    let text = std::fs::read_to_string(dir.join("samples.json")).expect("samples.json");
+    let samples = serde_json::from_str(&text).expect("samples.json is JSON");
+    Some((dir, samples))
 }
 
 /// Runs `kv-indexer ARGS --json`, requires success and returns the parsed output.

@@ -4,7 +4,7 @@
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use kv_core::{encode_batch, BlockHash, EngineHash, EventBatch};
+use kv_core::{encode_batch, BlockHash, BlockStored, EngineHash, EventBatch, KvEvent, Medium};
 use kv_indexer::config::ConfigDuration;
 use kv_indexer::daemon::RunningDaemon;
 use kv_proto::kvindexer_v1::{ListPodsRequest, PodInfo, PodState};
@@ -41,6 +41,30 @@ pub fn ranked_message(
 ) -> ZmqMessage {
     let published: Vec<EngineHash> = hashes.iter().map(|&k| EngineHash::aligned(k)).collect();
     let payload = encode_batch(&EventBatch::stored_on_gpu(1.7e9, rank, &published, 16));
+    payload_message(model, pod, seq, &payload)
+}
+
+/// Message `seq` of `pod` for `model`: one map-form `BlockStored` of `hashes` with their
+/// `tokens` (GPU, rank 0), as vLLM >= 0.24 publishes it.
+pub fn token_stored_message(
+    model: &str,
+    pod: &str,
+    seq: u64,
+    hashes: &[BlockHash],
+    tokens: &[u32],
+    block_size: usize,
+) -> ZmqMessage {
+    let payload = encode_batch(&EventBatch {
+        ts: 1.7e9,
+        events: vec![KvEvent::BlockStored(Box::new(BlockStored {
+            block_hashes: hashes.iter().map(|&k| EngineHash::aligned(k)).collect(),
+            token_ids: tokens.to_vec(),
+            block_size: block_size as u32,
+            medium: Some(Medium::Gpu),
+            ..Default::default()
+        }))],
+        data_parallel_rank: Some(0),
+    });
     payload_message(model, pod, seq, &payload)
 }
 

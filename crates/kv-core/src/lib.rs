@@ -8,7 +8,9 @@
 //! - `indexer`: per-model indexes and token processors, batch application, hash-mismatch
 //!   detection, translation of engines whose hashes are not the index's keys (keys from their
 //!   token ids), pod scores and speculative entries (recorded routings not yet confirmed by
-//!   events) ([`Indexer`]): what a transport (the daemon, a gateway, a benchmark) calls.
+//!   events) ([`Indexer`]): what a transport (the daemon, a gateway, a benchmark) calls;
+//! - `pick`: which candidate serves a request, from the index's prefix scores and the pods'
+//!   load, as llm-d's default profile scores them ([`pick()`]).
 //!
 //! Every block in the index is keyed by a [`BlockHash`] (computed from token ids); what an
 //! engine publishes in its events is an [`EngineHash`], a key only for an aligned engine
@@ -33,6 +35,7 @@ mod marks;
 #[allow(unsafe_code)]
 mod memory;
 mod mix;
+mod pick;
 mod seqlock;
 
 // The public surface: everything a transport, a gateway, the lab or a benchmark uses. Modules
@@ -73,6 +76,9 @@ pub use indexer::{
     SpeculationStats, TranslatedBlock, TranslationReport, Untranslatable, ALL_PODS,
     DEFAULT_MAX_MODELS, MAX_TTL_FACTOR,
 };
+
+/// The endpoint pick: llm-d's default scoring profile over candidates, I/O-free (`pick`).
+pub use pick::{pick, Candidate, Pick, PickError, PickSettings, PickWeights, PodMetrics, Ranked};
 
 /// 64-bit mixing, the project's one PRNG and its one FNV-1a (`mix`).
 pub use mix::{fnv1a, mix64, Fnv1a, SplitMix64};

@@ -9,7 +9,7 @@
 //!   `(p + r) % documents` and evicts the one it stored two rounds before, so the index stays
 //!   bounded while every pod keeps churning;
 //! - `score_concurrency` tasks call ScorePods with a document's tokens and every pod as a
-//!   candidate.
+//!   candidate, or, with `--ext-proc`, ask the daemon's endpoint picker as Envoy would.
 //!
 //! It reports messages and blocks sent, blocks and events the daemon applied (from its
 //! `/metrics`, before and after), sequence gaps, and ScorePods latency under load beside the
@@ -28,6 +28,7 @@ use thiserror::Error;
 mod agree;
 mod callers;
 mod churn;
+mod picks;
 mod report;
 
 pub use agree::AgreementReport;
@@ -141,6 +142,16 @@ pub struct LoadgenArgs {
     /// Seconds of idle ScorePods calls first (the latency baseline).
     #[arg(long, default_value_t = 2)]
     pub baseline: u64,
+    /// Ask the daemon's endpoint picker (Envoy ext_proc, e.g. `http://127.0.0.1:9002`) instead of
+    /// calling ScorePods: each call is one request's ext_proc stream (FULL_DUPLEX_STREAMED, the
+    /// prompt's token ids as a completions body), timed to the pick.
+    #[arg(long)]
+    pub ext_proc: Option<String>,
+    /// Serve every simulated pod's vLLM metrics page at `http://ADDR/<pod>/metrics` (loopback),
+    /// for the picker's scraper (`endpointPicker.metricsUrlTemplate:
+    /// "http://ADDR/{pod}/metrics"`).
+    #[arg(long)]
+    pub pod_metrics: Option<String>,
     /// Print JSON instead of text.
     #[arg(long)]
     pub json: bool,
@@ -388,6 +399,9 @@ async fn run_async(args: LoadgenArgs) -> Result<LoadgenReport, LoadgenError> {
         .connect(&args.zmq_endpoint)
         .await
         .map_err(|source| publisher.error(source))?;
+    if let Some(addr) = &args.pod_metrics {
+        picks::serve_pod_metrics(addr).await?;
+    }
     // Let the subscription reach the PUB (ZeroMQ's slow joiner).
     tokio::time::sleep(Duration::from_millis(500)).await;
 
@@ -424,6 +438,11 @@ async fn run_async(args: LoadgenArgs) -> Result<LoadgenReport, LoadgenError> {
         baseline_started.elapsed().as_secs_f64(),
     );
     let mut report = LoadgenReport {
+        calls: if args.ext_proc.is_some() {
+            "picks"
+        } else {
+            "ScorePods"
+        },
         duration_s: 0.0,
         pods: args.pods,
         prompt_blocks: args.prompt_blocks,

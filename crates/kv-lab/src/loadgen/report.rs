@@ -35,7 +35,8 @@ pub struct ScorePhase {
     pub p99_us: f64,
     /// Slowest call, microseconds.
     pub max_us: f64,
-    /// Mean matched blocks of the best pod (0 means the prompts were not found).
+    /// Mean matched blocks of the best pod (0 means the prompts were not found); with
+    /// `--ext-proc`, the share of requests answered with a pick.
     pub avg_matched_blocks: f64,
 }
 
@@ -56,6 +57,8 @@ impl ScorePhase {
 /// and after) and ScorePods latency idle (the baseline, same run) and under load.
 #[derive(Debug, Clone, Serialize)]
 pub struct LoadgenReport {
+    /// What the callers timed: `ScorePods`, or `picks` (the endpoint picker, `--ext-proc`).
+    pub calls: &'static str,
     /// Seconds of load (0 for a warm-up-only run).
     pub duration_s: f64,
     /// Simulated pods.
@@ -265,16 +268,16 @@ impl LoadgenReport {
         let idle = &self.score_idle;
         let Some(loaded) = &self.score_under_load else {
             return format!(
-                "warm-up only: {} pods stored one prompt each; ScorePods idle {} calls, p50 {:.1} us, p99 {:.1} us",
-                self.pods, idle.calls, idle.p50_us, idle.p99_us
+                "warm-up only: {} pods stored one prompt each; {} idle {} calls, p50 {:.1} us, p99 {:.1} us",
+                self.pods, self.calls, idle.calls, idle.p50_us, idle.p99_us
             );
         };
         format!(
             "load: {} pods, prompts of {} blocks, {:.1}s\n\
              sent:    {:>10.0} msgs/s  {:>12.0} blocks/s\n\
              applied: {:>10.0} events/s {:>12.0} blocks/s  (gaps {}, lost messages {})\n\
-             ScorePods idle:       {:>7} calls  p50 {:>8.1} us  p99 {:>8.1} us\n\
-             ScorePods under load: {:>7} calls  p50 {:>8.1} us  p99 {:>8.1} us  (p99 ratio to idle {:.2})",
+             {:<9} idle:       {:>7} calls  p50 {:>8.1} us  p99 {:>8.1} us\n\
+             {:<9} under load: {:>7} calls  p50 {:>8.1} us  p99 {:>8.1} us  (p99 ratio to idle {:.2}; {:.0} calls/s)",
             self.pods,
             self.prompt_blocks,
             self.duration_s,
@@ -284,13 +287,16 @@ impl LoadgenReport {
             self.applied_blocks_per_s,
             self.sequence_gaps,
             self.messages_lost,
+            self.calls,
             idle.calls,
             idle.p50_us,
             idle.p99_us,
+            self.calls,
             loaded.calls,
             loaded.p50_us,
             loaded.p99_us,
-            loaded.p99_us / idle.p99_us.max(1e-9)
+            loaded.p99_us / idle.p99_us.max(1e-9),
+            loaded.calls_per_s
         )
     }
 }

@@ -18,3 +18,8 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- end -}}
 {{- end -}}
 {{- end }}
+{{- define "kv-indexer.endpointPickerCheck" -}}
+{{- if and .Values.endpointPicker.enabled (ne .Values.mode "standalone") -}}
+{{- fail "endpointPicker.enabled needs mode: standalone: in sidecar mode kv-indexer runs inside an EPP, which is the InferencePool's endpoint picker itself" -}}
+{{- end -}}
+{{- end }}

@@ -1,0 +1,465 @@
+//! The endpoint pick: which of a request's candidate pods serves it, scored as llm-d's default
+//! scheduling profile scores them, with no I/O (the daemon's ext_proc endpoint picker and the
+//! lab's simulator call the same function).
+//!
+//! Three scorers, each giving every candidate a value in `[0, 1]`, summed with weights
+//! ([`PickWeights`], 3:2:2 by default, as llm-d's default profile):
+//! - prefix: the index's prefix score ([`Candidate::prefix_score`]), min-max normalised over the
+//!   candidates (the best holder 1, the worst 0; all equal: 1 when they hold something, else 0);
+//! - queue (llm-d's `queue-scorer`): `(max - q) / (max - min)` over the candidates' waiting
+//!   requests (`vllm:num_requests_waiting`); all equal: 1;
+//! - KV-cache utilisation (llm-d's `kv-cache-utilization-scorer`): `1 - usage`
+//!   (`vllm:kv_cache_usage_perc`, clamped to `[0, 1]`).
+//!
+//! Invariants:
+//! - the metric scorers apply only when every candidate has metrics no older than
+//!   [`PickSettings::max_metrics_age`]; otherwise the pick is the index's alone (the prefix
+//!   scorer), and [`Pick::stale`] / [`Pick::missing`] count the candidates that caused it, so a
+//!   pod whose scraper fails can neither win nor lose on numbers that are not current;
+//! - the order is total and best first: the candidates are shuffled (the injected RNG), then
+//!   sorted stably by score, so equals are ordered at random and a seed makes it repeatable;
+//! - every candidate appears exactly once in [`Pick::order`] (the rest are the gateway's ordered
+//!   fallbacks);
+//! - bad input (no candidate, a weight that is negative or not finite, all weights zero, a
+//!   score that is not finite) is a [`PickError`], never a panic.
+
+use std::time::Duration;
+
+use thiserror::Error;
+
+use crate::SplitMix64;
+
+/// The scorers' weights (llm-d's default profile: prefix 3, queue 2, KV-cache utilisation 2).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct PickWeights {
+    /// The index's prefix score.
+    pub prefix: f64,
+    /// Waiting requests (`vllm:num_requests_waiting`).
+    pub queue: f64,
+    /// KV-cache usage (`vllm:kv_cache_usage_perc`).
+    pub kv_cache_utilization: f64,
+}
+
+impl Default for PickWeights {
+    fn default() -> Self {
+        Self {
+            prefix: 3.0,
+            queue: 2.0,
+            kv_cache_utilization: 2.0,
+        }
+    }
+}
+
+/// How a pick is made.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct PickSettings {
+    /// The scorers' weights.
+    pub weights: PickWeights,
+    /// Metrics older than this are stale: the pick falls back to the index alone.
+    pub max_metrics_age: Duration,
+}
+
+impl Default for PickSettings {
+    fn default() -> Self {
+        Self {
+            weights: PickWeights::default(),
+            // Ten of GIE's 50 ms scrape intervals.
+            max_metrics_age: Duration::from_millis(500),
+        }
+    }
+}
+
+/// A pod's load, as its Prometheus endpoint last reported it.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct PodMetrics {
+    /// Requests waiting (`vllm:num_requests_waiting`).
+    pub waiting_requests: f64,
+    /// Share of the KV cache in use, 0 to 1 (`vllm:kv_cache_usage_perc`).
+    pub kv_cache_usage: f64,
+    /// How long ago they were read.
+    pub age: Duration,
+}
+
+/// One pod (or one data-parallel rank of a pod) the request may go to.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Candidate {
+    /// The pod's name (`ip:port`, as vLLM's topic names it).
+    pub pod: String,
+    /// Its data-parallel rank, for a data-parallel pod.
+    pub rank: Option<u32>,
+    /// The index's prefix score for the prompt (tier-weighted blocks; 0 when it holds none).
+    pub prefix_score: f64,
+    /// Its load, when known.
+    pub metrics: Option<PodMetrics>,
+}
+
+/// Why no pick was made.
+#[derive(Debug, Clone, PartialEq, Error)]
+pub enum PickError {
+    /// There is nothing to pick from.
+    #[error("no candidate to pick from")]
+    NoCandidates,
+    /// A weight is negative or not finite, or all are zero.
+    #[error("pick weights must be finite, non-negative and not all zero: {0:?}")]
+    BadWeights(PickWeights),
+    /// A candidate's prefix score or metric is not a finite number.
+    #[error("candidate {pod:?} has a score or metric that is not a finite number")]
+    NotFinite {
+        /// The candidate.
+        pod: String,
+    },
+}
+
+/// One candidate's place in a pick.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Ranked {
+    /// Its position in the candidates passed to [`pick`].
+    pub candidate: usize,
+    /// Its weighted total.
+    pub score: f64,
+    /// Its prefix scorer's value, 0 to 1.
+    pub prefix: f64,
+    /// Its queue scorer's value, 0 to 1 (`None`: metrics not used).
+    pub queue: Option<f64>,
+    /// Its KV-cache scorer's value, 0 to 1 (`None`: metrics not used).
+    pub kv_cache: Option<f64>,
+}
+
+/// A pick: every candidate, best first.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Pick {
+    /// The candidates, best first (the first is the pick, the others its fallbacks).
+    pub order: Vec<Ranked>,
+    /// Whether the metric scorers were used (every candidate had fresh metrics).
+    pub metrics_used: bool,
+    /// Candidates whose metrics were older than `max_metrics_age`.
+    pub stale: usize,
+    /// Candidates without metrics.
+    pub missing: usize,
+}
+
+impl Pick {
+    /// The winner's position in the candidates.
+    pub fn best(&self) -> Option<usize> {
+        self.order.first().map(|r| r.candidate)
+    }
+}
+
+impl PickWeights {
+    /// Whether these weights can score: finite, non-negative and not all zero.
+    pub fn check(&self) -> Result<(), PickError> {
+        let w = [self.prefix, self.queue, self.kv_cache_utilization];
+        if w.iter().any(|w| !w.is_finite() || *w < 0.0) || w.iter().all(|w| *w == 0.0) {
+            return Err(PickError::BadWeights(*self));
+        }
+        Ok(())
+    }
+}
+
+/// `(v - min) / (max - min)` for each value, or `when_equal` for all when they are equal.
+fn min_max(values: impl Iterator<Item = f64> + Clone, when_equal: f64) -> Vec<f64> {
+    let (min, max) = values
+        .clone()
+        .fold((f64::INFINITY, f64::NEG_INFINITY), |(lo, hi), v| {
+            (lo.min(v), hi.max(v))
+        });
+    let span = max - min;
+    values
+        .map(|v| {
+            if span > 0.0 {
+                (v - min) / span
+            } else {
+                when_equal
+            }
+        })
+        .collect()
+}
+
+/// Orders `candidates` best first (see the module doc for the scorers and the invariants);
+/// `rng` breaks ties.
+pub fn pick(
+    candidates: &[Candidate],
+    settings: &PickSettings,
+    rng: &mut SplitMix64,
+) -> Result<Pick, PickError> {
+    if candidates.is_empty() {
+        return Err(PickError::NoCandidates);
+    }
+    let w = settings.weights;
+    w.check()?;
+    for c in candidates {
+        let metrics_finite = c
+            .metrics
+            .is_none_or(|m| m.waiting_requests.is_finite() && m.kv_cache_usage.is_finite());
+        if !c.prefix_score.is_finite() || !metrics_finite {
+            return Err(PickError::NotFinite { pod: c.pod.clone() });
+        }
+    }
+    let missing = candidates.iter().filter(|c| c.metrics.is_none()).count();
+    let stale = candidates
+        .iter()
+        .filter(|c| c.metrics.is_some_and(|m| m.age > settings.max_metrics_age))
+        .count();
+    let metrics_used = missing == 0 && stale == 0;
+
+    let top = candidates
+        .iter()
+        .map(|c| c.prefix_score)
+        .fold(f64::NEG_INFINITY, f64::max);
+    let prefix = min_max(
+        candidates.iter().map(|c| c.prefix_score),
+        if top > 0.0 { 1.0 } else { 0.0 },
+    );
+    let (queue, kv): (Vec<Option<f64>>, Vec<Option<f64>>) = if metrics_used {
+        let metrics = || candidates.iter().filter_map(|c| c.metrics);
+        // The queue scorer favours the shortest queue: (max - q) / (max - min), the negated
+        // queue min-max normalised; all equal: 1.
+        let queue = min_max(metrics().map(|m| -m.waiting_requests), 1.0)
+            .into_iter()
+            .map(Some)
+            .collect();
+        let kv = metrics()
+            .map(|m| Some(1.0 - m.kv_cache_usage.clamp(0.0, 1.0)))
+            .collect();
+        (queue, kv)
+    } else {
+        (vec![None; candidates.len()], vec![None; candidates.len()])
+    };
+
+    let mut order: Vec<Ranked> = (0..candidates.len())
+        .map(|i| Ranked {
+            candidate: i,
+            score: w.prefix * prefix[i]
+                + queue[i].map_or(0.0, |q| w.queue * q)
+                + kv[i].map_or(0.0, |k| w.kv_cache_utilization * k),
+            prefix: prefix[i],
+            queue: queue[i],
+            kv_cache: kv[i],
+        })
+        .collect();
+    // Fisher-Yates, then a stable sort: equals keep the random order.
+    for i in (1..order.len()).rev() {
+        let j = rng.below(i as u64 + 1) as usize;
+        order.swap(i, j);
+    }
+    order.sort_by(|a, b| b.score.total_cmp(&a.score));
+    Ok(Pick {
+        order,
+        metrics_used,
+        stale,
+        missing,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn fresh(waiting: f64, usage: f64) -> Option<PodMetrics> {
+        Some(PodMetrics {
+            waiting_requests: waiting,
+            kv_cache_usage: usage,
+            age: Duration::from_millis(10),
+        })
+    }
+
+    fn cand(pod: &str, prefix: f64, metrics: Option<PodMetrics>) -> Candidate {
+        Candidate {
+            pod: pod.into(),
+            rank: None,
+            prefix_score: prefix,
+            metrics,
+        }
+    }
+
+    fn pods(p: &Pick, c: &[Candidate]) -> Vec<String> {
+        p.order.iter().map(|r| c[r.candidate].pod.clone()).collect()
+    }
+
+    fn run(c: &[Candidate]) -> Pick {
+        let pick = pick(c, &PickSettings::default(), &mut SplitMix64::new(7));
+        pick.unwrap_or_else(|e| panic!("pick failed: {e}"))
+    }
+
+    #[test]
+    fn the_prefix_holder_wins_when_loads_are_equal() {
+        let c = [
+            cand("a", 0.0, fresh(1.0, 0.5)),
+            cand("b", 12.0, fresh(1.0, 0.5)),
+            cand("c", 4.0, fresh(1.0, 0.5)),
+        ];
+        let p = run(&c);
+        assert_eq!(pods(&p, &c), ["b", "c", "a"]);
+        assert!(p.metrics_used);
+        // b: 3 * 1 + 2 * 1 + 2 * 0.5.
+        assert!((p.order[0].score - 6.0).abs() < 1e-9, "{:?}", p.order[0]);
+        assert!((p.order[1].prefix - 1.0 / 3.0).abs() < 1e-9);
+    }
+
+    #[test]
+    fn a_deep_queue_loses_a_prefix_tie() {
+        let c = [
+            cand("deep", 8.0, fresh(40.0, 0.2)),
+            cand("short", 8.0, fresh(0.0, 0.2)),
+        ];
+        for seed in 0..32 {
+            let p = pick(&c, &PickSettings::default(), &mut SplitMix64::new(seed))
+                .unwrap_or_else(|e| panic!("{e}"));
+            assert_eq!(pods(&p, &c), ["short", "deep"], "seed {seed}");
+            assert_eq!(p.order[0].queue, Some(1.0));
+            assert_eq!(p.order[1].queue, Some(0.0));
+        }
+    }
+
+    #[test]
+    fn a_full_kv_cache_loses_a_tie() {
+        let c = [
+            cand("full", 8.0, fresh(0.0, 0.95)),
+            cand("empty", 8.0, fresh(0.0, 0.05)),
+        ];
+        assert_eq!(pods(&run(&c), &c), ["empty", "full"]);
+    }
+
+    #[test]
+    fn weights_trade_prefix_against_load() {
+        // b holds the prompt but is loaded; a is idle and holds nothing.
+        let c = [
+            cand("a", 0.0, fresh(0.0, 0.0)),
+            cand("b", 10.0, fresh(10.0, 1.0)),
+        ];
+        // 3:2:2: a = 0 + 2 + 2 = 4 beats b = 3.
+        assert_eq!(pods(&run(&c), &c), ["a", "b"]);
+        // Negative control: with the prefix weighted 5, b = 5 beats a = 4.
+        let heavy = PickSettings {
+            weights: PickWeights {
+                prefix: 5.0,
+                ..PickWeights::default()
+            },
+            ..PickSettings::default()
+        };
+        let p = pick(&c, &heavy, &mut SplitMix64::new(1)).unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(pods(&p, &c), ["b", "a"]);
+    }
+
+    #[test]
+    fn stale_or_missing_metrics_fall_back_to_the_index_and_are_counted() {
+        let old = Some(PodMetrics {
+            waiting_requests: 0.0,
+            kv_cache_usage: 0.0,
+            age: Duration::from_secs(5),
+        });
+        // With fresh metrics the idle pod a would win (as above); one stale pod makes the pick
+        // the index's alone, and b holds the prompt.
+        let c = [cand("a", 0.0, old), cand("b", 10.0, fresh(10.0, 1.0))];
+        let p = run(&c);
+        assert_eq!(pods(&p, &c), ["b", "a"]);
+        assert!(!p.metrics_used);
+        assert_eq!((p.stale, p.missing), (1, 0));
+        assert_eq!(p.order[0].queue, None);
+        let c = [cand("a", 0.0, None), cand("b", 10.0, fresh(10.0, 1.0))];
+        let p = run(&c);
+        assert_eq!(pods(&p, &c), ["b", "a"]);
+        assert_eq!((p.stale, p.missing), (0, 1));
+    }
+
+    #[test]
+    fn ties_are_broken_at_random_and_a_seed_repeats() {
+        let c: Vec<Candidate> = (0..4)
+            .map(|i| cand(&format!("p{i}"), 5.0, fresh(2.0, 0.3)))
+            .collect();
+        let mut winners = std::collections::BTreeSet::new();
+        for seed in 0..64 {
+            let p = pick(&c, &PickSettings::default(), &mut SplitMix64::new(seed))
+                .unwrap_or_else(|e| panic!("{e}"));
+            winners.insert(p.best());
+            let again = pick(&c, &PickSettings::default(), &mut SplitMix64::new(seed))
+                .unwrap_or_else(|e| panic!("{e}"));
+            assert_eq!(p, again, "seed {seed} repeats");
+        }
+        assert_eq!(winners.len(), 4, "every equal candidate wins sometimes");
+        // Negative control: a strict winner wins under every seed.
+        let mut c = c;
+        c[2].prefix_score = 6.0;
+        for seed in 0..64 {
+            let p = pick(&c, &PickSettings::default(), &mut SplitMix64::new(seed))
+                .unwrap_or_else(|e| panic!("{e}"));
+            assert_eq!(p.best(), Some(2));
+        }
+    }
+
+    #[test]
+    fn every_candidate_is_listed_once() {
+        let c: Vec<Candidate> = (0..9)
+            .map(|i| cand(&format!("p{i}"), f64::from(i % 3), fresh(f64::from(i), 0.1)))
+            .collect();
+        let p = run(&c);
+        let mut seen: Vec<usize> = p.order.iter().map(|r| r.candidate).collect();
+        seen.sort_unstable();
+        assert_eq!(seen, (0..9).collect::<Vec<_>>());
+        assert!(p.order.windows(2).all(|w| w[0].score >= w[1].score));
+    }
+
+    #[test]
+    fn nothing_held_anywhere_gives_no_prefix_preference() {
+        let c = [cand("a", 0.0, None), cand("b", 0.0, None)];
+        let p = run(&c);
+        assert!(p.order.iter().all(|r| r.score == 0.0 && r.prefix == 0.0));
+        let c = [cand("a", 3.0, None), cand("b", 3.0, None)];
+        assert!(run(&c).order.iter().all(|r| r.prefix == 1.0));
+    }
+
+    #[test]
+    fn bad_input_is_an_error() {
+        let s = PickSettings::default();
+        let mut rng = SplitMix64::new(0);
+        assert_eq!(pick(&[], &s, &mut rng), Err(PickError::NoCandidates));
+        let c = [cand("a", f64::NAN, None)];
+        assert!(matches!(
+            pick(&c, &s, &mut rng),
+            Err(PickError::NotFinite { .. })
+        ));
+        let c = [cand("a", 1.0, fresh(f64::INFINITY, 0.0))];
+        assert!(matches!(
+            pick(&c, &s, &mut rng),
+            Err(PickError::NotFinite { .. })
+        ));
+        let c = [cand("a", 1.0, None)];
+        for weights in [
+            PickWeights {
+                prefix: -1.0,
+                ..PickWeights::default()
+            },
+            PickWeights {
+                prefix: 0.0,
+                queue: 0.0,
+                kv_cache_utilization: 0.0,
+            },
+            PickWeights {
+                queue: f64::NAN,
+                ..PickWeights::default()
+            },
+        ] {
+            let s = PickSettings {
+                weights,
+                ..PickSettings::default()
+            };
+            assert!(matches!(
+                pick(&c, &s, &mut rng),
+                Err(PickError::BadWeights(_))
+            ));
+        }
+    }
+
+    #[test]
+    fn ranks_are_kept_with_their_candidate() {
+        let c = [
+            Candidate {
+                rank: Some(3),
+                ..cand("a", 9.0, None)
+            },
+            cand("b", 1.0, None),
+        ];
+        let p = run(&c);
+        assert_eq!(c[p.order[0].candidate].rank, Some(3));
+    }
+}

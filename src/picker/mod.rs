@@ -1,0 +1,189 @@
+//! kv-indexer as an `InferencePool`'s endpoint picker: Envoy's external processing service
+//! (`envoy.service.ext_proc.v3.ExternalProcessor`) on its own port, speaking GIE's
+//! endpoint-picker protocol, with the gRPC health service a gateway probes.
+//!
+//! - `body`: OpenAI request bodies read into what `ScorePods` scores;
+//! - `choose`: candidates, prefix scores (`ScorePods`' path), load, kv-core's pick, the
+//!   routing record (`RecordRouting`'s path);
+//! - `scrape`: each pod's Prometheus endpoint read on a short interval;
+//! - `extproc`: the ext_proc stream (body modes, header and metadata, immediate responses).
+//!
+//! Invariants: off unless `endpointPicker.enabled`; plaintext or TLS as the daemon's gRPC
+//! (`server.tls`); the health service reports `liveness` SERVING while the process serves,
+//! `readiness` and `envoy.service.ext_proc.v3.ExternalProcessor` SERVING only while the daemon
+//! is ready (`/readyz`); at most `maxInFlight` requests are scored at once (beyond: 429).
+
+mod body;
+mod choose;
+mod extproc;
+mod scrape;
+
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_server::ExternalProcessorServer;
+use parking_lot::Mutex;
+use tokio::net::TcpListener;
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+use tonic_health::ServingStatus;
+
+use crate::config::{Config, ServerConfig};
+use crate::ingest::{LogHandle, Pods};
+use crate::metrics::Metrics;
+use crate::server::grpc::ScoreService;
+use kv_core::{Indexer, PickSettings, SplitMix64};
+use kv_tokenize::TokenizerService;
+
+/// The health service names GIE's protocol asks for.
+pub const HEALTH_SERVICES: [&str; 3] = [
+    "liveness",
+    "readiness",
+    "envoy.service.ext_proc.v3.ExternalProcessor",
+];
+
+/// What the picker shares with the rest of the daemon.
+pub struct PickerSetup {
+    /// The index.
+    pub indexer: Arc<Indexer>,
+    /// The tokenizers (ScorePods' pool).
+    pub tokenizers: Arc<TokenizerService>,
+    /// The metrics registry.
+    pub metrics: Arc<Metrics>,
+    /// Ingestion's pods (presence).
+    pub pods: Pods,
+    /// The shared log (replication): recorded picks reach the other replicas.
+    pub log: Option<LogHandle>,
+    /// The daemon's readiness.
+    pub ready: Arc<AtomicBool>,
+}
+
+/// A serving picker.
+pub struct RunningPicker {
+    /// The address bound.
+    pub addr: SocketAddr,
+    /// The server.
+    pub server: JoinHandle<Result<(), tonic::transport::Error>>,
+    tasks: Vec<JoinHandle<()>>,
+}
+
+impl RunningPicker {
+    /// Waits for the server to finish (after shutdown), then stops the background tasks.
+    pub async fn join(self) {
+        let _ = self.server.await;
+        for t in self.tasks {
+            t.abort();
+        }
+    }
+}
+
+/// Serves the picker on `listener` with `builder` (TLS already applied), until `shutdown`.
+pub async fn start(
+    config: &Config,
+    setup: PickerSetup,
+    listener: TcpListener,
+    mut builder: tonic::transport::Server,
+    shutdown: watch::Receiver<bool>,
+) -> std::io::Result<RunningPicker> {
+    let cfg = &config.endpoint_picker;
+    let addr = listener.local_addr()?;
+    // The picker's own score service: its in-flight bound is maxInFlight, and its picks are
+    // recorded (a prompt key per pick) whatever server.enableRecordRouting says of the RPC.
+    let limits = ServerConfig {
+        max_concurrent_requests: cfg.max_in_flight,
+        enable_record_routing: true,
+        ..config.server.clone()
+    };
+    let svc = ScoreService::new(
+        setup.indexer.clone(),
+        setup.tokenizers,
+        setup.metrics.clone(),
+        setup.pods.clone(),
+        limits,
+        setup.log,
+    );
+    let scraper = scrape::Scraper::new(
+        &cfg.metrics_url_template,
+        cfg.metrics_interval.0,
+        setup.metrics.clone(),
+    );
+    let adapters = config
+        .models
+        .iter()
+        .flat_map(|(base, m)| m.lora_adapters.keys().map(|a| (a.clone(), base.clone())))
+        .collect();
+    let seed = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos() as u64);
+    let chooser = Arc::new(choose::Chooser {
+        svc,
+        indexer: setup.indexer,
+        pods: setup.pods,
+        scraper: scraper.clone(),
+        metrics: setup.metrics,
+        settings: PickSettings {
+            weights: (&cfg.weights).into(),
+            max_metrics_age: cfg.metrics_stale_after.0,
+        },
+        adapters,
+        rng: Mutex::new(SplitMix64::new(seed)),
+    });
+    let mut tasks = Vec::new();
+    let lister = chooser.clone();
+    tasks.push(scraper.run(move || lister.all_live_pods(), shutdown.clone()));
+
+    let (reporter, health) = tonic_health::server::health_reporter();
+    reporter
+        .set_service_status(HEALTH_SERVICES[0], ServingStatus::Serving)
+        .await;
+    let ready = setup.ready;
+    let mut health_shutdown = shutdown.clone();
+    tasks.push(tokio::spawn(async move {
+        let mut last = None;
+        loop {
+            let now = ready.load(Ordering::Relaxed);
+            if last != Some(now) {
+                let status = match now {
+                    true => ServingStatus::Serving,
+                    false => ServingStatus::NotServing,
+                };
+                for name in &HEALTH_SERVICES[1..] {
+                    reporter.set_service_status(*name, status).await;
+                }
+                last = Some(now);
+            }
+            tokio::select! {
+                _ = tokio::time::sleep(Duration::from_millis(100)) => {}
+                _ = health_shutdown.changed() => return,
+            }
+        }
+    }));
+
+    let service = extproc::ExtProc {
+        chooser,
+        max_body_bytes: cfg.max_body_bytes,
+    };
+    let mut server_shutdown = shutdown;
+    let server = tokio::spawn(
+        builder
+            .add_service(health)
+            .add_service(
+                ExternalProcessorServer::new(service)
+                    .max_decoding_message_size(cfg.max_body_bytes.saturating_add(64 << 10)),
+            )
+            .serve_with_incoming_shutdown(
+                tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true)),
+                async move {
+                    let _ = server_shutdown.changed().await;
+                },
+            ),
+    );
+    tracing::info!(%addr, "endpoint picker (ext_proc) serving");
+    Ok(RunningPicker {
+        addr,
+        server,
+        tasks,
+    })
+}
