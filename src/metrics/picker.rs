@@ -14,6 +14,7 @@ pub struct PickerMetrics {
     scrapes: IntCounterVec,
     rejected_bodies: IntCounterVec,
     served_mismatch: IntCounter,
+    not_recorded: IntCounterVec,
 }
 
 impl PickerMetrics {
@@ -56,6 +57,13 @@ impl PickerMetrics {
                 "Responses served by another endpoint than the pick (a fallback): the routing \
                  is recorded for the endpoint that served",
             ),
+            not_recorded: counter_vec(
+                r,
+                "kvindexer_picker_records_refused_total",
+                "Picks whose speculative routing record was refused (by gRPC code), so \
+                 back-to-back requests sharing their prefix are not steered by it",
+                &["code"],
+            ),
         }
     }
 
@@ -89,6 +97,11 @@ impl PickerMetrics {
     /// A body refused with 400.
     pub fn bad_request(&self, reason: &str) {
         self.rejected_bodies.with_label_values(&[reason]).inc();
+    }
+
+    /// A pick's routing record refused (`code`: the gRPC code RecordRouting would return).
+    pub fn not_recorded(&self, code: &str) {
+        self.not_recorded.with_label_values(&[code]).inc();
     }
 
     /// A response served by another endpoint than the pick.

@@ -9,10 +9,10 @@
 //! cannot load, a deadline) still picks, on load alone, counted as `picked_without_prefix`.
 
 use std::collections::{BTreeMap, HashMap};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use parking_lot::Mutex;
 use tonic::Code;
 
 use super::body::OpenAiRequest;
@@ -21,7 +21,7 @@ use crate::ingest::lifecycle::Presence;
 use crate::ingest::Pods;
 use crate::metrics::Metrics;
 use crate::server::grpc::ScoreService;
-use kv_core::{Candidate, Indexer, PickSettings, SplitMix64};
+use kv_core::{mix64, Candidate, Indexer, PickSettings, SplitMix64};
 use kv_proto::kvindexer_v1;
 
 /// How long scoring one request may take (tokenizing an 8,000-token chat included).
@@ -66,7 +66,10 @@ pub struct Chooser {
     pub(super) settings: PickSettings,
     /// LoRA adapter name -> its base model (vLLM serves an adapter as a model).
     pub(super) adapters: BTreeMap<String, String>,
-    pub(super) rng: Mutex<SplitMix64>,
+    /// Picks so far, mixed with the process's seed into each pick's own tie-break stream
+    /// (no lock shared by concurrent picks).
+    pub(super) picks: AtomicU64,
+    pub(super) seed: u64,
 }
 
 impl Chooser {
@@ -187,10 +190,9 @@ impl Chooser {
                 }
             })
             .collect();
-        let pick = {
-            let mut rng = self.rng.lock();
-            kv_core::pick(&list, &self.settings, &mut rng)
-        };
+        let n = self.picks.fetch_add(1, Ordering::Relaxed);
+        let mut rng = SplitMix64::new(mix64(self.seed ^ n));
+        let pick = kv_core::pick(&list, &self.settings, &mut rng);
         let pick = match pick {
             Ok(p) => p,
             Err(e) => return Outcome::NoCandidates(e.to_string()),
@@ -228,6 +230,7 @@ impl Chooser {
             ..Default::default()
         });
         if let Err(s) = result {
+            self.metrics.picker.not_recorded(&format!("{:?}", s.code()));
             tracing::debug!(%pod, code = ?s.code(), error = %s.message(), "pick not recorded");
         }
     }

@@ -24,7 +24,6 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_server::ExternalProcessorServer;
-use parking_lot::Mutex;
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
@@ -34,7 +33,7 @@ use crate::config::{Config, ServerConfig};
 use crate::ingest::{LogHandle, Pods};
 use crate::metrics::Metrics;
 use crate::server::grpc::ScoreService;
-use kv_core::{Indexer, PickSettings, SplitMix64};
+use kv_core::{Indexer, PickSettings};
 use kv_tokenize::TokenizerService;
 
 /// The health service names GIE's protocol asks for.
@@ -128,7 +127,8 @@ pub async fn start(
             max_metrics_age: cfg.metrics_stale_after.0,
         },
         adapters,
-        rng: Mutex::new(SplitMix64::new(seed)),
+        picks: Default::default(),
+        seed,
     });
     let mut tasks = Vec::new();
     let lister = chooser.clone();
