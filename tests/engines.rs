@@ -35,7 +35,7 @@ async fn every_engine_in_the_table_scores_exactly_over_real_sockets() {
                 .await
                 .expect("send");
             tokio::time::sleep(Duration::from_millis(25)).await;
-            if support::matched_blocks(&mut grpc, MODEL, &s.tokens, &pod).await
+            if support::matched_blocks(&mut grpc, MODEL, &support::past(&s.tokens), &pod).await
                 == s.matched_after[0]
             {
                 applied = true;
@@ -52,7 +52,7 @@ async fn every_engine_in_the_table_scores_exactly_over_real_sockets() {
         let want = *s.matched_after.last().expect("phases");
         let mut got = 0;
         for _ in 0..200 {
-            got = support::matched_blocks(&mut grpc, MODEL, &s.tokens, &pod).await;
+            got = support::matched_blocks(&mut grpc, MODEL, &support::past(&s.tokens), &pod).await;
             if got == want {
                 break;
             }

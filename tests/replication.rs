@@ -186,12 +186,13 @@ impl Publisher {
 
 use support::client;
 
+/// Blocks of `tokens` that `pod` holds (scored as a prompt that continues past them).
 async fn matched_on(
     client: &mut KvIndexerClient<tonic::transport::Channel>,
     tokens: &[u32],
     pod: &str,
 ) -> u32 {
-    support::matched_blocks(client, MODEL, tokens, pod).await
+    support::matched_blocks(client, MODEL, &support::past(tokens), pod).await
 }
 
 /// Whether `pod` holds every block of `tokens` on `d`.

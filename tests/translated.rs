@@ -282,12 +282,14 @@ mod single {
         panic!("{pod}'s first message never applied");
     }
 
-    /// Blocks of each prompt `pod` holds, by ScorePods over gRPC.
+    /// Blocks of each prompt `pod` holds, by ScorePods over gRPC (each scored as a prompt
+    /// that continues past them).
     pub async fn held(d: &RunningDaemon, prompts: &[Vec<u32>], pod: &str) -> Vec<u32> {
         let mut grpc = support::client(d).await;
         let mut out = Vec::new();
         for tokens in prompts {
-            out.push(support::matched_blocks(&mut grpc, MODEL, tokens, pod).await);
+            let prompt = support::past(tokens);
+            out.push(support::matched_blocks(&mut grpc, MODEL, &prompt, pod).await);
         }
         out
     }

@@ -184,7 +184,13 @@ impl Fleet {
             let held = self
                 .daemon
                 .indexer
-                .score_tokens(MODEL, ids, &[pod], lora.as_deref(), salt.as_deref())
+                .score_tokens(
+                    MODEL,
+                    &super::past(ids),
+                    &[pod],
+                    lora.as_deref(),
+                    salt.as_deref(),
+                )
                 .ok()
                 .and_then(|r| r.scores.first().map(|s| s.matched_blocks as usize));
             if held == Some(hashes.len()) {

@@ -135,10 +135,11 @@ impl Process {
         }
     }
 
-    /// Blocks of `tokens` that `pod` holds, by ScorePods (0 when unreachable).
+    /// Blocks of `tokens` that `pod` holds, by ScorePods of a prompt that continues past them
+    /// (vLLM reuses at most all but a prompt's last token), 0 when unreachable.
     pub async fn matched(&self, model: &str, tokens: &[u32], pod: &str) -> u32 {
         match KvIndexerClient::connect(self.grpc.clone()).await {
-            Ok(mut c) => super::matched_blocks(&mut c, model, tokens, pod).await,
+            Ok(mut c) => super::matched_blocks(&mut c, model, &super::past(tokens), pod).await,
             Err(_) => 0,
         }
     }

@@ -4,6 +4,8 @@
 //! - `events`: the msgpack `KVEventBatch` a vLLM publisher sends, decoded ([`decode_batch`]),
 //!   and the one encoder of vLLM-shaped payloads that loadgen, the lab and the tests share
 //!   ([`encode_batch`]);
+//! - `hit`: the hit vLLM takes, from which blocks each of an engine's KV-cache groups holds
+//!   (full attention, sliding window, Mamba; vLLM's hybrid coordinator) ([`Layout`]);
 //! - `index`: the block -> (engine, tier) index and the prefix-scoring walk ([`ModelIndex`]);
 //! - `indexer`: per-model indexes and token processors, batch application, hash-mismatch
 //!   detection, translation of engines whose hashes are not the index's keys (keys from their
@@ -27,6 +29,7 @@ mod events;
 #[doc(hidden)]
 pub mod fault_injection;
 mod hashing;
+mod hit;
 mod index;
 mod indexer;
 mod marks;
@@ -57,6 +60,9 @@ pub use events::{
     MAX_DATA_PARALLEL_RANK,
 };
 
+/// The hit vLLM takes from an engine's KV-cache groups (`hit`).
+pub use hit::{GroupKind, GroupSpec, Layout, LayoutError, MAX_GROUPS};
+
 /// The block index (`index`).
 pub use index::{
     DenseView, EngineDirectory, EngineId, EngineKey, EngineScore, IndexConfig, IndexConfigError,
@@ -70,11 +76,11 @@ pub use index::{harness, reference::ReferenceIndex};
 
 /// The facade transports call (`indexer`).
 pub use indexer::{
-    ApplyReport, EngineHashes, EngineKeyState, HashCheckStats, Indexer, IndexerSettings, KeyMode,
-    KeysImported, ModelSettings, ModelState, PodRef, PodScore, PodSpeculation, RankScore,
-    RecordEnd, RoutingRecorded, ScoreError, ScoreResult, SettingsError, SpeculationSettings,
-    SpeculationStats, TranslatedBlock, TranslationReport, Untranslatable, ALL_PODS,
-    DEFAULT_MAX_MODELS, MAX_TTL_FACTOR,
+    ApplyReport, EngineHashes, EngineKeyState, EngineLayout, HashCheckStats, Indexer,
+    IndexerSettings, KeyMode, KeysImported, ModelSettings, ModelState, PodRef, PodScore,
+    PodSpeculation, RankScore, RecordEnd, RoutingRecorded, ScoreError, ScoreResult, SettingsError,
+    SpeculationSettings, SpeculationStats, TranslatedBlock, TranslationReport, Untranslatable,
+    ALL_PODS, DEFAULT_MAX_MODELS, MAX_TTL_FACTOR,
 };
 
 /// The endpoint pick: llm-d's default scoring profile over candidates, I/O-free (`pick`).

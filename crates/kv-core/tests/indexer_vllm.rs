@@ -182,12 +182,14 @@ fn salted_root_runs_are_verified_from_the_published_extra_keys() {
     let ix = Indexer::new(settings(Some("7"), 16)).expect("valid");
     let report = ix.apply_batch(MODEL, "p", &batch).expect("applies");
     assert_eq!((report.hash_matches, report.hash_mismatches), (1, 0));
+    // A prompt one token past the two blocks (vLLM recomputes at least the last token).
+    let prompt: Vec<u32> = tokens.iter().copied().chain([7]).collect();
     let r = ix
-        .score_tokens(MODEL, &tokens, kv_core::ALL_PODS, None, Some("tenant-42"))
+        .score_tokens(MODEL, &prompt, kv_core::ALL_PODS, None, Some("tenant-42"))
         .expect("known");
     assert_eq!(r.scores[0].matched_blocks, 2);
     let unsalted = ix
-        .score_tokens(MODEL, &tokens, kv_core::ALL_PODS, None, None)
+        .score_tokens(MODEL, &prompt, kv_core::ALL_PODS, None, None)
         .expect("known");
     assert_eq!(
         unsalted.scores[0].matched_blocks, 0,
@@ -261,7 +263,8 @@ fn mismatches_are_counted_per_pod_and_diagnosed() {
     let check = ix.model(MODEL).expect("created").hash_checks()["p2"].clone();
     assert_eq!(check.mismatches, 0);
     assert!(check.diagnosis.expect("diagnosed").contains("unset"));
-    let tokens: Vec<u32> = (0..16).collect();
+    // Block 0 and one token more: vLLM reuses at most all but the last token.
+    let tokens: Vec<u32> = (0..17).collect();
     let scored = ix
         .score_tokens(MODEL, &tokens, &["p2"], None, None)
         .expect("known");

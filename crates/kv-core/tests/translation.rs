@@ -27,8 +27,9 @@ fn indexer_on(lanes: usize, engine_hashes: EngineHashes) -> Indexer {
     support::fixture_indexer(index, engine_hashes)
 }
 
+/// Blocks of `tokens` the pod holds (scored as a prompt that continues past them).
 fn matched(ix: &Indexer, tokens: &[u32], pod: &str) -> u32 {
-    ix.score_tokens(MODEL, tokens, &[pod], None, None)
+    ix.score_tokens(MODEL, &support::past(tokens), &[pod], None, None)
         .expect("known model")
         .scores[0]
         .matched_blocks

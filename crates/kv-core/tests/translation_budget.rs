@@ -23,7 +23,7 @@ fn held(ix: &Indexer, s: &support::BudgetScenario) -> Vec<u32> {
     s.prompts
         .iter()
         .map(|(tokens, _)| {
-            ix.score_tokens(MODEL, tokens, &[POD], None, None)
+            ix.score_tokens(MODEL, &support::past(tokens), &[POD], None, None)
                 .expect("model")
                 .scores[0]
                 .matched_blocks

@@ -482,6 +482,9 @@ impl Worker<'_> {
         if let Some(mode) = report.translation.mode_changed {
             self.report_key_mode(key, mode);
         }
+        if report.layout_changed {
+            self.report_layout(key);
+        }
         self.report_drops(key, &report);
         if report.first_mismatch && shared.warn_budget.allow(LineKind::HashMismatch) {
             let diagnosis = shared
@@ -511,6 +514,31 @@ impl Worker<'_> {
         }
         if full > 0 {
             tracing::warn!(pod = %key.engine.pod, model = %key.model, rank = key.engine.dp_rank, blocks = full, "translated blocks not indexed: the key budget (size) has no room for their map entries; raise size");
+        }
+    }
+
+    /// One log line (under the budget) when an engine's KV-cache groups change how it is
+    /// scored: a hybrid model's groups, or engine blocks of several keys.
+    fn report_layout(&self, key: &PublisherKey) {
+        let shared = self.shared;
+        if !shared.warn_budget.allow(LineKind::KeyMode) {
+            return;
+        }
+        let Some(model) = shared.indexer.model(&key.model) else {
+            return;
+        };
+        let directory = model.index().directory();
+        let engine = directory
+            .engines_of(&key.engine.pod)
+            .iter()
+            .copied()
+            .find(|&e| {
+                directory
+                    .key(e)
+                    .is_some_and(|k| k.dp_rank == key.engine.dp_rank)
+            });
+        if let Some(layout) = engine.and_then(|e| model.layout(e)) {
+            tracing::info!(pod = %key.engine.pod, model = %key.model, rank = key.engine.dp_rank, "engine's KV-cache groups: {layout}; scored by the hit vLLM takes over them");
         }
     }
 

@@ -11,14 +11,16 @@
 //!   aligned, 2 translated, 3 refused, then `u32` engine and `u32` index block sizes), `u32`
 //!   translated blocks, each `u64` engine hash, 32-byte tip digest, `u8` earlier keys and that
 //!   many `u64` (version 3: a `u16` count), four `u16` copies; `u32` second copies, each `u64`
-//!   hash, `u8` tier, `u32` copies;
+//!   hash, `u8` tier, `u32` copies; (version 4) `u8` KV-cache groups, each `u32` group index,
+//!   `u8` kind (0 full attention, 1 sliding window, 2 Mamba), `u32` window, `u32` block units;
 //! - `4` key space (version 3), before any item of its model: model, the 32-byte root digest
 //!   (from the hash seed), `u32` block size, `u32` hash unit size, `u8` extra-key format (0
 //!   tagged, 1 untagged). A reader whose model keys prompts otherwise loads none of that model's
 //!   blocks or key states (they are keys of another key space), and counts them;
 //! - `0` end.
 //!
-//! Versions 1 (no engine keys) and 2 (no key spaces) are still read; version 3 is written.
+//! Versions 1 (no engine keys), 2 (no key spaces) and 3 (no KV-cache groups) are still read;
+//! version 4 is written.
 //!
 //! Decoding checks every length against what is left, so a truncated or corrupt snapshot is
 //! an error, never a panic or an allocation larger than the input.
@@ -26,8 +28,8 @@
 use std::sync::Arc;
 
 use kv_core::{
-    BlockHash, EngineHash, EngineKey, EngineKeyState, ExtraKeysFormat, KeyMode, KeySpace, Tier,
-    TranslatedBlock,
+    BlockHash, EngineHash, EngineKey, EngineKeyState, ExtraKeysFormat, GroupKind, GroupSpec,
+    KeyMode, KeySpace, Tier, TranslatedBlock,
 };
 use thiserror::Error;
 
@@ -35,7 +37,7 @@ use super::stream::StreamId;
 use crate::ingest::{PublisherKey, PublisherState};
 
 const MAGIC: &[u8; 8] = b"KVIXSNAP";
-const VERSION: u32 = 3;
+const VERSION: u32 = 4;
 const TAG_END: u8 = 0;
 const TAG_BLOCKS: u8 = 1;
 const TAG_PUBLISHER: u8 = 2;
@@ -195,6 +197,20 @@ impl SnapshotWriter {
             self.out.extend_from_slice(&hash.get().to_le_bytes());
             self.out.push(*tier as u8);
             self.out.extend_from_slice(&n.to_le_bytes());
+        }
+        // At most MAX_GROUPS groups.
+        let groups = &state.groups[..state.groups.len().min(u8::MAX as usize)];
+        self.out.push(groups.len() as u8);
+        for (g, spec) in groups {
+            self.out.extend_from_slice(&g.to_le_bytes());
+            let (kind, window) = match spec.kind {
+                GroupKind::Full => (0u8, 0u32),
+                GroupKind::SlidingWindow { window } => (1, window),
+                GroupKind::Mamba => (2, 0),
+            };
+            self.out.push(kind);
+            self.out.extend_from_slice(&window.to_le_bytes());
+            self.out.extend_from_slice(&spec.block_units.to_le_bytes());
         }
     }
 
@@ -372,10 +388,34 @@ impl<'a> SnapshotReader<'a> {
             let tier = self.tier(at)?;
             copies.push((hash, tier, self.u32()?));
         }
+        let mut groups = Vec::new();
+        if self.version >= 4 {
+            let n = self.u8()? as usize;
+            if n.saturating_mul(13) > self.data.len() - self.at {
+                return Err(SnapshotError::Truncated(at));
+            }
+            for _ in 0..n {
+                let g = self.u32()?;
+                let kind = match (self.u8()?, self.u32()?) {
+                    (0, _) => GroupKind::Full,
+                    (1, window) => GroupKind::SlidingWindow { window },
+                    (2, _) => GroupKind::Mamba,
+                    _ => {
+                        return Err(SnapshotError::Corrupt {
+                            at,
+                            what: "unknown KV-cache group kind",
+                        })
+                    }
+                };
+                let block_units = self.u32()?;
+                groups.push((g, GroupSpec { kind, block_units }));
+            }
+        }
         Ok(EngineKeyState {
             mode,
             translated,
             copies,
+            groups,
         })
     }
 

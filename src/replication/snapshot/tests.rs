@@ -31,6 +31,29 @@ fn sample() -> (Vec<u8>, u64) {
             copies: [1, 0, 2, 0],
         }],
         copies: vec![(BlockHash::from(9), Tier::Cpu, 2)],
+        groups: vec![
+            (
+                0,
+                GroupSpec {
+                    kind: GroupKind::Full,
+                    block_units: 36,
+                },
+            ),
+            (
+                1,
+                GroupSpec {
+                    kind: GroupKind::SlidingWindow { window: 128 },
+                    block_units: 1,
+                },
+            ),
+            (
+                3,
+                GroupSpec {
+                    kind: GroupKind::Mamba,
+                    block_units: 36,
+                },
+            ),
+        ],
     };
     w.engine_keys("m", &EngineKey::new("10.0.0.1:8000", 2), &keys);
     w.finish()
@@ -70,8 +93,11 @@ fn a_translated_engines_map_survives_a_snapshot() {
     super::super::store::apply_snapshot(&bytes, &restored).expect("loads");
     let engines = restored.model("m").expect("model").key_modes();
     assert_eq!(engines.values().map(|(_, n)| *n).sum::<usize>(), 2);
+    // One token past the three engine blocks: vLLM recomputes at least the last token, so a
+    // prompt of exactly 96 tokens would reuse two blocks at most.
+    let prompt: Vec<u32> = tokens.iter().copied().chain([5]).collect();
     let matched = |ix: &Indexer| {
-        ix.score_tokens("m", &tokens, &["p"], None, None)
+        ix.score_tokens("m", &prompt, &["p"], None, None)
             .expect("model")
             .scores[0]
             .matched_blocks
@@ -201,8 +227,10 @@ fn a_snapshot_of_another_key_space_is_not_loaded_as_keys() {
     source.export_each(|model, key, blocks| w.blocks(model, key, blocks));
     source.export_keys_each(|model, key, state| w.engine_keys(model, key, state));
     let (bytes, _) = w.finish();
+    // One token past the four blocks (vLLM recomputes at least the last token).
+    let prompt: Vec<u32> = tokens.iter().copied().chain([3]).collect();
     let matched = |ix: &Indexer| {
-        ix.score_tokens("m", &tokens, &["p"], None, None)
+        ix.score_tokens("m", &prompt, &["p"], None, None)
             .expect("model")
             .scores[0]
             .matched_blocks

@@ -38,6 +38,12 @@ impl ModelIndex {
         out
     }
 
+    /// Whether `engine` holds `hash` right now (any tier). Lock-free, allocates nothing.
+    pub fn holds(&self, hash: BlockHash, engine: EngineId) -> bool {
+        let lane = &self.lanes[self.lane_of(engine)];
+        lane.reader().holds(hash, engine / self.lanes.len() as u32)
+    }
+
     /// Scores every engine that holds the prompt's first block: how many consecutive blocks
     /// from block 0 it holds, and their tier-weighted sum. `candidates` (any order), when
     /// given, restricts the result to those engines. Engines holding nothing are not listed;

@@ -6,13 +6,14 @@
 //! Invariants: a batch is one unit under one writer; the shared key budget is made room for
 //! before a batch stores (evicting from the largest other model, never while holding this
 //! model's writer); removing a pod leaves nothing of it behind (ids, directory entries,
-//! skipped-group sets, hash-check tallies, speculative records, translation maps).
+//! KV-cache groups and layouts, hash-check tallies, speculative records, translation maps).
 
 use std::collections::HashMap;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
-use super::kinds::{indexable_kind, tier_of};
+use super::groups::{EngineGroups, EngineLayout, Route};
+use super::kinds::tier_of;
 use super::translate::aligned_keys;
 use super::{EngineKeyState, Indexer, KeyMode, ModelState, SettingsError, TranslationReport};
 use crate::events::{EventBatch, KvEvent};
@@ -30,8 +31,12 @@ pub struct ApplyReport {
     pub cleared_events: u32,
     /// Events of unknown types, skipped.
     pub unknown_events: u32,
-    /// Events for groups that are not indexed (sliding window, mamba, ...), skipped.
+    /// Events for KV-cache groups that are not indexed (a kind whose hit rule is not
+    /// modelled, a group of a translated engine other than group 0), skipped.
     pub skipped_group_events: u32,
+    /// The engine's KV-cache groups changed what scoring applies to it (a group seen for the
+    /// first time, or wider).
+    pub layout_changed: bool,
     /// Blocks (memberships) added.
     pub blocks_stored: u64,
     /// Memberships removed (by BlockRemoved or a clear).
@@ -97,6 +102,15 @@ fn shrink_if_sparse<K: std::hash::Hash + Eq, V>(map: &mut HashMap<K, V>) {
     if map.capacity() > 64 && map.len() < map.capacity() / 4 {
         map.shrink_to_fit();
     }
+}
+
+/// The layout `key`'s groups give (`None`: plain, or not modelled: scored by the prefix walk).
+fn engine_groups_layout(
+    groups: &HashMap<EngineKey, EngineGroups>,
+    key: &EngineKey,
+    unit: u32,
+) -> Option<EngineLayout> {
+    groups.get(key).and_then(|g| g.layout(unit).ok().flatten())
 }
 
 /// Blocks a batch's `BlockStored` events carry.
@@ -181,8 +195,7 @@ impl Indexer {
     ) -> bool {
         let pod = &*key.pod;
         self.make_room(state, batch);
-        // Only engines that published a non-indexable group have an entry.
-        let mut skipped = state.skipped_groups.lock();
+        let mut groups = state.groups.lock();
         let mut engines = state.engine_keys.lock();
         if state.evicted.load(Ordering::Acquire) {
             return false;
@@ -212,6 +225,9 @@ impl Indexer {
         self.record_checks(state, &key.pod, batch, &checks, counted, report);
         let speculating = !state.speculation.is_empty();
         let mut confirmed: Vec<Vec<BlockHash>> = Vec::new();
+        let unit = state.processor.block_size() as u32;
+        let engine_groups = groups.entry(key.clone()).or_default();
+        let mut layout_changed = false;
         let applied = state.index.write_engine(key, |w, engine| {
             if changed.is_some() && was == KeyMode::Undecided && mode != KeyMode::Aligned {
                 // What was stored under the engine's own hashes is not keys.
@@ -221,18 +237,19 @@ impl Indexer {
             for event in &batch.events {
                 match event {
                     KvEvent::BlockStored(s) => {
-                        if !indexable_kind(s.kv_cache_spec_kind.as_deref()) {
-                            if let Some(g) = s.group_idx {
-                                skipped.entry(key.clone()).or_default().insert(g);
-                            }
+                        let translated = mode == KeyMode::Translated;
+                        let (route, changed) = engine_groups.stored(s, unit, translated);
+                        layout_changed |= changed;
+                        let Route::Group(group) = route else {
                             report.skipped_group_events += 1;
                             continue;
-                        }
+                        };
                         report.stored_events += 1;
                         match mode {
                             KeyMode::Undecided | KeyMode::Aligned => {
                                 let tier = tier_of(s.medium.as_ref());
-                                let outcome = keys.store_published(w, engine, tier, s, scratch);
+                                let outcome =
+                                    keys.store_published(w, engine, tier, s, group, scratch);
                                 report.blocks_stored += outcome.added as u64;
                                 report.orphan_runs += u32::from(outcome.orphan);
                             }
@@ -262,17 +279,14 @@ impl Indexer {
                         }
                     }
                     KvEvent::BlockRemoved(r) => {
-                        let skips = skipped.get(key);
-                        if r.group_idx
-                            .is_some_and(|g| skips.is_some_and(|set| set.contains(&g)))
-                        {
+                        let Route::Group(group) = engine_groups.removed(r.group_idx) else {
                             report.skipped_group_events += 1;
                             continue;
-                        }
+                        };
                         report.removed_events += 1;
                         report.blocks_removed += match mode {
                             KeyMode::Undecided | KeyMode::Aligned => {
-                                keys.remove_published(w, engine, r, scratch)
+                                keys.remove_published(w, engine, r, group, scratch)
                             }
                             KeyMode::Translated => keys.remove_translated(
                                 w,
@@ -293,12 +307,22 @@ impl Indexer {
                     KvEvent::Unknown(_) => report.unknown_events += 1,
                 }
             }
+            engine
         });
-        if applied.is_none() {
-            report.engine_rejected = true;
-            engines.remove(key);
+        match applied {
+            None => {
+                report.engine_rejected = true;
+                engines.remove(key);
+                groups.remove(key);
+            }
+            Some(engine) if layout_changed => {
+                report.layout_changed = true;
+                let layout = engine_groups_layout(&groups, key, unit);
+                state.publish_layout(engine, layout);
+            }
+            Some(_) => {}
         }
-        drop(skipped);
+        drop(groups);
         if speculating {
             if mode != KeyMode::Translated {
                 // The hashes were taken as keys as published.
@@ -352,20 +376,21 @@ impl Indexer {
             return 0;
         };
         let directory = state.index.directory();
-        let mut skipped = state.skipped_groups.lock();
+        let mut groups = state.groups.lock();
         let mut engines = state.engine_keys.lock();
         for &e in directory.engines_of(pod) {
+            state.publish_layout(e, None);
             if let Some(key) = directory.key(e) {
-                skipped.remove(&key);
+                groups.remove(&key);
                 if let Some(mut keys) = engines.0.remove(&key) {
                     keys.clear(&self.budget);
                 }
             }
         }
-        shrink_if_sparse(&mut skipped);
+        shrink_if_sparse(&mut groups);
         shrink_if_sparse(&mut engines.0);
         drop(engines);
-        drop(skipped);
+        drop(groups);
         let mut checks = state.hash_checks.lock();
         checks.remove(pod);
         shrink_if_sparse(&mut checks);
@@ -392,12 +417,17 @@ impl Indexer {
         let mut models: Vec<_> = self.models.load().values().cloned().collect();
         models.sort_by(|a, b| a.name.cmp(&b.name));
         for m in models {
+            let groups = m.groups.lock();
             let engines = m.engine_keys.lock();
             let mut keys: Vec<_> = engines.0.iter().collect();
             keys.sort_by(|a, b| a.0.cmp(b.0));
             for (key, state) in keys {
                 if state.mode != KeyMode::Undecided {
-                    f(&m.name, key, &state.export());
+                    let mut exported = state.export();
+                    if let Some(g) = groups.get(key) {
+                        exported.groups = g.seen().to_vec();
+                    }
+                    f(&m.name, key, &exported);
                 }
             }
         }
@@ -413,9 +443,15 @@ impl Indexer {
         state: EngineKeyState,
     ) -> Result<KeysImported, SettingsError> {
         let m = self.model_or_create(model)?;
+        let unit = m.processor.block_size() as u32;
+        let mut groups = m.groups.lock();
+        let engine_groups = groups.entry(key.clone()).or_default();
+        engine_groups.restore(&state.groups);
+        let layout = engine_groups.layout(unit).ok().flatten();
         let mut engines = m.engine_keys.lock();
         let keys = engines.0.entry(key.clone()).or_default();
         let imported = m.index.write_engine(key, |w, engine| {
+            m.publish_layout(engine, layout);
             let (restored, dropped) = keys.import(state, w, engine, &self.budget);
             KeysImported { restored, dropped }
         });
@@ -473,13 +509,18 @@ impl Indexer {
             return 0;
         };
         let key = EngineKey::new(pod, rank);
-        // A restarted engine may hash differently now: its mode is decided again.
+        // A restarted engine may hash differently now (and serve another layout): its mode
+        // and groups are learned again.
         if let Some(mut keys) = state.engine_keys.lock().0.remove(&key) {
             keys.clear(&self.budget);
         }
+        state.groups.lock().remove(&key);
         state
             .index
-            .write_engine(&key, |w, e| w.clear_engine(e))
+            .write_engine(&key, |w, e| {
+                state.publish_layout(e, None);
+                w.clear_engine(e)
+            })
             .unwrap_or(0)
     }
 }

@@ -6,7 +6,7 @@
 
 use std::sync::Arc;
 
-use super::kinds::indexable_kind;
+use super::kinds::full_attention_kind;
 use super::{ApplyReport, Indexer, ModelState};
 use crate::events::{BlockStored, EventBatch, KvEvent};
 use crate::hashing::{
@@ -40,10 +40,19 @@ impl Indexer {
             let Some((s, extras)) = checkable(state, event) else {
                 continue;
             };
-            let block = processor.block_size();
+            // An engine block of k units publishes the key of its last unit; a block size
+            // that is not a multiple of ours is compared with our first unit (and differs).
+            let ours = processor.block_size();
+            let engine = s.block_size as usize;
+            let block = if engine > 0 && engine.is_multiple_of(ours) && s.token_ids.len() >= engine
+            {
+                engine
+            } else {
+                ours
+            };
             let ours = processor
                 .block_hashes(&s.token_ids[..block], &extras)
-                .first()
+                .last()
                 .copied();
             if publishes(s.block_hashes[0], ours) {
                 checks.matches += 1;
@@ -108,7 +117,7 @@ fn checkable<'a>(
     };
     if s.parent_block_hash.is_some()
         || s.block_hashes.is_empty()
-        || !indexable_kind(s.kv_cache_spec_kind.as_deref())
+        || !full_attention_kind(s.kv_cache_spec_kind.as_deref())
         || s.token_ids.len() < state.processor.block_size()
     {
         return None;

@@ -1,8 +1,9 @@
 //! What an event's fields mean to the index, read alike by the batch application (`apply`),
 //! the hash check (`hash_check`) and translation (`translate`): the tier of a medium
-//! ([`tier_of`]) and whether a block's cache kind is indexed at all ([`indexable_kind`]).
+//! ([`tier_of`]) and whether a block's cache kind is full attention ([`full_attention_kind`]).
 
 use crate::events::Medium;
+use crate::hit::GroupKind;
 use crate::index::Tier;
 
 /// The index tier of an event's medium; no medium (vLLM < 0.10.2) means GPU.
@@ -15,8 +16,10 @@ pub(super) fn tier_of(medium: Option<&Medium>) -> Tier {
     }
 }
 
-/// Whether blocks of this KV-cache spec kind (`kv_cache_spec_kind`) are indexed: full and
-/// MLA attention, and events that name no kind (vLLM before hybrid groups).
-pub(super) fn indexable_kind(kind: Option<&str>) -> bool {
-    matches!(kind, None | Some("full_attention") | Some("mla_attention"))
+/// Whether blocks of this KV-cache spec kind (`kv_cache_spec_kind`) are full attention (MLA
+/// included; events that name no kind come from vLLM before hybrid groups): the blocks whose
+/// hashes decide and check an engine's key mode. Read through [`GroupKind::parse`], the one
+/// reading of kinds.
+pub(super) fn full_attention_kind(kind: Option<&str>) -> bool {
+    matches!(GroupKind::parse(kind, None), Ok(GroupKind::Full))
 }

@@ -14,18 +14,20 @@
 //!
 //! Invariants:
 //! - a batch from one engine is applied under that model's writer as one unit, in order;
-//! - only prefix-cacheable full-attention groups are indexed (`kv_cache_spec_kind` absent,
-//!   `full_attention` or `mla_attention`); other groups' events are counted and skipped, and a
-//!   `BlockRemoved` for a group an engine marked non-indexable is skipped too;
+//! - every KV-cache group whose hit rule is modelled (full attention and MLA, sliding window,
+//!   Mamba) is indexed in its own key space, and a hybrid engine is scored by vLLM's rule over
+//!   its groups ([`groups`], [`crate::Layout`]); a group that is not modelled is counted and
+//!   skipped, its removals too;
 //! - hash mismatches are detected on runs that start at the root (parent `None`) and carry
 //!   tokens: block 0 is recomputed with the model's settings (one SHA-256 per run, outside the
 //!   writer lock), counted per (pod, model), and diagnosed in one log line per (pod, model).
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 
 mod apply;
+mod groups;
 mod hash_check;
 mod kinds;
 mod order;
@@ -44,10 +46,12 @@ use crate::hashing::{
     TokenProcessor, TokenProcessorConfig, TokenProcessorError,
 };
 use crate::index::{
-    EngineKey, IndexConfig, IndexConfigError, IndexStats, KeyBudget, ModelIndex, TierWeights,
+    EngineId, EngineKey, IndexConfig, IndexConfigError, IndexStats, KeyBudget, ModelIndex,
+    TierWeights,
 };
 use crate::BlockHash;
 pub use apply::{ApplyReport, KeysImported};
+pub use groups::EngineLayout;
 pub use score::{ScoreError, ScoreResult, ALL_PODS};
 pub use scored::{PodRef, PodScore, RankScore};
 use speculation::Speculation;
@@ -140,8 +144,10 @@ pub struct ModelState {
     lora_paths: HashMap<String, String>,
     /// Hash-check tallies per pod (write path only).
     hash_checks: Mutex<HashMap<Arc<str>, HashCheckStats>>,
-    /// Per engine, the group ids its events marked as not indexable.
-    skipped_groups: Mutex<HashMap<EngineKey, HashSet<i64>>>,
+    /// Per engine, its KV-cache groups as its events showed them (write path only).
+    groups: Mutex<HashMap<EngineKey, groups::EngineGroups>>,
+    /// The layouts of engines that are not plain, for scoring (lock-free to read).
+    layouts: ArcSwap<groups::Layouts>,
     /// Recorded routings not yet confirmed by events.
     speculation: Speculation,
     /// How each engine's hashes become keys (write path only).
@@ -191,6 +197,33 @@ impl ModelState {
                 .processor
                 .block_hashes_into(tokens, extras, scratch, out),
         }
+    }
+
+    /// The layout scoring applies to `engine` (`None`: plain, the prefix walk alone).
+    pub fn layout(&self, engine: EngineId) -> Option<Arc<EngineLayout>> {
+        self.layouts.load().get(&engine).cloned()
+    }
+
+    /// Publishes `engine`'s layout (`None`: plain), copy-on-write: layouts change when an
+    /// engine shows a group for the first time, not per batch.
+    fn publish_layout(&self, engine: EngineId, layout: Option<EngineLayout>) {
+        let same = match (&layout, self.layouts.load().get(&engine)) {
+            (None, None) => true,
+            (Some(new), Some(old)) => **old == *new,
+            _ => false,
+        };
+        if same {
+            return;
+        }
+        let layout = layout.map(Arc::new);
+        self.layouts.rcu(|current| {
+            let mut next = (**current).clone();
+            match &layout {
+                Some(l) => next.insert(engine, l.clone()),
+                None => next.remove(&engine),
+            };
+            next
+        });
     }
 
     /// The model's name.
@@ -403,7 +436,8 @@ impl Indexer {
             processor,
             lora_paths: settings.lora_paths.clone(),
             hash_checks: Mutex::new(HashMap::new()),
-            skipped_groups: Mutex::new(HashMap::new()),
+            groups: Mutex::new(HashMap::new()),
+            layouts: ArcSwap::default(),
             speculation: Speculation::new(self.settings.speculation.clone())?,
             engine_hashes: settings.engine_hashes,
             engine_keys: Mutex::new(Default::default()),

@@ -32,6 +32,15 @@ pub fn fixture_indexer(
     .expect("valid")
 }
 
+/// `tokens` and one token more: a prompt that holds every block of `tokens` and continues,
+/// so vLLM's cap (it reuses at most all but the last token) leaves the blocks held in full.
+/// What a test that means "the blocks the pod holds" scores.
+pub fn past(tokens: &[u32]) -> Vec<u32> {
+    let mut prompt = tokens.to_vec();
+    prompt.push(1);
+    prompt
+}
+
 /// Decodes lowercase hex.
 pub fn unhex(s: &str) -> Vec<u8> {
     (0..s.len())
@@ -171,4 +180,112 @@ pub fn budget_scenario() -> BudgetScenario {
             .collect(),
         matched_after: list("matched_after").iter().map(u32s).collect(),
     }
+}
+
+/// A probe of a hybrid run: a prompt and what vLLM reuses of it.
+pub struct HybridProbe {
+    /// The prompt.
+    pub tokens: Vec<u32>,
+    /// Tokens vLLM's `get_computed_blocks` reuses.
+    pub hit: u64,
+    /// What the first full-attention group alone would give (the fixture's control).
+    pub full_only: u64,
+}
+
+/// One run of `fixtures/hybrid/hybrid.json`: a layout and seed, vLLM's batches, the probes.
+pub struct HybridRun {
+    /// `<scenario>/seed<N>`.
+    pub name: String,
+    /// The layout's name.
+    pub scenario: String,
+    /// vLLM's hash unit (`hash_block_size`).
+    pub unit: usize,
+    /// `num_hash_lookahead_tokens`.
+    pub lookahead: u64,
+    /// vLLM's hash-unit hashes of probe 0.
+    pub first_probe_hashes: Vec<u64>,
+    /// The payloads vLLM's publisher sent, in order.
+    pub payloads: Vec<Vec<u8>>,
+    /// The batches, decoded.
+    pub messages: Vec<kv_core::EventBatch>,
+    /// The probes.
+    pub probes: Vec<HybridProbe>,
+}
+
+fn b64(s: &str) -> Vec<u8> {
+    use base64::Engine as _;
+    base64::engine::general_purpose::STANDARD
+        .decode(s)
+        .expect("base64")
+}
+
+/// The runs of `fixtures/hybrid/hybrid.json` (vLLM 0.33's own KV-cache manager; see its
+/// README).
+pub fn hybrid_runs() -> Vec<HybridRun> {
+    let doc = fixture("hybrid/hybrid.json");
+    let mut out = Vec::new();
+    for s in doc["scenarios"].as_array().expect("scenarios") {
+        let segments: Vec<Vec<u32>> = s["segments"]
+            .as_array()
+            .expect("segments")
+            .iter()
+            .map(|seg| {
+                b64(seg.as_str().expect("str"))
+                    .chunks_exact(2)
+                    .map(|b| u32::from(u16::from_le_bytes([b[0], b[1]])))
+                    .collect()
+            })
+            .collect();
+        let probes = s["probes"]
+            .as_array()
+            .expect("probes")
+            .iter()
+            .map(|p| {
+                let mut tokens: Vec<u32> = p["segments"]
+                    .as_array()
+                    .expect("ids")
+                    .iter()
+                    .flat_map(|i| segments[i.as_u64().expect("id") as usize].iter().copied())
+                    .collect();
+                if let Some(take) = p.get("take").and_then(Value::as_u64) {
+                    tokens.truncate(take as usize);
+                }
+                HybridProbe {
+                    tokens,
+                    hit: p["hit_tokens"].as_u64().expect("hit"),
+                    full_only: p["full_only_hit_tokens"].as_u64().expect("full only"),
+                }
+            })
+            .collect();
+        let payloads: Vec<Vec<u8>> = s["messages"]
+            .as_array()
+            .expect("messages")
+            .iter()
+            .map(|m| b64(m.as_str().expect("str")))
+            .collect();
+        out.push(HybridRun {
+            name: s["name"].as_str().expect("name").to_owned(),
+            scenario: s["scenario"].as_str().expect("scenario").to_owned(),
+            unit: s["hash_block_size"].as_u64().expect("unit") as usize,
+            lookahead: s["lookahead_tokens"].as_u64().expect("lookahead"),
+            first_probe_hashes: s["first_probe_block_hashes"]
+                .as_array()
+                .expect("hashes")
+                .iter()
+                .map(|h| h.as_str().expect("str").parse().expect("u64"))
+                .collect(),
+            messages: payloads
+                .iter()
+                .map(|p| kv_core::decode_batch(p).expect("vLLM's batch decodes"))
+                .collect(),
+            payloads,
+            probes,
+        });
+    }
+    assert!(
+        out.len() >= 27,
+        "9 scenarios x 3 seeds, found {}",
+        out.len()
+    );
+    out
 }

@@ -83,6 +83,12 @@ impl RunReader {
         self.shared.lookup(hash)
     }
 
+    /// Whether the engine in `slot` holds `hash` (in any tier): one block's check, no
+    /// allocation (what a hit rule asks of blocks off the prefix walk).
+    pub fn holds(&self, hash: BlockHash, slot: EngineId) -> bool {
+        self.shared.holds(hash, slot)
+    }
+
     /// Scores every engine that holds the prompt's first block (and that `admit` accepts,
     /// when given): how many consecutive blocks from block 0 it holds, in any tier, and their
     /// summed best tier weights. Appends one entry per such engine to `out`.
@@ -271,6 +277,15 @@ impl Shared {
             out.clear();
         }
         out
+    }
+
+    fn holds(&self, hash: BlockHash, slot: EngineId) -> bool {
+        let table = self.table.load();
+        let mut held = false;
+        let read = self.read_block(&table, None, hash.get(), false, |_, _, run| {
+            held = run.holders.nibble(slot, &self.words) != 0;
+        });
+        read.is_some() && held
     }
 
     fn score(

@@ -38,7 +38,7 @@ mod map;
 
 use map::TranslationMap;
 
-use super::kinds::{indexable_kind, tier_of};
+use super::kinds::{full_attention_kind, tier_of};
 use super::ModelState;
 use crate::events::{BlockRemoved, BlockStored, EventBatch, KvEvent, MsgpackValue};
 use crate::hashing::{BlockDigest, HashScratch, RequestExtras, TokenProcessor};
@@ -176,6 +176,10 @@ pub struct EngineKeyState {
     pub translated: Vec<TranslatedBlock>,
     /// Aligned engines: blocks held more than once in a tier, with the copies beyond the first.
     pub copies: Vec<(BlockHash, Tier, u32)>,
+    /// The engine's KV-cache groups as its events showed them, `(group_idx, spec)` in group
+    /// order (empty: none shown, or a plain engine's group 0 alone), so a restored hybrid
+    /// engine is scored by its groups' rule before its next events.
+    pub groups: Vec<(u32, crate::GroupSpec)>,
 }
 
 /// One engine's hash state (see the module docs).
@@ -237,6 +241,7 @@ impl EngineKeys {
                 .iter()
                 .map(|(&(hash, tier), &n)| (hash, tier, n))
                 .collect(),
+            groups: Vec::new(),
         }
     }
 
@@ -339,7 +344,9 @@ impl EngineKeys {
         }
         let ours = processor.block_size() as u32;
         let stored = batch.events.iter().find_map(|e| match e {
-            KvEvent::BlockStored(s) if indexable_kind(s.kv_cache_spec_kind.as_deref()) => Some(s),
+            KvEvent::BlockStored(s) if full_attention_kind(s.kv_cache_spec_kind.as_deref()) => {
+                Some(s)
+            }
             _ => None,
         })?;
         let engine = stored.block_size;
@@ -347,8 +354,15 @@ impl EngineKeys {
             KeyMode::Aligned
         } else if engine == 0 || !engine.is_multiple_of(ours) {
             KeyMode::Refused { engine, ours }
-        } else if setting == EngineHashes::Translated || engine != ours {
+        } else if setting == EngineHashes::Translated {
             KeyMode::Translated
+        } else if engine != ours {
+            // A block of k units is aligned when it publishes the key of its last unit (vLLM
+            // 0.24+ views a hybrid model's wider groups so); otherwise it is translated at once.
+            match root_verdict {
+                Some(true) => KeyMode::Aligned,
+                _ => KeyMode::Translated,
+            }
         } else {
             match root_verdict? {
                 true => KeyMode::Aligned,
@@ -367,15 +381,19 @@ impl EngineKeys {
         engine: EngineId,
         tier: Tier,
         s: &BlockStored,
+        group: u32,
         scratch: &mut Scratch,
     ) -> crate::index::StoreOutcome {
         let copies = &mut self.copies;
         scratch.keys.clear();
-        scratch.keys.extend(aligned_keys(&s.block_hashes));
+        scratch
+            .keys
+            .extend(aligned_keys(&s.block_hashes).map(|k| k.in_group(group)));
         w.store_each(
             engine,
             tier,
-            s.parent_block_hash.map(BlockHash::aligned),
+            s.parent_block_hash
+                .map(|p| BlockHash::aligned(p).in_group(group)),
             &scratch.keys,
             |hash, added| {
                 if !added {
@@ -395,11 +413,12 @@ impl EngineKeys {
         w: &mut IndexWriter<'_>,
         engine: EngineId,
         r: &BlockRemoved,
+        group: u32,
         scratch: &mut Scratch,
     ) -> usize {
         let tier = tier_of(r.medium.as_ref());
         scratch.keys.clear();
-        let keys = aligned_keys(&r.block_hashes);
+        let keys = aligned_keys(&r.block_hashes).map(|k| k.in_group(group));
         if self.copies.is_empty() {
             scratch.keys.extend(keys);
             return w.remove(engine, tier, &scratch.keys);

@@ -1,0 +1,99 @@
+//! Hybrid models end to end, over real sockets: the payloads vLLM 0.33's publisher sent while
+//! its own KV-cache manager served a hybrid layout with evictions
+//! (`crates/kv-core/tests/fixtures/hybrid`, made from vLLM's code), sent by a ZMQ PUB as vLLM
+//! frames them (topic, sequence, payload) to the daemon with its defaults (but `blockSize` set
+//! to vLLM's hash unit and `hashSeed` to vLLM's), then every probe scored by `ScorePods` over
+//! gRPC: the matched tokens must be what vLLM's `get_computed_blocks` reuses.
+
+mod support;
+
+use std::time::Duration;
+
+use kv_core::BlockHash;
+use kv_indexer::daemon;
+use support::pods::{connect, eventually, list, payload_message, stored_message};
+use zeromq::SocketSend;
+
+const MODEL: &str = "hybrid/model";
+const POD: &str = "10.0.0.7:8000";
+
+/// Layouts whose every group rule is in the events: sliding window (group 0 and group 1),
+/// Mamba with 16-token partial hits, MLA beside sliding-window MLA at another block size.
+const RUNS: [&str; 4] = [
+    "swa128+full-bs16/seed2",
+    "full+swa512-bs16/seed2",
+    "full+mamba-align-bs576-pmu16/seed1",
+    "mla64+swamla16-w128/seed3",
+];
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn vllms_hybrid_publisher_through_the_daemon_scores_the_hit_vllm_takes() {
+    let runs = support::hybrid_runs();
+    for name in RUNS {
+        let run = runs
+            .iter()
+            .find(|r| r.name == name)
+            .expect("run in fixtures");
+        let mut c = support::loopback_config();
+        c.indexer_config.token_processor_config.hash_seed = Some("12345".into());
+        c.indexer_config.token_processor_config.block_size = run.unit;
+        let d = daemon::start(c).await.expect("daemon starts");
+        let mut publisher = connect(&d).await;
+        // Past ZMQ's slow-joiner window: a marker of another pod until it is held.
+        let marker = BlockHash::new(0x5EED);
+        let held = |pod: &str, key: BlockHash| {
+            d.indexer.model(MODEL).is_some_and(|m| {
+                let engines = m.index().directory().engines_of(pod).to_vec();
+                m.index()
+                    .lookup(key)
+                    .iter()
+                    .any(|(e, _)| engines.contains(e))
+            })
+        };
+        for seq in 0..250u64 {
+            let _ = publisher
+                .send(stored_message(MODEL, "warmup:1", seq, &[marker]))
+                .await;
+            tokio::time::sleep(Duration::from_millis(20)).await;
+            if held("warmup:1", marker) {
+                break;
+            }
+        }
+        assert!(
+            held("warmup:1", marker),
+            "{name}: the daemon never subscribed"
+        );
+        for (seq, payload) in run.payloads.iter().enumerate() {
+            publisher
+                .send(payload_message(MODEL, POD, seq as u64, payload))
+                .await
+                .expect("sends");
+        }
+        // Every message applied: the pod's last applied sequence is the last one sent.
+        let last = run.payloads.len() as i64 - 1;
+        eventually(Duration::from_secs(30), "every message applied", || async {
+            list(&d)
+                .await
+                .iter()
+                .any(|p| p.pod == POD && p.last_sequence == last)
+        })
+        .await;
+        let mut client = support::client(&d).await;
+        let mut hits = 0;
+        for (i, probe) in run.probes.iter().enumerate() {
+            let matched = support::matched_blocks(&mut client, MODEL, &probe.tokens, POD).await;
+            let got = u64::from(matched) * run.unit as u64;
+            assert_eq!(
+                got,
+                probe.hit,
+                "{name} probe {i} ({} tokens): predicted {got}, vLLM reuses {}, full attention alone {}",
+                probe.tokens.len(),
+                probe.hit,
+                probe.full_only
+            );
+            hits += u32::from(probe.hit > 0);
+        }
+        assert!(hits >= 10, "{name}: {hits} probes hit");
+        d.shutdown().await;
+    }
+}
