@@ -218,14 +218,30 @@ impl Layout {
         &self,
         units: usize,
         max_tokens: u64,
+        held: impl FnMut(usize, usize) -> bool,
+    ) -> u64 {
+        self.hit_tokens_known(units, max_tokens, None, held)
+    }
+
+    /// [`Layout::hit_tokens`] when the consecutive prefix a group of one unit holds is known
+    /// already (`known`: the group and how many units from unit 0 it holds, up to
+    /// `max_tokens`): a walk over many engines measured it, and the rule does not ask again.
+    pub fn hit_tokens_known(
+        &self,
+        units: usize,
+        max_tokens: u64,
+        known: Option<(usize, u64)>,
         mut held: impl FnMut(usize, usize) -> bool,
     ) -> u64 {
+        let find = |class: &Class, max: u64, align: u32, held: &mut _| {
+            self.find(class, units as u64, max, align, known, held)
+        };
         let units = units as u64;
         let max_tokens = max_tokens.min(units * u64::from(self.unit_tokens));
         if self.groups.len() == 1 {
             let class = &self.classes[0];
             // vLLM's unitary coordinator: aligned to the one group's block.
-            return self.find(class, units, max_tokens, class.spec.block_units, &mut held);
+            return find(class, max_tokens, class.spec.block_units, &mut held);
         }
         let mut hit = max_tokens;
         let mut full_hit: Option<u64> = None;
@@ -240,7 +256,7 @@ impl Layout {
                         continue;
                     }
                 }
-                curr = self.find(class, units, curr, self.align_units, &mut held);
+                curr = find(class, curr, self.align_units, &mut held);
                 if class.spec.kind == GroupKind::Full {
                     full_hit = Some(curr);
                 }
@@ -264,6 +280,7 @@ impl Layout {
         units: u64,
         max_tokens: u64,
         align_units: u32,
+        known: Option<(usize, u64)>,
         held: &mut impl FnMut(usize, usize) -> bool,
     ) -> u64 {
         let unit = u64::from(self.unit_tokens);
@@ -277,8 +294,13 @@ impl Layout {
             GroupKind::Full => {
                 let blocks = (max_tokens / block).min(units / k);
                 let mut n = 0;
-                while n < blocks && all((n + 1) * k - 1) {
-                    n += 1;
+                match known {
+                    Some((g, prefix)) if k == 1 && class.members == [g] => n = prefix.min(blocks),
+                    _ => {
+                        while n < blocks && all((n + 1) * k - 1) {
+                            n += 1;
+                        }
+                    }
                 }
                 let mut hit = n * block;
                 if fine {

@@ -152,3 +152,43 @@ fn kinds_parse_as_events_name_them() {
     ));
     assert!(Layout::new(UNIT, vec![]).is_err());
 }
+
+#[test]
+fn a_known_prefix_gives_the_hit_the_lookups_give() {
+    let mut rng = crate::mix::SplitMix64::new(40);
+    let layouts = [
+        vec![full(1), swa(33, 1)],
+        vec![swa(129, 1), full(1)],
+        vec![full(1), mamba(4)],
+        vec![full(1)],
+    ];
+    for round in 0..400 {
+        let layout = Layout::new(UNIT, layouts[round % layouts.len()].clone()).expect("valid");
+        let units = 1 + rng.below(40) as usize;
+        let mut set = HashSet::new();
+        for g in 0..layout.groups().len() {
+            let dense = rng.below(4);
+            for u in 0..units {
+                if rng.below(4) < dense {
+                    set.insert((g, u));
+                }
+            }
+        }
+        let full_group = layout
+            .groups()
+            .iter()
+            .position(|g| g.kind == GroupKind::Full)
+            .expect("a full group");
+        let max = rng.below(units as u64 * 16 + 1);
+        let walked = (max / 16).min(units as u64);
+        let prefix = (0..walked)
+            .take_while(|&u| set.contains(&(full_group, u as usize)))
+            .count() as u64;
+        let asked = layout.hit_tokens(units, max, |g, u| set.contains(&(g, u)));
+        let known = layout.hit_tokens_known(units, max, Some((full_group, prefix)), |g, u| {
+            assert!(g != full_group, "the known group is not asked");
+            set.contains(&(g, u))
+        });
+        assert_eq!(asked, known, "round {round}");
+    }
+}

@@ -38,10 +38,12 @@ impl ModelIndex {
         out
     }
 
-    /// Whether `engine` holds `hash` right now (any tier). Lock-free, allocates nothing.
-    pub fn holds(&self, hash: BlockHash, engine: EngineId) -> bool {
+    /// Whether `engine` holds each of `keys` (any tier), into `out`; consecutive blocks' keys
+    /// cost about one table probe in all. Lock-free; allocates only `out`'s growth.
+    pub fn holds_each(&self, keys: &[BlockHash], engine: EngineId, out: &mut Vec<bool>) {
         let lane = &self.lanes[self.lane_of(engine)];
-        lane.reader().holds(hash, engine / self.lanes.len() as u32)
+        lane.reader()
+            .holds_each(keys, engine / self.lanes.len() as u32, out);
     }
 
     /// Scores every engine that holds the prompt's first block: how many consecutive blocks

@@ -30,6 +30,7 @@ mod apply;
 mod groups;
 mod hash_check;
 mod kinds;
+mod layout_score;
 mod order;
 mod routings;
 mod score;

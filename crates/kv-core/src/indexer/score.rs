@@ -11,12 +11,12 @@ use std::sync::Arc;
 
 use thiserror::Error;
 
-use super::groups::Layouts;
+use super::layout_score::{LayoutAsk, LayoutScratch};
 use super::order::{group_in_name_order, holder_order, GroupScratch};
 use super::scored::{PodRef, PodScore, RankScore};
 use super::{Indexer, ModelState};
 use crate::hashing::{HashScratch, RequestExtras};
-use crate::index::{EngineDirectory, EngineId, EngineScore, Tier, TierWeights, NO_POD};
+use crate::index::{EngineDirectory, EngineId, EngineScore, TierWeights, NO_POD};
 use crate::marks::RoundMarks;
 use crate::BlockHash;
 
@@ -132,18 +132,8 @@ struct PodScratch {
     unknown: HashSet<Box<str>>,
     /// The holders' ordering.
     groups: GroupScratch,
-    /// The candidates, marked for engines scored by their layout.
-    layout_candidates: RoundMarks,
-    /// Engines whose walked full-attention prefix is known in this call...
-    walked: RoundMarks,
-    /// ...and its length, by engine id.
-    walked_len: Vec<u32>,
-    /// Groups other than 0 walked in this call.
-    walk_groups: Vec<u32>,
-    /// The prompt's keys in one group's key space.
-    mapped: Vec<BlockHash>,
-    /// One group walk's per-engine result.
-    group_walk: Vec<EngineScore>,
+    /// What scoring engines by their layouts works with.
+    layouts: LayoutScratch,
     /// Known pods that hold nothing of the prompt, in name order (listed after the holders).
     others: Vec<u32>,
 }
@@ -293,93 +283,6 @@ impl Indexer {
         out.total_blocks = hashes.len() as u32;
     }
 
-    /// Replaces the walk's result for engines that are not plain (hybrid groups, engine
-    /// blocks of several units) with the hit vLLM takes ([`crate::Layout::hit_tokens`]): the
-    /// full-attention prefix from a walk (the plain one for group 0, one over the group's key
-    /// space otherwise), every other block asked of the index in its group's key space, the
-    /// hit capped at `max_tokens` (vLLM's `num_tokens - 1`; the hash form, whose tokens are
-    /// unknown, is not capped). Their score is the matched blocks at GPU weight.
-    fn score_layouts(
-        &self,
-        state: &ModelState,
-        layouts: &Layouts,
-        hashes: &[BlockHash],
-        max_tokens: Option<u64>,
-        restricted: bool,
-        s: &mut PodScratch,
-    ) {
-        let unit = u64::from(state.processor.block_size() as u32);
-        let max_tokens = max_tokens.unwrap_or(hashes.len() as u64 * unit);
-        let walked = hashes.len().min((max_tokens / unit) as usize);
-        // The walks' prefixes of the engines' walked groups: group 0's from the plain walk...
-        s.walked.next_round();
-        for e in &s.engines {
-            if let Some(&(_, 0)) = layouts.get(&e.engine).and_then(|l| l.walked.as_ref()) {
-                s.walked.mark(e.engine as usize);
-                set_len(&mut s.walked_len, e.engine, e.matched_blocks);
-            }
-        }
-        // ...the others' from one walk per group over its key space.
-        s.walk_groups.clear();
-        for l in layouts.values() {
-            if let Some((_, g)) = l.walked {
-                if g != 0 && !s.walk_groups.contains(&g) {
-                    s.walk_groups.push(g);
-                }
-            }
-        }
-        for &g in &s.walk_groups {
-            s.mapped.clear();
-            s.mapped
-                .extend(hashes[..walked].iter().map(|h| h.in_group(g)));
-            let restrict = restricted.then_some(s.candidates.as_slice());
-            let weights = &self.settings.weights;
-            state
-                .index
-                .score_engines(&s.mapped, restrict, weights, &mut s.group_walk);
-            for e in &s.group_walk {
-                if layouts.get(&e.engine).and_then(|l| l.walked).map(|w| w.1) == Some(g) {
-                    s.walked.mark(e.engine as usize);
-                    set_len(&mut s.walked_len, e.engine, e.matched_blocks);
-                }
-            }
-        }
-        s.engines.retain(|e| !layouts.contains_key(&e.engine));
-        if restricted {
-            s.layout_candidates.next_round();
-            for &c in &s.candidates {
-                s.layout_candidates.mark(c as usize);
-            }
-        }
-        let weight = self.settings.weights.of(Tier::Gpu);
-        for (&engine, l) in layouts.iter() {
-            if restricted && !s.layout_candidates.is_marked(engine as usize) {
-                continue;
-            }
-            let prefix = if s.walked.is_marked(engine as usize) {
-                s.walked_len[engine as usize] as usize
-            } else {
-                0
-            };
-            let hit = l
-                .layout
-                .hit_tokens(hashes.len(), max_tokens, |g, u| match l.walked {
-                    Some((walked_group, _)) if walked_group == g => u < prefix,
-                    _ => state
-                        .index
-                        .holds(hashes[u].in_group(l.group_ids[g]), engine),
-                });
-            let matched = (hit / unit) as u32;
-            if matched > 0 {
-                s.engines.push(EngineScore {
-                    engine,
-                    matched_blocks: matched,
-                    score: f64::from(matched) * weight,
-                });
-            }
-        }
-    }
-
     fn score_pods<S: AsRef<str>>(
         &self,
         state: &ModelState,
@@ -412,8 +315,15 @@ impl Indexer {
         );
         let layouts = state.layouts.load();
         if !layouts.is_empty() {
-            let restricted = restrict.is_some();
-            self.score_layouts(state, &layouts, hashes, max_tokens, restricted, s);
+            let ask = LayoutAsk {
+                state,
+                layouts: &layouts,
+                hashes,
+                max_tokens,
+                candidates: restrict,
+                weights: &self.settings.weights,
+            };
+            ask.score(&mut s.engines, &mut s.layouts);
         }
         // Best engine per pod (DP ranks), by pod index.
         s.holding.next_round();
@@ -640,13 +550,4 @@ impl Indexer {
         }
         Some(sdir)
     }
-}
-
-/// Sets `lens[engine]`, growing `lens` to the largest engine id seen (once per thread).
-fn set_len(lens: &mut Vec<u32>, engine: EngineId, len: u32) {
-    let i = engine as usize;
-    if lens.len() <= i {
-        lens.resize(i + 1, 0);
-    }
-    lens[i] = len;
 }

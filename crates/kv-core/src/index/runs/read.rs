@@ -83,10 +83,11 @@ impl RunReader {
         self.shared.lookup(hash)
     }
 
-    /// Whether the engine in `slot` holds `hash` (in any tier): one block's check, no
-    /// allocation (what a hit rule asks of blocks off the prefix walk).
-    pub fn holds(&self, hash: BlockHash, slot: EngineId) -> bool {
-        self.shared.holds(hash, slot)
+    /// Whether the engine in `slot` holds each of `keys` (in any tier), into `out`: the keys
+    /// of consecutive blocks are found from each other (the next id, the chain's hint) as the
+    /// prefix walk finds them, so a window of blocks costs about one table probe, not one each.
+    pub fn holds_each(&self, keys: &[BlockHash], slot: EngineId, out: &mut Vec<bool>) {
+        self.shared.holds_each(keys, slot, out);
     }
 
     /// Scores every engine that holds the prompt's first block (and that `admit` accepts,
@@ -279,13 +280,18 @@ impl Shared {
         out
     }
 
-    fn holds(&self, hash: BlockHash, slot: EngineId) -> bool {
+    fn holds_each(&self, keys: &[BlockHash], slot: EngineId, out: &mut Vec<bool>) {
         let table = self.table.load();
-        let mut held = false;
-        let read = self.read_block(&table, None, hash.get(), false, |_, _, run| {
-            held = run.holders.nibble(slot, &self.words) != 0;
-        });
-        read.is_some() && held
+        let mut parent = None;
+        out.clear();
+        for key in keys {
+            let mut held = false;
+            let found = self.read_block(&table, parent, key.get(), false, |_, _, run| {
+                held = run.holders.nibble(slot, &self.words) != 0;
+            });
+            parent = found.as_ref().map(|f| f.id);
+            out.push(found.is_some() && held);
+        }
     }
 
     fn score(
