@@ -33,7 +33,7 @@ use crate::config::{Config, ServerConfig};
 use crate::ingest::{LogHandle, Pods};
 use crate::metrics::Metrics;
 use crate::server::grpc::ScoreService;
-use kv_core::{Indexer, PickSettings};
+use kv_core::{Indexer, PickSettings, PrefixNormalisation};
 use kv_tokenize::TokenizerService;
 
 /// The health service names GIE's protocol asks for.
@@ -125,6 +125,7 @@ pub async fn start(
         settings: PickSettings {
             weights: (&cfg.weights).into(),
             max_metrics_age: cfg.metrics_stale_after.0,
+            prefix: PrefixNormalisation::MinMax,
         },
         adapters,
         picks: Default::default(),

@@ -84,7 +84,10 @@ pub use indexer::{
 };
 
 /// The endpoint pick: llm-d's default scoring profile over candidates, I/O-free (`pick`).
-pub use pick::{pick, Candidate, Pick, PickError, PickSettings, PickWeights, PodMetrics, Ranked};
+pub use pick::{
+    pick, Candidate, Pick, PickError, PickSettings, PickWeights, PodMetrics, PrefixNormalisation,
+    Ranked,
+};
 
 /// 64-bit mixing, the project's one PRNG and its one FNV-1a (`mix`).
 pub use mix::{fnv1a, mix64, Fnv1a, SplitMix64};

@@ -5,7 +5,9 @@
 //! Three scorers, each giving every candidate a value in `[0, 1]`, summed with weights
 //! ([`PickWeights`], 3:2:2 by default, as llm-d's default profile):
 //! - prefix: the index's prefix score ([`Candidate::prefix_score`]), min-max normalised over the
-//!   candidates (the best holder 1, the worst 0; all equal: 1 when they hold something, else 0);
+//!   candidates (the best holder 1, the worst 0; all equal: 1 when they hold something, else 0),
+//!   or, with [`PrefixNormalisation::AsGiven`], taken as a value already in `[0, 1]` (the lab's
+//!   model of the gateway's approximate scorer, whose prefix value is a share of the prompt);
 //! - queue (llm-d's `queue-scorer`): `(max - q) / (max - min)` over the candidates' waiting
 //!   requests (`vllm:num_requests_waiting`); all equal: 1;
 //! - KV-cache utilisation (llm-d's `kv-cache-utilization-scorer`): `1 - usage`
@@ -50,6 +52,20 @@ impl Default for PickWeights {
     }
 }
 
+/// How the prefix scorer turns [`Candidate::prefix_score`] into its value in `[0, 1]`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum PrefixNormalisation {
+    /// Min-max over the candidates, as llm-d's precise-prefix-cache scorer normalises the
+    /// index's scores (the daemon's pick, and the default).
+    #[default]
+    MinMax,
+    /// The score is already the scorer's value (clamped to `[0, 1]`), used as it is: e.g. the
+    /// gateway's approximate `prefix-cache-scorer`, whose value is the matched share of the
+    /// blocks it hashed. The daemon does not use it; the lab's simulator does, so that every
+    /// scoring router it models shares this pick's queue and KV-cache scorers.
+    AsGiven,
+}
+
 /// How a pick is made.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct PickSettings {
@@ -57,6 +73,8 @@ pub struct PickSettings {
     pub weights: PickWeights,
     /// Metrics older than this are stale: the pick falls back to the index alone.
     pub max_metrics_age: Duration,
+    /// How the prefix scores become the prefix scorer's values (min-max by default).
+    pub prefix: PrefixNormalisation,
 }
 
 impl Default for PickSettings {
@@ -65,6 +83,7 @@ impl Default for PickSettings {
             weights: PickWeights::default(),
             // Ten of GIE's 50 ms scrape intervals.
             max_metrics_age: Duration::from_millis(500),
+            prefix: PrefixNormalisation::MinMax,
         }
     }
 }
@@ -206,10 +225,16 @@ pub fn pick(
         .iter()
         .map(|c| c.prefix_score)
         .fold(f64::NEG_INFINITY, f64::max);
-    let prefix = min_max(
-        candidates.iter().map(|c| c.prefix_score),
-        if top > 0.0 { 1.0 } else { 0.0 },
-    );
+    let prefix = match settings.prefix {
+        PrefixNormalisation::MinMax => min_max(
+            candidates.iter().map(|c| c.prefix_score),
+            if top > 0.0 { 1.0 } else { 0.0 },
+        ),
+        PrefixNormalisation::AsGiven => candidates
+            .iter()
+            .map(|c| c.prefix_score.clamp(0.0, 1.0))
+            .collect(),
+    };
     let (queue, kv): (Vec<Option<f64>>, Vec<Option<f64>>) = if metrics_used {
         let metrics = || candidates.iter().filter_map(|c| c.metrics);
         // The queue scorer favours the shortest queue: (max - q) / (max - min), the negated
@@ -448,6 +473,35 @@ mod tests {
                 Err(PickError::BadWeights(_))
             ));
         }
+    }
+
+    #[test]
+    fn a_prefix_given_as_a_share_is_used_as_it_is() {
+        // Min-max would make 0.5 of 0.5 and 0.25 a full 1.0 against 0; as given it is 0.5
+        // against 0.25, so the emptier queue of the shorter match wins (0.25 * 3 + 2 + 2 = 4.75
+        // against 0.5 * 3 + 0 + 2 = 3.5).
+        let c = [
+            cand("long", 0.5, fresh(4.0, 0.0)),
+            cand("short", 0.25, fresh(0.0, 0.0)),
+        ];
+        let given = PickSettings {
+            prefix: PrefixNormalisation::AsGiven,
+            ..PickSettings::default()
+        };
+        let p = pick(&c, &given, &mut SplitMix64::new(3)).unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(pods(&p, &c), ["short", "long"]);
+        assert_eq!(p.order[1].prefix, 0.5);
+        // Out of range is clamped, not trusted.
+        let c = [cand("over", 7.0, None), cand("under", -1.0, None)];
+        let p = pick(&c, &given, &mut SplitMix64::new(3)).unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!((p.order[0].prefix, p.order[1].prefix), (1.0, 0.0));
+        // Negative control: min-max (the default) gives the long match the full prefix weight,
+        // 3 + 0 + 2 = 5 against 0 + 2 + 2 = 4.
+        let c = [
+            cand("long", 0.5, fresh(4.0, 0.0)),
+            cand("short", 0.25, fresh(0.0, 0.0)),
+        ];
+        assert_eq!(pods(&run(&c), &c), ["long", "short"]);
     }
 
     #[test]

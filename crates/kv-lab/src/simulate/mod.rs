@@ -318,6 +318,7 @@ pub fn run(
     }
     push(&mut heap, 0.0, EventKind::Scrape);
     let mut scraped = vec![PodMetrics::default(); n_pods];
+    let mut scraped_ms = 0.0;
     // Per gateway replica, its requests in flight per pod; per request, (replica, pod).
     let mut in_flight = vec![vec![0usize; n_pods]; routers.len()];
     let mut placed: Vec<Option<(usize, usize)>> = vec![None; requests.len()];
@@ -357,6 +358,8 @@ pub fn run(
                         instant: at(now),
                         in_flight: &in_flight[replica],
                         scraped: &scraped,
+                        scraped_ms,
+                        scrape_interval_ms: settings.scrape_interval_ms,
                         indexer: &indexer,
                         model: MODEL,
                         pod_names: &pod_names,
@@ -467,6 +470,7 @@ pub fn run(
                         num_gpu_blocks: pod.engine.capacity_blocks(),
                     };
                 }
+                scraped_ms = now;
                 indexer.expire_speculation(at(now));
                 if unfinished > 0 {
                     push(

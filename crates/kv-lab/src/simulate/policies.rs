@@ -29,8 +29,8 @@ pub enum PolicyError {
     /// Not one of [`POLICIES`].
     #[error("unknown policy {0:?} (one of {list})", list = POLICIES.join(", "))]
     UnknownPolicy(String),
-    /// Not `equal`, `llm-d` or `prefix:queue:kv`.
-    #[error("--weights {0:?}: equal, llm-d, or prefix:queue:kv (e.g. 2:1:1)")]
+    /// Not `equal`, `llm-d` or `prefix:queue:kv` (finite, at least 0, not all 0).
+    #[error("--weights {0:?}: equal, llm-d, or prefix:queue:kv (e.g. 2:1:1; not all 0)")]
     BadWeights(String),
     /// Not one of [`PrefixScore::NAMES`].
     #[error("--precise-prefix-score {0:?}: min-max, min-max-holders or share")]
@@ -44,7 +44,7 @@ pub fn parse_prefix_score(text: &str) -> Result<PrefixScore, PolicyError> {
 
 /// The scorer weights of the approximate and the precise policies: `equal` (both 1:1:1),
 /// `llm-d` (approximate 1:1:1, precise as llm-d publishes it, 3:2:2) or `prefix:queue:kv`
-/// (both), each weight finite and at least 0.
+/// (both), each weight finite and at least 0, not all 0 (the daemon's pick refuses them).
 pub fn parse_weights(text: &str) -> Result<(Weights, Weights), PolicyError> {
     Ok(match text {
         "equal" => (Weights::EQUAL, Weights::EQUAL),
@@ -62,6 +62,10 @@ pub fn parse_weights(text: &str) -> Result<(Weights, Weights), PolicyError> {
                 queue: parts[1],
                 kv: parts[2],
             };
+            // The daemon's pick refuses all-zero weights; so does the simulator, which uses it.
+            kv_core::PickWeights::from(w)
+                .check()
+                .map_err(|_| PolicyError::BadWeights(other.to_owned()))?;
             (w, w)
         }
     })
@@ -169,7 +173,7 @@ mod tests {
         let (a, p) = parse_weights("2:1:0.5").expect("three weights");
         assert_eq!((a.prefix, a.queue, a.kv), (2.0, 1.0, 0.5));
         assert_eq!((p.prefix, p.queue, p.kv), (2.0, 1.0, 0.5));
-        for bad in ["2:1", "a:b:c", "1:-1:1", "1:inf:1"] {
+        for bad in ["2:1", "a:b:c", "1:-1:1", "1:inf:1", "0:0:0"] {
             assert_eq!(
                 parse_weights(bad).err(),
                 Some(PolicyError::BadWeights(bad.into())),

@@ -21,19 +21,21 @@
 //! - `localai`: routed prefixes with a TTL; the best match is used only if it covers a minimum
 //!   share of the prompt and the pod is not overloaded, otherwise least loaded.
 //!
-//! The scoring routers (`approx*`, `precise*`) add weighted scorers as an EPP does: the prefix
-//! scorer (the approximate scorer's matched share of the blocks it hashed, as the gateway's
-//! `prefix-cache-scorer` computes it; the precise scorer's as [`PrefixScore`] says), the queue
-//! scorer and the KV-utilisation scorer, both from metrics scraped every scrape interval
-//! (stale) and min-max normalised over the pods (1 = the shortest queue or the emptiest
-//! cache); the highest sum wins, ties at random.
+//! The scoring routers (`approx*`, `precise*`) pick with the daemon's own endpoint pick,
+//! [`kv_core::pick()`] (one implementation: what these ladders measure is the shipped code):
+//! the prefix scorer (the approximate scorer's matched share of the blocks it hashed, as the
+//! gateway's `prefix-cache-scorer` computes it, passed as it is; the precise scorer's as
+//! [`PrefixScore`] says, min-max by the pick itself by default), the queue scorer (min-max over
+//! the pods, 1 = the shortest queue) and the KV-cache utilisation scorer (`1 - usage`), both
+//! from metrics scraped every scrape interval (stale), weighted; the highest sum wins, ties at
+//! random from the router's seeded stream.
 
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
-use kv_core::BlockHash;
 use kv_core::SplitMix64;
+use kv_core::{BlockHash, Candidate, PickSettings, PickWeights, PrefixNormalisation};
 use serde::Serialize;
 
 use super::{PodMetrics, SimRequest};
@@ -50,6 +52,10 @@ pub struct RouterContext<'a> {
     pub in_flight: &'a [usize],
     /// Pod metrics as last scraped.
     pub scraped: &'a [PodMetrics],
+    /// Simulated time of that scrape, ms.
+    pub scraped_ms: f64,
+    /// How often the gateways scrape, ms.
+    pub scrape_interval_ms: f64,
     /// The real index (only the precise routers and `dynamo` read it).
     pub indexer: &'a Indexer,
     /// The model in the index.
@@ -103,6 +109,16 @@ impl Weights {
     };
 }
 
+impl From<Weights> for PickWeights {
+    fn from(w: Weights) -> Self {
+        PickWeights {
+            prefix: w.prefix,
+            queue: w.queue,
+            kv_cache_utilization: w.kv,
+        }
+    }
+}
+
 fn least_loaded(in_flight: &[usize], among: impl Iterator<Item = usize>) -> usize {
     among.min_by_key(|&p| (in_flight[p], p)).unwrap_or(0)
 }
@@ -154,29 +170,32 @@ impl PrefixScore {
             .map_or("min-max", |&(n, _)| n)
     }
 
-    /// The prefix scorer's values from the raw scores of a prompt of `blocks` blocks.
-    pub fn normalise(self, raw: &[f64], blocks: usize) -> Vec<f64> {
+    /// The prefix scores to hand the pick for the raw scores of a prompt of `blocks` blocks,
+    /// and how the pick is to normalise them: the raw scores for its own min-max
+    /// ([`PrefixScore::MinMax`]), the scorer's values as they are for the other forms.
+    pub fn normalise(self, raw: &[f64], blocks: usize) -> (Vec<f64>, PrefixNormalisation) {
         match self {
+            PrefixScore::MinMax => (raw.to_vec(), PrefixNormalisation::MinMax),
+            PrefixScore::MinMaxHolders => (min_max_holders(raw), PrefixNormalisation::AsGiven),
             PrefixScore::Share => {
                 let n = blocks.max(1) as f64;
-                raw.iter().map(|r| r / n).collect()
+                let share = raw.iter().map(|r| r / n).collect();
+                (share, PrefixNormalisation::AsGiven)
             }
-            PrefixScore::MinMax => min_max(raw, |_| true),
-            PrefixScore::MinMaxHolders => min_max(raw, |r| r > 0.0),
         }
     }
 }
 
-/// `(v - min) / (max - min)` over the values `counted` admits (1.0 for each when they are
-/// equal), 0 for the others.
-fn min_max(raw: &[f64], counted: impl Fn(f64) -> bool) -> Vec<f64> {
+/// `(v - min) / (max - min)` over the pods holding something (1.0 for each when they are
+/// equal), 0 for the others: llm-d's min-max over the pods its own indexer returns.
+fn min_max_holders(raw: &[f64]) -> Vec<f64> {
     let (min, max) = raw
         .iter()
         .copied()
-        .filter(|&r| counted(r))
+        .filter(|&r| r > 0.0)
         .fold((f64::MAX, f64::MIN), |(lo, hi), r| (lo.min(r), hi.max(r)));
     raw.iter()
-        .map(|&r| match counted(r) {
+        .map(|&r| match r > 0.0 {
             false => 0.0,
             true if max > min => (r - min) / (max - min),
             true => 1.0,
@@ -184,26 +203,49 @@ fn min_max(raw: &[f64], counted: impl Fn(f64) -> bool) -> Vec<f64> {
         .collect()
 }
 
-/// `(max - v) / (max - min)` per value (lower is better); 1 for all when they are equal.
-fn min_max_inverted(values: &[f64]) -> Vec<f64> {
-    let negated: Vec<f64> = values.iter().map(|v| -v).collect();
-    min_max(&negated, |_| true)
-}
-
-/// The EPP's weighted sum of prefix, queue and KV-utilisation scores; the highest wins, ties
-/// at random.
-fn pick(prefix: &[f64], ctx: &RouterContext<'_>, w: Weights, rng: &mut SplitMix64) -> usize {
-    let waiting: Vec<f64> = ctx.scraped.iter().map(|m| m.waiting as f64).collect();
-    let usage: Vec<f64> = ctx.scraped.iter().map(|m| m.kv_usage).collect();
-    let (queue, kv) = (min_max_inverted(&waiting), min_max_inverted(&usage));
-    let scores: Vec<f64> = (0..prefix.len())
-        .map(|p| w.prefix * prefix[p] + w.queue * queue[p] + w.kv * kv[p])
+/// The daemon's endpoint pick ([`kv_core::pick()`]) over every pod: the prefix scores
+/// (normalised as `normalise` says), the queue and KV-cache scorers from the scraped metrics
+/// (as old as the last scrape; older than the daemon's default `metricsStaleAfter`, 500 ms,
+/// or ten scrape intervals if that is longer, they are left out as the daemon leaves them
+/// out), weighted by `w`; ties broken by `rng`. Returns the winner.
+fn pick(
+    prefix: &[f64],
+    normalise: PrefixNormalisation,
+    ctx: &RouterContext<'_>,
+    w: Weights,
+    rng: &mut SplitMix64,
+) -> usize {
+    let age = Duration::from_secs_f64((ctx.now_ms - ctx.scraped_ms).max(0.0) / 1000.0);
+    let candidates: Vec<Candidate> = ctx
+        .scraped
+        .iter()
+        .zip(prefix)
+        .enumerate()
+        .map(|(p, (m, &prefix_score))| Candidate {
+            pod: ctx.pod_names.get(p).cloned().unwrap_or_default(),
+            rank: None,
+            prefix_score,
+            metrics: Some(kv_core::PodMetrics {
+                waiting_requests: m.waiting as f64,
+                kv_cache_usage: m.kv_usage,
+                age,
+            }),
+        })
         .collect();
-    let best = scores.iter().copied().fold(f64::MIN, f64::max);
-    let tied: Vec<usize> = (0..scores.len())
-        .filter(|&p| scores[p] >= best - 1e-9)
-        .collect();
-    tied[rng.below(tied.len() as u64) as usize]
+    let daemon = PickSettings::default();
+    let settings = PickSettings {
+        weights: w.into(),
+        max_metrics_age: daemon.max_metrics_age.max(Duration::from_secs_f64(
+            ctx.scrape_interval_ms * 10.0 / 1000.0,
+        )),
+        prefix: normalise,
+    };
+    // Weights are checked when parsed and every input is finite, so the pick cannot fail; if it
+    // did, the gateway would fall back to load.
+    match kv_core::pick(&candidates, &settings, rng) {
+        Ok(pick) => pick.best().unwrap_or(0),
+        Err(_) => least_loaded(ctx.in_flight, 0..ctx.in_flight.len()),
+    }
 }
 
 /// Uniformly random.
@@ -347,7 +389,14 @@ impl Router for ApproxPrefix {
             .iter()
             .map(|p| p.prefix(blocks) as f64 / n)
             .collect();
-        pick(&matched, ctx, self.weights, &mut self.rng)
+        // The gateway's prefix-cache-scorer's value is the share itself, not min-max.
+        pick(
+            &matched,
+            PrefixNormalisation::AsGiven,
+            ctx,
+            self.weights,
+            &mut self.rng,
+        )
     }
     fn routed(&mut self, req: &SimRequest, pod: usize, ctx: &RouterContext<'_>) {
         self.size(ctx);
@@ -416,8 +465,8 @@ impl Router for Precise {
     }
     fn route(&mut self, req: &SimRequest, ctx: &RouterContext<'_>) -> usize {
         let raw = indexed_blocks(req, ctx);
-        let prefix = self.prefix_score.normalise(&raw, req.blocks.len());
-        pick(&prefix, ctx, self.weights, &mut self.rng)
+        let (prefix, normalise) = self.prefix_score.normalise(&raw, req.blocks.len());
+        pick(&prefix, normalise, ctx, self.weights, &mut self.rng)
     }
     fn routed(&mut self, req: &SimRequest, pod: usize, ctx: &RouterContext<'_>) {
         if self.speculation && !req.blocks.is_empty() {
@@ -593,48 +642,5 @@ impl Router for LocalAi {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn prefix_scores_normalise_as_llm_d_does_over_the_pods_returned() {
-        let raw = [0.0, 375.0, 450.0, 375.0];
-        // kv-indexer returns every candidate: the lower holders keep their place.
-        let all = PrefixScore::MinMax.normalise(&raw, 450);
-        assert_eq!(all[0], 0.0);
-        assert!((all[1] - 375.0 / 450.0).abs() < 1e-12 && all[2] == 1.0);
-        // llm-d's indexer returns the holders only: the lowest holder scores as a pod holding
-        // nothing.
-        assert_eq!(
-            PrefixScore::MinMaxHolders.normalise(&raw, 450),
-            [0.0, 0.0, 1.0, 0.0]
-        );
-        // One holder, or equal holders: 1.0 each, however short their match.
-        for form in [PrefixScore::MinMax, PrefixScore::MinMaxHolders] {
-            assert_eq!(form.normalise(&[0.0, 3.0], 450), [0.0, 1.0]);
-            assert_eq!(form.normalise(&[2.0, 2.0, 0.0], 450), [1.0, 1.0, 0.0]);
-        }
-        // Nobody holds anything: nothing pulls (equal values, whatever they are).
-        assert_eq!(PrefixScore::MinMax.normalise(&[0.0, 0.0], 450), [1.0, 1.0]);
-        assert_eq!(
-            PrefixScore::MinMaxHolders.normalise(&[0.0, 0.0], 450),
-            [0.0, 0.0]
-        );
-        // The share: blocks over prompt blocks.
-        assert_eq!(
-            PrefixScore::Share.normalise(&[0.0, 375.0], 450)[1],
-            375.0 / 450.0
-        );
-        for (name, form) in PrefixScore::NAMES {
-            assert_eq!(PrefixScore::parse(name), Some(form));
-            assert_eq!(form.name(), name);
-        }
-        assert_eq!(PrefixScore::parse("minmax"), None);
-    }
-
-    #[test]
-    fn min_max_normalisation_ranks_the_lowest_first_and_ties_all_at_one() {
-        assert_eq!(min_max_inverted(&[2.0, 4.0, 6.0]), [1.0, 0.5, 0.0]);
-        assert_eq!(min_max_inverted(&[3.0, 3.0]), [1.0, 1.0]);
-    }
-}
+#[path = "routers_tests.rs"]
+mod tests;
