@@ -23,6 +23,8 @@ use serde_json::json;
 mod openapi;
 #[path = "helm_chart/render.rs"]
 mod render;
+#[path = "helm_chart/tls.rs"]
+mod tls;
 use render::{chart_dir, render};
 
 /// Deserializes each manifest into its Kubernetes type; returns them by kind.
@@ -582,6 +584,9 @@ fn the_endpoint_picker_port_and_configuration_appear_only_when_enabled() {
             "metricsUrlTemplate": "http://{pod}/metrics",
             "metricsInterval": "50ms",
             "weights": {"prefix": 3, "queue": 2, "kvCacheUtilization": 2},
+            "metricsStaleAfter": "500ms",
+            "maxBodyBytes": 10485760,
+            "maxInFlight": 1024,
         }))
     );
     let d: Deployment = serde_json::from_value(by_kind["Deployment"].clone()).expect("typed");
@@ -639,6 +644,9 @@ fn the_endpoint_picker_port_and_configuration_appear_only_when_enabled() {
         "metricsUrlTemplate": "http://{pod}/custom-metrics",
         "metricsInterval": "200ms",
         "weights": {"prefix": 1, "queue": 0, "kvCacheUtilization": 0},
+        "metricsStaleAfter": "2s",
+        "maxBodyBytes": 4096,
+        "maxInFlight": 8,
     }})));
     assert_eq!(
         picker_section(&by_kind),
@@ -648,9 +656,14 @@ fn the_endpoint_picker_port_and_configuration_appear_only_when_enabled() {
             "metricsUrlTemplate": "http://{pod}/custom-metrics",
             "metricsInterval": "200ms",
             "weights": {"prefix": 1, "queue": 0, "kvCacheUtilization": 0},
+            "metricsStaleAfter": "2s",
+            "maxBodyBytes": 4096,
+            "maxInFlight": 8,
         }))
     );
     let picker = embedded_config(&by_kind).endpoint_picker;
+    assert_eq!((picker.max_body_bytes, picker.max_in_flight), (4096, 8));
+    assert_eq!(picker.metrics_stale_after.to_string(), "2s");
     assert_eq!(picker.addr, "0.0.0.0:9102");
     assert_eq!(picker.weights.queue, 0.0);
     assert_eq!(picker.metrics_interval.to_string(), "200ms");
