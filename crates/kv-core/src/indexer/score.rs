@@ -4,7 +4,9 @@
 //! Invariants: reads take no lock (the index walk is lock-free; the scratch is per thread);
 //! once a thread and a reused [`ScoreResult`] have seen their largest prompt and fleet, a score
 //! allocates nothing; pods are listed best first (ties by matched blocks, then name), each
-//! candidate once, candidates the index never heard of with 0.
+//! candidate once, candidates the index never heard of with 0; a score is the hit vLLM takes:
+//! never past a prompt's `num_tokens - 1` tokens (the token form), in whole engine blocks, and
+//! for engines with KV-cache groups by their rule ([`super::layout_score`]).
 
 use std::collections::HashSet;
 use std::sync::Arc;
