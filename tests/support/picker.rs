@@ -20,7 +20,7 @@ use kv_core::{RequestExtras, TokenProcessor, TokenProcessorConfig};
 use kv_indexer::config::{Config, ConfigDuration, ModelConfig};
 use kv_indexer::daemon::{self, RunningDaemon};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use zeromq::{PubSocket, Socket, SocketSend};
+use zeromq::{PubSocket, SocketSend};
 
 /// The model the picker tests route.
 pub const MODEL: &str = "Qwen/Qwen3-8B";
@@ -134,11 +134,7 @@ impl Fleet {
     /// Starts a daemon with `c`.
     pub async fn start(c: Config) -> Self {
         let daemon = daemon::start(c).await.expect("daemon starts");
-        let mut publisher = PubSocket::new();
-        publisher
-            .connect(daemon.zmq_endpoint.as_deref().expect("bind mode"))
-            .await
-            .expect("PUB connects");
+        let publisher = super::pods::connect(&daemon).await;
         let processor = TokenProcessor::new(&TokenProcessorConfig {
             hash_seed: Some(SEED.into()),
             block_size: BLOCK,

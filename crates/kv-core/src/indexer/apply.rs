@@ -12,7 +12,7 @@ use std::collections::HashMap;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
-use super::groups::{EngineGroups, EngineLayout, Route};
+use super::groups::Route;
 use super::kinds::tier_of;
 use super::translate::aligned_keys;
 use super::{EngineKeyState, Indexer, KeyMode, ModelState, SettingsError, TranslationReport};
@@ -102,15 +102,6 @@ fn shrink_if_sparse<K: std::hash::Hash + Eq, V>(map: &mut HashMap<K, V>) {
     if map.capacity() > 64 && map.len() < map.capacity() / 4 {
         map.shrink_to_fit();
     }
-}
-
-/// The layout `key`'s groups give (`None`: plain, or not modelled: scored by the prefix walk).
-fn engine_groups_layout(
-    groups: &HashMap<EngineKey, EngineGroups>,
-    key: &EngineKey,
-    unit: u32,
-) -> Option<EngineLayout> {
-    groups.get(key).and_then(|g| g.layout(unit).ok().flatten())
 }
 
 /// Blocks a batch's `BlockStored` events carry.
@@ -317,7 +308,7 @@ impl Indexer {
             }
             Some(engine) if layout_changed => {
                 report.layout_changed = true;
-                let layout = engine_groups_layout(&groups, key, unit);
+                let layout = groups.get(key).and_then(|g| g.published(unit));
                 state.publish_layout(engine, layout);
             }
             Some(_) => {}
@@ -447,7 +438,7 @@ impl Indexer {
         let mut groups = m.groups.lock();
         let engine_groups = groups.entry(key.clone()).or_default();
         engine_groups.restore(&state.groups);
-        let layout = engine_groups.layout(unit).ok().flatten();
+        let layout = engine_groups.published(unit);
         let mut engines = m.engine_keys.lock();
         let keys = engines.0.entry(key.clone()).or_default();
         let imported = m.index.write_engine(key, |w, engine| {

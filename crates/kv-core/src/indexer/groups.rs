@@ -165,6 +165,13 @@ impl EngineGroups {
         }
     }
 
+    /// The layout to publish for scoring: [`EngineGroups::layout`], where a layout the rule
+    /// cannot build (no set of groups vLLM publishes makes one) is not published and the
+    /// engine is scored by the prefix walk.
+    pub(super) fn published(&self, unit: u32) -> Option<EngineLayout> {
+        self.layout(unit).ok().flatten()
+    }
+
     /// The engine's layout, `None` when plain (or nothing is modelled).
     pub(super) fn layout(&self, unit: u32) -> Result<Option<EngineLayout>, LayoutError> {
         let plain = GroupSpec {
