@@ -8,6 +8,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let out = PathBuf::from(std::env::var("OUT_DIR")?);
     let mut config = prost_build::Config::new();
     config.protoc_executable(protoc_bin_vendored::protoc_bin_path()?);
+    // Token id lists are encoded and decoded by hand (src/token_ids.rs: the same wire bytes,
+    // without prost's per-byte varint path).
+    config.extern_path(".kvindexer.v1.TokenIds", "crate::token_ids::TokenIds");
     tonic_prost_build::configure()
         .file_descriptor_set_path(out.join("kv_indexer_descriptor.bin"))
         .compile_with_config(

@@ -5,13 +5,17 @@
 //! - [`indexer_v1`]: `proto/indexer/v1/indexer.proto` (llm-d's `GetPodScores`, field for field);
 //! - [`llmd_upstream`]: llm-d's own copy of that schema (client only, for tests);
 //! - [`FILE_DESCRIPTOR_SET`]: both schemas encoded, for server reflection;
-//! - [`token_ids_le`]: the packed form of `ScorePodsRequest.token_ids_le`, both ways.
+//! - [`token_ids_le`]: the packed form of `ScorePodsRequest.token_ids_le`, both ways;
+//! - [`token_ids`]: `TokenIds` (the varint list), encoded and decoded by hand.
 
 /// Generated code for `proto/kvindexer/v1/kv_indexer.proto`.
 pub mod kvindexer_v1 {
     #![allow(missing_docs, clippy::all, clippy::pedantic)]
     tonic::include_proto!("kvindexer.v1");
+    pub use crate::token_ids::TokenIds;
 }
+
+pub mod token_ids;
 
 /// Generated code for `proto/indexer/v1/indexer.proto`.
 pub mod indexer_v1 {
