@@ -61,6 +61,7 @@ mod jobs;
 pub mod lifecycle;
 mod pods;
 mod publishers;
+pub mod runtime;
 pub mod sequence;
 pub mod shared_log;
 mod sockets;
@@ -109,6 +110,9 @@ pub enum IngestError {
     /// DNS discovery could not set up its resolver.
     #[error("connect-mode discovery: {0}")]
     Discovery(#[from] discovery::DiscoveryError),
+    /// The ingest runtime's threads could not be started.
+    #[error("starting the ingest threads: {0}")]
+    Runtime(std::io::Error),
 }
 
 /// The running pipeline.
@@ -122,6 +126,8 @@ pub struct IngestHandle {
     receivers: Vec<JoinHandle<()>>,
     workers: Vec<JoinHandle<()>>,
     dispatch: Option<Arc<Dispatch>>,
+    /// Where all of the above run; dropped last (after `join`, nothing is left on it).
+    runtime: Option<runtime::IngestRuntime>,
 }
 
 impl IngestHandle {
@@ -149,6 +155,7 @@ impl IngestHandle {
         for w in self.workers.drain(..) {
             let _ = w.await;
         }
+        drop(self.runtime.take());
     }
 }
 
@@ -166,8 +173,33 @@ pub struct IngestSetup {
     pub replica: Arc<str>,
 }
 
-/// Starts the workers and the receivers (bind and/or connect mode).
+/// Starts the workers and the receivers (bind and/or connect mode) on the ingest runtime
+/// ([`runtime`]: threads of their own, below the serving threads' priority).
 pub async fn start(
+    config: &KvEventsConfig,
+    setup: IngestSetup,
+    shutdown: watch::Receiver<bool>,
+) -> Result<IngestHandle, IngestError> {
+    let threads = std::thread::available_parallelism().map_or(2, |n| n.get());
+    let rt = runtime::IngestRuntime::new(threads.min(config.concurrency.max(1)))
+        .map_err(IngestError::Runtime)?;
+    // Started from a task on the ingest runtime, so that everything it spawns (sockets'
+    // connection tasks included) runs there.
+    let config = config.clone();
+    let started = rt
+        .handle()
+        .spawn(async move { start_here(&config, setup, shutdown).await })
+        .await;
+    let mut handle = match started {
+        Ok(result) => result?,
+        Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
+        Err(e) => unreachable!("the ingest runtime is not shut down while starting: {e}"),
+    };
+    handle.runtime = Some(rt);
+    Ok(handle)
+}
+
+async fn start_here(
     config: &KvEventsConfig,
     setup: IngestSetup,
     shutdown: watch::Receiver<bool>,
@@ -310,5 +342,6 @@ pub async fn start(
         receivers,
         workers,
         dispatch: Some(dispatch),
+        runtime: None,
     })
 }

@@ -9,6 +9,10 @@
 //! A buffer that overflows gives up waiting: the hole is counted as lost and the parked messages
 //! are applied.
 //!
+//! A worker yields between jobs once its cooperative budget is spent (Tokio's, per task),
+//! so the receivers and the other workers on the ingest runtime ([`super::runtime`]) keep
+//! their turns while an inbox is full.
+//!
 //! Messages from the shared log ([`Via::Log`]) are sequenced by the same state: never
 //! gap-filled (the replica that received them did that), never appended again.
 //!
@@ -129,6 +133,11 @@ pub(super) async fn run(index: usize, inbox: Arc<Inbox>, shared: Arc<Shared>) {
                 None => break,
             },
         }
+        // The inbox answers at once while it holds work, so without this a busy worker
+        // would keep its thread: spend one unit of Tokio's cooperative budget per job, and
+        // give the thread to the runtime's other tasks (receivers, other workers, gap fills)
+        // when the budget is spent.
+        tokio::task::coop::consume_budget().await;
     }
     // Shutdown: wait for the fills in flight (each ends within its timeout), then stop.
     while !worker.parked.is_empty() {
