@@ -73,6 +73,9 @@ pub struct KeySpace {
     pub hash_block_size: u32,
     /// The extra-key encoding.
     pub extra_keys_format: ExtraKeysFormat,
+    /// Tokens after each block its key covers (vLLM's `num_hash_lookahead_tokens`; 0: none,
+    /// or not learned yet). A model's, learned from its events, not a processor setting.
+    pub lookahead: u32,
 }
 
 /// A LoRA adapter as vLLM hashes it.
@@ -232,13 +235,15 @@ impl TokenProcessor {
     }
 
     /// What decides the keys this processor gives a prompt (seed, block sizes, extra-key
-    /// encoding): two processors with equal key spaces key every prompt alike.
+    /// encoding): two processors with equal key spaces key every prompt alike. Without
+    /// lookahead: a model's is `ModelState::key_space`.
     pub fn key_space(&self) -> KeySpace {
         KeySpace {
             none_hash: self.none_hash,
             block_size: self.block_size as u32,
             hash_block_size: self.hash_block_size as u32,
             extra_keys_format: self.format,
+            lookahead: 0,
         }
     }
 

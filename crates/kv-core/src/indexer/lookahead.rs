@@ -16,7 +16,8 @@
 //!   is hashed in; it is refused and its blocks counted ([`LookaheadRefusal::Mismatch`]);
 //! - a run whose lookahead lists are not one per hash of one length, or disagree with its own
 //!   `token_ids`, is refused and counted ([`LookaheadRefusal::Malformed`]), never guessed;
-//! - `L` is set once per model (a model that learned it keeps it until it is dropped); runs
+//! - `L` is set once per model, from its events or from a snapshot of its keys
+//!   ([`super::ModelState::adopt_lookahead`]), and kept until the model is dropped; runs
 //!   without lookahead indexed before it was learned stay until removed, and no longer match.
 
 use std::sync::atomic::Ordering;

@@ -44,7 +44,7 @@ use parking_lot::Mutex;
 use thiserror::Error;
 
 use crate::hashing::{
-    DigestMemo, ExtraKeysFormat, HashScratch, LoraAdapter, MemoStats, RequestExtras,
+    DigestMemo, ExtraKeysFormat, HashScratch, KeySpace, LoraAdapter, MemoStats, RequestExtras,
     TokenProcessor, TokenProcessorConfig, TokenProcessorError,
 };
 use crate::index::{
@@ -191,6 +191,28 @@ impl ModelState {
     /// hashed with their own next this many tokens.
     pub fn lookahead(&self) -> u32 {
         self.lookahead.load(Ordering::Relaxed)
+    }
+
+    /// What decides the keys of this model's prompts: its processor's settings and its
+    /// lookahead (what a snapshot carries with the model's keys).
+    pub fn key_space(&self) -> KeySpace {
+        KeySpace {
+            lookahead: self.lookahead(),
+            ..self.processor.key_space()
+        }
+    }
+
+    /// Takes `lookahead` as the model's when it has learned none (a snapshot's keys made
+    /// with it): true when the model's lookahead is now `lookahead`, false when it learned
+    /// another.
+    pub fn adopt_lookahead(&self, lookahead: u32) -> bool {
+        let _writer = self.engine_keys.lock();
+        let current = self.lookahead();
+        if current == 0 {
+            self.lookahead.store(lookahead, Ordering::Relaxed);
+            return true;
+        }
+        current == lookahead
     }
 
     /// A prompt's block hashes for scoring: with the model's lookahead when it has one
