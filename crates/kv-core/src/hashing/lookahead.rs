@@ -11,7 +11,7 @@
 //!   prompt that shares a block but not the tokens after it has another key;
 //! - `L = 0` is plain hashing, byte for byte (the same loop).
 
-use super::{cbor, write_block_extras, ExtraKeysFormat, HashScratch, RequestExtras};
+use super::{cbor, write_block_extras, BlockDigest, ExtraKeysFormat, HashScratch, RequestExtras};
 use super::{event_hash, TokenProcessor};
 use crate::BlockHash;
 
@@ -31,6 +31,20 @@ impl TokenProcessor {
         self.chain_blocks(tokens, lookahead, extras, scratch, |_, digest| {
             out.push(event_hash(digest))
         });
+    }
+
+    /// [`TokenProcessor::block_digests`] with `lookahead` tokens after each unit in its hash
+    /// (the `hash` tool's `--lookahead`; convenience, allocates the result).
+    pub fn block_digests_lookahead(
+        &self,
+        tokens: &[u32],
+        lookahead: usize,
+        extras: &RequestExtras,
+    ) -> Vec<BlockDigest> {
+        let mut out = Vec::new();
+        let scratch = &mut HashScratch::default();
+        self.chain_blocks(tokens, lookahead, extras, scratch, |_, d| out.push(*d));
+        out
     }
 }
 
@@ -68,7 +82,7 @@ pub(super) fn write_extras(
 
 #[cfg(test)]
 mod tests {
-    use super::super::{BlockDigest, TokenProcessorConfig, DEFAULT_HASH_SEED};
+    use super::super::{TokenProcessorConfig, DEFAULT_HASH_SEED};
     use super::*;
     use sha2::{Digest, Sha256};
 

@@ -446,11 +446,7 @@ impl TokenProcessor {
 
     /// The full digests of every full block (for the `hash` tool and diagnostics).
     pub fn block_digests(&self, tokens: &[u32], extras: &RequestExtras) -> Vec<BlockDigest> {
-        let mut out = Vec::new();
-        self.for_each_block(tokens, extras, &mut HashScratch::default(), |_, d| {
-            out.push(*d)
-        });
-        out
+        self.block_digests_lookahead(tokens, 0, extras)
     }
 }
 
