@@ -27,6 +27,7 @@ fn json_output_equals_vllm_vectors() {
         "sha256_cbor/seed=unset/bs=32/partial40",
         "sha256_cbor/seed=12345/bs=16/cache_salt",
         "sha256_cbor/seed=12345/bs=16/lora",
+        "sha256_cbor/seed=12345/bs=16/lookahead1",
     ] {
         let case = cases.iter().find(|c| c["id"] == id).expect("case exists");
         let tokens: Vec<String> = support::u32s(&case["token_ids"])
@@ -41,6 +42,10 @@ fn json_output_equals_vllm_vectors() {
         }
         if let Some(salt) = case["cache_salt"].as_str() {
             args.extend(["--cache-salt", salt]);
+        }
+        let lookahead = case["num_hash_lookahead_tokens"].to_string();
+        if lookahead != "null" {
+            args.extend(["--lookahead", &lookahead]);
         }
         let lora = &case["lora_request"];
         if !lora.is_null() {

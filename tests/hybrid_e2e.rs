@@ -18,12 +18,15 @@ const MODEL: &str = "hybrid/model";
 const POD: &str = "10.0.0.7:8000";
 
 /// Layouts whose every group rule is in the events: sliding window (group 0 and group 1),
-/// Mamba with 16-token partial hits, MLA beside sliding-window MLA at another block size.
-const RUNS: [&str; 4] = [
+/// Mamba with 16-token partial hits, MLA beside sliding-window MLA at another block size,
+/// and lookahead hashing (MTP with two tokens; EAGLE beside a sliding window).
+const RUNS: [&str; 6] = [
     "swa128+full-bs16/seed2",
     "full+swa512-bs16/seed2",
     "full+mamba-align-bs576-pmu16/seed1",
     "mla64+swamla16-w128/seed3",
+    "full-mtp-lookahead2-bs16/seed3",
+    "full+swa128-eagle-lookahead1-bs16/seed2",
 ];
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -35,6 +35,12 @@ pub struct HashArgs {
     /// cache_salt of the request.
     #[arg(long)]
     pub cache_salt: Option<String>,
+    /// Tokens after each block that its hash covers: vLLM >= 0.33's
+    /// `num_hash_lookahead_tokens` (1 with an EAGLE drafter, the draft-token count with
+    /// multi-module MTP; what its events' `lookahead_token_ids` lists hold). The last blocks
+    /// without that many tokens after them are not hashed.
+    #[arg(long, default_value_t = 0)]
+    pub lookahead: usize,
     /// Extra-keys encoding: `tagged` (vLLM >= 0.31) or `untagged` (0.14-0.30).
     #[arg(long, default_value = "tagged")]
     pub extra_keys_format: String,
@@ -105,7 +111,7 @@ pub fn run(args: HashArgs) -> anyhow::Result<()> {
     let out = HashOut {
         none_hash: hex(processor.none_hash()),
         blocks: processor
-            .block_digests(&tokens, &extras)
+            .block_digests_lookahead(&tokens, args.lookahead, &extras)
             .iter()
             .enumerate()
             .map(|(index, d)| BlockOut {

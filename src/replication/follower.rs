@@ -290,7 +290,7 @@ impl Follower {
         let held: u64 = indexer.stats().iter().map(|(_, s)| s.memberships).sum();
         let mut writer = SnapshotWriter::new(self.position, held);
         for model in indexer.models() {
-            writer.key_space(model.name(), &model.processor().key_space());
+            writer.key_space(model.name(), &model.key_space());
         }
         indexer.export_each(|model, key, blocks| writer.blocks(model, key, blocks));
         indexer.export_keys_each(|model, key, state| writer.engine_keys(model, key, state));

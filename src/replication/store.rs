@@ -182,14 +182,27 @@ pub fn apply_snapshot(bytes: &[u8], indexer: &Indexer) -> Result<SnapshotLoad, S
         match item {
             SnapshotItem::KeySpace { model, space } => {
                 let here = indexer.model_or_create(model).ok();
-                let here = here.map(|m| m.processor().key_space());
+                let here = here.map(|m| {
+                    let settings = m.key_space();
+                    // A model that learned no lookahead takes the one its keys were made with.
+                    let lookahead = kv_core::KeySpace {
+                        lookahead: space.lookahead,
+                        ..settings
+                    };
+                    if space.lookahead > 0 && lookahead == space {
+                        m.adopt_lookahead(space.lookahead);
+                    }
+                    m.key_space()
+                });
                 if let Some(here) = here.filter(|here| *here != space) {
                     tracing::error!(
                         model,
                         snapshot_block_size = space.block_size,
                         block_size = here.block_size,
                         same_seed = space.none_hash == here.none_hash,
-                        "snapshot: this model's keys were made with other hash settings (hashSeed or PYTHONHASHSEED, blockSize, extra-key format) than this replica's; its blocks are not loaded and come back as its pods publish. Replicas sharing a log must hash alike"
+                        snapshot_lookahead = space.lookahead,
+                        lookahead = here.lookahead,
+                        "snapshot: this model's keys were made with other hash settings (hashSeed or PYTHONHASHSEED, blockSize, extra-key format, the lookahead its engines hash with) than this replica's; its blocks are not loaded and come back as its pods publish. Replicas sharing a log must hash alike"
                     );
                     foreign.insert(model.to_owned());
                 }

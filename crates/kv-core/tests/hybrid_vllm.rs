@@ -7,13 +7,19 @@
 //! `tests/fixtures/hybrid/README.md` says how the fixtures were made (`generate.py`, vLLM's
 //! code from PyPI) and what each rule is.
 //!
-//! The negative control replays the same batches without the groups that are not full
-//! attention (what an index of the full-attention group alone predicts) and must miss.
+//! With EAGLE/MTP lookahead hashing (L = 1 and 2, single-group and hybrid), 30 more probes per
+//! run share a block of an earlier prompt but 0..L of the tokens after it; those engines are
+//! scored aligned (their hashes are our keys) and translated alike.
+//!
+//! The negative controls replay the same batches without the groups that are not full
+//! attention (what an index of the full-attention group alone predicts), and the lookahead
+//! runs with their lookahead tokens dropped (keys and prompts hashed without them), and must
+//! miss.
 
 mod support;
 
-use kv_core::{Indexer, IndexerSettings, KvEvent, ModelSettings};
-use kv_core::{RequestExtras, TokenProcessor, TokenProcessorConfig};
+use kv_core::{EngineHashes, HashScratch, Indexer, IndexerSettings, KeyMode, KvEvent};
+use kv_core::{ModelSettings, RequestExtras, TokenProcessor, TokenProcessorConfig};
 use support::{hybrid_runs as runs, HybridRun as Run};
 
 const MODEL: &str = "hybrid";
@@ -34,9 +40,20 @@ fn processor_config(run: &Run) -> TokenProcessorConfig {
 /// Replays `run`'s batches (each event through `keep`) and predicts every probe's hit in
 /// tokens.
 fn predict(run: &Run, keep: impl Fn(&KvEvent) -> bool) -> (Indexer, Vec<u64>) {
+    predict_as(run, EngineHashes::Auto, |e| keep(e).then(|| e.clone()))
+}
+
+/// [`predict`] with the engine's hashes taken as `hashes` says, each event as `edit` makes
+/// it (`None`: dropped).
+fn predict_as(
+    run: &Run,
+    hashes: EngineHashes,
+    edit: impl Fn(&KvEvent) -> Option<KvEvent>,
+) -> (Indexer, Vec<u64>) {
     let ix = Indexer::new(IndexerSettings {
         default_model: ModelSettings {
             token_processor: processor_config(run),
+            engine_hashes: hashes,
             ..Default::default()
         },
         ..Default::default()
@@ -44,7 +61,7 @@ fn predict(run: &Run, keep: impl Fn(&KvEvent) -> bool) -> (Indexer, Vec<u64>) {
     .expect("valid");
     for batch in &run.messages {
         let mut batch = batch.clone();
-        batch.events.retain(&keep);
+        batch.events = batch.events.iter().filter_map(&edit).collect();
         ix.apply_batch(MODEL, POD, &batch).expect("applies");
     }
     let hits = run
@@ -92,20 +109,19 @@ fn is_full_attention(e: &KvEvent) -> bool {
 fn our_hashes_of_a_probe_are_vllms() {
     for run in runs() {
         let processor = TokenProcessor::new(&processor_config(&run)).expect("valid");
-        let ours: Vec<u64> = processor
-            .block_hashes(&run.probes[0].tokens, &RequestExtras::default())
-            .iter()
-            .map(|h| h.get())
-            .collect();
-        if run.lookahead > 0 {
-            // Lookahead hashes cover the next tokens too: none equal.
-            assert!(ours
-                .iter()
-                .zip(&run.first_probe_hashes)
-                .all(|(a, b)| a != b));
-            continue;
-        }
+        let tokens = &run.probes[0].tokens;
+        let plain = RequestExtras::default();
+        let mut ours = Vec::new();
+        let l = run.lookahead as usize;
+        let scratch = &mut HashScratch::default();
+        processor.block_hashes_lookahead_into(tokens, l, &plain, scratch, &mut ours);
+        let ours: Vec<u64> = ours.iter().map(|h| h.get()).collect();
         assert_eq!(ours, run.first_probe_hashes, "{}", run.name);
+        if l > 0 {
+            // Hashed without the lookahead, no block is vLLM's.
+            let unkeyed = processor.block_hashes(tokens, &plain);
+            assert!(unkeyed.iter().all(|h| !ours.contains(&h.get())));
+        }
     }
 }
 
@@ -121,7 +137,7 @@ fn every_probes_predicted_hit_is_the_hit_vllm_takes() {
         assert!(missed.is_empty(), "{}: {:#?}", run.name, missed);
         checked += run.probes.len();
     }
-    assert!(checked >= 50 * 24, "{checked} probes checked");
+    assert!(checked >= 50 * 30 + 30 * 9, "{checked} probes checked");
 }
 
 #[test]
@@ -155,4 +171,119 @@ fn a_group_whose_rule_events_cannot_show_is_refused_and_counted() {
         let (ix, _) = predict(&run, |_| true);
         assert!(ix.skipped_group_events() > 0, "{}", run.name);
     }
+}
+
+/// The single-group lookahead runs (a translated engine is indexed by its group 0 alone).
+fn single_group_lookahead(run: &Run) -> bool {
+    run.lookahead > 0 && run.groups == 1
+}
+
+#[test]
+fn lookahead_engines_are_aligned_and_their_length_is_the_models() {
+    let mut runs_checked = 0;
+    for run in runs().into_iter().filter(|r| r.lookahead > 0) {
+        let (ix, _) = predict(&run, |_| true);
+        let model = ix.model(MODEL).expect("model");
+        assert_eq!(u64::from(model.lookahead()), run.lookahead, "{}", run.name);
+        let modes: Vec<KeyMode> = model.key_modes().values().map(|m| m.0).collect();
+        assert_eq!(modes, [KeyMode::Aligned], "{}", run.name);
+        runs_checked += 1;
+    }
+    assert_eq!(runs_checked, 9);
+}
+
+#[test]
+fn a_translated_lookahead_engine_is_scored_as_vllm_reuses() {
+    let mut checked = 0;
+    for run in runs().into_iter().filter(single_group_lookahead) {
+        let (ix, predicted) = predict_as(&run, EngineHashes::Translated, |e| Some(e.clone()));
+        let model = ix.model(MODEL).expect("model");
+        let modes: Vec<KeyMode> = model.key_modes().values().map(|m| m.0).collect();
+        assert_eq!(modes, [KeyMode::Translated], "{}", run.name);
+        let missed = misses(&run, &predicted);
+        assert!(missed.is_empty(), "{}: {:#?}", run.name, missed);
+        checked += run.probes.len();
+    }
+    assert_eq!(checked, 6 * 80);
+}
+
+#[test]
+fn negative_control_scoring_without_the_lookahead_misses() {
+    // The same engines translated from their tokens without the lookahead tokens, prompts
+    // hashed without them: a prompt that shares a block but not the tokens after it is
+    // credited that block, which vLLM does not reuse.
+    for run in runs().into_iter().filter(single_group_lookahead) {
+        let (ix, predicted) = predict_as(&run, EngineHashes::Translated, |e| {
+            let mut e = e.clone();
+            if let KvEvent::BlockStored(s) = &mut e {
+                s.lookahead_token_ids = None;
+            }
+            Some(e)
+        });
+        assert_eq!(ix.model(MODEL).expect("model").lookahead(), 0);
+        let missed = misses(&run, &predicted);
+        assert!(
+            !missed.is_empty(),
+            "{}: ignoring lookahead must miss",
+            run.name
+        );
+        // Only ever by crediting more than vLLM reuses.
+        let over = run
+            .probes
+            .iter()
+            .zip(&predicted)
+            .all(|(p, &got)| got >= p.hit);
+        assert!(over, "{}", run.name);
+    }
+}
+
+#[test]
+fn a_run_of_another_lookahead_length_is_refused_and_counted() {
+    let run = runs()
+        .into_iter()
+        .find(|r| r.lookahead == 1)
+        .expect("a lookahead run");
+    let ix = Indexer::new(IndexerSettings {
+        default_model: ModelSettings {
+            token_processor: processor_config(&run),
+            ..Default::default()
+        },
+        ..Default::default()
+    })
+    .expect("valid");
+    let (mut learned, mut mismatched, mut malformed) = (None, 0, 0);
+    for (i, batch) in run.messages.iter().enumerate() {
+        let mut batch = batch.clone();
+        for e in &mut batch.events {
+            if let KvEvent::BlockStored(s) = e {
+                match (i % 3, s.lookahead_token_ids.as_mut()) {
+                    // A plain engine's run (no lookahead) in a lookahead model.
+                    (1, _) if learned.is_some() => s.lookahead_token_ids = None,
+                    // One list cut short: lengths differ.
+                    (2, Some(lists)) => {
+                        if let Some(last) = lists.last_mut() {
+                            last.clear();
+                        }
+                    }
+                    _ => {}
+                }
+            }
+        }
+        let report = ix.apply_batch(MODEL, POD, &batch).expect("applies");
+        learned = learned.or(report.lookahead_learned);
+        mismatched += report.lookahead_mismatch_blocks;
+        malformed += report.lookahead_malformed_blocks;
+        let drops: std::collections::HashMap<_, _> = report.drops().into_iter().collect();
+        assert_eq!(
+            drops["lookahead_mismatch"],
+            report.lookahead_mismatch_blocks
+        );
+        assert_eq!(
+            drops["lookahead_malformed"],
+            report.lookahead_malformed_blocks
+        );
+    }
+    assert_eq!(learned, Some(1));
+    assert!(mismatched > 0 && malformed > 0, "{mismatched} {malformed}");
+    assert_eq!(ix.model(MODEL).expect("model").lookahead(), 1);
 }

@@ -32,16 +32,12 @@ fn minor(version: &str) -> u32 {
 
 /// Why a case is outside what kv-indexer reproduces, or `None` if it must match.
 fn not_applicable(case: &Value, version: &str) -> Option<&'static str> {
-    let id = case["id"].as_str().unwrap_or_default();
     let m = minor(version);
     if case["algo"] != "sha256_cbor" {
         return Some("other hash algorithm (only sha256_cbor is reproducible)");
     }
     if case["nondeterministic"] == true {
         return Some("random root hash: vLLM < 0.29 without PYTHONHASHSEED");
-    }
-    if id.ends_with("/lookahead1") {
-        return Some("EAGLE lookahead hashing is not implemented");
     }
     if !case["lora_request"].is_null() && m < 14 {
         return Some("LoRA hashed by int id (vLLM <= 0.11.0)");
@@ -119,9 +115,13 @@ fn check_version(version: &str, expect_checked: usize) {
             .collect();
         let extras = extras_of(case);
         let blocks = case["blocks"].as_array().expect("blocks");
+        // EAGLE/MTP lookahead (0.33): each unit keyed with the tokens after it.
+        let lookahead = case["num_hash_lookahead_tokens"].as_u64().unwrap_or(0) as usize;
         let mut units = Vec::new();
-        processor.for_each_unit(
+        processor.for_each_unit_after_lookahead(
+            processor.none_hash(),
             &tokens,
+            lookahead,
             &extras,
             &mut HashScratch::default(),
             |i, input, d| units.push((i, hex(input), *d)),
@@ -153,11 +153,15 @@ fn check_version(version: &str, expect_checked: usize) {
             );
         }
         // What the index keys on: the group's blocks (every k-th unit for hybrid models).
-        let keys: Vec<u64> = processor
-            .block_hashes(&tokens, &extras)
-            .iter()
-            .map(|h| h.get())
-            .collect();
+        let mut keys = Vec::new();
+        processor.block_hashes_lookahead_into(
+            &tokens,
+            lookahead,
+            &extras,
+            &mut HashScratch::default(),
+            &mut keys,
+        );
+        let keys: Vec<u64> = keys.iter().map(|h| h.get()).collect();
         let want_keys: Vec<u64> = match case["group_view_event_hashes_int_mode"].as_array() {
             Some(view) => view.iter().map(|v| v.as_u64().expect("u64")).collect(),
             None => blocks
@@ -166,6 +170,16 @@ fn check_version(version: &str, expect_checked: usize) {
                 .collect(),
         };
         assert_eq!(keys, want_keys, "{version} {id}: index keys");
+        if lookahead > 0 {
+            // The negative control: the same tokens hashed without the lookahead key no block.
+            let plain = processor.block_hashes(&tokens, &extras);
+            assert!(
+                plain.iter().all(|h| !want_keys.contains(&h.get())),
+                "{version} {id}: plain hashing must not reproduce lookahead keys"
+            );
+            checked += 1;
+            continue;
+        }
         // Through a digest memo: one memo per unit size shared by every case of the version
         // (other seeds, other tokens), and a one-bucket memo where every unit collides. The
         // second pass takes plain units from the memo; the keys stay vLLM's.
@@ -220,8 +234,9 @@ fn check_version(version: &str, expect_checked: usize) {
 
 #[test]
 fn vllm_0_33_0_every_sha256_cbor_case() {
-    // 18 seed/size cases + lora, cache_salt, mm, lora+mm+cache_salt + hybrid group.
-    check_version("0.33.0", 23);
+    // 18 seed/size cases + lora, cache_salt, mm, lora+mm+cache_salt + hybrid group +
+    // EAGLE lookahead.
+    check_version("0.33.0", 24);
 }
 
 #[test]

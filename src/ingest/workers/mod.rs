@@ -509,14 +509,33 @@ impl Worker<'_> {
 
 impl Worker<'_> {
     /// One log line (under the budget) for drops an operator must act on: blocks whose
-    /// tokens do not cover them (the engine's block size or event shape), and translated
-    /// blocks the key budget had no room for (`size` too small). Every drop is counted
+    /// tokens do not cover them (the engine's block size or event shape), translated blocks
+    /// the key budget had no room for (`size` too small), and runs refused for their
+    /// lookahead tokens (another length than the model's, or inconsistent); and, once per
+    /// model, the lookahead length it learned. Every drop is counted
     /// (`kvindexer_blocks_dropped_total`) whether or not a line is printed.
     fn report_drops(&self, key: &PublisherKey, report: &kv_core::ApplyReport) {
+        if let Some(l) = report.lookahead_learned {
+            // Once per model: prompts are hashed with their next `l` tokens from now on.
+            tracing::info!(model = %key.model, pod = %key.engine.pod, lookahead = l, "lookahead hashing (vLLM num_hash_lookahead_tokens, EAGLE/MTP drafters): prompts of this model are hashed with the tokens after each block from now on; its engines must all publish this lookahead length");
+        }
         let t = &report.translation;
         let (uncovered, full) = (t.partial_blocks + t.uncovered_hashes, t.full_blocks);
-        if uncovered + full == 0 || !self.shared.warn_budget.allow(LineKind::Dropped) {
+        let (mismatch, malformed) = (
+            report.lookahead_mismatch_blocks,
+            report.lookahead_malformed_blocks,
+        );
+        let lookahead = mismatch + malformed;
+        if u64::from(uncovered + full) + lookahead == 0
+            || !self.shared.warn_budget.allow(LineKind::Dropped)
+        {
             return;
+        }
+        if let Some((run, model)) = report.lookahead_mismatch.filter(|_| mismatch > 0) {
+            tracing::warn!(pod = %key.engine.pod, model = %key.model, rank = key.engine.dp_rank, blocks = mismatch, engine_lookahead = run, model_lookahead = model, "stored blocks not indexed: this engine hashes with another lookahead length (num_hash_lookahead_tokens) than the model's other engines; every engine of a model must run the same drafter setting");
+        }
+        if malformed > 0 {
+            tracing::warn!(pod = %key.engine.pod, model = %key.model, rank = key.engine.dp_rank, blocks = malformed, "stored blocks not indexed: their lookahead_token_ids are not one list per hash of one length, or not the run's own next tokens");
         }
         if uncovered > 0 {
             tracing::warn!(pod = %key.engine.pod, model = %key.model, rank = key.engine.dp_rank, partial = t.partial_blocks, uncovered = t.uncovered_hashes, "stored blocks not indexed: their token ids do not cover them (a partial page, or more hashes than tokens)");

@@ -15,12 +15,14 @@
 //!   `u8` kind (0 full attention, 1 sliding window, 2 Mamba), `u32` window, `u32` block units;
 //! - `4` key space (version 3), before any item of its model: model, the 32-byte root digest
 //!   (from the hash seed), `u32` block size, `u32` hash unit size, `u8` extra-key format (0
-//!   tagged, 1 untagged). A reader whose model keys prompts otherwise loads none of that model's
-//!   blocks or key states (they are keys of another key space), and counts them;
+//!   tagged, 1 untagged), (version 5) `u32` lookahead (vLLM's `num_hash_lookahead_tokens` the
+//!   model learned; 0: none). A reader whose model keys prompts otherwise loads none of that
+//!   model's blocks or key states (they are keys of another key space), and counts them; a
+//!   model that has learned no lookahead takes the snapshot's;
 //! - `0` end.
 //!
-//! Versions 1 (no engine keys), 2 (no key spaces) and 3 (no KV-cache groups) are still read;
-//! version 4 is written.
+//! Versions 1 (no engine keys), 2 (no key spaces), 3 (no KV-cache groups) and 4 (no
+//! lookahead) are still read; version 5 is written.
 //!
 //! Decoding checks every length against what is left, so a truncated or corrupt snapshot is
 //! an error, never a panic or an allocation larger than the input.
@@ -37,7 +39,7 @@ use super::stream::StreamId;
 use crate::ingest::{PublisherKey, PublisherState};
 
 const MAGIC: &[u8; 8] = b"KVIXSNAP";
-const VERSION: u32 = 4;
+const VERSION: u32 = 5;
 const TAG_END: u8 = 0;
 const TAG_BLOCKS: u8 = 1;
 const TAG_PUBLISHER: u8 = 2;
@@ -136,6 +138,7 @@ impl SnapshotWriter {
             ExtraKeysFormat::Tagged => 0,
             ExtraKeysFormat::Untagged => 1,
         });
+        self.out.extend_from_slice(&space.lookahead.to_le_bytes());
     }
 
     /// One publisher's sequence state.
@@ -519,6 +522,7 @@ impl<'a> SnapshotReader<'a> {
                         })
                     }
                 };
+                let lookahead = if self.version >= 5 { self.u32()? } else { 0 };
                 Ok(Some(SnapshotItem::KeySpace {
                     model,
                     space: KeySpace {
@@ -526,6 +530,7 @@ impl<'a> SnapshotReader<'a> {
                         block_size,
                         hash_block_size,
                         extra_keys_format,
+                        lookahead,
                     },
                 }))
             }

@@ -222,7 +222,7 @@ fn a_snapshot_of_another_key_space_is_not_loaded_as_keys() {
     source.apply_batch("m", "p", &batch).expect("applies");
     let mut w = SnapshotWriter::new(StreamId::ZERO, 4);
     for model in source.models() {
-        w.key_space(model.name(), &model.processor().key_space());
+        w.key_space(model.name(), &model.key_space());
     }
     source.export_each(|model, key, blocks| w.blocks(model, key, blocks));
     source.export_keys_each(|model, key, state| w.engine_keys(model, key, state));
@@ -249,4 +249,83 @@ fn a_snapshot_of_another_key_space_is_not_loaded_as_keys() {
         "keys of another key space are counted, not loaded"
     );
     assert_eq!(other.stats()[0].1.keys, 0);
+}
+
+/// A snapshot of a model whose engines hash with lookahead (vLLM's `num_hash_lookahead_tokens`):
+/// a fresh replica takes the lookahead with the keys and scores as the writer did; one whose
+/// model learned another loads none of them, and counts them.
+#[test]
+fn a_snapshot_carries_the_lookahead_its_keys_were_made_with() {
+    use kv_core::{
+        BlockStored, EventBatch, HashScratch, Indexer, IndexerSettings, KvEvent, ModelSettings,
+        RequestExtras, TokenProcessorConfig,
+    };
+    let indexer = || {
+        Indexer::new(IndexerSettings {
+            default_model: ModelSettings {
+                token_processor: TokenProcessorConfig {
+                    hash_seed: Some("1".into()),
+                    block_size: 16,
+                    ..Default::default()
+                },
+                ..Default::default()
+            },
+            ..Default::default()
+        })
+        .expect("valid")
+    };
+    // An engine with lookahead `l`: four blocks, keyed with the token after each.
+    let run = |ix: &Indexer, l: usize| {
+        let tokens: Vec<u32> = (0..64 + l as u32).map(|i| i * 7 + 1).collect();
+        let model = ix.model_or_create("m").expect("model");
+        let mut keys = Vec::new();
+        let (plain, scratch) = (RequestExtras::default(), &mut HashScratch::default());
+        let processor = model.processor();
+        processor.block_hashes_lookahead_into(&tokens, l, &plain, scratch, &mut keys);
+        let batch = EventBatch {
+            ts: 0.0,
+            events: vec![KvEvent::BlockStored(Box::new(BlockStored {
+                block_hashes: keys.into_iter().map(EngineHash::aligned).collect(),
+                token_ids: tokens[..64].to_vec(),
+                block_size: 16,
+                lookahead_token_ids: Some(
+                    (1..=4)
+                        .map(|b| tokens[b * 16..b * 16 + l].to_vec())
+                        .collect(),
+                ),
+                ..Default::default()
+            }))],
+            data_parallel_rank: Some(0),
+        };
+        let report = ix.apply_batch("m", "p", &batch).expect("applies");
+        assert_eq!(report.lookahead_learned, Some(l as u32));
+        tokens
+    };
+    let source = indexer();
+    let tokens = run(&source, 1);
+    let mut w = SnapshotWriter::new(StreamId::ZERO, 4);
+    for model in source.models() {
+        w.key_space(model.name(), &model.key_space());
+    }
+    source.export_each(|model, key, blocks| w.blocks(model, key, blocks));
+    let (bytes, _) = w.finish();
+    let matched = |ix: &Indexer| {
+        ix.score_tokens("m", &tokens, &["p"], None, None)
+            .expect("model")
+            .scores[0]
+            .matched_blocks
+    };
+    assert_eq!(matched(&source), 4);
+
+    let fresh = indexer();
+    let load = super::super::store::apply_snapshot(&bytes, &fresh).expect("loads");
+    assert_eq!((load.memberships, load.dropped_key_space), (4, 0));
+    assert_eq!(fresh.model("m").expect("model").lookahead(), 1);
+    assert_eq!(matched(&fresh), 4, "prompts are hashed with the lookahead");
+
+    let other = indexer();
+    run(&other, 2);
+    let load = super::super::store::apply_snapshot(&bytes, &other).expect("loads");
+    assert_eq!((load.memberships, load.dropped_key_space), (0, 4));
+    assert_eq!(other.model("m").expect("model").lookahead(), 2);
 }

@@ -13,9 +13,12 @@
 //!   block's CBOR input, and request-wide extra keys (LoRA) are encoded once per request;
 //! - with a hash unit smaller than the group block size (hybrid models), hashes are chained at
 //!   the unit and the group's block `i` is the chained hash at unit `(i+1)*k - 1` (vLLM >= 0.24;
-//!   in int mode the same value 0.12-0.23 published).
+//!   in int mode the same value 0.12-0.23 published);
+//! - with lookahead hashing (vLLM >= 0.33, [`lookahead`]) a unit's extra keys also hold the
+//!   `L` tokens after it, and units without `L` tokens after them are not hashed.
 
 mod cbor;
+mod lookahead;
 mod memo;
 
 use sha2::{Digest, Sha256};
@@ -70,6 +73,9 @@ pub struct KeySpace {
     pub hash_block_size: u32,
     /// The extra-key encoding.
     pub extra_keys_format: ExtraKeysFormat,
+    /// Tokens after each block its key covers (vLLM's `num_hash_lookahead_tokens`; 0: none,
+    /// or not learned yet). A model's, learned from its events, not a processor setting.
+    pub lookahead: u32,
 }
 
 /// A LoRA adapter as vLLM hashes it.
@@ -229,13 +235,15 @@ impl TokenProcessor {
     }
 
     /// What decides the keys this processor gives a prompt (seed, block sizes, extra-key
-    /// encoding): two processors with equal key spaces key every prompt alike.
+    /// encoding): two processors with equal key spaces key every prompt alike. Without
+    /// lookahead: a model's is `ModelState::key_space`.
     pub fn key_space(&self) -> KeySpace {
         KeySpace {
             none_hash: self.none_hash,
             block_size: self.block_size as u32,
             hash_block_size: self.hash_block_size as u32,
             extra_keys_format: self.format,
+            lookahead: 0,
         }
     }
 
@@ -261,6 +269,23 @@ impl TokenProcessor {
         tokens: &[u32],
         extras: &RequestExtras,
         scratch: &mut HashScratch,
+        observe: impl FnMut(usize, &[u8], &BlockDigest),
+    ) {
+        self.for_each_unit_after_lookahead(parent, tokens, 0, extras, scratch, observe);
+    }
+
+    /// [`TokenProcessor::for_each_unit_after`] for an engine hashing with `lookahead` tokens
+    /// after each unit (vLLM >= 0.33, `num_hash_lookahead_tokens`; 0: plain): each unit of
+    /// `tokens` followed by `lookahead` more tokens, its extra keys `(E, *next_tokens)`
+    /// ([`lookahead`]). A translated run passes its `token_ids` followed by its last block's
+    /// `lookahead_token_ids`. The chaining loop of every path but the memoised one.
+    pub fn for_each_unit_after_lookahead(
+        &self,
+        parent: &BlockDigest,
+        tokens: &[u32],
+        lookahead: usize,
+        extras: &RequestExtras,
+        scratch: &mut HashScratch,
         mut observe: impl FnMut(usize, &[u8], &BlockDigest),
     ) {
         let unit = self.hash_block_size;
@@ -271,11 +296,23 @@ impl TokenProcessor {
         let plain = extras.is_empty();
         let mut parent = *parent;
         let mut mm_cursor = 0usize;
-        for (unit_index, chunk) in tokens.chunks_exact(unit).enumerate() {
+        let units = tokens.len().saturating_sub(lookahead) / unit;
+        for unit_index in 0..units {
             let start = unit_index * unit;
+            let end = start + unit;
             let input = &mut scratch.input;
-            write_unit_head(input, &parent, chunk);
-            if plain {
+            write_unit_head(input, &parent, &tokens[start..end]);
+            if lookahead > 0 {
+                mm_cursor = lookahead::write_extras(
+                    input,
+                    extras,
+                    &scratch.constant_extras,
+                    self.format,
+                    (start, end),
+                    &tokens[end..end + lookahead],
+                    mm_cursor,
+                );
+            } else if plain {
                 input.push(cbor::NULL);
             } else {
                 mm_cursor = write_block_extras(
@@ -284,7 +321,7 @@ impl TokenProcessor {
                     &scratch.constant_extras,
                     self.format,
                     start,
-                    start + unit,
+                    end,
                     mm_cursor,
                 );
             }
@@ -301,14 +338,35 @@ impl TokenProcessor {
         tokens: &[u32],
         extras: &RequestExtras,
         scratch: &mut HashScratch,
+        emit: impl FnMut(usize, &BlockDigest),
+    ) {
+        self.chain_blocks(tokens, 0, extras, scratch, emit);
+    }
+
+    /// [`TokenProcessor::for_each_block`] with `lookahead` tokens after each unit in its hash
+    /// (0: none): a block is `k` units and its digest the chained digest at its last unit.
+    fn chain_blocks(
+        &self,
+        tokens: &[u32],
+        lookahead: usize,
+        extras: &RequestExtras,
+        scratch: &mut HashScratch,
         mut emit: impl FnMut(usize, &BlockDigest),
     ) {
         let group = self.block_size / self.hash_block_size;
-        self.for_each_unit(tokens, extras, scratch, |unit_index, _, digest| {
-            if (unit_index + 1) % group == 0 {
-                emit(unit_index / group, digest);
-            }
-        });
+        let root = self.none_hash;
+        self.for_each_unit_after_lookahead(
+            &root,
+            tokens,
+            lookahead,
+            extras,
+            scratch,
+            |unit, _, digest| {
+                if (unit + 1) % group == 0 {
+                    emit(unit / group, digest);
+                }
+            },
+        );
     }
 
     /// Appends the event-form hash of every full block to `out`.
@@ -388,11 +446,7 @@ impl TokenProcessor {
 
     /// The full digests of every full block (for the `hash` tool and diagnostics).
     pub fn block_digests(&self, tokens: &[u32], extras: &RequestExtras) -> Vec<BlockDigest> {
-        let mut out = Vec::new();
-        self.for_each_block(tokens, extras, &mut HashScratch::default(), |_, d| {
-            out.push(*d)
-        });
-        out
+        self.block_digests_lookahead(tokens, 0, extras)
     }
 }
 

@@ -19,7 +19,10 @@
 //!   blocks; one unit when fine-grained partial hits are on) and never more than
 //!   `max_tokens` (vLLM's `num_tokens - 1`) nor the units the prompt has;
 //! - a layout of one full-attention group of one unit is the plain consecutive prefix;
-//! - `held` is asked only for units below the prompt's unit count;
+//! - `held` is asked only for units below the prompt's unit count; with lookahead hashing
+//!   (vLLM 0.33 `num_hash_lookahead_tokens`) the prompt's units are only those followed by
+//!   `L` of its tokens (their keys hold those tokens, `crate::hashing`), so a unit whose
+//!   following tokens differ from the cached block's is simply not held;
 //! - what vLLM 0.33 cannot be seen to do from events is not modelled: the EAGLE last-block
 //!   drop (no event says an engine drafts without lookahead hashing; with lookahead, vLLM
 //!   drops nothing) and chunked local attention (its chunk size is not in events), which

@@ -14,6 +14,7 @@ use std::sync::Arc;
 
 use super::groups::Route;
 use super::kinds::tier_of;
+use super::lookahead;
 use super::translate::aligned_keys;
 use super::{EngineKeyState, Indexer, KeyMode, ModelState, SettingsError, TranslationReport};
 use crate::events::{EventBatch, KvEvent};
@@ -65,12 +66,23 @@ pub struct ApplyReport {
     /// Stored blocks of a batch that found its model evicted (`max_models`) every time it
     /// was admitted again: not applied.
     pub model_evicted_blocks: u64,
+    /// This batch taught the model its lookahead length (vLLM's `num_hash_lookahead_tokens`):
+    /// prompts are hashed with that many following tokens from now on.
+    pub lookahead_learned: Option<u32>,
+    /// Stored blocks of runs whose lookahead length is not the model's, refused (they are
+    /// keyed in a space no prompt is hashed in).
+    pub lookahead_mismatch_blocks: u64,
+    /// The last refused run's lookahead length and the model's, `(run, model)`, for the log.
+    pub lookahead_mismatch: Option<(u32, u32)>,
+    /// Stored blocks of runs whose `lookahead_token_ids` are inconsistent (not one list per
+    /// hash of one length, or not the run's own next tokens), refused.
+    pub lookahead_malformed_blocks: u64,
 }
 
 impl ApplyReport {
     /// Blocks received and not indexed, and removals that found nothing, by a bounded reason
     /// (one metric family): every drop the batch caused, in one list.
-    pub fn drops(&self) -> [(&'static str, u64); 6] {
+    pub fn drops(&self) -> [(&'static str, u64); 8] {
         let t = &self.translation;
         [
             ("unknown_removal", u64::from(t.unknown_removals)),
@@ -79,6 +91,8 @@ impl ApplyReport {
             ("translation_full", u64::from(t.full_blocks)),
             ("model_evicted", self.model_evicted_blocks),
             ("rank_out_of_range", u64::from(self.rank_out_of_range)),
+            ("lookahead_mismatch", self.lookahead_mismatch_blocks),
+            ("lookahead_malformed", self.lookahead_malformed_blocks),
         ]
     }
 }
@@ -228,6 +242,9 @@ impl Indexer {
             for event in &batch.events {
                 match event {
                     KvEvent::BlockStored(s) => {
+                        if !lookahead::admits(state, s, report) {
+                            continue;
+                        }
                         let translated = mode == KeyMode::Translated;
                         let (route, changed) = engine_groups.stored(s, unit, translated);
                         layout_changed |= changed;

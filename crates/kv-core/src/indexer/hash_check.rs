@@ -7,10 +7,12 @@
 use std::sync::Arc;
 
 use super::kinds::full_attention_kind;
+use super::lookahead::{run_lookahead, run_tokens};
 use super::{ApplyReport, Indexer, ModelState};
 use crate::events::{BlockStored, EventBatch, KvEvent};
 use crate::hashing::{
-    ExtraKeysFormat, RequestExtras, TokenProcessor, TokenProcessorConfig, DEFAULT_HASH_SEED,
+    ExtraKeysFormat, HashScratch, RequestExtras, TokenProcessor, TokenProcessorConfig,
+    DEFAULT_HASH_SEED,
 };
 use crate::{BlockHash, EngineHash};
 
@@ -50,10 +52,7 @@ impl Indexer {
             } else {
                 ours
             };
-            let ours = processor
-                .block_hashes(&s.token_ids[..block], &extras)
-                .last()
-                .copied();
+            let ours = first_block_key(processor, s, block, &extras);
             if publishes(s.block_hashes[0], ours) {
                 checks.matches += 1;
             } else {
@@ -107,6 +106,22 @@ fn publishes(published: EngineHash, ours: Option<BlockHash>) -> bool {
     ours.is_some_and(|key| key.get() == published.get())
 }
 
+/// The key of a run's first `block` tokens as `processor` hashes them, with the lookahead
+/// tokens after them when the run has lookahead (one allocation per root run).
+fn first_block_key(
+    processor: &TokenProcessor,
+    s: &BlockStored,
+    block: usize,
+    extras: &RequestExtras,
+) -> Option<BlockHash> {
+    let mut buf = Vec::new();
+    let (tokens, lookahead) = run_tokens(s, block, &mut buf);
+    let mut keys = Vec::new();
+    let scratch = &mut HashScratch::default();
+    processor.block_hashes_lookahead_into(tokens, lookahead, extras, scratch, &mut keys);
+    keys.last().copied()
+}
+
 /// A root run whose block 0 can be recomputed from the event alone, with its extra keys.
 fn checkable<'a>(
     state: &ModelState,
@@ -119,6 +134,7 @@ fn checkable<'a>(
         || s.block_hashes.is_empty()
         || !full_attention_kind(s.kv_cache_spec_kind.as_deref())
         || s.token_ids.len() < state.processor.block_size()
+        || run_lookahead(s).is_err()
     {
         return None;
     }
@@ -138,7 +154,6 @@ fn diagnose(processor: &TokenProcessor, s: &BlockStored, extras: &RequestExtras)
         );
     }
     let block = processor.block_size();
-    let tokens = &s.token_ids[..block];
     let published = s.block_hashes[0];
     let try_config = |seed: Option<&str>, format: ExtraKeysFormat| {
         let config = TokenProcessorConfig {
@@ -149,7 +164,7 @@ fn diagnose(processor: &TokenProcessor, s: &BlockStored, extras: &RequestExtras)
         };
         let key = TokenProcessor::new(&config)
             .ok()
-            .and_then(|p| p.block_hashes(tokens, extras).first().copied());
+            .and_then(|p| first_block_key(&p, s, block, extras));
         publishes(published, key)
     };
     for seed in [None, Some("0"), Some("")] {

@@ -23,7 +23,7 @@
 //!   writer lock), counted per (pod, model), and diagnosed in one log line per (pod, model).
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
 
 mod apply;
@@ -31,6 +31,7 @@ mod groups;
 mod hash_check;
 mod kinds;
 mod layout_score;
+mod lookahead;
 mod order;
 mod routings;
 mod score;
@@ -43,7 +44,7 @@ use parking_lot::Mutex;
 use thiserror::Error;
 
 use crate::hashing::{
-    DigestMemo, ExtraKeysFormat, HashScratch, LoraAdapter, MemoStats, RequestExtras,
+    DigestMemo, ExtraKeysFormat, HashScratch, KeySpace, LoraAdapter, MemoStats, RequestExtras,
     TokenProcessor, TokenProcessorConfig, TokenProcessorError,
 };
 use crate::index::{
@@ -163,6 +164,10 @@ pub struct ModelState {
     evicted: AtomicBool,
     /// The digest memo of the model's hash unit size, when memos are enabled.
     memo: Option<Arc<DigestMemo>>,
+    /// Tokens after each block its hash covers (vLLM's `num_hash_lookahead_tokens`), learned
+    /// from the first event that carries them ([`lookahead`]); 0: none. Set under the
+    /// model's writer, read by scoring without a lock.
+    lookahead: AtomicU32,
 }
 
 impl ModelState {
@@ -181,7 +186,38 @@ impl ModelState {
         self.memo.as_deref()
     }
 
-    /// A prompt's block hashes for scoring: through the digest memo when there is one.
+    /// The tokens after each block that the model's hashes cover (vLLM's
+    /// `num_hash_lookahead_tokens`, learned from its engines' events; 0: none): prompts are
+    /// hashed with their own next this many tokens.
+    pub fn lookahead(&self) -> u32 {
+        self.lookahead.load(Ordering::Relaxed)
+    }
+
+    /// What decides the keys of this model's prompts: its processor's settings and its
+    /// lookahead (what a snapshot carries with the model's keys).
+    pub fn key_space(&self) -> KeySpace {
+        KeySpace {
+            lookahead: self.lookahead(),
+            ..self.processor.key_space()
+        }
+    }
+
+    /// Takes `lookahead` as the model's when it has learned none (a snapshot's keys made
+    /// with it): true when the model's lookahead is now `lookahead`, false when it learned
+    /// another.
+    pub fn adopt_lookahead(&self, lookahead: u32) -> bool {
+        let _writer = self.engine_keys.lock();
+        let current = self.lookahead();
+        if current == 0 {
+            self.lookahead.store(lookahead, Ordering::Relaxed);
+            return true;
+        }
+        current == lookahead
+    }
+
+    /// A prompt's block hashes for scoring: with the model's lookahead when it has one
+    /// (a block without that many tokens after it has no key), else through the digest memo
+    /// when there is one.
     fn hashes_into(
         &self,
         tokens: &[u32],
@@ -189,6 +225,12 @@ impl ModelState {
         scratch: &mut HashScratch,
         out: &mut Vec<BlockHash>,
     ) {
+        let lookahead = self.lookahead() as usize;
+        if lookahead > 0 {
+            self.processor
+                .block_hashes_lookahead_into(tokens, lookahead, extras, scratch, out);
+            return;
+        }
         match &self.memo {
             Some(memo) => {
                 self.processor
@@ -445,6 +487,7 @@ impl Indexer {
             evicted: AtomicBool::new(false),
             last_write: AtomicU64::new(self.clock()),
             memo,
+            lookahead: AtomicU32::new(0),
         });
         next.insert(name.into(), state.clone());
         self.models.store(Arc::new(next));

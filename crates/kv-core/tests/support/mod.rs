@@ -202,6 +202,8 @@ pub struct HybridRun {
     pub unit: usize,
     /// `num_hash_lookahead_tokens`.
     pub lookahead: u64,
+    /// How many KV-cache groups the layout has.
+    pub groups: usize,
     /// vLLM's hash-unit hashes of probe 0.
     pub first_probe_hashes: Vec<u64>,
     /// The payloads vLLM's publisher sent, in order.
@@ -268,6 +270,7 @@ pub fn hybrid_runs() -> Vec<HybridRun> {
             scenario: s["scenario"].as_str().expect("scenario").to_owned(),
             unit: s["hash_block_size"].as_u64().expect("unit") as usize,
             lookahead: s["lookahead_tokens"].as_u64().expect("lookahead"),
+            groups: s["groups"].as_array().expect("groups").len(),
             first_probe_hashes: s["first_probe_block_hashes"]
                 .as_array()
                 .expect("hashes")
@@ -283,8 +286,8 @@ pub fn hybrid_runs() -> Vec<HybridRun> {
         });
     }
     assert!(
-        out.len() >= 27,
-        "9 scenarios x 3 seeds, found {}",
+        out.len() >= 33,
+        "11 scenarios x 3 seeds, found {}",
         out.len()
     );
     out

@@ -39,6 +39,7 @@ mod map;
 use map::TranslationMap;
 
 use super::kinds::{full_attention_kind, tier_of};
+use super::lookahead::run_tokens;
 use super::ModelState;
 use crate::events::{BlockRemoved, BlockStored, EventBatch, KvEvent, MsgpackValue};
 use crate::hashing::{BlockDigest, HashScratch, RequestExtras, TokenProcessor};
@@ -207,6 +208,8 @@ pub(super) struct Scratch {
     keys: Vec<BlockHash>,
     digests: Vec<BlockDigest>,
     hashing: HashScratch,
+    /// A run's tokens with its lookahead tokens after them.
+    tokens: Vec<u32>,
 }
 
 impl Scratch {
@@ -487,9 +490,11 @@ impl EngineKeys {
         scratch.digests.clear();
         let (keys, digests) = (&mut scratch.keys, &mut scratch.digests);
         let group = processor.block_size() / processor.hash_block_size();
-        processor.for_each_unit_after(
+        let (tokens, lookahead) = run_tokens(s, blocks * per_block, &mut scratch.tokens);
+        processor.for_each_unit_after_lookahead(
             &parent_digest,
-            &s.token_ids[..blocks * per_block],
+            tokens,
+            lookahead,
             &extras,
             &mut scratch.hashing,
             |unit, _, digest| {

@@ -1,0 +1,166 @@
+//! Lookahead hashing (vLLM >= 0.33, `num_hash_lookahead_tokens` with EAGLE and MTP drafters):
+//! each block's hash also covers the `L` tokens after it, so a prompt that shares a block but
+//! not the tokens after it does not reuse it. The engine publishes those tokens per block
+//! (`BlockStored.lookahead_token_ids`).
+//!
+//! `L` is a model's, learned from its engines' events: the first `BlockStored` carrying
+//! lookahead sets it, and from then on prompts are hashed with their own next `L` tokens
+//! ([`super::ModelState::lookahead`]), so the blocks at a prompt's end without `L` tokens
+//! after them have no key and match nothing, as in vLLM. An aligned engine's published hashes
+//! are then the keys as they come; a translated engine's keys are computed from its
+//! `token_ids` followed by its last block's lookahead tokens.
+//!
+//! Invariants:
+//! - a run is indexed only if its lookahead length is the model's (a run without lookahead is
+//!   `L = 0`): a run of another length would be keyed in another key space, which no prompt
+//!   is hashed in; it is refused and its blocks counted ([`LookaheadRefusal::Mismatch`]);
+//! - a run whose lookahead lists are not one per hash of one length, or disagree with its own
+//!   `token_ids`, is refused and counted ([`LookaheadRefusal::Malformed`]), never guessed;
+//! - `L` is set once per model, from its events or from a snapshot of its keys
+//!   ([`super::ModelState::adopt_lookahead`]), and kept until the model is dropped; runs
+//!   without lookahead indexed before it was learned stay until removed, and no longer match.
+
+use std::sync::atomic::Ordering;
+
+use super::{ApplyReport, ModelState};
+use crate::events::BlockStored;
+
+/// Why a run was refused for its lookahead tokens.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum LookaheadRefusal {
+    /// Its lookahead length is not the model's.
+    Mismatch,
+    /// Its lookahead lists are inconsistent (count, lengths, or its own tokens).
+    Malformed,
+}
+
+/// A run's lookahead length (`0`: none), or why it is malformed: one list per hash, all of one
+/// length, and each equal to the run's own tokens after its block where they cover it.
+pub(super) fn run_lookahead(s: &BlockStored) -> Result<usize, LookaheadRefusal> {
+    let Some(lists) = &s.lookahead_token_ids else {
+        return Ok(0);
+    };
+    let Some(first) = lists.first() else {
+        // No hash, no list: nothing to key.
+        return if s.block_hashes.is_empty() {
+            Ok(0)
+        } else {
+            Err(LookaheadRefusal::Malformed)
+        };
+    };
+    let l = first.len();
+    if l == 0 || lists.len() != s.block_hashes.len() || lists.iter().any(|t| t.len() != l) {
+        return Err(LookaheadRefusal::Malformed);
+    }
+    // Where the run's tokens are its blocks back to back, block i's lookahead is the tokens
+    // that follow it (vLLM reads both from the request's tokens).
+    let block = s.block_size as usize;
+    if block > 0 && s.token_ids.len() == s.block_hashes.len() * block {
+        for (i, list) in lists.iter().enumerate() {
+            let end = (i + 1) * block;
+            if let Some(next) = s.token_ids.get(end..end + l) {
+                if next != list.as_slice() {
+                    return Err(LookaheadRefusal::Malformed);
+                }
+            }
+        }
+    }
+    Ok(l)
+}
+
+/// Whether `s` is indexed under the model's lookahead, learning it from the first run that
+/// carries one. A refused run's blocks are counted in `report`.
+pub(super) fn admits(state: &ModelState, s: &BlockStored, report: &mut ApplyReport) -> bool {
+    let refusal = match run_lookahead(s) {
+        Ok(l) => {
+            let l = u32::try_from(l).unwrap_or(u32::MAX);
+            let model = state.lookahead.load(Ordering::Relaxed);
+            if model == 0 && l > 0 {
+                // Called under the model's writer: no other batch learns it meanwhile.
+                state.lookahead.store(l, Ordering::Relaxed);
+                report.lookahead_learned = Some(l);
+                return true;
+            }
+            if l == model {
+                return true;
+            }
+            report.lookahead_mismatch = Some((l, model));
+            LookaheadRefusal::Mismatch
+        }
+        Err(why) => why,
+    };
+    let blocks = s.block_hashes.len() as u64;
+    match refusal {
+        LookaheadRefusal::Mismatch => report.lookahead_mismatch_blocks += blocks,
+        LookaheadRefusal::Malformed => report.lookahead_malformed_blocks += blocks,
+    }
+    false
+}
+
+/// What a run's first `covered` tokens are hashed from: `(tokens, L)`, the tokens followed by
+/// the `L` lookahead tokens of the last block they cover (copied into `buf`, reused), or the
+/// tokens alone with `L = 0` when the run has no lookahead (or none for that block).
+pub(super) fn run_tokens<'a>(
+    s: &'a BlockStored,
+    covered: usize,
+    buf: &'a mut Vec<u32>,
+) -> (&'a [u32], usize) {
+    let plain = &s.token_ids[..covered];
+    let blocks = covered / (s.block_size as usize).max(1);
+    let last = blocks
+        .checked_sub(1)
+        .and_then(|b| s.lookahead_token_ids.as_ref()?.get(b));
+    match last {
+        Some(next) if !next.is_empty() => {
+            buf.clear();
+            buf.extend_from_slice(plain);
+            buf.extend_from_slice(next);
+            (buf.as_slice(), next.len())
+        }
+        _ => (plain, 0),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn run(tokens: u32, block: u32, lookahead: Option<Vec<Vec<u32>>>) -> BlockStored {
+        BlockStored {
+            block_hashes: (0..tokens / block)
+                .map(|h| crate::EngineHash::aligned(crate::BlockHash::new(h.into())))
+                .collect(),
+            token_ids: (0..tokens).collect(),
+            block_size: block,
+            lookahead_token_ids: lookahead,
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn lookahead_lists_must_be_one_per_hash_of_one_length_and_match_the_tokens() {
+        assert_eq!(run_lookahead(&run(8, 4, None)), Ok(0));
+        let good = run(8, 4, Some(vec![vec![4, 5], vec![8, 9]]));
+        assert_eq!(run_lookahead(&good), Ok(2));
+        let mut buf = Vec::new();
+        assert_eq!(
+            run_tokens(&good, 8, &mut buf),
+            (&[0, 1, 2, 3, 4, 5, 6, 7, 8, 9][..], 2)
+        );
+        assert_eq!(run_tokens(&good, 4, &mut buf), (&[0, 1, 2, 3, 4, 5][..], 2));
+        let plain = run(8, 4, None);
+        assert_eq!(run_tokens(&plain, 8, &mut buf).1, 0);
+        for bad in [
+            vec![vec![4, 5]],             // one list for two hashes
+            vec![vec![4], vec![8, 9]],    // lengths differ
+            vec![vec![4, 6], vec![8, 9]], // not the tokens after block 0
+            vec![vec![], vec![]],         // empty lists
+        ] {
+            assert_eq!(
+                run_lookahead(&run(8, 4, Some(bad.clone()))),
+                Err(LookaheadRefusal::Malformed),
+                "{bad:?}"
+            );
+        }
+    }
+}
