@@ -6,6 +6,8 @@
 # both). Prints each run, then medians per scenario and daemon.
 # Usage: benches/reads.sh [rounds]   (RATE, DURATION, BASELINE, SCENARIOS; builds --release)
 # SCENARIOS: space-separated from tokens packed tokens4 packed4 translated (default: all).
+# VARIANTS: more daemons of this build with a config each, `name=YAML` separated by `;`, e.g.
+#   VARIANTS='nice0={kvEventsConfig: {ingestNice: 0}};nice2={kvEventsConfig: {ingestNice: 2}}'
 set -euo pipefail
 cd "$(dirname "$0")/.."
 rounds="${1:-3}"
@@ -14,9 +16,15 @@ DURATION="${DURATION:-10}"
 SCENARIOS="${SCENARIOS:-tokens packed tokens4 packed4 translated}"
 cargo build --release --quiet
 bin=target/release/kv-indexer
-daemons=("this:$bin")
-if [ -n "${BASELINE:-}" ]; then daemons+=("baseline:$BASELINE"); fi
 work="$(mktemp -d)"
+daemons=("this:$bin:")
+if [ -n "${BASELINE:-}" ]; then daemons+=("baseline:$BASELINE:"); fi
+IFS=';' read -r -a variants <<<"${VARIANTS:-}"
+for v in "${variants[@]}"; do
+  [ -z "$v" ] && continue
+  printf '%s\n' "${v#*=}" >"$work/${v%%=*}.yaml"
+  daemons+=("${v%%=*}:$bin:$work/${v%%=*}.yaml")
+done
 daemon=""
 cleanup() { [ -n "$daemon" ] && kill "$daemon" 2>/dev/null; wait 2>/dev/null || true; rm -rf "$work"; }
 trap cleanup EXIT
@@ -32,8 +40,10 @@ for round in $(seq "$rounds"); do
       *) echo "unknown scenario $scenario" >&2; exit 2 ;;
     esac
     for d in "${daemons[@]}"; do
-      name="${d%%:*}"; daemon_bin="${d#*:}"
-      RUST_LOG=warn "$daemon_bin" serve --zmq-endpoint tcp://127.0.0.1:5592 \
+      name="${d%%:*}"; rest="${d#*:}"; daemon_bin="${rest%%:*}"; config="${rest#*:}"
+      config_args=()
+      if [ -n "$config" ]; then config_args=(--config "$config"); fi
+      RUST_LOG=warn "$daemon_bin" serve "${config_args[@]}" --zmq-endpoint tcp://127.0.0.1:5592 \
         --grpc-addr 127.0.0.1:50592 --metrics-addr 127.0.0.1:9592 >"$work/daemon.log" 2>&1 &
       daemon=$!
       for _ in $(seq 100); do

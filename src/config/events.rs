@@ -34,6 +34,10 @@ pub struct KvEventsConfig {
     pub topic_filter: String,
     /// Event-applying workers (one pod's events always go to the same worker, in order).
     pub concurrency: usize,
+    /// How far below the serving threads (gRPC, the picker, HTTP) ingestion's threads run, as
+    /// a nice increment (0-19): when both want the CPU, reads go first. 0 runs them at the
+    /// same priority.
+    pub ingest_nice: i32,
     /// Bind mode: a pod's replay endpoint (vLLM's name for the socket gaps are filled from),
     /// from its address: `{ip}` and `{port}` are the topic's pod address; vLLM adds the DP rank
     /// to the port, and so does kv-indexer. Empty: no gap fill in bind mode.
@@ -81,6 +85,7 @@ impl Default for KvEventsConfig {
             zmq_endpoint: "tcp://127.0.0.1:5557".into(),
             topic_filter: "kv@".into(),
             concurrency: 16,
+            ingest_nice: 5,
             replay_endpoint_template: String::new(),
             replay_timeout_ms: 2_000,
             max_gap_fills_in_flight: 16,

@@ -72,6 +72,12 @@ impl Config {
                 "must be between 1 and 1024",
             ));
         }
+        if !(0..=19).contains(&ev.ingest_nice) {
+            return Err(invalid(
+                "kvEventsConfig.ingestNice",
+                "must be between 0 and 19 (a nice increment below the serving threads)",
+            ));
+        }
         if ev.max_gap_fills_in_flight == 0 || ev.max_gap_fills_in_flight > 4096 {
             return Err(invalid(
                 "kvEventsConfig.maxGapFillsInFlight",

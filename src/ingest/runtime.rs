@@ -4,12 +4,12 @@
 //! Every request's time to first token includes a ScorePods call (or a pick), so a read must
 //! never wait behind a batch being applied. Ingestion therefore runs on a Tokio runtime of its
 //! own, whose threads the kernel schedules at a lower priority (a higher nice value,
-//! [`INGEST_NICE`]) than the runtime that serves gRPC, the picker and HTTP: when both want the
-//! CPU, reads go first; when reads are idle, ingestion has every core. Lower priority is a
-//! weight, not a starvation: ingestion keeps a share of a busy CPU (nice 5 against 0 is
-//! about 1:3 under Linux's scheduler), so events are still applied while reads saturate the
-//! machine, and nothing is dropped that the inbox would not have dropped anyway (its budget
-//! and counters are unchanged).
+//! `kvEventsConfig.ingestNice`) than the runtime that serves gRPC, the picker and HTTP: when
+//! both want the CPU, reads go first; when reads are idle, ingestion has every core. Lower
+//! priority is a weight, not a starvation: ingestion keeps a share of a busy CPU (nice 5
+//! against 0 is about 1:3 under Linux's scheduler), so events are still applied while reads
+//! saturate the machine, and nothing is dropped that the inbox would not have dropped anyway
+//! (its budget and counters are unchanged).
 //!
 //! Invariants:
 //! - everything ingestion spawns (receivers, the ZMQ library's connection tasks, workers, gap
@@ -19,10 +19,6 @@
 
 use std::io;
 
-/// How much lower than the serving threads the ingest threads run (a nice increment, 0-19).
-/// 5 gives reads about three quarters of a contended CPU and leaves ingestion the rest.
-pub const INGEST_NICE: i32 = 5;
-
 /// The ingest runtime; shut down in the background when dropped.
 pub(super) struct IngestRuntime {
     runtime: Option<tokio::runtime::Runtime>,
@@ -30,12 +26,12 @@ pub(super) struct IngestRuntime {
 
 impl IngestRuntime {
     /// A multi-threaded runtime with `threads` workers named `kv-ingest`, each lowered by
-    /// [`INGEST_NICE`] as it starts.
-    pub(super) fn new(threads: usize) -> io::Result<Self> {
+    /// `nice` (0-19) as it starts.
+    pub(super) fn new(threads: usize, nice: i32) -> io::Result<Self> {
         let runtime = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(threads.max(1))
             .thread_name("kv-ingest")
-            .on_thread_start(lower_priority)
+            .on_thread_start(move || lower_priority(nice))
             .enable_all()
             .build()?;
         Ok(Self {
@@ -61,11 +57,14 @@ impl Drop for IngestRuntime {
     }
 }
 
-/// Lowers the calling thread's scheduling priority by [`INGEST_NICE`]. On Linux a nice value
+/// Lowers the calling thread's scheduling priority by `nice`. On Linux a nice value
 /// is per thread; raising it needs no privilege. A failure leaves the thread at the serving
 /// threads' priority, which is what the daemon did before (logged, not fatal).
 #[allow(unsafe_code)]
-fn lower_priority() {
+fn lower_priority(nice: i32) {
+    if nice == 0 {
+        return;
+    }
     #[cfg(target_os = "linux")]
     {
         // SAFETY: gettid, getpriority and setpriority have no memory-safety preconditions.
@@ -73,7 +72,7 @@ fn lower_priority() {
             let tid = libc::gettid() as libc::id_t;
             // Relative to the process's own nice value (a daemon started niced stays below).
             let now = libc::getpriority(libc::PRIO_PROCESS, tid);
-            libc::setpriority(libc::PRIO_PROCESS, tid, (now + INGEST_NICE).min(19))
+            libc::setpriority(libc::PRIO_PROCESS, tid, (now + nice).min(19))
         };
         if rc != 0 {
             tracing::warn!(

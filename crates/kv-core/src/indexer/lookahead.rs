@@ -14,13 +14,19 @@
 //! - a run is indexed only if its lookahead length is the model's (a run without lookahead is
 //!   `L = 0`): a run of another length would be keyed in another key space, which no prompt
 //!   is hashed in; it is refused and its blocks counted ([`LookaheadRefusal::Mismatch`]);
-//! - a run whose lookahead lists are not one per hash of one length, or disagree with its own
-//!   `token_ids`, is refused and counted ([`LookaheadRefusal::Malformed`]), never guessed;
+//! - a run whose lookahead lists are not one per hash of one length (at most
+//!   [`MAX_LOOKAHEAD`]), or disagree with its own `token_ids`, is refused and counted ([`LookaheadRefusal::Malformed`]), never guessed;
 //! - `L` is set once per model, from its events or from a snapshot of its keys
 //!   ([`super::ModelState::adopt_lookahead`]), and kept until the model is dropped; runs
 //!   without lookahead indexed before it was learned stay until removed, and no longer match.
 
 use std::sync::atomic::Ordering;
+
+/// The longest lookahead taken from events. vLLM's is the drafter's prefill lookahead (1 for
+/// EAGLE, the MTP module count otherwise: single digits); a run claiming more is refused as
+/// malformed, so one broken or hostile publisher cannot teach a model a length that leaves
+/// every prompt without keys.
+pub(super) const MAX_LOOKAHEAD: usize = 64;
 
 use super::{ApplyReport, ModelState};
 use crate::events::BlockStored;
@@ -49,7 +55,7 @@ pub(super) fn run_lookahead(s: &BlockStored) -> Result<usize, LookaheadRefusal> 
         };
     };
     let l = first.len();
-    if l == 0 || lists.len() != s.block_hashes.len() || lists.iter().any(|t| t.len() != l) {
+    if l == 0 || l > MAX_LOOKAHEAD || lists.len() != s.block_hashes.len() || lists.iter().any(|t| t.len() != l) {
         return Err(LookaheadRefusal::Malformed);
     }
     // Where the run's tokens are its blocks back to back, block i's lookahead is the tokens
@@ -155,6 +161,7 @@ mod tests {
             vec![vec![4], vec![8, 9]],    // lengths differ
             vec![vec![4, 6], vec![8, 9]], // not the tokens after block 0
             vec![vec![], vec![]],         // empty lists
+            vec![vec![7; MAX_LOOKAHEAD + 1]; 2], // longer than any drafter's
         ] {
             assert_eq!(
                 run_lookahead(&run(8, 4, Some(bad.clone()))),
