@@ -181,8 +181,9 @@ pub async fn start(
     shutdown: watch::Receiver<bool>,
 ) -> Result<IngestHandle, IngestError> {
     let threads = std::thread::available_parallelism().map_or(2, |n| n.get());
-    let rt = runtime::IngestRuntime::new(threads.min(config.concurrency.max(1)), config.ingest_nice)
-        .map_err(IngestError::Runtime)?;
+    let rt =
+        runtime::IngestRuntime::new(threads.min(config.concurrency.max(1)), config.ingest_nice)
+            .map_err(IngestError::Runtime)?;
     // Started from a task on the ingest runtime, so that everything it spawns (sockets'
     // connection tasks included) runs there.
     let config = config.clone();

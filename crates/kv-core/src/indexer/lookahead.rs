@@ -55,7 +55,11 @@ pub(super) fn run_lookahead(s: &BlockStored) -> Result<usize, LookaheadRefusal> 
         };
     };
     let l = first.len();
-    if l == 0 || l > MAX_LOOKAHEAD || lists.len() != s.block_hashes.len() || lists.iter().any(|t| t.len() != l) {
+    if l == 0
+        || l > MAX_LOOKAHEAD
+        || lists.len() != s.block_hashes.len()
+        || lists.iter().any(|t| t.len() != l)
+    {
         return Err(LookaheadRefusal::Malformed);
     }
     // Where the run's tokens are its blocks back to back, block i's lookahead is the tokens
@@ -157,10 +161,10 @@ mod tests {
         let plain = run(8, 4, None);
         assert_eq!(run_tokens(&plain, 8, &mut buf).1, 0);
         for bad in [
-            vec![vec![4, 5]],             // one list for two hashes
-            vec![vec![4], vec![8, 9]],    // lengths differ
-            vec![vec![4, 6], vec![8, 9]], // not the tokens after block 0
-            vec![vec![], vec![]],         // empty lists
+            vec![vec![4, 5]],                    // one list for two hashes
+            vec![vec![4], vec![8, 9]],           // lengths differ
+            vec![vec![4, 6], vec![8, 9]],        // not the tokens after block 0
+            vec![vec![], vec![]],                // empty lists
             vec![vec![7; MAX_LOOKAHEAD + 1]; 2], // longer than any drafter's
         ] {
             assert_eq!(
