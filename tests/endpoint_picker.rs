@@ -135,10 +135,7 @@ async fn a_chat_whose_prefix_pod_b_holds_goes_to_b() {
     assert!(
         support::metric(&page, "kvindexer_picker_picks_total{outcome=\"picked\"}") >= warm + 35.0,
         "{}",
-        page.lines()
-            .filter(|l| l.starts_with("kvindexer_picker_picks_total"))
-            .collect::<Vec<_>>()
-            .join("\n")
+        support::picker::picks_lines(&page)
     );
     fleet.daemon.shutdown().await;
 }

@@ -437,3 +437,11 @@ pub fn first(a: &Answer) -> String {
         .unwrap_or_else(|| panic!("no pick: {a:?}"));
     h.split(',').next().unwrap_or_default().to_owned()
 }
+
+/// The picker's `kvindexer_picker_picks_total` lines on a metrics page (a failure's message).
+pub fn picks_lines(page: &str) -> String {
+    page.lines()
+        .filter(|l| l.starts_with("kvindexer_picker_picks_total"))
+        .collect::<Vec<_>>()
+        .join("\n")
+}

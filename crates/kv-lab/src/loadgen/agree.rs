@@ -1,7 +1,8 @@
 //! `--agree-with URL`: after the load, whether other replicas hold what the daemon under load
 //! holds. Each replica's `ListPods` becomes a map (model, pod, rank) -> memberships (entries
 //! holding none left out); the maps must become equal within a deadline (the log's last
-//! entries, and forgetting idle pods, take a moment to reach every replica).
+//! entries, and forgetting idle pods, take a moment to reach every replica). Also
+//! `--replica-metrics`: how fast the other replicas applied what the daemon under load applied.
 
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
@@ -9,7 +10,7 @@ use std::time::{Duration, Instant};
 use kv_proto::kvindexer_v1::{kv_indexer_client::KvIndexerClient, ListPodsRequest};
 use serde::Serialize;
 
-use super::LoadgenError;
+use super::{LoadgenError, ReplicaReport};
 
 /// How one replica compared with the daemon under load.
 #[derive(Debug, Clone, Serialize)]
@@ -96,5 +97,38 @@ pub(super) async fn compare(
             });
         }
         tokio::time::sleep(Duration::from_secs(1)).await;
+    }
+}
+
+/// Waits (at most 60 s after the load) until the replica at `addr` has applied `applied`
+/// blocks since `before`, or stops progressing for 5 s; reports its rate from the load's start.
+pub(super) async fn follow_replica(
+    addr: &str,
+    before: &str,
+    applied: f64,
+    started: Instant,
+) -> Result<ReplicaReport, LoadgenError> {
+    let base = super::report::metric_sum(before, "kvindexer_blocks_applied_total");
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let (mut last, mut last_change) = (-1.0, Instant::now());
+    loop {
+        let page = super::http_get(addr, "/metrics").await?;
+        let done = super::report::metric_sum(&page, "kvindexer_blocks_applied_total") - base;
+        let now = Instant::now();
+        if done != last {
+            (last, last_change) = (done, now);
+        }
+        if done >= applied || now >= deadline || now - last_change > Duration::from_secs(5) {
+            let at = if done >= applied { now } else { last_change };
+            let seconds = (at - started).as_secs_f64();
+            return Ok(ReplicaReport {
+                metrics: addr.to_owned(),
+                applied_blocks: done,
+                caught_up: done >= applied,
+                caught_up_after_s: seconds,
+                applied_blocks_per_s: done / seconds.max(1e-9),
+            });
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }

@@ -11,6 +11,9 @@
 //! - `score_concurrency` tasks call ScorePods with a document's tokens and every pod as a
 //!   candidate, or, with `--ext-proc`, ask the daemon's endpoint picker as Envoy would.
 //!
+//! With `--chat-tokenizer`, the prompts are chats sharing a few long system prompts, rendered
+//! and tokenized with the daemon's own code, and the picker is asked with chat bodies.
+//!
 //! It reports messages and blocks sent, blocks and events the daemon applied (from its
 //! `/metrics`, before and after), sequence gaps, and ScorePods latency under load beside the
 //! same call measured on an idle daemon first (the baseline, same run). With
@@ -27,6 +30,7 @@ use thiserror::Error;
 
 mod agree;
 mod callers;
+mod chat;
 mod churn;
 mod picks;
 mod report;
@@ -92,6 +96,15 @@ pub enum LoadgenError {
     /// A load task ended abnormally.
     #[error("a load task failed: {0}")]
     Task(String),
+    /// `--chat-tokenizer`'s tokenizer could not be loaded.
+    #[error("the chat tokenizer: {0}")]
+    Tokenizer(#[from] kv_tokenize::LoadError),
+    /// A chat prompt could not be rendered or encoded.
+    #[error("rendering a chat prompt: {0}")]
+    Chat(#[from] kv_tokenize::ChatError),
+    /// The picks never found a prefix in the index: the benchmark would measure nothing.
+    #[error("no prefix matched: {0}")]
+    NoPrefixMatches(String),
 }
 
 /// Flags of `kv-indexer loadgen` (its settings).
@@ -144,9 +157,19 @@ pub struct LoadgenArgs {
     pub baseline: u64,
     /// Ask the daemon's endpoint picker (Envoy ext_proc, e.g. `http://127.0.0.1:9002`) instead of
     /// calling ScorePods: each call is one request's ext_proc stream (FULL_DUPLEX_STREAMED, the
-    /// prompt's token ids as a completions body), timed to the pick.
+    /// prompt's token ids as a completions body, or a chat with `--chat-tokenizer`), timed to
+    /// the pick.
     #[arg(long)]
     pub ext_proc: Option<String>,
+    /// With `--ext-proc`: chat prompts instead of token ids. DIR is a HuggingFace tokenizer
+    /// folder (`tokenizer.json`, `tokenizer_config.json` with the chat template), the one the
+    /// daemon has for `--model`. Each prompt is a `/v1/chat/completions` body: one of 4 long
+    /// system prompts (a quarter of the prompt, shared by a quarter of the documents), then
+    /// user and assistant turns up to about `--prompt-blocks` blocks once rendered. The pods
+    /// publish the blocks of the chat as rendered and tokenized here, with the daemon's own
+    /// code (so the picker finds them); the run fails if no pick found a prefix.
+    #[arg(long, value_name = "DIR", requires = "ext_proc")]
+    pub chat_tokenizer: Option<std::path::PathBuf>,
     /// Serve every simulated pod's vLLM metrics page at `http://ADDR/<pod>/metrics` (loopback),
     /// for the picker's scraper (`endpointPicker.metricsUrlTemplate:
     /// "http://ADDR/{pod}/metrics"`).
@@ -186,6 +209,8 @@ pub struct LoadgenArgs {
 /// A prepared prompt: tokens, block hashes, and its payloads.
 struct Document {
     tokens: Vec<u32>,
+    /// The chat the tokens were rendered from (with `--chat-tokenizer`).
+    messages: Option<Vec<kv_tokenize::ChatMessage>>,
     store: Vec<Payload>,
     remove: Vec<Payload>,
     /// The same prompt from an engine that hashes differently (with `--translated-share`).
@@ -301,15 +326,29 @@ fn prepare(args: &LoadgenArgs) -> Result<Vec<Document>, LoadgenError> {
         .transpose()?;
     let mut x = 0x2545_F491_4F6C_DD1Du64;
     let mut docs = Vec::with_capacity(args.documents);
-    for _ in 0..args.documents {
-        let tokens: Vec<u32> = (0..args.prompt_blocks * args.block_size)
-            .map(|_| {
-                x ^= x << 13;
-                x ^= x >> 7;
-                x ^= x << 17;
-                (x % 150_000) as u32
-            })
-            .collect();
+    let target_tokens = args.prompt_blocks * args.block_size;
+    let mut chats = match &args.chat_tokenizer {
+        Some(dir) => Some(chat::ChatMaker::new(dir, &args.model, target_tokens)?),
+        None => None,
+    };
+    for d in 0..args.documents {
+        let (tokens, messages) = match chats.as_mut() {
+            Some(chats) => {
+                let chat = chats.document(d)?;
+                (chat.tokens, Some(chat.messages))
+            }
+            None => {
+                let tokens = (0..target_tokens)
+                    .map(|_| {
+                        x ^= x << 13;
+                        x ^= x >> 7;
+                        x ^= x << 17;
+                        (x % 150_000) as u32
+                    })
+                    .collect();
+                (tokens, None)
+            }
+        };
         // Aligned pods' engines publish the index's keys as their hashes.
         let keys = processor.block_hashes(&tokens, &RequestExtras::default());
         let hashes: Vec<EngineHash> = keys.iter().map(|&k| EngineHash::aligned(k)).collect();
@@ -325,6 +364,7 @@ fn prepare(args: &LoadgenArgs) -> Result<Vec<Document>, LoadgenError> {
         });
         docs.push(Document {
             tokens,
+            messages,
             store,
             remove,
             translated,
@@ -377,10 +417,17 @@ pub fn run(args: LoadgenArgs) -> Result<LoadgenReport, LoadgenError> {
 async fn run_async(args: LoadgenArgs) -> Result<LoadgenReport, LoadgenError> {
     let t = Instant::now();
     let docs = Arc::new(prepare(&args)?);
+    let tokens = |f: fn(usize, usize) -> usize| docs.iter().map(|d| d.tokens.len()).reduce(f);
     eprintln!(
-        "prepared {} prompts of {} blocks in {:.1}s",
+        "prepared {} {} of {}-{} tokens in {:.1}s",
         docs.len(),
-        args.prompt_blocks,
+        if args.chat_tokenizer.is_some() {
+            "chats"
+        } else {
+            "prompts"
+        },
+        tokens(usize::min).unwrap_or(0),
+        tokens(usize::max).unwrap_or(0),
         t.elapsed().as_secs_f64()
     );
     let pods: Vec<String> = (0..args.pods)
@@ -454,6 +501,8 @@ async fn run_async(args: LoadgenArgs) -> Result<LoadgenReport, LoadgenError> {
         messages_lost: 0.0,
         score_idle,
         score_under_load: None,
+        lookups: 0.0,
+        lookup_hit_share: 0.0,
         soak: None,
         replicas: Vec::new(),
         churn: None,
@@ -565,6 +614,17 @@ async fn run_async(args: LoadgenArgs) -> Result<LoadgenReport, LoadgenError> {
     report.sequence_gaps = delta("kvindexer_sequence_gaps_total");
     report.messages_lost = delta("kvindexer_messages_lost_total");
     report.score_under_load = Some(ScorePhase::of(&loaded, loaded_matched, elapsed));
+    report.lookups = delta("kvcache_index_lookup_requests_total");
+    report.lookup_hit_share = delta("kvcache_index_lookup_hits_total") / report.lookups.max(1.0);
+    if args.chat_tokenizer.is_some() && report.lookup_hit_share <= 0.0 {
+        return Err(LoadgenError::NoPrefixMatches(format!(
+            "the daemon made {} index lookups for {} picks and none found a prefix (does it \
+             have the tokenizer of {:?}, and the same blockSize and hashSeed?)",
+            report.lookups,
+            loaded.len(),
+            args.model
+        )));
+    }
     if !samples.is_empty() {
         report.soak = Some(SoakReport::of(samples));
     }
@@ -572,7 +632,7 @@ async fn run_async(args: LoadgenArgs) -> Result<LoadgenReport, LoadgenError> {
     for (addr, before) in args.replica_metrics.iter().zip(&replicas_before) {
         report
             .replicas
-            .push(follow_replica(addr, before, applied, started).await?);
+            .push(agree::follow_replica(addr, before, applied, started).await?);
     }
     for there in &args.agree_with {
         let within = Duration::from_secs(120);
@@ -580,39 +640,6 @@ async fn run_async(args: LoadgenArgs) -> Result<LoadgenReport, LoadgenError> {
         report.agreement.push(compared);
     }
     Ok(report)
-}
-
-/// Waits (at most 60 s after the load) until the replica at `addr` has applied `applied`
-/// blocks since `before`, or stops progressing for 5 s; reports its rate from the load's start.
-async fn follow_replica(
-    addr: &str,
-    before: &str,
-    applied: f64,
-    started: Instant,
-) -> Result<ReplicaReport, LoadgenError> {
-    let base = metric_sum(before, "kvindexer_blocks_applied_total");
-    let deadline = Instant::now() + Duration::from_secs(60);
-    let (mut last, mut last_change) = (-1.0, Instant::now());
-    loop {
-        let page = http_get(addr, "/metrics").await?;
-        let done = metric_sum(&page, "kvindexer_blocks_applied_total") - base;
-        let now = Instant::now();
-        if done != last {
-            (last, last_change) = (done, now);
-        }
-        if done >= applied || now >= deadline || now - last_change > Duration::from_secs(5) {
-            let at = if done >= applied { now } else { last_change };
-            let seconds = (at - started).as_secs_f64();
-            return Ok(ReplicaReport {
-                metrics: addr.to_owned(),
-                applied_blocks: done,
-                caught_up: done >= applied,
-                caught_up_after_s: seconds,
-                applied_blocks_per_s: done / seconds.max(1e-9),
-            });
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
 }
 
 /// The PUB socket the simulated pods publish through.

@@ -21,8 +21,8 @@ use super::{Document, LoadgenArgs, LoadgenError};
 /// The body chunk Envoy sends at most.
 const CHUNK: usize = 62_000;
 
-/// One request's messages: headers, then `body` in chunks.
-fn messages(body: &[u8]) -> Vec<ProcessingRequest> {
+/// One request's messages: headers (a POST to `path`), then `body` in chunks.
+fn messages(path: &str, body: &[u8]) -> Vec<ProcessingRequest> {
     let header = |k: &str, v: &str| HeaderValue {
         key: k.into(),
         raw_value: v.as_bytes().to_vec(),
@@ -33,7 +33,7 @@ fn messages(body: &[u8]) -> Vec<ProcessingRequest> {
             headers: Some(HeaderMap {
                 headers: vec![
                     header(":method", "POST"),
-                    header(":path", "/v1/completions"),
+                    header(":path", path),
                     header("content-type", "application/json"),
                 ],
             }),
@@ -68,9 +68,10 @@ fn messages(body: &[u8]) -> Vec<ProcessingRequest> {
 /// response (no candidate, shed, refused).
 async fn pick_once(
     client: &mut ExternalProcessorClient<tonic::transport::Channel>,
+    path: &str,
     body: &[u8],
 ) -> Result<bool, LoadgenError> {
-    let requests = messages(body);
+    let requests = messages(path, body);
     let stream = tokio_stream_iter(requests);
     let mut inbound = client
         .process(stream)
@@ -107,6 +108,7 @@ fn tokio_stream_iter(
 
 async fn pick_loop(
     mut client: ExternalProcessorClient<tonic::transport::Channel>,
+    path: &'static str,
     bodies: Arc<Vec<Vec<u8>>>,
     stop: Arc<AtomicBool>,
     offset: usize,
@@ -118,7 +120,7 @@ async fn pick_loop(
         let body = &bodies[i % bodies.len()];
         i += 1;
         let t = Instant::now();
-        let ok = pick_once(&mut client, body).await?;
+        let ok = pick_once(&mut client, path, body).await?;
         latencies.push(t.elapsed().as_nanos() as u64);
         picked += u64::from(ok);
     }
@@ -126,19 +128,28 @@ async fn pick_loop(
 }
 
 /// Asks the picker at `addr` from `score_concurrency` connections for `seconds`; every pick's
-/// latency (ns, sorted) and how many were picks (not immediate responses).
+/// latency (ns, sorted) and how many were picks (not immediate responses). Documents with a
+/// chat go as chat-completions bodies, the others as completions with token ids.
 pub(super) async fn pick_phase(
     args: &LoadgenArgs,
     addr: &str,
     docs: &Arc<Vec<Document>>,
     seconds: u64,
 ) -> Result<(Vec<u64>, u64), LoadgenError> {
+    let chat = docs.iter().any(|d| d.messages.is_some());
+    let path = if chat {
+        "/v1/chat/completions"
+    } else {
+        "/v1/completions"
+    };
     let bodies: Arc<Vec<Vec<u8>>> = Arc::new(
         docs.iter()
             .map(|d| {
-                serde_json::json!({"model": args.model, "prompt": d.tokens, "max_tokens": 1})
-                    .to_string()
-                    .into_bytes()
+                let body = match &d.messages {
+                    Some(m) => serde_json::json!({"model": args.model, "messages": m, "max_tokens": 1}),
+                    None => serde_json::json!({"model": args.model, "prompt": d.tokens, "max_tokens": 1}),
+                };
+                body.to_string().into_bytes()
             })
             .collect(),
     );
@@ -148,6 +159,7 @@ pub(super) async fn pick_phase(
         let client = ExternalProcessorClient::new(super::callers::channel(addr).await?);
         tasks.push(tokio::spawn(pick_loop(
             client,
+            path,
             bodies.clone(),
             stop.clone(),
             c * 7,

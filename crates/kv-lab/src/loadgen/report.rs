@@ -81,6 +81,11 @@ pub struct LoadgenReport {
     pub score_idle: ScorePhase,
     /// ScorePods under event load (`None` for a warm-up-only run).
     pub score_under_load: Option<ScorePhase>,
+    /// Index lookups the daemon made during the load (its picks' or ScorePods' walks).
+    pub lookups: f64,
+    /// Share of those lookups in which some pod held the prompt's first block: a benchmark
+    /// whose prompts never match the published blocks measures nothing.
+    pub lookup_hit_share: f64,
     /// Soak mode: the memory samples and the verdict.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub soak: Option<SoakReport>,
@@ -277,7 +282,8 @@ impl LoadgenReport {
              sent:    {:>10.0} msgs/s  {:>12.0} blocks/s\n\
              applied: {:>10.0} events/s {:>12.0} blocks/s  (gaps {}, lost messages {})\n\
              {:<9} idle:       {:>7} calls  p50 {:>8.1} us  p99 {:>8.1} us\n\
-             {:<9} under load: {:>7} calls  p50 {:>8.1} us  p99 {:>8.1} us  (p99 ratio to idle {:.2}; {:.0} calls/s)",
+             {:<9} under load: {:>7} calls  p50 {:>8.1} us  p99 {:>8.1} us  (p99 ratio to idle {:.2}; {:.0} calls/s)\n\
+             index lookups under load: {:.0}, {:.1}% found a prefix",
             self.pods,
             self.prompt_blocks,
             self.duration_s,
@@ -296,7 +302,9 @@ impl LoadgenReport {
             loaded.p50_us,
             loaded.p99_us,
             loaded.p99_us / idle.p99_us.max(1e-9),
-            loaded.calls_per_s
+            loaded.calls_per_s,
+            self.lookups,
+            100.0 * self.lookup_hit_share
         )
     }
 }
