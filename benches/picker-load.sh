@@ -6,14 +6,34 @@
 # 8,000-token prompt as token ids per request, every pod a candidate), CONCURRENCY streams at
 # once: picks/s and pick latency p50/p99 (client side: first message sent to the pick), idle
 # then under load, and the blocks/s the daemon applied meanwhile (gaps would show events late).
-# A fresh daemon per round. Usage: benches/picker-load.sh [rounds]   (RATE, DURATION,
-# CONCURRENCY; builds --release)
+# CHAT=1: chat prompts instead of token ids, the issue's case. Both sides get the tokenizer
+# folder TOKENIZER (default ../shared/tokenizers/qwen3, the real Qwen3 one) for MODEL (default
+# Qwen/Qwen3-8B): the daemon as `local.modelTokenizerMap` (offline, default pool settings), the
+# load generator as `--chat-tokenizer`. Each request is then a /v1/chat/completions body of
+# about 8,000 tokens once rendered (one of 4 long system prompts, each shared by a quarter of
+# the prompts, then user/assistant turns), so the picker renders the chat template and
+# tokenizes before it scores; the pods publish the blocks of those very token ids, and the
+# load generator fails the round if no pick found a prefix ("index lookups under load: ...%
+# found a prefix" in its report).
+# A fresh daemon per round. Usage: [CHAT=1] benches/picker-load.sh [rounds]   (RATE, DURATION,
+# CONCURRENCY, CHAT, TOKENIZER, MODEL; builds --release)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 rounds="${1:-3}"
 RATE="${RATE:-1000000}"
 DURATION="${DURATION:-10}"
 CONCURRENCY="${CONCURRENCY:-4}"
+CHAT="${CHAT:-0}"
+TOKENIZER="${TOKENIZER:-../shared/tokenizers/qwen3}"
+chat_args=()
+if [ "$CHAT" = 1 ]; then
+  MODEL="${MODEL:-Qwen/Qwen3-8B}"
+  [ -f "$TOKENIZER/tokenizer.json" ] || { echo "CHAT=1: no $TOKENIZER/tokenizer.json" >&2; exit 1; }
+  TOKENIZER="$(cd "$TOKENIZER" && pwd)"
+  chat_args=(--chat-tokenizer "$TOKENIZER")
+else
+  MODEL="${MODEL:-loadgen/model}"
+fi
 cargo build --release --quiet --bin kv-indexer
 bin=target/release/kv-indexer
 work="$(mktemp -d)"
@@ -31,6 +51,17 @@ endpointPicker:
   addr: "127.0.0.1:9602"
   metricsUrlTemplate: "http://127.0.0.1:9612/{pod}/metrics"
 YAML
+if [ "$CHAT" = 1 ]; then
+  cat >>"$work/config.yaml" <<YAML
+indexerConfig:
+  tokenizersPoolConfig:
+    offline: true
+    local:
+      modelTokenizerMap:
+        "$MODEL": "$TOKENIZER"
+YAML
+fi
+"$bin" check-config --config "$work/config.yaml" >/dev/null
 for round in $(seq "$rounds"); do
   RUST_LOG=warn "$bin" serve --config "$work/config.yaml" >"$work/daemon.log" 2>&1 &
   daemon=$!
@@ -42,9 +73,11 @@ for round in $(seq "$rounds"); do
   "$bin" loadgen --zmq-endpoint tcp://127.0.0.1:5592 --grpc http://127.0.0.1:50592 \
     --metrics 127.0.0.1:9592 --ext-proc http://127.0.0.1:9602 --pod-metrics 127.0.0.1:9612 \
     --pods 8 --documents 64 --prompt-blocks 500 --rate "$RATE" --duration "$DURATION" \
-    --score-concurrency "$CONCURRENCY" 2>/dev/null
+    --score-concurrency "$CONCURRENCY" --model "$MODEL" "${chat_args[@]}" 2>"$work/loadgen.log" ||
+    { cat "$work/loadgen.log" >&2; exit 1; }
+  grep '^prepared' "$work/loadgen.log" || true
   curl -fs http://127.0.0.1:9592/metrics |
-    grep -E '^kvindexer_(picker_(picks_total|metrics_unusable_total|scrapes_total|pick_latency_seconds_(sum|count))|score_latency_seconds_(sum|count))' || true
+    grep -E '^kvindexer_(picker_(picks_total|metrics_unusable_total|scrapes_total|pick_latency_seconds_(sum|count))|score_latency_seconds_(sum|count)|prefix_store_lookups_total)|^kvcache_(index_lookup_(requests|hits)_total|tokenization_tokenization_latency_seconds_(sum|count))' || true
   kill "$daemon"
   wait "$daemon" 2>/dev/null || true
   daemon=""
