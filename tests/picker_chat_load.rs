@@ -91,6 +91,7 @@ async fn chat_picks_find_the_prefixes_the_pods_published() {
     let fleet = Fleet::start(c).await;
     let out = chat_load(&fleet, dir, &pod_metrics).await;
     let stderr = String::from_utf8_lossy(&out.stderr);
+    eprintln!("{stderr}");
     assert!(out.status.success(), "{stderr}");
     // 64 blocks of 16 tokens: the rendered chats pass 1,024 tokens by less than a turn (120
     // words).
@@ -104,6 +105,9 @@ async fn chat_picks_find_the_prefixes_the_pods_published() {
         sizes.len() == 2 && sizes[0] >= 1024 && sizes[1] < 1024 + 300,
         "{stderr}"
     );
+    // The daemon, asked to score the first chat, matched every block the load generator's pod
+    // published for it: the same token ids over the whole prompt.
+    assert!(stderr.contains("the daemon's tokens agree"), "{stderr}");
     let report: serde_json::Value = serde_json::from_slice(&out.stdout).expect("JSON report");
     eprintln!("{report}");
     assert_eq!(report["calls"], "picks", "{report}");
@@ -136,8 +140,9 @@ async fn chat_picks_find_the_prefixes_the_pods_published() {
     fleet.daemon.shutdown().await;
 }
 
-/// The negative control: a daemon without the model's tokenizer picks on load alone, and the
-/// load generator says the benchmark measured nothing instead of reporting its figures.
+/// The negative control: a daemon without the model's tokenizer would pick on load alone; the
+/// load generator's check before the clock starts says so and fails the run instead of
+/// reporting figures that measured nothing.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_daemon_that_cannot_tokenize_the_chats_fails_the_run() {
     let Some(dir) = support::shared_tokenizer("qwen3") else {
@@ -147,6 +152,7 @@ async fn a_daemon_that_cannot_tokenize_the_chats_fails_the_run() {
     let fleet = Fleet::start(c).await;
     let out = chat_load(&fleet, dir, &pod_metrics).await;
     let stderr = String::from_utf8_lossy(&out.stderr);
+    eprintln!("{stderr}");
     assert!(!out.status.success(), "{stderr}");
     assert!(stderr.contains("no prefix matched"), "{stderr}");
     fleet.daemon.shutdown().await;

@@ -7,10 +7,23 @@
 //! pods publish the blocks of the very token ids the picker will hash.
 
 use std::path::Path;
+use std::time::{Duration, Instant};
 
+use kv_proto::kvindexer_v1::{
+    self, kv_indexer_client::KvIndexerClient, score_pods_request::Input, ScorePodsRequest,
+};
 use kv_tokenize::{ChatInput, ChatMessage, LoadedTokenizer};
+use tonic::Code;
 
-use super::LoadgenError;
+use super::{Document, LoadgenArgs, LoadgenError};
+
+/// ScorePods answers worth asking again while the daemon warms up.
+const RETRY: [Code; 4] = [
+    Code::NotFound,
+    Code::Unavailable,
+    Code::DeadlineExceeded,
+    Code::ResourceExhausted,
+];
 
 /// Distinct system prompts. At least 3, so that the document a pod stores and the one it
 /// evicts in the same round (two apart) never share one: an eviction would otherwise take the
@@ -24,116 +37,15 @@ const SYSTEM_SHARE: usize = 4;
 const TURN_WORDS: usize = 120;
 
 /// Common words the generated text is drawn from (one or two tokens each).
-const WORDS: &[&str] = &[
-    "the",
-    "model",
-    "cache",
-    "request",
-    "answer",
-    "question",
-    "system",
-    "user",
-    "data",
-    "time",
-    "value",
-    "result",
-    "server",
-    "client",
-    "block",
-    "token",
-    "prompt",
-    "memory",
-    "network",
-    "file",
-    "please",
-    "explain",
-    "why",
-    "how",
-    "what",
-    "when",
-    "where",
-    "which",
-    "should",
-    "could",
-    "would",
-    "might",
-    "always",
-    "never",
-    "often",
-    "sometimes",
-    "quickly",
-    "slowly",
-    "carefully",
-    "before",
-    "after",
-    "during",
-    "because",
-    "although",
-    "while",
-    "every",
-    "each",
-    "some",
-    "many",
-    "few",
-    "small",
-    "large",
-    "long",
-    "short",
-    "new",
-    "old",
-    "first",
-    "last",
-    "next",
-    "other",
-    "report",
-    "table",
-    "figure",
-    "section",
-    "chapter",
-    "page",
-    "line",
-    "word",
-    "number",
-    "list",
-    "order",
-    "customer",
-    "account",
-    "invoice",
-    "payment",
-    "policy",
-    "support",
-    "ticket",
-    "issue",
-    "error",
-    "warning",
-    "message",
-    "service",
-    "health",
-    "check",
-    "deploy",
-    "build",
-    "test",
-    "review",
-    "change",
-    "update",
-    "release",
-    "version",
-    "feature",
-    "option",
-    "setting",
-    "default",
-    "and",
-    "or",
-    "but",
-    "with",
-    "without",
-    "for",
-    "from",
-    "into",
-    "over",
-    "under",
-    "between",
-];
+const WORDS: &str =
+    "the model cache request answer question system user data time value result server client \
+     block token prompt memory network file please explain why how what when where which \
+     should could would might always never often sometimes quickly slowly carefully before \
+     after during because although while every each some many few small large long short new \
+     old first last next other report table figure section chapter page line word number list \
+     order customer account invoice payment policy support ticket issue error warning message \
+     service health check deploy build test review change update release version feature \
+     option setting default and or but with without for from into over under between";
 
 /// A document's conversation and the token ids the daemon will score for it.
 pub(super) struct ChatPrompt {
@@ -147,6 +59,7 @@ pub(super) struct ChatPrompt {
 pub(super) struct ChatMaker {
     tokenizer: LoadedTokenizer,
     system: Vec<String>,
+    words: Vec<&'static str>,
     target_tokens: usize,
     rng: u64,
 }
@@ -159,6 +72,7 @@ impl ChatMaker {
         let mut maker = Self {
             tokenizer,
             system: Vec::new(),
+            words: WORDS.split_whitespace().collect(),
             target_tokens,
             rng: 0x9E37_79B9_7F4A_7C15,
         };
@@ -188,7 +102,7 @@ impl ChatMaker {
                     out.push(' ');
                 }
             }
-            out.push_str(WORDS[(self.rng % WORDS.len() as u64) as usize]);
+            out.push_str(self.words[(self.rng % self.words.len() as u64) as usize]);
         }
         out.push('.');
         out
@@ -238,4 +152,75 @@ impl ChatMaker {
             }
         }
     }
+}
+
+/// Before the clock starts: asks ScorePods to score `doc` as a chat (so the daemon renders and
+/// tokenizes it) against `pod`, which stored it, until the pod matches every full block it
+/// published, or at most 10 s. Proves that the daemon's tokens are the load generator's over
+/// the whole prompt, not only the shared system prompt; returns the blocks matched.
+pub(super) async fn check_daemon_tokens(
+    args: &LoadgenArgs,
+    doc: &Document,
+    pod: &str,
+) -> Result<u32, LoadgenError> {
+    let Some(messages) = &doc.messages else {
+        return Ok(0);
+    };
+    let full = (doc.tokens.len() / args.block_size) as u32;
+    let request = ScorePodsRequest {
+        model: args.model.clone(),
+        input: Some(Input::Chat(kvindexer_v1::ChatRequest {
+            messages: messages
+                .iter()
+                .map(|m| kvindexer_v1::ChatMessage {
+                    role: m.role.clone(),
+                    content: m.content.clone(),
+                })
+                .collect(),
+            add_generation_prompt: true,
+            ..Default::default()
+        })),
+        pods: vec![pod.to_owned()],
+        ..Default::default()
+    };
+    let mut client = KvIndexerClient::new(super::callers::channel(&args.grpc).await?);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let mut matched = 0;
+    let last = loop {
+        let (retry, why) = match client.score_pods(request.clone()).await {
+            Ok(r) => {
+                matched = r
+                    .into_inner()
+                    .scores
+                    .first()
+                    .map_or(0, |s| s.matched_blocks);
+                // A prompt of whole blocks may leave its last block unmatched (vLLM reuses all
+                // but the last token).
+                if matched + 1 >= full {
+                    return Ok(matched);
+                }
+                // The events may not be applied yet.
+                (
+                    true,
+                    format!("{pod} matched {matched} of the {full} blocks it stored"),
+                )
+            }
+            // The model is not known before its first events; the tokenizer may be loading.
+            Err(s) if RETRY.contains(&s.code()) => (true, s.to_string()),
+            Err(s) => (
+                false,
+                format!(
+                    "{s} (does the daemon have the tokenizer of {:?}?)",
+                    args.model
+                ),
+            ),
+        };
+        if !retry || Instant::now() >= deadline {
+            break why;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    Err(LoadgenError::NoPrefixMatches(format!(
+        "ScorePods of document 0 as a chat: {last} (matched {matched} blocks)"
+    )))
 }

@@ -167,7 +167,9 @@ pub struct LoadgenArgs {
     /// system prompts (a quarter of the prompt, shared by a quarter of the documents), then
     /// user and assistant turns up to about `--prompt-blocks` blocks once rendered. The pods
     /// publish the blocks of the chat as rendered and tokenized here, with the daemon's own
-    /// code (so the picker finds them); the run fails if no pick found a prefix.
+    /// code (so the picker finds them). The run fails if ScorePods, asked for the first chat
+    /// before the load, does not match every block its pod stored, or if no pick found a
+    /// prefix.
     #[arg(long, value_name = "DIR", requires = "ext_proc")]
     pub chat_tokenizer: Option<std::path::PathBuf>,
     /// Serve every simulated pod's vLLM metrics page at `http://ADDR/<pod>/metrics` (loopback),
@@ -461,6 +463,13 @@ async fn run_async(args: LoadgenArgs) -> Result<LoadgenReport, LoadgenError> {
         }
     }
     tokio::time::sleep(Duration::from_millis(500)).await;
+    if args.chat_tokenizer.is_some() {
+        let matched = chat::check_daemon_tokens(&args, &docs[0], &pods[0]).await?;
+        eprintln!(
+            "the daemon's tokens agree: {} matched {matched} blocks of document 0 as a chat",
+            pods[0]
+        );
+    }
     if let Some(path) = &args.dump_request {
         let request = serde_json::json!({
             "model": args.model,
