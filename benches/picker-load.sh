@@ -12,9 +12,10 @@
 # load generator as `--chat-tokenizer`. Each request is then a /v1/chat/completions body of
 # about 8,000 tokens once rendered (one of 4 long system prompts, each shared by a quarter of
 # the prompts, then user/assistant turns), so the picker renders the chat template and
-# tokenizes before it scores; the pods publish the blocks of those very token ids, and the
-# load generator fails the round if no pick found a prefix ("index lookups under load: ...%
-# found a prefix" in its report).
+# tokenizes before it scores; the pods publish the blocks of those very token ids (about
+# 8,180 tokens: the last turn passes 8,000). The load generator fails the round unless the
+# daemon, asked to score the first chat before the load, matches every block its pod stored,
+# and unless some pick found a prefix ("index lookups under load: ...% found a prefix").
 # A fresh daemon per round. Usage: [CHAT=1] benches/picker-load.sh [rounds]   (RATE, DURATION,
 # CONCURRENCY, CHAT, TOKENIZER, MODEL; builds --release)
 set -euo pipefail
