@@ -15,7 +15,7 @@
 //! - everything ingestion spawns (receivers, the ZMQ library's connection tasks, workers, gap
 //!   fills) runs here, because it is spawned from tasks already on this runtime;
 //! - dropping the runtime never blocks an async caller: it is shut down in the background
-//!   (after [`super::IngestHandle::join`] has let the workers finish, nothing is left to stop).
+//!   (after the ingest handle's `join` has let the workers finish, nothing is left to stop).
 
 use std::io;
 

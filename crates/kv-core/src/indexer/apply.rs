@@ -14,7 +14,7 @@ use std::sync::Arc;
 
 use super::groups::Route;
 use super::kinds::tier_of;
-use super::lookahead;
+use super::lookahead::{self, Admission};
 use super::translate::aligned_keys;
 use super::{EngineKeyState, Indexer, KeyMode, ModelState, SettingsError, TranslationReport};
 use crate::events::{EventBatch, KvEvent};
@@ -242,8 +242,20 @@ impl Indexer {
             for event in &batch.events {
                 match event {
                     KvEvent::BlockStored(s) => {
-                        if !lookahead::admits(state, s, report) {
-                            continue;
+                        let blocks = s.block_hashes.len() as u64;
+                        match lookahead::admit(state, s) {
+                            Admission::Indexed(learned) => {
+                                report.lookahead_learned = learned.or(report.lookahead_learned);
+                            }
+                            Admission::Mismatch { run, model } => {
+                                report.lookahead_mismatch = Some((run, model));
+                                report.lookahead_mismatch_blocks += blocks;
+                                continue;
+                            }
+                            Admission::Malformed => {
+                                report.lookahead_malformed_blocks += blocks;
+                                continue;
+                            }
                         }
                         let translated = mode == KeyMode::Translated;
                         let (route, changed) = engine_groups.stored(s, unit, translated);

@@ -13,9 +13,9 @@
 //! Invariants:
 //! - a run is indexed only if its lookahead length is the model's (a run without lookahead is
 //!   `L = 0`): a run of another length would be keyed in another key space, which no prompt
-//!   is hashed in; it is refused and its blocks counted ([`LookaheadRefusal::Mismatch`]);
+//!   is hashed in; it is refused and its blocks counted ([`Admission::Mismatch`]);
 //! - a run whose lookahead lists are not one per hash of one length (at most
-//!   [`MAX_LOOKAHEAD`]), or disagree with its own `token_ids`, is refused and counted ([`LookaheadRefusal::Malformed`]), never guessed;
+//!   [`MAX_LOOKAHEAD`]), or disagree with its own `token_ids`, is refused and counted ([`Admission::Malformed`]), never guessed;
 //! - `L` is set once per model, from its events or from a snapshot of its keys
 //!   ([`super::ModelState::adopt_lookahead`]), and kept until the model is dropped; runs
 //!   without lookahead indexed before it was learned stay until removed, and no longer match.
@@ -28,21 +28,16 @@ use std::sync::atomic::Ordering;
 /// every prompt without keys.
 pub(super) const MAX_LOOKAHEAD: usize = 64;
 
-use super::{ApplyReport, ModelState};
+use super::ModelState;
 use crate::events::BlockStored;
 
-/// Why a run was refused for its lookahead tokens.
+/// A run whose lookahead lists are inconsistent (count, lengths, or its own tokens).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) enum LookaheadRefusal {
-    /// Its lookahead length is not the model's.
-    Mismatch,
-    /// Its lookahead lists are inconsistent (count, lengths, or its own tokens).
-    Malformed,
-}
+pub(super) struct MalformedLookahead;
 
 /// A run's lookahead length (`0`: none), or why it is malformed: one list per hash, all of one
 /// length, and each equal to the run's own tokens after its block where they cover it.
-pub(super) fn run_lookahead(s: &BlockStored) -> Result<usize, LookaheadRefusal> {
+pub(super) fn run_lookahead(s: &BlockStored) -> Result<usize, MalformedLookahead> {
     let Some(lists) = &s.lookahead_token_ids else {
         return Ok(0);
     };
@@ -51,7 +46,7 @@ pub(super) fn run_lookahead(s: &BlockStored) -> Result<usize, LookaheadRefusal> 
         return if s.block_hashes.is_empty() {
             Ok(0)
         } else {
-            Err(LookaheadRefusal::Malformed)
+            Err(MalformedLookahead)
         };
     };
     let l = first.len();
@@ -60,7 +55,7 @@ pub(super) fn run_lookahead(s: &BlockStored) -> Result<usize, LookaheadRefusal> 
         || lists.len() != s.block_hashes.len()
         || lists.iter().any(|t| t.len() != l)
     {
-        return Err(LookaheadRefusal::Malformed);
+        return Err(MalformedLookahead);
     }
     // Where the run's tokens are its blocks back to back, block i's lookahead is the tokens
     // that follow it (vLLM reads both from the request's tokens).
@@ -70,7 +65,7 @@ pub(super) fn run_lookahead(s: &BlockStored) -> Result<usize, LookaheadRefusal> 
             let end = (i + 1) * block;
             if let Some(next) = s.token_ids.get(end..end + l) {
                 if next != list.as_slice() {
-                    return Err(LookaheadRefusal::Malformed);
+                    return Err(MalformedLookahead);
                 }
             }
         }
@@ -78,33 +73,34 @@ pub(super) fn run_lookahead(s: &BlockStored) -> Result<usize, LookaheadRefusal> 
     Ok(l)
 }
 
+/// What [`admit`] decided for a run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Admission {
+    /// Indexed under the model's lookahead; `Some(l)` when this run taught the model `l`.
+    Indexed(Option<u32>),
+    /// Refused: a lookahead of `run` tokens where the model's is `model`.
+    Mismatch { run: u32, model: u32 },
+    /// Refused: inconsistent lookahead lists.
+    Malformed,
+}
+
 /// Whether `s` is indexed under the model's lookahead, learning it from the first run that
-/// carries one. A refused run's blocks are counted in `report`.
-pub(super) fn admits(state: &ModelState, s: &BlockStored, report: &mut ApplyReport) -> bool {
-    let refusal = match run_lookahead(s) {
-        Ok(l) => {
-            let l = u32::try_from(l).unwrap_or(u32::MAX);
-            let model = state.lookahead.load(Ordering::Relaxed);
-            if model == 0 && l > 0 {
-                // Called under the model's writer: no other batch learns it meanwhile.
-                state.lookahead.store(l, Ordering::Relaxed);
-                report.lookahead_learned = Some(l);
-                return true;
-            }
-            if l == model {
-                return true;
-            }
-            report.lookahead_mismatch = Some((l, model));
-            LookaheadRefusal::Mismatch
-        }
-        Err(why) => why,
+/// carries one. Called under the model's writer lock.
+pub(super) fn admit(state: &ModelState, s: &BlockStored) -> Admission {
+    let l = match run_lookahead(s) {
+        Ok(l) => u32::try_from(l).unwrap_or(u32::MAX),
+        Err(MalformedLookahead) => return Admission::Malformed,
     };
-    let blocks = s.block_hashes.len() as u64;
-    match refusal {
-        LookaheadRefusal::Mismatch => report.lookahead_mismatch_blocks += blocks,
-        LookaheadRefusal::Malformed => report.lookahead_malformed_blocks += blocks,
+    let model = state.lookahead.load(Ordering::Relaxed);
+    if model == 0 && l > 0 {
+        // Under the model's writer: no other batch learns it meanwhile.
+        state.lookahead.store(l, Ordering::Relaxed);
+        return Admission::Indexed(Some(l));
     }
-    false
+    if l == model {
+        return Admission::Indexed(None);
+    }
+    Admission::Mismatch { run: l, model }
 }
 
 /// What a run's first `covered` tokens are hashed from: `(tokens, L)`, the tokens followed by
@@ -169,7 +165,7 @@ mod tests {
         ] {
             assert_eq!(
                 run_lookahead(&run(8, 4, Some(bad.clone()))),
-                Err(LookaheadRefusal::Malformed),
+                Err(MalformedLookahead),
                 "{bad:?}"
             );
         }
