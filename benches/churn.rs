@@ -25,7 +25,7 @@ use kv_lab::alloc::{live_heap_bytes, CountingAllocator};
 use kv_lab::index_bench::median;
 
 #[global_allocator]
-static GLOBAL: CountingAllocator = CountingAllocator;
+static GLOBAL: CountingAllocator = CountingAllocator::SYSTEM;
 
 const N: usize = 100_000;
 const MODEL: &str = "bench/model";

@@ -30,7 +30,7 @@ use kv_lab::trace::load_mooncake;
 use sha2::{Digest, Sha256};
 
 #[global_allocator]
-static GLOBAL: CountingAllocator = CountingAllocator;
+static GLOBAL: CountingAllocator = CountingAllocator::SYSTEM;
 
 fn rng_tokens(n: usize, seed: u64) -> Vec<u32> {
     let mut x = seed;

@@ -27,7 +27,7 @@ use kv_lab::alloc::{live_heap_bytes, peak_heap_bytes, reset_peak_heap_bytes, Cou
 use kv_lab::index_bench::median;
 
 #[global_allocator]
-static GLOBAL: CountingAllocator = CountingAllocator;
+static GLOBAL: CountingAllocator = CountingAllocator::SYSTEM;
 
 const PODS: u64 = 64;
 const PROMPTS: usize = 500;

@@ -23,7 +23,7 @@ use kv_lab::alloc::{live_heap_bytes, CountingAllocator};
 use kv_lab::index_bench::median;
 
 #[global_allocator]
-static GLOBAL: CountingAllocator = CountingAllocator;
+static GLOBAL: CountingAllocator = CountingAllocator::SYSTEM;
 
 const PODS: usize = 16;
 const PROMPTS: usize = 64;

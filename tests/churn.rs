@@ -16,7 +16,7 @@ use support::pods::{
 use zeromq::SocketSend;
 
 #[global_allocator]
-static GLOBAL: CountingAllocator = CountingAllocator;
+static GLOBAL: CountingAllocator = CountingAllocator::SYSTEM;
 
 /// The `i`-th of the churn test's pod ids.
 fn churn_pod(i: usize) -> String {

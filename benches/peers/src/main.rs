@@ -29,8 +29,20 @@ use kv_lab::index_bench::{
 };
 use kv_lab::trace::load_mooncake;
 
+#[cfg(not(any(feature = "mimalloc", feature = "jemalloc")))]
 #[global_allocator]
-static GLOBAL: CountingAllocator = CountingAllocator;
+static GLOBAL: CountingAllocator = CountingAllocator::SYSTEM;
+
+/// `--features mimalloc`: every backend on mimalloc instead of glibc (the allocator comparison).
+#[cfg(feature = "mimalloc")]
+#[global_allocator]
+static GLOBAL: CountingAllocator<mimalloc::MiMalloc> = CountingAllocator(mimalloc::MiMalloc);
+
+/// `--features jemalloc`: every backend on jemalloc.
+#[cfg(feature = "jemalloc")]
+#[global_allocator]
+static GLOBAL: CountingAllocator<tikv_jemallocator::Jemalloc> =
+    CountingAllocator(tikv_jemallocator::Jemalloc);
 
 /// SMG's ChainIndex with one lane map per worker, driven through its allocation-free API.
 struct Smg {

@@ -12,8 +12,14 @@
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-/// Counts live heap bytes around the system allocator.
-pub struct CountingAllocator;
+/// Counts live heap bytes around an allocator (the system's by default; a benchmark may wrap
+/// another to compare allocators with the same accounting).
+pub struct CountingAllocator<A = System>(pub A);
+
+impl CountingAllocator {
+    /// Counting around the system allocator.
+    pub const SYSTEM: Self = CountingAllocator(System);
+}
 
 static LIVE_HEAP_BYTES: AtomicUsize = AtomicUsize::new(0);
 static PEAK_HEAP_BYTES: AtomicUsize = AtomicUsize::new(0);
@@ -39,28 +45,29 @@ fn grew(by: usize) {
     PEAK_HEAP_BYTES.fetch_max(live, Ordering::Relaxed);
 }
 
-// SAFETY: every call is forwarded unchanged to the system allocator, which upholds
+// SAFETY: every call is forwarded unchanged to the wrapped allocator, which upholds
 // `GlobalAlloc`'s contract; only a counter is added, and counting never allocates.
-unsafe impl GlobalAlloc for CountingAllocator {
+unsafe impl<A: GlobalAlloc> GlobalAlloc for CountingAllocator<A> {
     unsafe fn alloc(&self, l: Layout) -> *mut u8 {
         grew(l.size());
         // SAFETY: the caller's `l` meets `alloc`'s contract (non-zero size), passed on as is.
-        unsafe { System.alloc(l) }
+        unsafe { self.0.alloc(l) }
     }
     unsafe fn dealloc(&self, p: *mut u8, l: Layout) {
         LIVE_HEAP_BYTES.fetch_sub(l.size(), Ordering::Relaxed);
-        // SAFETY: `p` was allocated by this allocator (so by `System`) with layout `l`.
-        unsafe { System.dealloc(p, l) }
+        // SAFETY: `p` was allocated by this allocator (so by the wrapped one) with layout `l`.
+        unsafe { self.0.dealloc(p, l) }
     }
     unsafe fn alloc_zeroed(&self, l: Layout) -> *mut u8 {
         grew(l.size());
         // SAFETY: as for `alloc`.
-        unsafe { System.alloc_zeroed(l) }
+        unsafe { self.0.alloc_zeroed(l) }
     }
     unsafe fn realloc(&self, p: *mut u8, l: Layout, new: usize) -> *mut u8 {
         grew(new);
         LIVE_HEAP_BYTES.fetch_sub(l.size(), Ordering::Relaxed);
-        // SAFETY: `p` came from `System` with layout `l`; `new` is the caller's valid new size.
-        unsafe { System.realloc(p, l, new) }
+        // SAFETY: `p` came from the wrapped allocator with layout `l`; `new` is the caller's valid
+        // new size.
+        unsafe { self.0.realloc(p, l, new) }
     }
 }
