@@ -6,6 +6,8 @@
 # both). Prints each run, then medians per scenario and daemon.
 # Usage: benches/reads.sh [rounds]   (RATE, DURATION, BASELINE, SCENARIOS; builds --release)
 # SCENARIOS: space-separated from tokens packed tokens4 packed4 translated (default: all).
+# OTHERS: more binaries, `name=PATH` separated by `;` (e.g. this source built without the
+#   default allocator: `cargo build --release --no-default-features --features lab`).
 # VARIANTS: more daemons of this build with a config each, `name=YAML` separated by `;`, e.g.
 #   VARIANTS='nice0={kvEventsConfig: {ingestNice: 0}};nice2={kvEventsConfig: {ingestNice: 2}}'
 set -euo pipefail
@@ -19,6 +21,10 @@ bin=target/release/kv-indexer
 work="$(mktemp -d)"
 daemons=("this:$bin:")
 if [ -n "${BASELINE:-}" ]; then daemons+=("baseline:$BASELINE:"); fi
+IFS=';' read -r -a others <<<"${OTHERS:-}"
+for o in "${others[@]}"; do
+  [ -n "$o" ] && daemons+=("${o%%=*}:${o#*=}:")
+done
 IFS=';' read -r -a variants <<<"${VARIANTS:-}"
 for v in "${variants[@]}"; do
   [ -z "$v" ] && continue

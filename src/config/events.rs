@@ -35,8 +35,8 @@ pub struct KvEventsConfig {
     /// Event-applying workers (one pod's events always go to the same worker, in order).
     pub concurrency: usize,
     /// How far below the serving threads (gRPC, the picker, HTTP) ingestion's threads run, as
-    /// a nice increment (0-19): when both want the CPU, reads go first. 0 runs them at the
-    /// same priority.
+    /// a nice increment (0-19): when both want the CPU, reads go first. 0 (the default) runs
+    /// them at the same priority, on threads of their own.
     pub ingest_nice: i32,
     /// Bind mode: a pod's replay endpoint (vLLM's name for the socket gaps are filled from),
     /// from its address: `{ip}` and `{port}` are the topic's pod address; vLLM adds the DP rank
@@ -85,7 +85,7 @@ impl Default for KvEventsConfig {
             zmq_endpoint: "tcp://127.0.0.1:5557".into(),
             topic_filter: "kv@".into(),
             concurrency: 16,
-            ingest_nice: 5,
+            ingest_nice: 0,
             replay_endpoint_template: String::new(),
             replay_timeout_ms: 2_000,
             max_gap_fills_in_flight: 16,

@@ -3,13 +3,14 @@
 //!
 //! Every request's time to first token includes a ScorePods call (or a pick), so a read must
 //! never wait behind a batch being applied. Ingestion therefore runs on a Tokio runtime of its
-//! own, whose threads the kernel schedules at a lower priority (a higher nice value,
-//! `kvEventsConfig.ingestNice`) than the runtime that serves gRPC, the picker and HTTP: when
-//! both want the CPU, reads go first; when reads are idle, ingestion has every core. Lower
-//! priority is a weight, not a starvation: ingestion keeps a share of a busy CPU (nice 5
-//! against 0 is about 1:3 under Linux's scheduler), so events are still applied while reads
-//! saturate the machine, and nothing is dropped that the inbox would not have dropped anyway
-//! (its budget and counters are unchanged).
+//! own: a read is never queued behind an ingest task on a runtime thread, and the kernel
+//! time-slices the two sets of threads. `kvEventsConfig.ingestNice` can also lower the ingest
+//! threads' priority (a nice increment) so that reads go first when both want the CPU; it is
+//! 0 by default, because on a two-core machine shared with its load generator nice 5 lowered
+//! no read latency against 0 and let ingestion fall behind when the CPU was contended
+//! (docs/benchmarks.md, "Reads under ingest"). Lower priority is a weight, not a starvation,
+//! and nothing is dropped that the inbox would not have dropped anyway (its budget and
+//! counters are unchanged).
 //!
 //! Invariants:
 //! - everything ingestion spawns (receivers, the ZMQ library's connection tasks, workers, gap
