@@ -174,7 +174,7 @@ pub struct IngestSetup {
 }
 
 /// Starts the workers and the receivers (bind and/or connect mode) on the ingest runtime
-/// ([`runtime`]: threads of their own, below the serving threads' priority).
+/// ([`runtime`]: threads of their own, at `ingestNice` below the serving threads).
 pub async fn start(
     config: &KvEventsConfig,
     setup: IngestSetup,
