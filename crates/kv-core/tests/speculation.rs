@@ -162,3 +162,90 @@ fn a_pod_without_events_is_scored_by_its_records_alone() {
         assert_eq!(of(&r, "silent"), Some((0, 0, 0.0)));
     }
 }
+
+/// A `BlockStored` of the first `blocks` engine blocks of `tokens`, an engine whose blocks
+/// are `k` of the index's 16-token units: each engine block is keyed by the unit it ends on
+/// (vLLM 0.24+), and its tokens let the index see that the keys are its own.
+fn stored_blocks_of(ix: &Indexer, tokens: &[u32], k: usize, blocks: usize) -> EventBatch {
+    let units = ix.block_hashes(MODEL, tokens, None, None).expect("hashes");
+    let ends = units[..blocks * k]
+        .chunks_exact(k)
+        .map(|c| EngineHash::aligned(c[k - 1]))
+        .collect();
+    EventBatch {
+        ts: 1.0,
+        events: vec![KvEvent::BlockStored(Box::new(BlockStored {
+            block_hashes: ends,
+            token_ids: tokens[..blocks * k * 16].to_vec(),
+            block_size: 16 * k as u32,
+            ..Default::default()
+        }))],
+        data_parallel_rank: None,
+    }
+}
+
+#[test]
+fn a_recorded_routing_counts_as_the_hit_the_engine_will_take() {
+    for ix in indexers(1.0) {
+        // Engines of 32-token blocks (two units each) hit in whole engine blocks.
+        let tokens: Vec<u32> = (0..11 * 16).collect();
+        let p: Arc<[BlockHash]> = ix
+            .block_hashes(MODEL, &tokens, None, None)
+            .expect("hashes")
+            .into();
+        let other: Vec<u32> = (5_000..5_064).collect();
+        ix.apply_batch(MODEL, "a", &stored_blocks_of(&ix, &tokens, 2, 4))
+            .expect("apply");
+        ix.apply_batch(MODEL, "b", &stored_blocks_of(&ix, &other, 2, 2))
+            .expect("apply");
+        let real = ix.score_hashes(MODEL, &p, &["a"]).expect("score");
+        assert_eq!(of(&real, "a"), Some((8, 0, 8.0)));
+
+        // Nine units: a would hit the same 8 once it ran them, so nothing is recorded.
+        let t = Instant::now();
+        assert_eq!(
+            ix.record_routing(MODEL, "a", 0, p[..9].to_vec().into(), t)
+                .expect("record"),
+            RoutingRecorded::AlreadyHeld
+        );
+        let model = ix.model(MODEL).expect("model");
+        assert_eq!(model.speculation_of("a").map(|s| s.records), None);
+
+        // Eleven units routed to b: it will hit five engine blocks (10 units), not 11.
+        assert_eq!(
+            ix.record_routing(MODEL, "b", 0, p.clone(), t)
+                .expect("record"),
+            RoutingRecorded::Speculated(11)
+        );
+        let spec = ix.score_hashes(MODEL, &p, &["a", "b"]).expect("score");
+        assert_eq!(of(&spec, "b"), Some((10, 10, 10.0)));
+        assert_eq!(of(&spec, "a"), Some((8, 0, 8.0)));
+    }
+}
+
+#[test]
+fn a_recorded_prompt_is_capped_like_a_real_one_at_its_last_token() {
+    for ix in indexers(1.0) {
+        // A prompt of exactly 6 blocks: vLLM computes its last token, so it reuses 5.
+        let tokens: Vec<u32> = (0..96).collect();
+        let p: Arc<[BlockHash]> = ix
+            .block_hashes(MODEL, &tokens, None, None)
+            .expect("hashes")
+            .into();
+        assert_eq!(p.len(), 6);
+        ix.apply_batch(MODEL, "real", &stored(&p)).expect("apply");
+        ix.apply_batch(MODEL, "routed", &stored(&prompt(9, 2)))
+            .expect("apply");
+        ix.record_routing(MODEL, "routed", 0, p.clone(), Instant::now())
+            .expect("record");
+        let r = ix
+            .score_tokens(MODEL, &tokens, &["real", "routed"], None, None)
+            .expect("score");
+        assert_eq!(of(&r, "real"), Some((5, 0, 5.0)));
+        assert_eq!(
+            of(&r, "routed"),
+            Some((5, 5, 5.0)),
+            "speculative, capped alike"
+        );
+    }
+}

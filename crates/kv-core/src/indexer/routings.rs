@@ -3,6 +3,7 @@
 
 use std::sync::Arc;
 
+use super::layout_score::{LayoutAsk, LayoutScratch};
 use super::{Indexer, RoutingRecorded, ScoreError};
 use crate::BlockHash;
 
@@ -26,15 +27,38 @@ impl Indexer {
             .ok_or_else(|| ScoreError::UnknownModel(model.to_owned()))?;
         let mut real = Vec::new();
         let directory = state.index.directory();
-        if let Some(engine) = directory.engine(pod, rank) {
-            state.index.score_engines(
-                &hashes,
-                Some(std::slice::from_ref(&engine)),
-                &self.settings.weights,
-                &mut real,
-            );
+        let engine = directory.engine(pod, rank);
+        let layouts = state.layouts.load();
+        let layout = engine.and_then(|e| layouts.get(&e));
+        if let Some(engine) = engine {
+            let only = std::slice::from_ref(&engine);
+            state
+                .index
+                .score_engines(&hashes, Some(only), &self.settings.weights, &mut real);
+            if layout.is_some() {
+                // The rank's real hit by its layout's rule, as scoring reads it.
+                let ask = LayoutAsk {
+                    state: &state,
+                    layouts: &layouts,
+                    hashes: &hashes,
+                    max_tokens: None,
+                    candidates: Some(only),
+                    weights: &self.settings.weights,
+                };
+                ask.score(&mut real, &mut LayoutScratch::default());
+            }
         }
         let real_blocks = real.iter().map(|e| e.matched_blocks).max().unwrap_or(0) as usize;
+        if let Some(l) = layout {
+            // What the rank will hit once it has run the prompt: whole scheduler blocks. A
+            // record reaching no further than the real hit would change no score.
+            let unit = state.processor.block_size().max(1) as u64;
+            let all = hashes.len() as u64 * unit;
+            let will_hit = (l.layout.hit_tokens(hashes.len(), all, |_, _| true) / unit) as usize;
+            if will_hit <= real_blocks {
+                return Ok(RoutingRecorded::AlreadyHeld);
+            }
+        }
         let fallback = state.speculation_fallback(pod);
         Ok(state
             .speculation

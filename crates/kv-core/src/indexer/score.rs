@@ -13,6 +13,7 @@ use std::sync::Arc;
 
 use thiserror::Error;
 
+use super::groups::Layouts;
 use super::layout_score::{LayoutAsk, LayoutScratch};
 use super::order::{group_in_name_order, holder_order, GroupScratch};
 use super::scored::{PodRef, PodScore, RankScore};
@@ -96,6 +97,18 @@ impl ScoreResult {
     pub fn named(&self) -> impl Iterator<Item = (&str, &PodScore)> {
         self.scores.iter().map(move |s| (self.pod(s), s))
     }
+}
+
+/// What the speculative walk of one score call asks about.
+struct SpecAsk<'a> {
+    /// The prompt's keys...
+    hashes: &'a [BlockHash],
+    /// ...of which the first `walked` are below vLLM's cap.
+    walked: usize,
+    /// vLLM's cap in tokens (`None`: the prompt's tokens are unknown).
+    max_tokens: Option<u64>,
+    /// The model's published layouts.
+    layouts: &'a Layouts,
 }
 
 /// A pod's best engine so far: (score, matched blocks, speculative blocks, rank).
@@ -354,7 +367,18 @@ impl Indexer {
                 });
             }
         }
-        let speculative = self.score_speculative(state, &directory, hashes, pods, s);
+        let speculative = self.score_speculative(
+            state,
+            &directory,
+            SpecAsk {
+                hashes,
+                walked,
+                max_tokens,
+                layouts: &layouts,
+            },
+            pods,
+            s,
+        );
         let (holding, best) = (&s.holding, &s.best);
         let score_of = |p: u32| match best.get(p as usize) {
             Some(&(score, matched, spec, rank)) if holding.is_marked(p as usize) => {
@@ -489,17 +513,28 @@ impl Indexer {
     }
 
     /// The speculative walk (only while the model has speculative entries): a pod whose
-    /// recorded routings reach further than its real blocks scores the difference at the
+    /// recorded routings reach further than its real hit scores the difference at the
     /// speculative weight. Pods the index knows get it in `s.best`; pods known only by their
     /// records, in `s.spec_len` by speculative pod index. Returns the speculative directory.
+    ///
+    /// A recorded prompt counts as the hit the engine will take once it has run it: the
+    /// walk stops at vLLM's `num_tokens - 1` cap like the real walk, and an engine with a
+    /// layout (hybrid groups, engine blocks of several keys) is credited its rule's hit over
+    /// the recorded prefix (whole scheduler blocks), never the keys inside a block.
     fn score_speculative<S: AsRef<str>>(
         &self,
         state: &ModelState,
         directory: &EngineDirectory,
-        hashes: &[BlockHash],
+        ask: SpecAsk<'_>,
         pods: &[S],
         s: &mut PodScratch,
     ) -> Option<Arc<EngineDirectory>> {
+        let SpecAsk {
+            hashes,
+            walked,
+            max_tokens,
+            layouts,
+        } = ask;
         s.spec_holding.next_round();
         if state.speculation.is_empty() {
             return None;
@@ -514,11 +549,13 @@ impl Indexer {
         let restrict = (!pods.is_empty()).then_some(s.spec_candidates.as_slice());
         // Every speculative block weighs the same; the weight is applied below.
         index.score_engines(
-            hashes,
+            &hashes[..walked],
             restrict,
             &TierWeights([1.0; 4]),
             &mut s.spec_engines,
         );
+        let unit = state.processor.block_size().max(1) as u64;
+        let max_tokens = max_tokens.unwrap_or(hashes.len() as u64 * unit);
         if s.spec_len.len() < sdir.pod_slots() {
             s.spec_len.resize(sdir.pod_slots(), 0);
         }
@@ -530,9 +567,18 @@ impl Indexer {
             let Some(name) = sdir.pod(sp) else {
                 continue;
             };
-            let n = e.matched_blocks;
+            let mut n = e.matched_blocks;
             match directory.pod_index(name) {
                 Some(p) => {
+                    let rank = sdir.dense().rank_of(e.engine);
+                    let layout = directory.engine(name, rank).and_then(|r| layouts.get(&r));
+                    if let Some(l) = layout {
+                        let held = n as usize;
+                        let hit = l
+                            .layout
+                            .hit_tokens(hashes.len(), max_tokens, |_, u| u < held);
+                        n = (hit / unit) as u32;
+                    }
                     let slot = &mut s.best[p as usize];
                     if s.holding.mark(p as usize) {
                         *slot = (0.0, 0, 0, 0);
@@ -540,7 +586,6 @@ impl Indexer {
                     if n > slot.1 {
                         // The recorded routing reaches further: its rank is the one to pin.
                         let extra = n - slot.1;
-                        let rank = sdir.dense().rank_of(e.engine);
                         *slot = (slot.0 + weight * extra as f64, n, extra, rank);
                     }
                 }

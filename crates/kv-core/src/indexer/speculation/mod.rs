@@ -74,7 +74,9 @@ pub enum RoutingRecorded {
     /// This many of the prompt's blocks are now speculative for the pod (those after the
     /// blocks it already holds for real).
     Speculated(usize),
-    /// The pod already holds every block of the prompt (or the prompt is empty): nothing kept.
+    /// The pod already holds every block of the prompt (or the prompt is empty), or, for an
+    /// engine with a layout, already takes every block it would take once it had run the
+    /// prompt (its hit is in whole scheduler blocks): nothing kept.
     AlreadyHeld,
     /// The prompt has more blocks than a pod's records may hold (`speculativePodBlocks`):
     /// refused, nothing kept.
