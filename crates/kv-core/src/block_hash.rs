@@ -95,13 +95,18 @@ impl BlockHash {
     /// this way, in the one index, at the same cost per membership.
     #[inline(always)]
     pub fn in_group(self, group: u32) -> Self {
-        if group == 0 {
-            self
-        } else {
-            Self(crate::mix::mix64(
-                self.0 ^ crate::mix::mix64(u64::from(group).wrapping_mul(GROUP_GAMMA)),
-            ))
-        }
+        Self(in_group(self.0, group))
+    }
+}
+
+/// `hash` in KV-cache group `group`'s space: itself for group 0, a fixed mix of hash and group
+/// otherwise (the one mix, for keys and engine hashes alike).
+#[inline(always)]
+fn in_group(hash: u64, group: u32) -> u64 {
+    if group == 0 {
+        hash
+    } else {
+        crate::mix::mix64(hash ^ crate::mix::mix64(u64::from(group).wrapping_mul(GROUP_GAMMA)))
     }
 }
 
@@ -115,6 +120,15 @@ impl EngineHash {
     #[inline(always)]
     pub const fn aligned(key: BlockHash) -> Self {
         Self(key.0)
+    }
+
+    /// This engine hash in KV-cache group `group`'s space (itself for group 0), as
+    /// [`BlockHash::in_group`] does for keys: a translated engine maps what each of its groups
+    /// holds apart, since vLLM stores the same hash in several groups and removes one copy
+    /// while another stays.
+    #[inline(always)]
+    pub fn in_group(self, group: u32) -> Self {
+        Self(in_group(self.0, group))
     }
 }
 

@@ -10,7 +10,8 @@
 //! - `3` engine keys (version 2): model, pod, `u32` rank, `u8` key mode (0 undecided, 1
 //!   aligned, 2 translated, 3 refused, then `u32` engine and `u32` index block sizes), `u32`
 //!   translated blocks, each `u64` engine hash, 32-byte tip digest, `u8` earlier keys and that
-//!   many `u64` (version 3: a `u16` count), four `u16` copies; `u32` second copies, each `u64`
+//!   many `u64` (version 3: a `u16` count), four `u16` copies, (version 6) a `u8` KV-cache
+//!   group (the engine hash is in that group's space); `u32` second copies, each `u64`
 //!   hash, `u8` tier, `u32` copies; (version 4) `u8` KV-cache groups, each `u32` group index,
 //!   `u8` kind (0 full attention, 1 sliding window, 2 Mamba), `u32` window, `u32` block units;
 //! - `4` key space (version 3), before any item of its model: model, the 32-byte root digest
@@ -21,8 +22,8 @@
 //!   model that has learned no lookahead takes the snapshot's;
 //! - `0` end.
 //!
-//! Versions 1 (no engine keys), 2 (no key spaces), 3 (no KV-cache groups) and 4 (no
-//! lookahead) are still read; version 5 is written.
+//! Versions 1 (no engine keys), 2 (no key spaces), 3 (no KV-cache groups), 4 (no
+//! lookahead) and 5 (translated blocks of group 0 only) are still read; version 6 is written.
 //!
 //! Decoding checks every length against what is left, so a truncated or corrupt snapshot is
 //! an error, never a panic or an allocation larger than the input.
@@ -39,7 +40,7 @@ use super::stream::StreamId;
 use crate::ingest::{PublisherKey, PublisherState};
 
 const MAGIC: &[u8; 8] = b"KVIXSNAP";
-const VERSION: u32 = 5;
+const VERSION: u32 = 6;
 const TAG_END: u8 = 0;
 const TAG_BLOCKS: u8 = 1;
 const TAG_PUBLISHER: u8 = 2;
@@ -193,6 +194,8 @@ impl SnapshotWriter {
             for c in t.copies {
                 self.out.extend_from_slice(&c.to_le_bytes());
             }
+            // Groups are fewer than 256 (`kv_core::MAX_GROUPS`).
+            self.out.push(t.group.min(u32::from(u8::MAX)) as u8);
         }
         self.out
             .extend_from_slice(&(state.copies.len() as u32).to_le_bytes());
@@ -377,8 +380,20 @@ impl<'a> SnapshotReader<'a> {
             for c in &mut copies {
                 *c = self.u16()?;
             }
+            let group = if self.version >= 6 {
+                u32::from(self.u8()?)
+            } else {
+                0
+            };
+            if group as usize >= kv_core::MAX_GROUPS {
+                return Err(SnapshotError::Corrupt {
+                    at,
+                    what: "KV-cache group out of range",
+                });
+            }
             translated.push(TranslatedBlock {
                 engine_hash,
+                group,
                 tip,
                 earlier,
                 copies,

@@ -26,6 +26,7 @@ fn sample() -> (Vec<u8>, u64) {
         mode: KeyMode::Translated,
         translated: vec![TranslatedBlock {
             engine_hash: EngineHash::from(77),
+            group: 1,
             tip: [7; 32],
             earlier: vec![BlockHash::from(5)],
             copies: [1, 0, 2, 0],
@@ -59,6 +60,15 @@ fn sample() -> (Vec<u8>, u64) {
     w.finish()
 }
 
+/// Restores a snapshot of `source`'s blocks and engine keys into `into`.
+fn restore(source: &kv_core::Indexer, into: &kv_core::Indexer) {
+    let mut w = SnapshotWriter::new(StreamId::ZERO, 8);
+    source.export_each(|model, key, blocks| w.blocks(model, key, blocks));
+    source.export_keys_each(|model, key, state| w.engine_keys(model, key, state));
+    let (bytes, _) = w.finish();
+    super::super::store::apply_snapshot(&bytes, into).expect("loads");
+}
+
 /// A translated engine restored from a snapshot resolves its hashes as before: a removal
 /// by engine hash removes the keys, a run continuing a restored block scores.
 #[test]
@@ -84,13 +94,8 @@ fn a_translated_engines_map_survives_a_snapshot() {
     source
         .apply_batch("m", "p", &run(&[11, 12], None, &tokens[..64]))
         .expect("applies");
-    let mut w = SnapshotWriter::new(StreamId::ZERO, 8);
-    source.export_each(|model, key, blocks| w.blocks(model, key, blocks));
-    source.export_keys_each(|model, key, state| w.engine_keys(model, key, state));
-    let (bytes, _) = w.finish();
-
     let restored = indexer();
-    super::super::store::apply_snapshot(&bytes, &restored).expect("loads");
+    restore(&source, &restored);
     let engines = restored.model("m").expect("model").key_modes();
     assert_eq!(engines.values().map(|(_, n)| *n).sum::<usize>(), 2);
     // One token past the three engine blocks: vLLM recomputes at least the last token, so a
@@ -102,7 +107,7 @@ fn a_translated_engines_map_survives_a_snapshot() {
             .scores[0]
             .matched_blocks
     };
-    assert_eq!(matched(&restored), 4, "two engine blocks of 32: four keys");
+    assert_eq!(matched(&restored), 4, "two engine blocks of 32: four units");
     restored
         .apply_batch("m", "p", &run(&[13], Some(12), &tokens[64..]))
         .expect("applies");
@@ -121,7 +126,7 @@ fn a_translated_engines_map_survives_a_snapshot() {
         data_parallel_rank: Some(0),
     };
     let r = restored.apply_batch("m", "p", &removed).expect("applies");
-    assert_eq!(r.blocks_removed, 2, "both keys of engine block 12");
+    assert_eq!(r.blocks_removed, 1, "engine block 12's key");
     assert_eq!(matched(&restored), 2);
 }
 
@@ -328,4 +333,67 @@ fn a_snapshot_carries_the_lookahead_its_keys_were_made_with() {
     let load = super::super::store::apply_snapshot(&bytes, &other).expect("loads");
     assert_eq!((load.memberships, load.dropped_key_space), (0, 4));
     assert_eq!(other.model("m").expect("model").lookahead(), 2);
+}
+
+/// A translated hybrid engine's map keeps each group's blocks apart through a snapshot: a
+/// removal from one group removes that group's key, and the other group's stays.
+#[test]
+fn a_translated_hybrid_engines_groups_survive_a_snapshot() {
+    use kv_core::{
+        BlockRemoved, BlockStored, EventBatch, Indexer, IndexerSettings, KvEvent, Medium,
+    };
+    let indexer = || Indexer::new(IndexerSettings::default()).expect("valid");
+    let tokens: Vec<u32> = (0..48).map(|i| i * 17 + 3).collect();
+    let stored = |group: i64, kind: &str, window: Option<i64>| {
+        KvEvent::BlockStored(Box::new(BlockStored {
+            block_hashes: [21, 22, 23].map(EngineHash::from).to_vec(),
+            token_ids: tokens.clone(),
+            block_size: 16,
+            medium: Some(Medium::Gpu),
+            group_idx: Some(group),
+            kv_cache_spec_kind: Some(kind.into()),
+            kv_cache_spec_sliding_window: window,
+            ..Default::default()
+        }))
+    };
+    let batch = |events| EventBatch {
+        ts: 0.0,
+        events,
+        data_parallel_rank: Some(0),
+    };
+    let source = indexer();
+    let both = vec![
+        stored(0, "full_attention", None),
+        stored(1, "sliding_window", Some(32)),
+    ];
+    source.apply_batch("m", "p", &batch(both)).expect("applies");
+    let restored = indexer();
+    restore(&source, &restored);
+    let entries: usize = restored
+        .model("m")
+        .expect("model")
+        .key_modes()
+        .values()
+        .map(|(_, n)| *n)
+        .sum();
+    assert_eq!(entries, 6, "three blocks in each of two groups");
+    let prompt: Vec<u32> = tokens.iter().copied().chain([5]).collect();
+    let matched = |ix: &Indexer| {
+        ix.score_tokens("m", &prompt, &["p"], None, None)
+            .expect("model")
+            .scores[0]
+            .matched_blocks
+    };
+    assert_eq!(matched(&restored), 3);
+    // The window's last block leaves group 1 only: the window (two blocks) no longer ends
+    // at block 3, so the hit is the first two blocks, whose window is held.
+    let removed = batch(vec![KvEvent::BlockRemoved(BlockRemoved {
+        block_hashes: vec![EngineHash::from(23)],
+        medium: Some(Medium::Gpu),
+        group_idx: Some(1),
+        ..Default::default()
+    })]);
+    let r = restored.apply_batch("m", "p", &removed).expect("applies");
+    assert_eq!(r.blocks_removed, 1, "group 1's key of block 23");
+    assert_eq!(matched(&restored), 2);
 }

@@ -257,8 +257,7 @@ impl Indexer {
                                 continue;
                             }
                         }
-                        let translated = mode == KeyMode::Translated;
-                        let (route, changed) = engine_groups.stored(s, unit, translated);
+                        let (route, changed) = engine_groups.stored(s, unit);
                         layout_changed |= changed;
                         let Route::Group(group) = route else {
                             report.skipped_group_events += 1;
@@ -277,6 +276,7 @@ impl Indexer {
                                 let stored = keys.store_translated(
                                     w,
                                     engine,
+                                    (group, engine_groups.seen()),
                                     s,
                                     state,
                                     &self.budget,
@@ -312,6 +312,7 @@ impl Indexer {
                                 w,
                                 engine,
                                 r,
+                                group,
                                 &self.budget,
                                 scratch,
                                 &mut report.translation,

@@ -10,10 +10,10 @@
 //! Invariants:
 //! - an engine whose groups are one full-attention group of one unit has no layout: the plain
 //!   prefix walk is its whole rule, nothing is published and scoring pays nothing;
-//! - a group whose kind is not modelled, whose block is not a whole number of units, or that
-//!   belongs to an engine whose keys are translated from tokens (only group 0 translates) is
+//! - a group whose kind is not modelled or whose block is not a whole number of units is
 //!   refused for that engine: its events are counted and skipped, never guessed, and its
-//!   removals are skipped too;
+//!   removals are skipped too. Aligned and translated engines alike (a translated engine maps
+//!   each group's blocks apart, `translate`);
 //! - layouts are published copy-on-write ([`Layouts`]); a reader loads them without a lock.
 
 use std::collections::{HashMap, HashSet};
@@ -92,10 +92,9 @@ fn group_of(group_idx: Option<i64>) -> Option<u32> {
 }
 
 impl EngineGroups {
-    /// Routes a `BlockStored` and learns its group. `unit` is the index's block size;
-    /// `translated`: the engine's keys come from its tokens. The second value is true when
-    /// the engine's layout changed (to publish).
-    pub(super) fn stored(&mut self, s: &BlockStored, unit: u32, translated: bool) -> (Route, bool) {
+    /// Routes a `BlockStored` and learns its group. `unit` is the index's block size. The
+    /// second value is true when the engine's layout changed (to publish).
+    pub(super) fn stored(&mut self, s: &BlockStored, unit: u32) -> (Route, bool) {
         let Some(g) = group_of(s.group_idx) else {
             return (Route::Skip, false);
         };
@@ -109,11 +108,7 @@ impl EngineGroups {
         let units = (unit > 0 && s.block_size > 0 && s.block_size.is_multiple_of(unit))
             .then(|| s.block_size / unit);
         let spec = match (kind, units) {
-            // Translation chains a run on its parent, which other groups' runs often lack:
-            // a translated engine is indexed by its full-attention group 0 alone.
-            (Ok(kind), Some(block_units)) if !translated || (g == 0 && kind == GroupKind::Full) => {
-                GroupSpec { kind, block_units }
-            }
+            (Ok(kind), Some(block_units)) => GroupSpec { kind, block_units },
             // Group 0's block size is translation's to refuse (its key mode says why).
             (Ok(_), None) if g == 0 => return (Route::Group(0), false),
             _ => {
@@ -221,15 +216,12 @@ mod tests {
     fn a_plain_engine_has_no_layout_and_a_hybrid_one_learns_its_groups_in_order() {
         let mut g = EngineGroups::default();
         assert_eq!(
-            g.stored(&stored(None, None, None, 16), 16, false),
+            g.stored(&stored(None, None, None, 16), 16),
             (Route::Group(0), true)
         );
         assert_eq!(g.layout(16), Ok(None));
-        let (route, changed) = g.stored(
-            &stored(Some(1), Some("sliding_window"), Some(128), 16),
-            16,
-            false,
-        );
+        let (route, changed) =
+            g.stored(&stored(Some(1), Some("sliding_window"), Some(128), 16), 16);
         assert_eq!((route, changed), (Route::Group(1), true));
         let l = g.layout(16).expect("valid").expect("hybrid");
         assert_eq!(l.group_ids, vec![0, 1]);
@@ -244,24 +236,17 @@ mod tests {
         );
         // A partial entry (one unit) does not narrow a wider group's block.
         let mut m = EngineGroups::default();
-        m.stored(&stored(Some(1), Some("mamba"), None, 64), 16, false);
-        assert!(
-            !m.stored(&stored(Some(1), Some("mamba"), None, 16), 16, false)
-                .1
-        );
+        m.stored(&stored(Some(1), Some("mamba"), None, 64), 16);
+        assert!(!m.stored(&stored(Some(1), Some("mamba"), None, 16), 16).1);
         assert_eq!(m.seen[0].1.block_units, 4);
     }
 
     #[test]
     fn a_group_keeps_the_kind_its_first_event_named() {
         let mut g = EngineGroups::default();
-        g.stored(
-            &stored(Some(0), Some("sliding_window"), Some(128), 16),
-            16,
-            false,
-        );
+        g.stored(&stored(Some(0), Some("sliding_window"), Some(128), 16), 16);
         let full = stored(Some(0), Some("full_attention"), None, 16);
-        assert_eq!(g.stored(&full, 16, false), (Route::Skip, false));
+        assert_eq!(g.stored(&full, 16), (Route::Skip, false));
         assert_eq!(
             g.layout(16)
                 .expect("valid")
@@ -274,18 +259,18 @@ mod tests {
     }
 
     #[test]
-    fn unmodelled_groups_and_translated_engines_other_groups_are_refused() {
+    fn unmodelled_groups_are_refused() {
         let mut g = EngineGroups::default();
         let chunked = stored(Some(1), Some("chunked_local_attention"), None, 16);
-        assert_eq!(g.stored(&chunked, 16, false).0, Route::Skip);
+        assert_eq!(g.stored(&chunked, 16).0, Route::Skip);
         assert_eq!(g.removed(Some(1)), Route::Skip);
         assert_eq!(g.removed(Some(0)), Route::Group(0));
         assert_eq!(g.removed(Some(-1)), Route::Skip);
         let swa = stored(Some(2), Some("sliding_window"), Some(64), 16);
-        assert_eq!(g.stored(&swa, 16, true).0, Route::Skip);
-        assert_eq!(g.refused.len(), 2);
+        assert_eq!(g.stored(&swa, 16).0, Route::Group(2));
+        assert_eq!(g.refused.len(), 1);
         // A block that is not a whole number of units.
         let odd = stored(Some(3), Some("mamba"), None, 24);
-        assert_eq!(g.stored(&odd, 16, false).0, Route::Skip);
+        assert_eq!(g.stored(&odd, 16).0, Route::Skip);
     }
 }

@@ -1,6 +1,7 @@
-//! A translated engine's map: per engine hash, what the engine block stands for (the chained
-//! digest its successor continues, the keys of its chunks, its copies per tier), in the order
-//! the entries were made.
+//! A translated engine's map: per engine hash and KV-cache group, what the engine block
+//! stands for (the chained digest its successor continues, the keys of its chunks, its copies
+//! per tier), in the order the entries were made. Entries are looked up by the engine hash in
+//! its group's space ([`EngineHash::in_group`]): one map holds every group's blocks apart.
 //!
 //! The order is what the key budget takes back first: when `size` is spent, the oldest entry
 //! gives its place (and its keys leave the index with it), so the newest blocks win, as
@@ -26,20 +27,35 @@ pub(super) struct Translated {
     pub(super) earlier: Box<[BlockHash]>,
     /// Copies held, per tier.
     pub(super) copies: [u16; 4],
-    /// When the entry was made (its place in the map's order).
-    stamp: u64,
+    /// When the entry was made (its place in the map's order), in the low [`GROUP_SHIFT`]
+    /// bits, and its KV-cache group above them (packed: the entry stays 64 bytes).
+    stamp_group: u64,
 }
 
+/// Where the group sits in [`Translated::stamp_group`]: 2^56 stamps outlast any engine, and
+/// groups are fewer than 2^8 ([`crate::hit::MAX_GROUPS`]).
+const GROUP_SHIFT: u32 = 56;
+
 impl Translated {
-    /// Every key the engine block stands for, in chain order.
+    /// The group whose block this is; the keys are in its space.
+    pub(super) fn group(&self) -> u32 {
+        (self.stamp_group >> GROUP_SHIFT) as u32
+    }
+
+    fn stamp(&self) -> u64 {
+        self.stamp_group & ((1 << GROUP_SHIFT) - 1)
+    }
+
+    /// Every key the engine block stands for, in chain order, in its group's space.
     pub(super) fn keys(&self, out: &mut Vec<BlockHash>) {
-        out.extend_from_slice(&self.earlier);
-        out.push(crate::hashing::event_hash(&self.tip));
+        let group = self.group();
+        out.extend(self.earlier.iter().map(|k| k.in_group(group)));
+        out.push(crate::hashing::event_hash(&self.tip).in_group(group));
     }
 }
 
-/// Engine hash -> [`Translated`] (the index keys it stands for), with the entries' order (see
-/// the module docs).
+/// Engine hash in its group's space -> [`Translated`] (the index keys it stands for), with the
+/// entries' order (see the module docs).
 #[derive(Debug, Default)]
 pub(super) struct TranslationMap {
     entries: HashMap<EngineHash, Translated>,
@@ -66,24 +82,27 @@ impl TranslationMap {
         self.entries.get_mut(hash)
     }
 
-    /// Makes the newest entry for `hash` (replacing one there, which a caller never does while
-    /// it holds copies).
+    /// Makes the newest entry for `hash` (in `group`'s space, [`EngineHash::in_group`]),
+    /// replacing one there, which a caller never does while it holds copies. `earlier` and
+    /// `tip` are group 0's keys; [`Translated::keys`] puts them in the group's space.
     pub(super) fn insert(
         &mut self,
         hash: EngineHash,
+        group: u32,
         tip: BlockDigest,
         earlier: Box<[BlockHash]>,
         copies: [u16; 4],
     ) {
         let stamp = self.next;
         self.next += 1;
+        debug_assert!((group as usize) < crate::hit::MAX_GROUPS);
         self.entries.insert(
             hash,
             Translated {
                 tip,
                 earlier,
                 copies,
-                stamp,
+                stamp_group: stamp | (u64::from(group) << GROUP_SHIFT),
             },
         );
         self.order.push_back((hash, stamp));
@@ -100,7 +119,7 @@ impl TranslationMap {
     /// since, e.g. the run being stored, are never taken).
     pub(super) fn pop_oldest_before(&mut self, before: u64) -> Option<(EngineHash, Translated)> {
         while let Some(&(hash, stamp)) = self.order.front() {
-            let live = self.entries.get(&hash).is_some_and(|t| t.stamp == stamp);
+            let live = self.entries.get(&hash).is_some_and(|t| t.stamp() == stamp);
             if !live {
                 self.order.pop_front();
                 continue;
@@ -122,7 +141,7 @@ impl TranslationMap {
         self.order.iter().filter_map(|&(hash, stamp)| {
             self.entries
                 .get(&hash)
-                .filter(|t| t.stamp == stamp)
+                .filter(|t| t.stamp() == stamp)
                 .map(|t| (hash, t))
         })
     }
@@ -132,7 +151,7 @@ impl TranslationMap {
         if self.order.len() > 2 * self.entries.len() + 1024 {
             let entries = &self.entries;
             self.order
-                .retain(|(hash, stamp)| entries.get(hash).is_some_and(|t| t.stamp == *stamp));
+                .retain(|(hash, stamp)| entries.get(hash).is_some_and(|t| t.stamp() == *stamp));
             self.order.shrink_to_fit();
         }
     }
@@ -150,16 +169,16 @@ mod tests {
     fn the_oldest_live_entry_leaves_first_and_stale_items_are_skipped() {
         let mut m = TranslationMap::default();
         for n in 1..=4 {
-            m.insert(h(n), [n as u8; 32], Box::new([]), [1, 0, 0, 0]);
+            m.insert(h(n), 0, [n as u8; 32], Box::new([]), [1, 0, 0, 0]);
         }
         assert!(m.remove(&h(1)).is_some());
         // Re-made: its first item is stale, its second is the newest.
         assert!(m.remove(&h(2)).is_some());
-        m.insert(h(2), [9; 32], Box::new([]), [1, 0, 0, 0]);
+        m.insert(h(2), 0, [9; 32], Box::new([]), [1, 0, 0, 0]);
         let order: Vec<u64> = m.in_order().map(|(hash, _)| hash.get()).collect();
         assert_eq!(order, [3, 4, 2]);
         let fence = m.next_stamp();
-        m.insert(h(5), [5; 32], Box::new([]), [1, 0, 0, 0]);
+        m.insert(h(5), 0, [5; 32], Box::new([]), [1, 0, 0, 0]);
         let taken: Vec<u64> = std::iter::from_fn(|| m.pop_oldest_before(fence))
             .map(|(hash, _)| hash.get())
             .collect();
@@ -168,10 +187,26 @@ mod tests {
     }
 
     #[test]
+    fn an_entry_keeps_its_group_apart_from_its_stamp() {
+        let mut m = TranslationMap::default();
+        m.insert(h(1), 0, [1; 32], Box::new([]), [1, 0, 0, 0]);
+        m.insert(h(1).in_group(15), 15, [1; 32], Box::new([]), [1, 0, 0, 0]);
+        let (plain, grouped) = (&m.entries[&h(1)], &m.entries[&h(1).in_group(15)]);
+        assert_eq!((plain.group(), grouped.group()), (0, 15));
+        assert_eq!((plain.stamp(), grouped.stamp()), (0, 1));
+        let (mut a, mut b) = (Vec::new(), Vec::new());
+        plain.keys(&mut a);
+        grouped.keys(&mut b);
+        assert_eq!(b, [a[0].in_group(15)], "the key in its group's space");
+        let order: Vec<EngineHash> = m.in_order().map(|(hash, _)| hash).collect();
+        assert_eq!(order, [h(1), h(1).in_group(15)]);
+    }
+
+    #[test]
     fn stale_items_are_dropped_once_they_outnumber_live_entries() {
         let mut m = TranslationMap::default();
         for n in 0..10_000 {
-            m.insert(h(n), [0; 32], Box::new([]), [1, 0, 0, 0]);
+            m.insert(h(n), 0, [0; 32], Box::new([]), [1, 0, 0, 0]);
             m.remove(&h(n));
         }
         assert!(m.order.len() <= 1024 + 1, "{} items kept", m.order.len());

@@ -7,14 +7,17 @@
 //! ([`aligned_keys`], the one place), no extra memory. Otherwise it is **translated**: each
 //! `BlockStored` run's keys are computed from its `token_ids`, chained on the key of its parent
 //! (found through the engine's map), and the map keeps, per engine hash, what it stands for
-//! (the chained digest the next run continues, and the keys of its chunks), for
+//! (the chained digest the next run continues, and its key), for
 //! `BlockRemoved` and for the runs that follow. Which one an engine is, is decided from its own
 //! events: the first run from the prompt's root with tokens whose block 0 can be recomputed
 //! (equal: aligned; different: translated), or at once when its block size is not ours. A
 //! setting may force either mode.
 //!
 //! Invariants:
-//! - an engine block of `k * blockSize` tokens stands for `k` keys; a removal removes them all;
+//! - an engine block of `k * blockSize` tokens stands for one key, that of the unit it ends on,
+//!   as an aligned engine of that block size publishes it (vLLM 0.24+), so the engine is
+//!   scored in whole engine blocks by its layout; each KV-cache group's blocks are mapped
+//!   apart (by the engine hash in the group's space) and stored in the group's key space;
 //!   a block size that is not a multiple of ours is refused for that engine (counted, never
 //!   guessed), as is a partial chunk (it never makes a key);
 //! - a run that cannot be translated (its parent unknown, a LoRA whose path is not configured,
@@ -35,8 +38,12 @@
 use std::collections::HashMap;
 
 mod map;
+mod types;
 
 use map::TranslationMap;
+pub use types::{
+    EngineHashes, EngineKeyState, KeyMode, TranslatedBlock, TranslationReport, Untranslatable,
+};
 
 use super::kinds::{full_attention_kind, tier_of};
 use super::lookahead::run_tokens;
@@ -45,143 +52,6 @@ use crate::events::{BlockRemoved, BlockStored, EventBatch, KvEvent, MsgpackValue
 use crate::hashing::{BlockDigest, HashScratch, RequestExtras, TokenProcessor};
 use crate::index::{EngineId, IndexWriter, KeyBudget, Tier};
 use crate::{BlockHash, EngineHash};
-
-/// How the index keys of an engine's blocks are found (the `engineHashes` setting, per model).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum EngineHashes {
-    /// Decided per engine from its own events.
-    #[default]
-    Auto,
-    /// Every engine's published hashes are the keys (no translation, no map).
-    Aligned,
-    /// Every engine is translated from its token ids.
-    Translated,
-}
-
-/// What an engine's published hashes are, as far as its events have shown.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum KeyMode {
-    /// No run has shown it yet: its hashes are stored as published meanwhile.
-    #[default]
-    Undecided,
-    /// Its hashes are the index's keys.
-    Aligned,
-    /// Its keys are computed from its token ids.
-    Translated,
-    /// Its block size (`engine`) is not a multiple of the index's (`ours`): not indexed.
-    Refused {
-        /// The engine's block size.
-        engine: u32,
-        /// `blockSize`.
-        ours: u32,
-    },
-}
-
-impl KeyMode {
-    /// A short, bounded label (`ListPods`, metrics).
-    pub fn label(self) -> &'static str {
-        match self {
-            KeyMode::Undecided => "undecided",
-            KeyMode::Aligned => "aligned",
-            KeyMode::Translated => "translated",
-            KeyMode::Refused { .. } => "refused",
-        }
-    }
-}
-
-/// Why a run (or a removal) could not be translated.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Untranslatable {
-    /// The run continues a block the engine's map does not know.
-    UnknownParent,
-    /// The run names a LoRA adapter whose path is not configured (vLLM >= 0.31 hashes it).
-    Lora,
-    /// The run carries multimodal or prompt-embedding keys.
-    ExtraKeys,
-    /// The run has no tokens and its hashes are not in the map (an offload tier's event).
-    NoTokens,
-    /// The shared key budget (`size`) is spent.
-    Full,
-}
-
-/// Translation tallies of one batch.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct TranslationReport {
-    /// Runs whose keys were computed from tokens (or found in the map).
-    pub translated_runs: u32,
-    /// Runs skipped, by [`Untranslatable`] (unknown parent, LoRA, extra keys, no tokens, full;
-    /// a run stored in part counts under `full` too).
-    pub untranslatable: [u32; 5],
-    /// Engine blocks of runs stored in part or skipped because the key budget (`size`) had
-    /// no room for their map entries.
-    pub full_blocks: u32,
-    /// Removed hashes the map did not know (stored before this replica listened, never
-    /// translatable, or their entry gave its place under `size`).
-    pub unknown_removals: u32,
-    /// Stored hashes in a run whose block size is not a multiple of `blockSize` (a partial
-    /// page: SGLang's last page of a node), which never make keys.
-    pub partial_blocks: u32,
-    /// Stored hashes beyond what the event's `token_ids` cover (no tokens to key them by).
-    pub uncovered_hashes: u32,
-    /// Map entries that gave their place to newer ones (the key budget was spent); their keys
-    /// left the index with them.
-    pub evicted_entries: u32,
-    /// The engine's mode changed in this batch (to the new mode).
-    pub mode_changed: Option<KeyMode>,
-}
-
-impl Untranslatable {
-    /// Every reason, in [`TranslationReport::untranslatable`] order.
-    pub const ALL: [Untranslatable; 5] = [
-        Untranslatable::UnknownParent,
-        Untranslatable::Lora,
-        Untranslatable::ExtraKeys,
-        Untranslatable::NoTokens,
-        Untranslatable::Full,
-    ];
-
-    /// A short, bounded label for metrics.
-    pub fn label(self) -> &'static str {
-        match self {
-            Untranslatable::UnknownParent => "unknown_parent",
-            Untranslatable::Lora => "lora",
-            Untranslatable::ExtraKeys => "extra_keys",
-            Untranslatable::NoTokens => "no_tokens",
-            Untranslatable::Full => "full",
-        }
-    }
-}
-
-/// One translated engine block, as a snapshot carries it.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct TranslatedBlock {
-    /// The engine's hash of the block.
-    pub engine_hash: EngineHash,
-    /// The chained digest of its last chunk (what the next block continues).
-    pub tip: BlockDigest,
-    /// The keys of its chunks before the last.
-    pub earlier: Vec<BlockHash>,
-    /// Copies held, per tier.
-    pub copies: [u16; 4],
-}
-
-/// One engine's key state as a snapshot carries it: its mode, a translated engine's map, an
-/// aligned engine's second copies.
-#[derive(Debug, Clone, PartialEq, Eq, Default)]
-pub struct EngineKeyState {
-    /// The engine's mode.
-    pub mode: KeyMode,
-    /// Translated engines: every map entry, oldest first (the order the budget takes them
-    /// back in).
-    pub translated: Vec<TranslatedBlock>,
-    /// Aligned engines: blocks held more than once in a tier, with the copies beyond the first.
-    pub copies: Vec<(BlockHash, Tier, u32)>,
-    /// The engine's KV-cache groups as its events showed them, `(group_idx, spec)` in group
-    /// order (empty: none shown, or a plain engine's group 0 alone), so a restored hybrid
-    /// engine is scored by its groups' rule before its next events.
-    pub groups: Vec<(u32, crate::GroupSpec)>,
-}
 
 /// One engine's hash state (see the module docs).
 #[derive(Debug, Default)]
@@ -234,6 +104,7 @@ impl EngineKeys {
                 .in_order()
                 .map(|(engine_hash, t)| TranslatedBlock {
                     engine_hash,
+                    group: t.group(),
                     tip: t.tip,
                     earlier: t.earlier.to_vec(),
                     copies: t.copies,
@@ -270,12 +141,13 @@ impl EngineKeys {
                 fence: u64::MAX,
                 evicted: &mut evicted,
             };
+            let group = t.group.min(crate::hit::MAX_GROUPS as u32 - 1);
             if self.reserve(w, engine, &mut room) {
                 self.map
-                    .insert(t.engine_hash, t.tip, t.earlier.into(), t.copies);
+                    .insert(t.engine_hash, group, t.tip, t.earlier.into(), t.copies);
             } else {
                 // No room at all: its keys, imported with the blocks, go too.
-                remove_held(w, engine, &t.copies, &t.earlier, &t.tip);
+                remove_held(w, engine, &t.copies, &t.earlier, &t.tip, group);
                 dropped += 1;
             }
         }
@@ -322,7 +194,15 @@ impl EngineKeys {
         let free = |b: &KeyBudget| b.limit().saturating_sub(b.used());
         while free(room.budget) < need {
             if let Some((_, oldest)) = self.map.pop_oldest_before(room.fence) {
-                remove_held(w, engine, &oldest.copies, &oldest.earlier, &oldest.tip);
+                let group = oldest.group();
+                remove_held(
+                    w,
+                    engine,
+                    &oldest.copies,
+                    &oldest.earlier,
+                    &oldest.tip,
+                    group,
+                );
                 room.budget.give_back(1);
                 *room.evicted += 1;
             } else if !or_index || w.evict((need - free(room.budget)) as usize) == 0 {
@@ -440,13 +320,18 @@ impl EngineKeys {
         w.remove(engine, tier, &scratch.keys)
     }
 
-    /// A `BlockStored` run of a translated engine: its keys computed from its tokens (or
-    /// found in the map), stored, and mapped. Returns memberships added, or why not.
+    /// A `BlockStored` run of a translated engine in KV-cache group `group`: its keys computed
+    /// from its tokens (or found in the map), stored in the group's key space, and mapped.
+    /// The run's parent is looked up in its own group first, then in the engine's other
+    /// groups (`groups`, as its events showed them): a sliding-window or Mamba group often
+    /// lacks the block its run continues, which another group holds, and a block's digest is
+    /// the same in every group. Returns memberships added, or why not.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn store_translated(
         &mut self,
         w: &mut IndexWriter<'_>,
         engine: EngineId,
+        (group, groups): (u32, &[(u32, crate::GroupSpec)]),
         s: &BlockStored,
         model: &ModelState,
         budget: &KeyBudget,
@@ -470,15 +355,17 @@ impl EngineKeys {
             .len()
             .min(s.token_ids.len() / per_block.max(1));
         if blocks == 0 {
-            return self.store_known(w, engine, tier, s, scratch);
+            return self.store_known(w, engine, tier, s, group, scratch);
         }
         report.uncovered_hashes = report
             .uncovered_hashes
             .saturating_add((s.block_hashes.len() - blocks) as u32);
         let parent_key = s.parent_block_hash.map(|p| {
-            self.map
-                .get(&p)
-                .map(|t| (t.tip, crate::hashing::event_hash(&t.tip)))
+            let others = groups.iter().map(|&(g, _)| g).filter(|&g| g != group);
+            std::iter::once(group)
+                .chain(others)
+                .find_map(|g| self.map.get(&p.in_group(g)))
+                .map(|t| (t.tip, crate::hashing::event_hash(&t.tip).in_group(group)))
         });
         let (parent_digest, parent_key) = match parent_key {
             None => (*processor.none_hash(), None),
@@ -489,7 +376,8 @@ impl EngineKeys {
         scratch.keys.clear();
         scratch.digests.clear();
         let (keys, digests) = (&mut scratch.keys, &mut scratch.digests);
-        let group = processor.block_size() / processor.hash_block_size();
+        // Hash units per key (a key every `per_key` units of vLLM's hash).
+        let per_key = processor.block_size() / processor.hash_block_size();
         let (tokens, lookahead) = run_tokens(s, blocks * per_block, &mut scratch.tokens);
         processor.for_each_unit_after_lookahead(
             &parent_digest,
@@ -498,7 +386,9 @@ impl EngineKeys {
             &extras,
             &mut scratch.hashing,
             |unit, _, digest| {
-                if (unit + 1) % group == 0 {
+                // An engine block stands for the key of the unit it ends on, as an aligned
+                // engine of that block size publishes it (vLLM 0.24+).
+                if (unit + 1) % (per_key * k) == 0 {
                     keys.push(crate::hashing::event_hash(digest));
                     digests.push(*digest);
                 }
@@ -515,23 +405,24 @@ impl EngineKeys {
         };
         let new_entries = s.block_hashes[..blocks]
             .iter()
-            .filter(|h| self.map.get(h).is_none())
+            .filter(|h| self.map.get(&h.in_group(group)).is_none())
             .count();
-        // A block already mapped brings no entry and (unless the index evicted them) no new
-        // keys: only new blocks need room, an entry and `k` keys each.
-        let need = (new_entries * (1 + k)) as u64;
+        // A block already mapped brings no entry and (unless the index evicted it) no new
+        // key: only new blocks need room, an entry and a key each.
+        let need = (new_entries * 2) as u64;
         self.make_room(w, engine, &mut room, need, false);
         // Each block's map entry (what will remove its keys), then its keys: a block that
         // finds no room for its entry is not stored, nor are the blocks after it.
         let mut mapped = 0;
         for (j, &hash) in s.block_hashes[..blocks].iter().enumerate() {
+            let hash = hash.in_group(group);
             if let Some(t) = self.map.get_mut(&hash) {
                 t.copies[slot] = t.copies[slot].saturating_add(1);
             } else if self.reserve(w, engine, &mut room) {
                 let mut copies = [0u16; 4];
                 copies[slot] = 1;
-                let (tip, earlier) = (digests[(j + 1) * k - 1], &keys[j * k..(j + 1) * k - 1]);
-                self.map.insert(hash, tip, earlier.into(), copies);
+                self.map
+                    .insert(hash, group, digests[j], Box::new([]), copies);
             } else {
                 break;
             }
@@ -544,7 +435,12 @@ impl EngineKeys {
         // The parent's keys may have left with its entry just now: the run is then stored as
         // an orphan (held by hash, scored once its chain is back), as any run whose parent the
         // engine does not hold.
-        keys.truncate(mapped * k);
+        keys.truncate(mapped);
+        if group != 0 {
+            for key in keys.iter_mut() {
+                *key = key.in_group(group);
+            }
+        }
         let outcome = w.store(engine, tier, parent_key, keys);
         report.translated_runs += 1;
         Ok(outcome.added)
@@ -557,12 +453,13 @@ impl EngineKeys {
         engine: EngineId,
         tier: Tier,
         s: &BlockStored,
+        group: u32,
         scratch: &mut Scratch,
     ) -> Result<usize, Untranslatable> {
         scratch.keys.clear();
         let slot = tier as usize;
         for hash in &s.block_hashes {
-            let Some(t) = self.map.get_mut(hash) else {
+            let Some(t) = self.map.get_mut(&hash.in_group(group)) else {
                 return Err(Untranslatable::NoTokens);
             };
             t.copies[slot] = t.copies[slot].saturating_add(1);
@@ -571,14 +468,16 @@ impl EngineKeys {
         Ok(w.store(engine, tier, None, &scratch.keys).added)
     }
 
-    /// A `BlockRemoved` of a translated engine: each hash's keys leave the tier once its last
-    /// copy there is removed; the entry goes once no tier holds it. Returns memberships
-    /// removed.
+    /// A `BlockRemoved` of a translated engine's group `group`: each hash's keys leave the
+    /// tier once its last copy there is removed; the entry goes once no tier holds it.
+    /// Returns memberships removed.
+    #[allow(clippy::too_many_arguments)]
     pub(super) fn remove_translated(
         &mut self,
         w: &mut IndexWriter<'_>,
         engine: EngineId,
         r: &BlockRemoved,
+        group: u32,
         budget: &KeyBudget,
         scratch: &mut Scratch,
         report: &mut TranslationReport,
@@ -587,7 +486,8 @@ impl EngineKeys {
         let slot = tier as usize;
         scratch.keys.clear();
         for hash in &r.block_hashes {
-            let Some(t) = self.map.get_mut(hash) else {
+            let hash = hash.in_group(group);
+            let Some(t) = self.map.get_mut(&hash) else {
                 report.unknown_removals += 1;
                 continue;
             };
@@ -602,7 +502,7 @@ impl EngineKeys {
             }
             t.keys(&mut scratch.keys);
             if t.copies == [0; 4] {
-                self.map.remove(hash);
+                self.map.remove(&hash);
                 budget.give_back(1);
             }
         }
@@ -618,20 +518,28 @@ pub(super) fn aligned_keys(hashes: &[EngineHash]) -> impl Iterator<Item = BlockH
     hashes.iter().map(|&hash| BlockHash::aligned(hash))
 }
 
-/// Removes one engine block's keys (`earlier`, then the tip's) from every tier `copies` says
-/// the engine holds it in (no allocation: the two parts go in two removals).
+/// Removes one engine block's keys (`earlier`, then the tip's, in `group`'s space) from every
+/// tier `copies` says the engine holds it in (no allocation: group 0's two parts go in two
+/// removals, another group's keys one by one).
 fn remove_held(
     w: &mut IndexWriter<'_>,
     engine: EngineId,
     copies: &[u16; 4],
     earlier: &[BlockHash],
     tip: &BlockDigest,
+    group: u32,
 ) {
-    let last = [crate::hashing::event_hash(tip)];
+    let last = [crate::hashing::event_hash(tip).in_group(group)];
     for tier in [Tier::Gpu, Tier::Cpu, Tier::Storage, Tier::Other] {
         if copies[tier as usize] > 0 {
-            if !earlier.is_empty() {
-                w.remove(engine, tier, earlier);
+            if group == 0 {
+                if !earlier.is_empty() {
+                    w.remove(engine, tier, earlier);
+                }
+            } else {
+                for key in earlier {
+                    w.remove(engine, tier, &[key.in_group(group)]);
+                }
             }
             w.remove(engine, tier, &last);
         }
