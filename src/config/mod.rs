@@ -498,6 +498,10 @@ pub struct ModelConfig {
     pub engine_hashes: Option<EngineHashes>,
     /// LoRA adapter name -> path (vLLM >= 0.31 hashes the path).
     pub lora_adapters: BTreeMap<String, String>,
+    /// The model's attention chunk in tokens (`attention_chunk_size` in its HuggingFace
+    /// config; Llama 4: 8192). vLLM's events name a chunked-local-attention group but not its
+    /// chunk: without this, such groups are refused and counted.
+    pub attention_chunk_size: Option<u32>,
     /// Tokenizer: a `tokenizer.json` path, its folder, or a HuggingFace model id.
     pub tokenizer: Option<String>,
 }

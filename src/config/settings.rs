@@ -30,6 +30,7 @@ impl Config {
                     },
                     lora_paths: m.lora_adapters.clone().into_iter().collect(),
                     engine_hashes: m.engine_hashes.unwrap_or(tp.engine_hashes),
+                    attention_chunk_size: m.attention_chunk_size,
                 };
                 (name.clone(), settings)
             })
@@ -47,6 +48,7 @@ impl Config {
                 token_processor: default_processor,
                 lora_paths: Default::default(),
                 engine_hashes: tp.engine_hashes,
+                attention_chunk_size: None,
             },
             models,
             weights: TierWeights([w.gpu, w.cpu, w.storage, w.other]),

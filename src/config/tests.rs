@@ -219,6 +219,25 @@ fn per_model_settings_inherit_the_defaults() {
 }
 
 #[test]
+fn a_models_attention_chunk_is_passed_on_and_checked() {
+    let c =
+        Config::from_yaml("models:\n  llama4: {attentionChunkSize: 8192}\n", "f").expect("parses");
+    c.validate().expect("valid");
+    let s = c.indexer_settings();
+    assert_eq!(s.models["llama4"].attention_chunk_size, Some(8192));
+    assert_eq!(s.default_model.attention_chunk_size, None);
+    for bad in ["0", "100"] {
+        let c = Config::from_yaml(
+            &format!("models:\n  m: {{attentionChunkSize: {bad}}}\n"),
+            "f",
+        )
+        .expect("parses");
+        let e = c.validate().expect_err("not a multiple of blockSize 16");
+        assert!(e.to_string().contains("models.m.attentionChunkSize"), "{e}");
+    }
+}
+
+#[test]
 fn replication_settings_without_enabled_are_an_error_naming_them() {
     let c = Config::from_yaml(
         "replication: {redisUrl: \"redis://r:6379\", keyPrefix: shared}\n",

@@ -240,6 +240,15 @@ impl Config {
             let block = m.block_size.unwrap_or(tp.block_size);
             let unit = m.hash_block_size.or(tp.hash_block_size);
             check_block_sizes(&format!("models.{model}"), block, unit)?;
+            if let Some(chunk) = m.attention_chunk_size {
+                // vLLM's chunked local attention: a chunk of whole blocks (Llama 4: 8,192).
+                if chunk == 0 || !(chunk as usize).is_multiple_of(block) {
+                    return Err(invalid(
+                        format!("models.{model}.attentionChunkSize"),
+                        format!("{chunk} is not a positive multiple of the block size {block}"),
+                    ));
+                }
+            }
         }
         self.endpoint_picker.validate()?;
         self.validate_replication()

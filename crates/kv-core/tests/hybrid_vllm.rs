@@ -50,12 +50,22 @@ fn predict_as(
     hashes: EngineHashes,
     edit: impl Fn(&KvEvent) -> Option<KvEvent>,
 ) -> (Indexer, Vec<u64>) {
+    let settings = ModelSettings {
+        token_processor: processor_config(run),
+        engine_hashes: hashes,
+        ..Default::default()
+    };
+    predict_with(run, settings, edit)
+}
+
+/// [`predict_as`] with the model's settings as given.
+fn predict_with(
+    run: &Run,
+    settings: ModelSettings,
+    edit: impl Fn(&KvEvent) -> Option<KvEvent>,
+) -> (Indexer, Vec<u64>) {
     let ix = Indexer::new(IndexerSettings {
-        default_model: ModelSettings {
-            token_processor: processor_config(run),
-            engine_hashes: hashes,
-            ..Default::default()
-        },
+        default_model: settings,
         ..Default::default()
     })
     .expect("valid");
@@ -171,6 +181,50 @@ fn a_group_whose_rule_events_cannot_show_is_refused_and_counted() {
         let (ix, _) = predict(&run, |_| true);
         assert!(ix.skipped_group_events() > 0, "{}", run.name);
     }
+}
+
+/// [`REFUSED`]'s chunk, as the model's HuggingFace config would state it.
+const CHUNK: u32 = 256;
+
+/// Chunked local attention scored with the model's chunk, aligned and translated.
+fn predict_chunked(run: &Run, chunk: u32, hashes: EngineHashes) -> (Indexer, Vec<u64>) {
+    let settings = ModelSettings {
+        token_processor: processor_config(run),
+        engine_hashes: hashes,
+        attention_chunk_size: Some(chunk),
+        ..Default::default()
+    };
+    predict_with(run, settings, |e| Some(foreign_if(hashes, e)))
+}
+
+/// `e` as published, or moved to another space for a translated engine.
+fn foreign_if(hashes: EngineHashes, e: &KvEvent) -> KvEvent {
+    match hashes {
+        EngineHashes::Translated => foreign(e),
+        _ => e.clone(),
+    }
+}
+
+#[test]
+fn chunked_local_attention_with_the_models_chunk_is_scored_as_vllm_reuses() {
+    let mut checked = 0;
+    for run in runs().into_iter().filter(|r| r.scenario == REFUSED) {
+        for hashes in [EngineHashes::Auto, EngineHashes::Translated] {
+            let (ix, predicted) = predict_chunked(&run, CHUNK, hashes);
+            assert_eq!(ix.skipped_group_events(), 0, "{}", run.name);
+            let missed = misses(&run, &predicted);
+            assert!(missed.is_empty(), "{} {hashes:?}: {:#?}", run.name, missed);
+            checked += run.probes.len();
+        }
+        // The negative controls: the full-attention group alone, and a wrong chunk.
+        if run.probes.iter().any(|p| p.hit != p.full_only) {
+            let (_, full_only) = predict(&run, is_full_attention);
+            assert!(!misses(&run, &full_only).is_empty(), "{}", run.name);
+        }
+        let (_, wrong) = predict_chunked(&run, 2 * CHUNK, EngineHashes::Auto);
+        assert!(!misses(&run, &wrong).is_empty(), "{}: chunk 512", run.name);
+    }
+    assert_eq!(checked, 3 * 2 * 50);
 }
 
 /// The single-group lookahead runs.

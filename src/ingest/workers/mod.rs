@@ -492,7 +492,7 @@ impl Worker<'_> {
             self.report_key_mode(key, mode);
         }
         if report.layout_changed {
-            self.report_layout(key);
+            self.report_layout(key, report.skipped_group_events > 0);
         }
         self.report_drops(key, &report);
         if report.first_mismatch && shared.warn_budget.allow(LineKind::HashMismatch) {
@@ -546,11 +546,15 @@ impl Worker<'_> {
     }
 
     /// One log line (under the budget) when an engine's KV-cache groups change how it is
-    /// scored: a hybrid model's groups, or engine blocks of several keys.
-    fn report_layout(&self, key: &PublisherKey) {
+    /// scored: a hybrid model's groups, or engine blocks of several keys; a warning when a
+    /// group was refused (`refused`).
+    fn report_layout(&self, key: &PublisherKey, refused: bool) {
         let shared = self.shared;
         if !shared.warn_budget.allow(LineKind::KeyMode) {
             return;
+        }
+        if refused {
+            tracing::warn!(pod = %key.engine.pod, model = %key.model, rank = key.engine.dp_rank, "a KV-cache group whose hit rule is not modelled is skipped for this engine (counted: kvindexer_events_skipped_total{{reason=\"non_prefix_cacheable_group\"}}); chunked local attention needs the model's chunk (models.<model>.attentionChunkSize), a group block must be a multiple of blockSize; the engine is scored by its other groups");
         }
         let Some(model) = shared.indexer.model(&key.model) else {
             return;

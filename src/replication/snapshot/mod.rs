@@ -13,7 +13,8 @@
 //!   many `u64` (version 3: a `u16` count), four `u16` copies, (version 6) a `u8` KV-cache
 //!   group (the engine hash is in that group's space); `u32` second copies, each `u64`
 //!   hash, `u8` tier, `u32` copies; (version 4) `u8` KV-cache groups, each `u32` group index,
-//!   `u8` kind (0 full attention, 1 sliding window, 2 Mamba), `u32` window, `u32` block units;
+//!   `u8` kind (0 full attention, 1 sliding window, 2 Mamba, (version 6) 3 chunked local
+//!   attention), `u32` window (the chunk for kind 3), `u32` block units;
 //! - `4` key space (version 3), before any item of its model: model, the 32-byte root digest
 //!   (from the hash seed), `u32` block size, `u32` hash unit size, `u8` extra-key format (0
 //!   tagged, 1 untagged), (version 5) `u32` lookahead (vLLM's `num_hash_lookahead_tokens` the
@@ -213,6 +214,7 @@ impl SnapshotWriter {
                 GroupKind::Full => (0u8, 0u32),
                 GroupKind::SlidingWindow { window } => (1, window),
                 GroupKind::Mamba => (2, 0),
+                GroupKind::ChunkedLocal { chunk } => (3, chunk),
             };
             self.out.push(kind);
             self.out.extend_from_slice(&window.to_le_bytes());
@@ -418,6 +420,7 @@ impl<'a> SnapshotReader<'a> {
                     (0, _) => GroupKind::Full,
                     (1, window) => GroupKind::SlidingWindow { window },
                     (2, _) => GroupKind::Mamba,
+                    (3, chunk) if chunk > 0 => GroupKind::ChunkedLocal { chunk },
                     _ => {
                         return Err(SnapshotError::Corrupt {
                             at,

@@ -25,8 +25,9 @@
 //!   following tokens differ from the cached block's is simply not held;
 //! - what vLLM 0.33 cannot be seen to do from events is not modelled: the EAGLE last-block
 //!   drop (no event says an engine drafts without lookahead hashing; with lookahead, vLLM
-//!   drops nothing) and chunked local attention (its chunk size is not in events), which
-//!   [`GroupKind::parse`] refuses.
+//!   drops nothing). Chunked local attention's chunk is not in events either: it is modelled
+//!   only when the model's settings give it ([`GroupKind::parse_chunked`]), and refused
+//!   otherwise.
 
 #[cfg(test)]
 mod tests;
@@ -46,6 +47,13 @@ pub enum GroupKind {
     },
     /// Mamba in "align" mode: the rightmost block boundary whose state block is held.
     Mamba,
+    /// Chunked local attention (Llama 4) of `chunk` tokens: the blocks before the chunk the
+    /// hit's end falls in count as computed, then the consecutive blocks held from there. The
+    /// chunk size is not in the events: it comes from the model's settings.
+    ChunkedLocal {
+        /// The attention chunk, in tokens (the model's `attention_chunk_size`).
+        chunk: u32,
+    },
 }
 
 /// Why an event's group cannot be modelled.
@@ -77,8 +85,19 @@ pub const MAX_GROUPS: usize = 16;
 
 impl GroupKind {
     /// The kind an event names (`kv_cache_spec_kind`, `kv_cache_spec_sliding_window`); `None`
-    /// (vLLM before 0.22) is full attention.
+    /// (vLLM before 0.22) is full attention. Chunked local attention is refused: see
+    /// [`GroupKind::parse_chunked`].
     pub fn parse(kind: Option<&str>, window: Option<i64>) -> Result<Self, LayoutError> {
+        Self::parse_chunked(kind, window, None)
+    }
+
+    /// [`GroupKind::parse`] for a model whose attention chunk is known (`chunk`, tokens):
+    /// chunked local attention is modelled with it, and refused without it.
+    pub fn parse_chunked(
+        kind: Option<&str>,
+        window: Option<i64>,
+        chunk: Option<u32>,
+    ) -> Result<Self, LayoutError> {
         match kind {
             None | Some("full_attention") | Some("mla_attention") => Ok(Self::Full),
             Some("sliding_window") | Some("sliding_window_mla") => match window {
@@ -88,6 +107,12 @@ impl GroupKind {
                 _ => Err(LayoutError::MissingWindow),
             },
             Some("mamba") => Ok(Self::Mamba),
+            Some("chunked_local_attention") => match chunk.filter(|&c| c > 0) {
+                Some(chunk) => Ok(Self::ChunkedLocal { chunk }),
+                None => Err(LayoutError::UnsupportedKind(
+                    "chunked_local_attention".to_owned(),
+                )),
+            },
             Some(other) => Err(LayoutError::UnsupportedKind(other.to_owned())),
         }
     }
@@ -343,6 +368,19 @@ impl Layout {
                     }
                     n
                 });
+                n * block
+            }
+            GroupKind::ChunkedLocal { chunk } => {
+                // vLLM's ChunkedLocalAttentionManager: blocks wholly before the chunk that
+                // `max_tokens` falls in are computed (outside every window), the rest must be
+                // held consecutively from there.
+                let blocks = (max_tokens / block).min(units / k);
+                let chunk = u64::from(chunk);
+                let start = (max_tokens / chunk * chunk / block).min(blocks);
+                let mut n = start;
+                while n < blocks && all((n + 1) * k - 1) {
+                    n += 1;
+                }
                 n * block
             }
             GroupKind::Mamba => {

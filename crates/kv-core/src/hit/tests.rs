@@ -150,7 +150,30 @@ fn kinds_parse_as_events_name_them() {
         GroupKind::parse(Some("chunked_local_attention"), None),
         Err(LayoutError::UnsupportedKind(_))
     ));
+    assert_eq!(
+        GroupKind::parse_chunked(Some("chunked_local_attention"), None, Some(8192)),
+        Ok(GroupKind::ChunkedLocal { chunk: 8192 })
+    );
     assert!(Layout::new(UNIT, vec![]).is_err());
+}
+
+#[test]
+fn chunked_local_attention_counts_the_blocks_before_the_last_chunk_as_computed() {
+    // vLLM's own examples (ChunkedLocalAttentionManager.find_longest_cache_hit): chunk 8,
+    // block 4.
+    let chunked = |block_units| GroupSpec {
+        kind: GroupKind::ChunkedLocal { chunk: 8 },
+        block_units,
+    };
+    let l = Layout::new(4, vec![chunked(1)]).expect("valid");
+    // Max 15: tokens 0-7 are outside the window; block 2 (tokens 8-11) must be held.
+    assert_eq!(l.hit_tokens(4, 15, |_, u| u == 2), 12);
+    assert_eq!(l.hit_tokens(4, 15, |_, _| false), 8);
+    // Max 16: every block before token 16 is outside the window.
+    assert_eq!(l.hit_tokens(5, 16, |_, _| false), 16);
+    // Beside full attention, the full group's prefix bounds it.
+    let l = Layout::new(4, vec![full(1), chunked(1)]).expect("valid");
+    assert_eq!(l.hit_tokens(5, 16, |g, u| g == 0 && u < 2), 8);
 }
 
 #[test]

@@ -257,7 +257,8 @@ impl Indexer {
                                 continue;
                             }
                         }
-                        let (route, changed) = engine_groups.stored(s, unit);
+                        let chunk = state.attention_chunk_size;
+                        let (route, changed) = engine_groups.stored(s, unit, chunk);
                         layout_changed |= changed;
                         let Route::Group(group) = route else {
                             report.skipped_group_events += 1;

@@ -10,7 +10,8 @@
 //! Invariants:
 //! - an engine whose groups are one full-attention group of one unit has no layout: the plain
 //!   prefix walk is its whole rule, nothing is published and scoring pays nothing;
-//! - a group whose kind is not modelled or whose block is not a whole number of units is
+//! - a group whose kind is not modelled (chunked local attention without the model's
+//!   `attentionChunkSize`) or whose block is not a whole number of units is
 //!   refused for that engine: its events are counted and skipped, never guessed, and its
 //!   removals are skipped too. Aligned and translated engines alike (a translated engine maps
 //!   each group's blocks apart, `translate`);
@@ -54,6 +55,10 @@ impl std::fmt::Display for EngineLayout {
                     "group {g}: sliding window {window}, {units} unit{plural}"
                 )?,
                 GroupKind::Mamba => write!(f, "group {g}: mamba, {units} unit{plural}")?,
+                GroupKind::ChunkedLocal { chunk } => write!(
+                    f,
+                    "group {g}: chunked local attention {chunk}, {units} unit{plural}"
+                )?,
             }
         }
         Ok(())
@@ -92,18 +97,25 @@ fn group_of(group_idx: Option<i64>) -> Option<u32> {
 }
 
 impl EngineGroups {
-    /// Routes a `BlockStored` and learns its group. `unit` is the index's block size. The
+    /// Routes a `BlockStored` and learns its group. `unit` is the index's block size;
+    /// `chunk` the model's attention chunk, when configured (events do not carry it). The
     /// second value is true when the engine's layout changed (to publish).
-    pub(super) fn stored(&mut self, s: &BlockStored, unit: u32) -> (Route, bool) {
+    pub(super) fn stored(
+        &mut self,
+        s: &BlockStored,
+        unit: u32,
+        chunk: Option<u32>,
+    ) -> (Route, bool) {
         let Some(g) = group_of(s.group_idx) else {
             return (Route::Skip, false);
         };
         if self.refused.contains(&g) {
             return (Route::Skip, false);
         }
-        let kind = GroupKind::parse(
+        let kind = GroupKind::parse_chunked(
             s.kv_cache_spec_kind.as_deref(),
             s.kv_cache_spec_sliding_window,
+            chunk,
         );
         let units = (unit > 0 && s.block_size > 0 && s.block_size.is_multiple_of(unit))
             .then(|| s.block_size / unit);
@@ -216,12 +228,15 @@ mod tests {
     fn a_plain_engine_has_no_layout_and_a_hybrid_one_learns_its_groups_in_order() {
         let mut g = EngineGroups::default();
         assert_eq!(
-            g.stored(&stored(None, None, None, 16), 16),
+            g.stored(&stored(None, None, None, 16), 16, None),
             (Route::Group(0), true)
         );
         assert_eq!(g.layout(16), Ok(None));
-        let (route, changed) =
-            g.stored(&stored(Some(1), Some("sliding_window"), Some(128), 16), 16);
+        let (route, changed) = g.stored(
+            &stored(Some(1), Some("sliding_window"), Some(128), 16),
+            16,
+            None,
+        );
         assert_eq!((route, changed), (Route::Group(1), true));
         let l = g.layout(16).expect("valid").expect("hybrid");
         assert_eq!(l.group_ids, vec![0, 1]);
@@ -236,17 +251,24 @@ mod tests {
         );
         // A partial entry (one unit) does not narrow a wider group's block.
         let mut m = EngineGroups::default();
-        m.stored(&stored(Some(1), Some("mamba"), None, 64), 16);
-        assert!(!m.stored(&stored(Some(1), Some("mamba"), None, 16), 16).1);
+        m.stored(&stored(Some(1), Some("mamba"), None, 64), 16, None);
+        assert!(
+            !m.stored(&stored(Some(1), Some("mamba"), None, 16), 16, None)
+                .1
+        );
         assert_eq!(m.seen[0].1.block_units, 4);
     }
 
     #[test]
     fn a_group_keeps_the_kind_its_first_event_named() {
         let mut g = EngineGroups::default();
-        g.stored(&stored(Some(0), Some("sliding_window"), Some(128), 16), 16);
+        g.stored(
+            &stored(Some(0), Some("sliding_window"), Some(128), 16),
+            16,
+            None,
+        );
         let full = stored(Some(0), Some("full_attention"), None, 16);
-        assert_eq!(g.stored(&full, 16), (Route::Skip, false));
+        assert_eq!(g.stored(&full, 16, None), (Route::Skip, false));
         assert_eq!(
             g.layout(16)
                 .expect("valid")
@@ -262,15 +284,19 @@ mod tests {
     fn unmodelled_groups_are_refused() {
         let mut g = EngineGroups::default();
         let chunked = stored(Some(1), Some("chunked_local_attention"), None, 16);
-        assert_eq!(g.stored(&chunked, 16).0, Route::Skip);
+        assert_eq!(g.stored(&chunked, 16, None).0, Route::Skip);
+        // With the model's chunk configured, it is modelled.
+        let mut c = EngineGroups::default();
+        assert_eq!(c.stored(&chunked, 16, Some(256)).0, Route::Group(1));
+        assert_eq!(c.seen()[0].1.kind, GroupKind::ChunkedLocal { chunk: 256 });
         assert_eq!(g.removed(Some(1)), Route::Skip);
         assert_eq!(g.removed(Some(0)), Route::Group(0));
         assert_eq!(g.removed(Some(-1)), Route::Skip);
         let swa = stored(Some(2), Some("sliding_window"), Some(64), 16);
-        assert_eq!(g.stored(&swa, 16).0, Route::Group(2));
+        assert_eq!(g.stored(&swa, 16, None).0, Route::Group(2));
         assert_eq!(g.refused.len(), 1);
         // A block that is not a whole number of units.
         let odd = stored(Some(3), Some("mamba"), None, 24);
-        assert_eq!(g.stored(&odd, 16).0, Route::Skip);
+        assert_eq!(g.stored(&odd, 16, None).0, Route::Skip);
     }
 }

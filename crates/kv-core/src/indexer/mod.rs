@@ -76,6 +76,10 @@ pub struct ModelSettings {
     /// Whether engines' published hashes are taken as keys or translated from their tokens
     /// (decided per engine by default; see [`KeyMode`]).
     pub engine_hashes: EngineHashes,
+    /// The model's attention chunk in tokens (`attention_chunk_size` of its HuggingFace
+    /// config; Llama 4), which vLLM's events do not carry: with it, chunked-local-attention
+    /// groups are scored by their rule; without it, they are refused and counted.
+    pub attention_chunk_size: Option<u32>,
 }
 
 /// Everything the indexer needs to run.
@@ -154,6 +158,8 @@ pub struct ModelState {
     speculation: Speculation,
     /// How each engine's hashes become keys (write path only).
     engine_hashes: EngineHashes,
+    /// [`ModelSettings::attention_chunk_size`] (write path only).
+    attention_chunk_size: Option<u32>,
     /// Per engine: its key mode, a translated engine's map, copies (write path only).
     engine_keys: Mutex<(HashMap<EngineKey, EngineKeys>, translate::Scratch)>,
     /// When a batch was last applied ([`Indexer`]'s clock, ms): breaks ties between models
@@ -483,6 +489,7 @@ impl Indexer {
             layouts: ArcSwap::default(),
             speculation: Speculation::new(self.settings.speculation.clone())?,
             engine_hashes: settings.engine_hashes,
+            attention_chunk_size: settings.attention_chunk_size,
             engine_keys: Mutex::new(Default::default()),
             evicted: AtomicBool::new(false),
             last_write: AtomicU64::new(self.clock()),
