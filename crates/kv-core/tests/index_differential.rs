@@ -109,6 +109,13 @@ impl IndexUnderTest for Model {
         held.into_iter().map(|(e, t)| (self.number(e), t)).collect()
     }
 
+    fn holds_each(&mut self, keys: &[BlockHash], engine: u32) -> Vec<bool> {
+        let mut out = Vec::new();
+        self.ix
+            .holds_each(keys, self.ids[engine as usize], &mut out);
+        out
+    }
+
     fn keys(&mut self) -> u64 {
         self.ix.stats().keys
     }
@@ -188,6 +195,14 @@ impl IndexUnderTest for Bare {
     fn lookup(&mut self, hash: BlockHash) -> Vec<(u32, Tier)> {
         let held = self.index.reader().lookup(hash);
         held.into_iter().map(|(s, t)| (self.number(s), t)).collect()
+    }
+
+    fn holds_each(&mut self, keys: &[BlockHash], engine: u32) -> Vec<bool> {
+        let mut out = Vec::new();
+        self.index
+            .reader()
+            .holds_each(keys, self.slot(engine), &mut out);
+        out
     }
 
     fn keys(&mut self) -> u64 {

@@ -30,6 +30,13 @@ pub trait IndexUnderTest {
     fn score(&mut self, hashes: &[BlockHash], candidates: Option<&[u32]>) -> Vec<EngineScore>;
     /// Holders of `hash` (stream numbers), any order.
     fn lookup(&mut self, hash: BlockHash) -> Vec<(u32, Tier)>;
+    /// Whether `engine` holds each of `keys` (any tier), read together as one span (the
+    /// hybrid rule reads a group's blocks so). By default, from [`IndexUnderTest::lookup`].
+    fn holds_each(&mut self, keys: &[BlockHash], engine: u32) -> Vec<bool> {
+        keys.iter()
+            .map(|&k| self.lookup(k).iter().any(|m| m.0 == engine))
+            .collect()
+    }
     /// Distinct keys the structure holds.
     fn keys(&mut self) -> u64;
     /// Memberships the structure holds.
@@ -267,6 +274,19 @@ pub fn run(
                     return Err(format!(
                         "step {step} {op:?}: index {got:?}, reference {want:?}"
                     ));
+                }
+                // The same blocks read as a span, per engine (a few, in turn).
+                for engine in (step as u32 % stream.engines..stream.engines).step_by(3) {
+                    let got = index.holds_each(hashes, engine);
+                    let want: Vec<bool> = hashes
+                        .iter()
+                        .map(|&h| reference.holders(h).iter().any(|m| m.0 == engine))
+                        .collect();
+                    if got != want {
+                        return Err(format!(
+                            "step {step} {op:?}: engine {engine} holds {got:?}, reference {want:?}"
+                        ));
+                    }
                 }
             }
         }

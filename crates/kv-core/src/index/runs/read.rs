@@ -284,13 +284,35 @@ impl Shared {
         let table = self.table.load();
         let mut parent = None;
         out.clear();
-        for key in keys {
+        let mut i = 0;
+        while i < keys.len() {
             let mut held = false;
-            let found = self.read_block(&table, parent, key.get(), false, |_, _, run| {
+            let found = self.read_block(&table, parent, keys[i].get(), false, |_, _, run| {
                 held = run.holders.nibble(slot, &self.words) != 0;
             });
-            parent = found.as_ref().map(|f| f.id);
             out.push(found.is_some() && held);
+            i += 1;
+            let Some(at) = found else {
+                parent = None;
+                continue;
+            };
+            // Inside the block's run (one holder set): the next ids hold the next keys for as
+            // long as their hashes agree, with the same answer; kept if the run did not
+            // change (as the walk does).
+            let slots = self.ids.tail(at.id + 1);
+            let room = (at.end - at.id - 1) as usize;
+            let slots = &slots[..slots.len().min(room)];
+            let same = slots
+                .iter()
+                .zip(&keys[i..])
+                .take_while(|(slot, k)| slot.hash() == k.get())
+                .count();
+            parent = Some(at.id);
+            if same > 0 && run_slot(&self.runs, at.run).still(at.seq) {
+                out.extend(std::iter::repeat_n(held, same));
+                i += same;
+                parent = Some(at.id + same as u32);
+            }
         }
     }
 
