@@ -502,6 +502,12 @@ pub struct ModelConfig {
     /// config; Llama 4: 8192). vLLM's events name a chunked-local-attention group but not its
     /// chunk: without this, such groups are refused and counted.
     pub attention_chunk_size: Option<u32>,
+    /// The model keeps more than one KV-cache group (sliding window, Mamba or chunked local
+    /// attention beside full attention: gpt-oss, Gemma 3, Qwen3-Next, Granite 4...). vLLM's
+    /// events say so themselves; an engine whose events name no group (SGLang, which
+    /// publishes only its full-attention KV; vLLM before 0.20) is then refused and counted
+    /// instead of being scored by a hit it will not take.
+    pub hybrid: bool,
     /// Tokenizer: a `tokenizer.json` path, its folder, or a HuggingFace model id.
     pub tokenizer: Option<String>,
 }

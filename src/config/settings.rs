@@ -31,6 +31,7 @@ impl Config {
                     lora_paths: m.lora_adapters.clone().into_iter().collect(),
                     engine_hashes: m.engine_hashes.unwrap_or(tp.engine_hashes),
                     attention_chunk_size: m.attention_chunk_size,
+                    hybrid: m.hybrid,
                 };
                 (name.clone(), settings)
             })
@@ -49,6 +50,7 @@ impl Config {
                 lora_paths: Default::default(),
                 engine_hashes: tp.engine_hashes,
                 attention_chunk_size: None,
+                hybrid: false,
             },
             models,
             weights: TierWeights([w.gpu, w.cpu, w.storage, w.other]),

@@ -219,12 +219,16 @@ fn per_model_settings_inherit_the_defaults() {
 }
 
 #[test]
-fn a_models_attention_chunk_is_passed_on_and_checked() {
-    let c =
-        Config::from_yaml("models:\n  llama4: {attentionChunkSize: 8192}\n", "f").expect("parses");
+fn a_models_attention_chunk_and_hybrid_flag_are_passed_on_and_checked() {
+    let c = Config::from_yaml(
+        "models:\n  llama4: {attentionChunkSize: 8192, hybrid: true}\n",
+        "f",
+    )
+    .expect("parses");
     c.validate().expect("valid");
     let s = c.indexer_settings();
     assert_eq!(s.models["llama4"].attention_chunk_size, Some(8192));
+    assert!(s.models["llama4"].hybrid && !s.default_model.hybrid);
     assert_eq!(s.default_model.attention_chunk_size, None);
     for bad in ["0", "100"] {
         let c = Config::from_yaml(

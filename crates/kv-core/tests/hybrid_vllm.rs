@@ -183,6 +183,49 @@ fn a_group_whose_rule_events_cannot_show_is_refused_and_counted() {
     }
 }
 
+/// `e` as an engine that names no group publishes it (SGLang: its full-attention KV only, no
+/// group, kind or window; vLLM before 0.20): group 0's events, stripped; `None` for others.
+fn ungrouped(e: &KvEvent) -> Option<KvEvent> {
+    let mut e = e.clone();
+    match &mut e {
+        KvEvent::BlockStored(s) if s.group_idx.unwrap_or(0) == 0 => {
+            s.group_idx = None;
+            s.kv_cache_spec_kind = None;
+            s.kv_cache_spec_sliding_window = None;
+        }
+        KvEvent::BlockRemoved(r) if r.group_idx.unwrap_or(0) == 0 => r.group_idx = None,
+        KvEvent::BlockStored(_) | KvEvent::BlockRemoved(_) => return None,
+        _ => {}
+    }
+    Some(e)
+}
+
+#[test]
+fn an_engine_of_a_hybrid_model_that_names_no_group_is_refused_and_counted() {
+    let run = runs()
+        .into_iter()
+        .find(|r| r.name == "full+swa128-bs16/seed1")
+        .expect("run");
+    assert!(run.probes.iter().any(|p| p.full_only > p.hit));
+    let hybrid = ModelSettings {
+        token_processor: processor_config(&run),
+        hybrid: true,
+        ..Default::default()
+    };
+    let (ix, predicted) = predict_with(&run, hybrid, ungrouped);
+    assert!(predicted.iter().all(|&p| p == 0), "{predicted:?}");
+    assert!(ix.skipped_group_events() > 0);
+    // The negative control: the same engine, the model not marked hybrid, is credited the
+    // full-attention prefix, more than vLLM reuses.
+    let (_, credited) = predict_as(&run, EngineHashes::Auto, ungrouped);
+    let over = run
+        .probes
+        .iter()
+        .zip(&credited)
+        .any(|(p, &got)| got > p.hit);
+    assert!(over, "scored as full attention, it over-predicts");
+}
+
 /// [`REFUSED`]'s chunk, as the model's HuggingFace config would state it.
 const CHUNK: u32 = 256;
 

@@ -554,7 +554,7 @@ impl Worker<'_> {
             return;
         }
         if refused {
-            tracing::warn!(pod = %key.engine.pod, model = %key.model, rank = key.engine.dp_rank, "a KV-cache group whose hit rule is not modelled is skipped for this engine (counted: kvindexer_events_skipped_total{{reason=\"non_prefix_cacheable_group\"}}); chunked local attention needs the model's chunk (models.<model>.attentionChunkSize), a group block must be a multiple of blockSize; the engine is scored by its other groups");
+            tracing::warn!(pod = %key.engine.pod, model = %key.model, rank = key.engine.dp_rank, "a KV-cache group whose hit rule is not modelled is skipped for this engine (counted: kvindexer_events_skipped_total{{reason=\"non_prefix_cacheable_group\"}}): chunked local attention needs the model's chunk (models.<model>.attentionChunkSize); a group block must be a multiple of blockSize; an engine of a model marked hybrid (models.<model>.hybrid) that names no group (SGLang, vLLM before 0.20) is not indexed at all. Otherwise the engine is scored by its other groups");
         }
         let Some(model) = shared.indexer.model(&key.model) else {
             return;

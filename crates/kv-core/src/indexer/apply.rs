@@ -257,8 +257,7 @@ impl Indexer {
                                 continue;
                             }
                         }
-                        let chunk = state.attention_chunk_size;
-                        let (route, changed) = engine_groups.stored(s, unit, chunk);
+                        let (route, changed) = engine_groups.stored(s, unit, state.model_groups);
                         layout_changed |= changed;
                         let Route::Group(group) = route else {
                             report.skipped_group_events += 1;

@@ -77,6 +77,17 @@ pub(super) enum Route {
     Skip,
 }
 
+/// What a model's settings say about its engines' groups, which events do not carry.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ModelGroups {
+    /// The attention chunk of chunked-local-attention groups, in tokens.
+    pub chunk: Option<u32>,
+    /// The model keeps more than one KV-cache group: an engine whose events name no group
+    /// (SGLang, which publishes only its full-attention KV; vLLM before 0.20) cannot be
+    /// scored by the hit it takes, and is refused.
+    pub hybrid: bool,
+}
+
 /// One engine's groups as its events have shown them.
 #[derive(Debug, Default)]
 pub(super) struct EngineGroups {
@@ -98,13 +109,13 @@ fn group_of(group_idx: Option<i64>) -> Option<u32> {
 
 impl EngineGroups {
     /// Routes a `BlockStored` and learns its group. `unit` is the index's block size;
-    /// `chunk` the model's attention chunk, when configured (events do not carry it). The
-    /// second value is true when the engine's layout changed (to publish).
+    /// `model` what the model's settings say (events do not carry it). The second value is
+    /// true when the engine's layout changed (to publish).
     pub(super) fn stored(
         &mut self,
         s: &BlockStored,
         unit: u32,
-        chunk: Option<u32>,
+        model: ModelGroups,
     ) -> (Route, bool) {
         let Some(g) = group_of(s.group_idx) else {
             return (Route::Skip, false);
@@ -112,10 +123,17 @@ impl EngineGroups {
         if self.refused.contains(&g) {
             return (Route::Skip, false);
         }
+        if model.hybrid && s.group_idx.is_none() {
+            // A hybrid model's engine that names no group publishes one group's blocks (or
+            // all mixed): the hit it takes is not in its events.
+            self.refused.insert(g);
+            self.seen.clear();
+            return (Route::Skip, true);
+        }
         let kind = GroupKind::parse_chunked(
             s.kv_cache_spec_kind.as_deref(),
             s.kv_cache_spec_sliding_window,
-            chunk,
+            model.chunk,
         );
         let units = (unit > 0 && s.block_size > 0 && s.block_size.is_multiple_of(unit))
             .then(|| s.block_size / unit);
@@ -228,14 +246,14 @@ mod tests {
     fn a_plain_engine_has_no_layout_and_a_hybrid_one_learns_its_groups_in_order() {
         let mut g = EngineGroups::default();
         assert_eq!(
-            g.stored(&stored(None, None, None, 16), 16, None),
+            g.stored(&stored(None, None, None, 16), 16, ModelGroups::default()),
             (Route::Group(0), true)
         );
         assert_eq!(g.layout(16), Ok(None));
         let (route, changed) = g.stored(
             &stored(Some(1), Some("sliding_window"), Some(128), 16),
             16,
-            None,
+            ModelGroups::default(),
         );
         assert_eq!((route, changed), (Route::Group(1), true));
         let l = g.layout(16).expect("valid").expect("hybrid");
@@ -251,10 +269,18 @@ mod tests {
         );
         // A partial entry (one unit) does not narrow a wider group's block.
         let mut m = EngineGroups::default();
-        m.stored(&stored(Some(1), Some("mamba"), None, 64), 16, None);
+        m.stored(
+            &stored(Some(1), Some("mamba"), None, 64),
+            16,
+            ModelGroups::default(),
+        );
         assert!(
-            !m.stored(&stored(Some(1), Some("mamba"), None, 16), 16, None)
-                .1
+            !m.stored(
+                &stored(Some(1), Some("mamba"), None, 16),
+                16,
+                ModelGroups::default()
+            )
+            .1
         );
         assert_eq!(m.seen[0].1.block_units, 4);
     }
@@ -265,10 +291,13 @@ mod tests {
         g.stored(
             &stored(Some(0), Some("sliding_window"), Some(128), 16),
             16,
-            None,
+            ModelGroups::default(),
         );
         let full = stored(Some(0), Some("full_attention"), None, 16);
-        assert_eq!(g.stored(&full, 16, None), (Route::Skip, false));
+        assert_eq!(
+            g.stored(&full, 16, ModelGroups::default()),
+            (Route::Skip, false)
+        );
         assert_eq!(
             g.layout(16)
                 .expect("valid")
@@ -284,19 +313,52 @@ mod tests {
     fn unmodelled_groups_are_refused() {
         let mut g = EngineGroups::default();
         let chunked = stored(Some(1), Some("chunked_local_attention"), None, 16);
-        assert_eq!(g.stored(&chunked, 16, None).0, Route::Skip);
+        assert_eq!(
+            g.stored(&chunked, 16, ModelGroups::default()).0,
+            Route::Skip
+        );
         // With the model's chunk configured, it is modelled.
         let mut c = EngineGroups::default();
-        assert_eq!(c.stored(&chunked, 16, Some(256)).0, Route::Group(1));
+        assert_eq!(
+            c.stored(
+                &chunked,
+                16,
+                ModelGroups {
+                    chunk: Some(256),
+                    hybrid: false
+                }
+            )
+            .0,
+            Route::Group(1)
+        );
         assert_eq!(c.seen()[0].1.kind, GroupKind::ChunkedLocal { chunk: 256 });
         assert_eq!(g.removed(Some(1)), Route::Skip);
         assert_eq!(g.removed(Some(0)), Route::Group(0));
         assert_eq!(g.removed(Some(-1)), Route::Skip);
         let swa = stored(Some(2), Some("sliding_window"), Some(64), 16);
-        assert_eq!(g.stored(&swa, 16, None).0, Route::Group(2));
+        assert_eq!(
+            g.stored(&swa, 16, ModelGroups::default()).0,
+            Route::Group(2)
+        );
         assert_eq!(g.refused.len(), 1);
         // A block that is not a whole number of units.
+        // A hybrid model's engine that names no group (SGLang) is refused, removals too.
+        let mut sglang = EngineGroups::default();
+        let hybrid = ModelGroups {
+            chunk: None,
+            hybrid: true,
+        };
+        let plain = stored(None, None, None, 16);
+        assert_eq!(sglang.stored(&plain, 16, hybrid), (Route::Skip, true));
+        assert_eq!(sglang.stored(&plain, 16, hybrid), (Route::Skip, false));
+        assert_eq!(sglang.removed(None), Route::Skip);
+        // vLLM names its groups: indexed.
+        let vllm = stored(Some(0), Some("full_attention"), None, 16);
+        assert_eq!(
+            EngineGroups::default().stored(&vllm, 16, hybrid).0,
+            Route::Group(0)
+        );
         let odd = stored(Some(3), Some("mamba"), None, 24);
-        assert_eq!(g.stored(&odd, 16, None).0, Route::Skip);
+        assert_eq!(g.stored(&odd, 16, ModelGroups::default()).0, Route::Skip);
     }
 }

@@ -80,6 +80,12 @@ pub struct ModelSettings {
     /// config; Llama 4), which vLLM's events do not carry: with it, chunked-local-attention
     /// groups are scored by their rule; without it, they are refused and counted.
     pub attention_chunk_size: Option<u32>,
+    /// The model keeps more than one KV-cache group (sliding window, Mamba or chunked local
+    /// attention beside full attention). vLLM's events name each group; an engine whose
+    /// events name none (SGLang publishes only its full-attention KV; vLLM before 0.20) is
+    /// refused for such a model, per engine and counted, rather than scored by a hit it will
+    /// not take.
+    pub hybrid: bool,
 }
 
 /// Everything the indexer needs to run.
@@ -158,8 +164,9 @@ pub struct ModelState {
     speculation: Speculation,
     /// How each engine's hashes become keys (write path only).
     engine_hashes: EngineHashes,
-    /// [`ModelSettings::attention_chunk_size`] (write path only).
-    attention_chunk_size: Option<u32>,
+    /// [`ModelSettings::attention_chunk_size`] and [`ModelSettings::hybrid`] (write path
+    /// only).
+    model_groups: groups::ModelGroups,
     /// Per engine: its key mode, a translated engine's map, copies (write path only).
     engine_keys: Mutex<(HashMap<EngineKey, EngineKeys>, translate::Scratch)>,
     /// When a batch was last applied ([`Indexer`]'s clock, ms): breaks ties between models
@@ -489,7 +496,10 @@ impl Indexer {
             layouts: ArcSwap::default(),
             speculation: Speculation::new(self.settings.speculation.clone())?,
             engine_hashes: settings.engine_hashes,
-            attention_chunk_size: settings.attention_chunk_size,
+            model_groups: groups::ModelGroups {
+                chunk: settings.attention_chunk_size,
+                hybrid: settings.hybrid,
+            },
             engine_keys: Mutex::new(Default::default()),
             evicted: AtomicBool::new(false),
             last_write: AtomicU64::new(self.clock()),
