@@ -56,6 +56,7 @@ fn check(report: &PolicyReport, requests: &[SimRequest], what: &str) {
     assert_eq!(report.rejected, 0, "{what}");
     assert!((0.0..=1.0).contains(&report.token_hit_rate), "{what}");
     assert!(report.ttft_p50_ms > 0.0 && report.ttft_p50_ms <= report.ttft_p90_ms);
+    assert!(report.ttft_mean_ms > 0.0 && report.ttft_mean_ms <= report.ttft_p99_ms * 10.0);
     assert!(report.engine.max_step_tokens <= 512, "{what}: token budget");
 }
 

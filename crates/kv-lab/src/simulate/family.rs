@@ -18,8 +18,9 @@ use thiserror::Error;
 /// `hash_block_size`).
 pub const UNIT_TOKENS: u32 = 16;
 
-/// A model family by its KV-cache groups.
+/// A model family by its KV-cache groups (serialized by its `--model-family` name).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "kebab-case")]
 pub enum ModelFamily {
     /// Full attention only, blocks of 16 tokens (Qwen3-32B, Llama): the plain engine.
     Full,

@@ -379,7 +379,7 @@ impl HybridEngine {
     /// releases the finished ones.
     pub fn complete(&mut self, requests: &[SimRequest]) -> HybridStepEnd {
         let mut end = HybridStepEnd {
-            removed: self.evicted.drain(..).collect(),
+            removed: std::mem::take(&mut self.evicted),
             ..Default::default()
         };
         let mut done = Vec::new();

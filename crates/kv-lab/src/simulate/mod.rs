@@ -6,6 +6,9 @@
 //!   and generated blocks are prefix-cached, preemption when blocks run out, and a step time
 //!   that grows with the tokens in the step. TTFT = arrival to the end of the step that
 //!   samples the first token;
+//! - a pod runs a **model family** (`SimSettings::model_family`): full attention only (the
+//!   plain engine above), or a hybrid model's groups (sliding window, Mamba) over one pool
+//!   ([`hybrid`], chosen per pod by [`pod`]); a hybrid pod's events carry their group;
 //! - pods **publish** `BlockStored` / `BlockRemoved` / `AllBlocksCleared` per step as vLLM
 //!   encodes them (map-form msgpack), delivered after `event_delay_ms` through the daemon's
 //!   decoder ([`kv_core::decode_batch`]) into a real [`Indexer`];
@@ -195,6 +198,8 @@ pub struct PolicyReport {
     pub ttft_p90_ms: f64,
     /// Time to first token, ms.
     pub ttft_p99_ms: f64,
+    /// Mean time to first token, ms.
+    pub ttft_mean_ms: f64,
     /// Output tokens per second, from the first arrival to the last token.
     pub output_tokens_per_s: f64,
     /// Sequences preempted (all pods).
@@ -529,6 +534,7 @@ pub fn run(
         ttft_p50_ms: percentile(&ttft, 50.0),
         ttft_p90_ms: percentile(&ttft, 90.0),
         ttft_p99_ms: percentile(&ttft, 99.0),
+        ttft_mean_ms: ttft.iter().sum::<f64>() / ttft.len().max(1) as f64,
         output_tokens_per_s: output_tokens as f64 / span_s,
         preemptions: stats.preemptions,
         load_spread: if spread_n == 0 {

@@ -4,9 +4,10 @@
 //! the pod publishes them.
 //!
 //! Invariants: a plain pod's payloads are byte for byte what the event loop encoded before
-//! hybrid pods existed (no group fields); a hybrid pod's pool has as many blocks per group as
-//! a plain pod's cache has 16-token blocks per page of the family (the layers split evenly
-//! over the groups, every group's page the same size, as vLLM makes them).
+//! hybrid pods existed (no group fields); a hybrid pod of `capacity_blocks` 16-token blocks of
+//! KV has `groups x capacity_blocks x 16 / page` pool blocks, `page` being the family's block
+//! (16 or 576 tokens): as if its layers were split evenly over the groups, every group's page
+//! the same size, as vLLM makes them.
 
 use kv_core::BlockHash;
 
