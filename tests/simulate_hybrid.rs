@@ -141,3 +141,53 @@ fn the_exact_rule_predicts_the_hits_taken_and_full_attention_alone_over_predicts
         assert!(exact.token_hit_rate > 0.0 && full_only.token_hit_rate > 0.0);
     }
 }
+
+fn kv_indexer(args: &[&str]) -> std::process::Output {
+    std::process::Command::new(env!("CARGO_BIN_EXE_kv-indexer"))
+        .args(args)
+        .output()
+        .expect("run kv-indexer")
+}
+
+#[test]
+fn the_cli_runs_a_model_family_and_compares_predictions() {
+    let args = [
+        "simulate",
+        "--workload",
+        "chat",
+        "--limit",
+        "300",
+        "--capacity-blocks",
+        "1000",
+        "--model-family",
+        "gpt-oss",
+        "--policies",
+        "precise-nospec,precise-full-only-nospec",
+        "--quiet",
+    ];
+    let out = kv_indexer(&[&args[..], &["--json"]].concat());
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let json: serde_json::Value = serde_json::from_slice(&out.stdout).expect("JSON");
+    assert_eq!(json["settings"]["model_family"], "gpt-oss");
+    let results = json["results"].as_array().expect("results");
+    assert_eq!(results.len(), 2);
+    for r in results {
+        let predicted = r["prediction"]["requests"].as_u64().expect("prediction");
+        assert_eq!(predicted, 300, "{}", r["policy"]);
+        assert!(r["ttft_mean_ms"].as_f64().expect("mean") > 0.0);
+    }
+    let table = kv_indexer(&args);
+    assert!(table.status.success());
+    let text = String::from_utf8_lossy(&table.stdout);
+    assert!(text.contains("model family gpt-oss"), "{text}");
+    assert!(text.contains("| precise-full-only-nospec |"), "{text}");
+    assert!(text.contains("Predicted hits"), "{text}");
+
+    let bad = kv_indexer(&["simulate", "--model-family", "llama"]);
+    assert!(!bad.status.success());
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("unknown model family \"llama\""));
+}
