@@ -11,6 +11,7 @@ use clap::Args;
 
 use kv_lab::simulate::charts;
 use kv_lab::simulate::engine::EngineConfig;
+use kv_lab::simulate::family::ModelFamily;
 use kv_lab::simulate::policies::{
     self, parse_prefix_score, parse_weights, PolicySettings, POLICIES,
 };
@@ -32,9 +33,22 @@ pub struct SimulateArgs {
     #[arg(long)]
     pub trace: Option<PathBuf>,
     /// Comma-separated policies, or all: random, round-robin, least-loaded, approx,
-    /// approx-autotune, aibrix, localai, dynamo, precise-nospec, precise.
+    /// approx-autotune, aibrix, localai, dynamo, precise-nospec, precise. Not in all:
+    /// precise-full-only and precise-full-only-nospec, precise scoring over an index fed only
+    /// the full-attention group's events (llm-d's and Dynamo's indexes today), to set beside
+    /// precise on a hybrid --model-family.
     #[arg(long, default_value = "all")]
     pub policies: String,
+    /// The model's KV-cache groups: full (full attention only, 16-token blocks: the plain
+    /// engine of the published figures), gpt-oss (full attention + a 128-token sliding
+    /// window, 16-token blocks), gemma3 (full attention + a 1,024-token sliding window) or
+    /// qwen3-next (full attention + Mamba state, 576-token blocks hashed in 16-token units).
+    /// A hybrid pod's pool has, per group, as many blocks as the pod's KV tokens fill pages of
+    /// the family (16 or 576 tokens), shared by all groups; events carry group_idx and the
+    /// index scores by vLLM's hybrid rule. With a hybrid family the precise policies' expected
+    /// hits are compared with the hits taken (a second table).
+    #[arg(long, default_value = "full")]
+    pub model_family: String,
     /// Pods.
     #[arg(long, default_value_t = 8)]
     pub pods: usize,
@@ -257,10 +271,15 @@ fn check(args: &SimulateArgs) -> anyhow::Result<()> {
     }
     parse_weights(&args.weights)?;
     parse_prefix_score(&args.precise_prefix_score)?;
+    ModelFamily::parse(&args.model_family)?;
     Ok(())
 }
 
-fn settings(args: &SimulateArgs, requests: &[SimRequest], seed: u64) -> SimSettings {
+fn settings(
+    args: &SimulateArgs,
+    requests: &[SimRequest],
+    seed: u64,
+) -> anyhow::Result<SimSettings> {
     let capacities: Vec<usize> = (0..args.pods)
         .map(|p| {
             if args.heterogeneous && p % 2 == 1 {
@@ -271,7 +290,7 @@ fn settings(args: &SimulateArgs, requests: &[SimRequest], seed: u64) -> SimSetti
         })
         .collect();
     let end = requests.last().map_or(0.0, |r| r.arrival_ms);
-    SimSettings {
+    Ok(SimSettings {
         pod_capacity_blocks: capacities,
         engine: EngineConfig {
             block_size: 16,
@@ -281,6 +300,7 @@ fn settings(args: &SimulateArgs, requests: &[SimRequest], seed: u64) -> SimSetti
             ms_per_token: args.ms_per_token,
             ms_per_context_token: args.ms_per_context_token,
         },
+        model_family: ModelFamily::parse(&args.model_family)?,
         event_delay_ms: args.event_delay_ms,
         scrape_interval_ms: args.scrape_interval_ms,
         routers: args.routers,
@@ -303,7 +323,7 @@ fn settings(args: &SimulateArgs, requests: &[SimRequest], seed: u64) -> SimSetti
             .collect(),
         restart_downtime_ms: args.restart_downtime_s * 1000.0,
         seed,
-    }
+    })
 }
 
 fn policy_names(args: &SimulateArgs) -> anyhow::Result<Vec<String>> {
@@ -363,7 +383,7 @@ pub fn run_cli(args: SimulateArgs) -> anyhow::Result<()> {
         return ladder(&args, &names);
     }
     let requests = workload(&args, None, args.seed)?;
-    let sim = settings(&args, &requests, args.seed);
+    let sim = settings(&args, &requests, args.seed)?;
     let bar = progress_bar(&args, names.len(), "simulate");
     let reports: Vec<PolicyReport> = parallel(&names, bar.as_ref(), |name| {
         let mut routers = replicas(name, &args, args.seed)?;
@@ -393,7 +413,14 @@ pub fn run_cli(args: SimulateArgs) -> anyhow::Result<()> {
         args.routers,
         args.seed
     );
+    if sim.model_family.is_hybrid() {
+        println!("model family {}", sim.model_family.name());
+    }
     print!("{}", report::policy_table(&reports));
+    if sim.model_family.is_hybrid() {
+        println!("\nPredicted hits (on the pod picked) against the hits the engines took:");
+        print!("{}", report::prediction_table(&reports));
+    }
     Ok(())
 }
 
@@ -409,7 +436,7 @@ fn ladder(args: &SimulateArgs, names: &[String]) -> anyhow::Result<()> {
     let bar = progress_bar(args, jobs.len(), "ladder");
     let runs: Vec<LadderRun> = parallel(&jobs, bar.as_ref(), |(rate, seed, name)| {
         let requests = workload(args, Some(*rate), *seed)?;
-        let sim = settings(args, &requests, *seed);
+        let sim = settings(args, &requests, *seed)?;
         let mut routers = replicas(name, args, *seed)?;
         let report = run(&sim, &requests, &mut routers);
         Ok(LadderRun::new(*rate, *seed, &report))

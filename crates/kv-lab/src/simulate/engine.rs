@@ -23,13 +23,13 @@
 //! than its capacity, and every block is held by as many sequences as pin it (none once all
 //! are done); every admitted request finishes exactly once (or is handed back by a restart).
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
 
-use kv_core::{mix64, BlockHash};
+use kv_core::BlockHash;
 use serde::Serialize;
 
-use super::SimRequest;
-use crate::lru::LruSet;
+use super::cache::KvCache;
+use super::request::SimRequest;
 
 /// The engine's settings (flags of `kv-indexer simulate`).
 #[derive(Debug, Clone, Copy, Serialize)]
@@ -66,114 +66,6 @@ impl Default for EngineConfig {
     }
 }
 
-#[derive(Debug)]
-struct Block {
-    /// Sequences holding it.
-    pins: u32,
-    /// Its tokens are computed: it is in the prefix cache (when shareable).
-    computed: bool,
-    /// Keyed by the content's hash (false: a private copy, made while another sequence was
-    /// computing the same block, never cached).
-    shareable: bool,
-}
-
-/// The paged KV cache.
-#[derive(Debug)]
-struct KvCache {
-    capacity: usize,
-    blocks: HashMap<BlockHash, Block>,
-    /// Computed, shareable, unpinned blocks: the eviction order.
-    free: LruSet<BlockHash>,
-    /// Makes private block ids.
-    nonce: u64,
-}
-
-impl KvCache {
-    fn new(capacity: usize) -> Self {
-        Self {
-            capacity,
-            blocks: HashMap::new(),
-            free: LruSet::new(),
-            nonce: 0,
-        }
-    }
-
-    /// Blocks held by sequences (vLLM's KV-cache usage counts these).
-    fn used(&self) -> usize {
-        self.blocks.len() - self.free.len()
-    }
-
-    fn is_hit(&self, h: BlockHash) -> bool {
-        self.blocks
-            .get(&h)
-            .is_some_and(|b| b.computed && b.shareable)
-    }
-
-    fn pin(&mut self, h: BlockHash) {
-        if let Some(b) = self.blocks.get_mut(&h) {
-            if b.pins == 0 {
-                self.free.remove(h);
-            }
-            b.pins += 1;
-        }
-    }
-
-    /// A new block for content `h` (a private copy when `h` is resident), evicting the least
-    /// recently freed block when full. `None`: every block is held.
-    fn allocate(&mut self, h: BlockHash, evicted: &mut Vec<BlockHash>) -> Option<BlockHash> {
-        if self.blocks.len() >= self.capacity {
-            let victim = self.free.pop_oldest()?;
-            self.blocks.remove(&victim);
-            evicted.push(victim);
-        }
-        let id = if self.blocks.contains_key(&h) {
-            loop {
-                self.nonce += 1;
-                let private = BlockHash::new(mix64(h.get() ^ mix64(self.nonce)) | 1);
-                if !self.blocks.contains_key(&private) {
-                    break private;
-                }
-            }
-        } else {
-            h
-        };
-        self.blocks.insert(
-            id,
-            Block {
-                pins: 1,
-                computed: false,
-                shareable: id == h,
-            },
-        );
-        Some(id)
-    }
-
-    /// Marks a block computed; `true` when it joins the prefix cache (to be published).
-    fn computed(&mut self, id: BlockHash) -> bool {
-        match self.blocks.get_mut(&id) {
-            Some(b) if !b.computed => {
-                b.computed = true;
-                b.shareable
-            }
-            _ => false,
-        }
-    }
-
-    fn release(&mut self, id: BlockHash) {
-        let Some(b) = self.blocks.get_mut(&id) else {
-            return;
-        };
-        b.pins = b.pins.saturating_sub(1);
-        if b.pins == 0 {
-            if b.computed && b.shareable {
-                self.free.insert(id);
-            } else {
-                self.blocks.remove(&id);
-            }
-        }
-    }
-}
-
 /// A request inside the engine.
 #[derive(Debug)]
 struct Seq {
@@ -190,13 +82,7 @@ struct Seq {
 
 /// The content hash of block `k` of `req`'s sequence (prompt, then output).
 fn block_hash(req: &SimRequest, k: usize) -> BlockHash {
-    match req.blocks.get(k) {
-        Some(&h) => h,
-        None => match req.output_blocks.get(k - req.blocks.len()) {
-            Some(&h) => h,
-            None => BlockHash::new(mix64(req.arrival_ms.to_bits() ^ mix64(k as u64)) | 1),
-        },
-    }
+    req.block_hash(k)
 }
 
 /// What one step scheduled.
@@ -246,7 +132,7 @@ pub struct EngineStats {
 #[derive(Debug)]
 pub struct Engine {
     config: EngineConfig,
-    cache: KvCache,
+    cache: KvCache<BlockHash>,
     waiting: VecDeque<Seq>,
     running: Vec<Seq>,
     /// The step in flight: (index in `running`, tokens).
@@ -270,15 +156,20 @@ impl Engine {
         }
     }
 
+    /// Tokens per block.
+    pub fn block_size(&self) -> u64 {
+        self.config.block_size
+    }
+
     /// KV blocks (what vLLM reports as `num_gpu_blocks`).
     pub fn capacity_blocks(&self) -> usize {
-        self.cache.capacity
+        self.cache.capacity()
     }
 
     /// Whether `req` can ever run here (its prompt and output fit in the whole cache).
     pub fn fits(&self, req: &SimRequest) -> bool {
         let tokens = req.prompt_tokens + req.output_tokens.max(1);
-        tokens.div_ceil(self.config.block_size) as usize <= self.cache.capacity
+        tokens.div_ceil(self.config.block_size) as usize <= self.cache.capacity()
     }
 
     /// Queues a request.
@@ -304,7 +195,7 @@ impl Engine {
 
     /// Share of KV blocks held by sequences (vLLM's `kv_cache_usage`).
     pub fn kv_usage(&self) -> f64 {
-        self.cache.used() as f64 / self.cache.capacity.max(1) as f64
+        self.cache.used() as f64 / self.cache.capacity().max(1) as f64
     }
 
     /// Blocks held by sequences.
@@ -314,12 +205,12 @@ impl Engine {
 
     /// Blocks resident (held or cached).
     pub fn resident_blocks(&self) -> usize {
-        self.cache.blocks.len()
+        self.cache.resident()
     }
 
     /// Gives `seq` blocks for its first `tokens` tokens. `false` when the cache is full.
     fn grow(
-        cache: &mut KvCache,
+        cache: &mut KvCache<BlockHash>,
         evicted: &mut Vec<BlockHash>,
         block_size: u64,
         req: &SimRequest,
@@ -336,7 +227,7 @@ impl Engine {
         true
     }
 
-    fn release(cache: &mut KvCache, seq: &mut Seq) {
+    fn release(cache: &mut KvCache<BlockHash>, seq: &mut Seq) {
         for &id in seq.held.iter().rev() {
             cache.release(id);
         }
@@ -500,8 +391,7 @@ impl Engine {
     /// A prefix-cache reset: every free cached block is dropped (returned, to publish).
     pub fn reset_prefix_cache(&mut self) -> Vec<BlockHash> {
         let mut out = Vec::new();
-        while let Some(b) = self.cache.free.pop_oldest() {
-            self.cache.blocks.remove(&b);
+        while let Some(b) = self.cache.drop_oldest_free() {
             out.push(b);
         }
         out
@@ -518,7 +408,7 @@ impl Engine {
                 cut.push(seq.req);
             }
         }
-        self.cache = KvCache::new(self.cache.capacity);
+        self.cache = KvCache::new(self.cache.capacity());
         self.plan.clear();
         self.evicted.clear();
         (retry, cut)
@@ -527,7 +417,7 @@ impl Engine {
     /// Pins held across all blocks and what the sequences hold (equal when blocks are
     /// conserved).
     pub fn pin_balance(&self) -> (u64, u64) {
-        let pins = self.cache.blocks.values().map(|b| u64::from(b.pins)).sum();
+        let pins = self.cache.pins();
         let held = self
             .running
             .iter()
@@ -541,6 +431,7 @@ impl Engine {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use kv_core::mix64;
 
     fn request(prompt: u64, output: u64, salt: u64) -> SimRequest {
         let blocks = (0..prompt / 16)

@@ -6,6 +6,9 @@
 //!   and generated blocks are prefix-cached, preemption when blocks run out, and a step time
 //!   that grows with the tokens in the step. TTFT = arrival to the end of the step that
 //!   samples the first token;
+//! - a pod runs a **model family** (`SimSettings::model_family`): full attention only (the
+//!   plain engine above), or a hybrid model's groups (sliding window, Mamba) over one pool
+//!   ([`hybrid`], chosen per pod by [`pod`]); a hybrid pod's events carry their group;
 //! - pods **publish** `BlockStored` / `BlockRemoved` / `AllBlocksCleared` per step as vLLM
 //!   encodes them (map-form msgpack), delivered after `event_delay_ms` through the daemon's
 //!   decoder ([`kv_core::decode_batch`]) into a real [`Indexer`];
@@ -23,12 +26,19 @@
 //! streams already started are cut; a request routed to a down pod goes to the live pod with
 //! the fewest of that replica's requests, as a gateway retries on connection refused).
 
+pub mod cache;
 #[cfg(feature = "charts")]
 pub mod charts;
 pub mod engine;
+pub mod family;
+pub mod hybrid;
+pub mod pod;
 pub mod policies;
+pub mod prefix_score;
 pub mod report;
+pub mod request;
 pub mod routers;
+pub mod wire;
 pub mod workloads;
 
 use std::cmp::Ordering as CmpOrdering;
@@ -37,29 +47,15 @@ use std::time::{Duration, Instant};
 
 use serde::Serialize;
 
+use kv_core::decode_batch;
+use kv_core::BlockHash;
 use kv_core::SplitMix64;
-use kv_core::{decode_batch, encode_batch, BlockRemoved, BlockStored, EventBatch, KvEvent, Medium};
-use kv_core::{BlockHash, EngineHash};
-use kv_core::{Indexer, IndexerSettings};
+use kv_core::{EngineHashes, Indexer, IndexerSettings};
 
-use engine::{Engine, EngineConfig, EngineStats};
-
-/// One request of a workload.
-#[derive(Debug, Clone)]
-pub struct SimRequest {
-    /// Arrival time, ms.
-    pub arrival_ms: f64,
-    /// Prompt block hashes (full blocks, chained like vLLM's).
-    pub blocks: Vec<BlockHash>,
-    /// The hashes of the blocks after the prompt's full blocks, which the output fills (the
-    /// first holds the prompt's tail): chained on, so a later prompt that repeats this
-    /// conversation hits them.
-    pub output_blocks: Vec<BlockHash>,
-    /// Prompt tokens.
-    pub prompt_tokens: u64,
-    /// Output tokens (at least 1 is generated).
-    pub output_tokens: u64,
-}
+use engine::{EngineConfig, EngineStats};
+use family::ModelFamily;
+use pod::PodEngine;
+pub use request::SimRequest;
 
 /// Simulation settings.
 #[derive(Debug, Clone, Serialize)]
@@ -68,6 +64,8 @@ pub struct SimSettings {
     pub pod_capacity_blocks: Vec<usize>,
     /// The engine model.
     pub engine: EngineConfig,
+    /// The model's KV-cache groups (`Full`: the plain engine of the published figures).
+    pub model_family: ModelFamily,
     /// Delay between a cache change and the index seeing it, ms.
     pub event_delay_ms: f64,
     /// How often pods' metrics are scraped for the routers, ms.
@@ -94,6 +92,7 @@ impl Default for SimSettings {
         Self {
             pod_capacity_blocks: vec![ANCHOR_KV_TOKENS / 16; 8],
             engine: EngineConfig::default(),
+            model_family: ModelFamily::Full,
             event_delay_ms: 50.0,
             scrape_interval_ms: 50.0,
             routers: 1,
@@ -128,57 +127,6 @@ pub struct PodMetrics {
     pub kv_usage: f64,
     /// KV blocks the engine has.
     pub num_gpu_blocks: usize,
-}
-
-/// vLLM-shaped payloads (map form, through kv-core's one encoder) for the events a pod emits.
-/// The simulated engines hash as the index does (aligned): they publish its keys.
-mod wire {
-    use super::*;
-
-    fn batch(events: Vec<KvEvent>) -> Vec<u8> {
-        encode_batch(&EventBatch {
-            ts: 0.0,
-            events,
-            data_parallel_rank: Some(0),
-        })
-    }
-
-    /// Evicted blocks (vLLM sends one `BlockRemoved` per evicted hash).
-    pub fn removed(hashes: &[BlockHash]) -> Vec<u8> {
-        step(hashes, &[], 0)
-    }
-
-    /// One engine step's events: its evictions, then the blocks it filled.
-    pub fn step(
-        removed: &[BlockHash],
-        stored: &[(Option<BlockHash>, Vec<BlockHash>)],
-        block_size: u64,
-    ) -> Vec<u8> {
-        let mut events: Vec<KvEvent> = removed
-            .iter()
-            .map(|&h| {
-                KvEvent::BlockRemoved(BlockRemoved {
-                    block_hashes: vec![EngineHash::aligned(h)],
-                    medium: Some(Medium::Gpu),
-                    ..Default::default()
-                })
-            })
-            .collect();
-        events.extend(stored.iter().map(|(parent, hashes)| {
-            KvEvent::BlockStored(Box::new(BlockStored {
-                block_hashes: hashes.iter().map(|&h| EngineHash::aligned(h)).collect(),
-                parent_block_hash: parent.map(EngineHash::aligned),
-                block_size: block_size as u32,
-                medium: Some(Medium::Gpu),
-                ..Default::default()
-            }))
-        }));
-        batch(events)
-    }
-
-    pub fn cleared() -> Vec<u8> {
-        batch(vec![KvEvent::AllBlocksCleared])
-    }
 }
 
 #[derive(Debug)]
@@ -222,7 +170,7 @@ impl Ord for Event {
 }
 
 struct Pod {
-    engine: Engine,
+    engine: PodEngine,
     /// A step is in flight.
     stepping: bool,
     /// Bumped by a restart: steps of an earlier incarnation are void.
@@ -250,6 +198,8 @@ pub struct PolicyReport {
     pub ttft_p90_ms: f64,
     /// Time to first token, ms.
     pub ttft_p99_ms: f64,
+    /// Mean time to first token, ms.
+    pub ttft_mean_ms: f64,
     /// Output tokens per second, from the first arrival to the last token.
     pub output_tokens_per_s: f64,
     /// Sequences preempted (all pods).
@@ -258,6 +208,52 @@ pub struct PolicyReport {
     pub load_spread: f64,
     /// Engine counters summed over pods (the largest step over all).
     pub engine: EngineStats,
+    /// How the router's predicted hits compare with the hits the engines took (routers that
+    /// predict: the precise ones).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub prediction: Option<PredictionStats>,
+}
+
+/// A predicting router's expected hit on the pod it chose, against the hit the engine took
+/// when it admitted the request (the cache may have changed in between, for every router
+/// alike).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+pub struct PredictionStats {
+    /// Requests admitted with a prediction (routed, not bypassed, not retried).
+    pub requests: usize,
+    /// Predicted exactly.
+    pub exact: usize,
+    /// Predicted more than the engine reused (a pick made on a hit that was not there).
+    pub over: usize,
+    /// Predicted less.
+    pub under: usize,
+    /// Tokens predicted beyond the hits taken, summed over the over-predicted requests.
+    pub over_tokens: u64,
+}
+
+impl PredictionStats {
+    /// Counts one admitted request.
+    pub fn record(&mut self, predicted: u64, taken: u64) {
+        self.requests += 1;
+        match predicted.cmp(&taken) {
+            CmpOrdering::Equal => self.exact += 1,
+            CmpOrdering::Greater => {
+                self.over += 1;
+                self.over_tokens += predicted - taken;
+            }
+            CmpOrdering::Less => self.under += 1,
+        }
+    }
+
+    /// Share of the predicted requests predicted more than they got.
+    pub fn over_share(&self) -> f64 {
+        self.over as f64 / self.requests.max(1) as f64
+    }
+
+    /// Share predicted exactly.
+    pub fn exact_share(&self) -> f64 {
+        self.exact as f64 / self.requests.max(1) as f64
+    }
 }
 
 fn percentile(sorted: &[f64], p: f64) -> f64 {
@@ -279,7 +275,14 @@ pub fn run(
     routers: &mut [Box<dyn routers::Router>],
 ) -> PolicyReport {
     assert!(!routers.is_empty(), "at least one router");
-    let indexer = Indexer::new(IndexerSettings::default()).expect("default settings are valid");
+    let mut index_settings = IndexerSettings::default();
+    if settings.model_family.is_hybrid() {
+        // The simulated engines publish the index's keys; an engine whose groups' blocks are
+        // wider than the unit (Mamba's 576 tokens) carries no token ids to show it, so the
+        // index is told rather than left to decide per engine.
+        index_settings.default_model.engine_hashes = EngineHashes::Aligned;
+    }
+    let indexer = Indexer::new(index_settings).expect("default settings are valid");
     let epoch = Instant::now();
     let at = |ms: f64| epoch + Duration::from_secs_f64(ms.max(0.0) / 1_000.0);
     let pod_names: Vec<String> = (0..settings.pod_capacity_blocks.len())
@@ -289,7 +292,7 @@ pub fn run(
         .pod_capacity_blocks
         .iter()
         .map(|&c| Pod {
-            engine: Engine::new(settings.engine, c),
+            engine: PodEngine::new(settings.engine, settings.model_family, c),
             stepping: false,
             incarnation: 0,
             down_until: f64::NEG_INFINITY,
@@ -322,6 +325,11 @@ pub fn run(
     // Per gateway replica, its requests in flight per pod; per request, (replica, pod).
     let mut in_flight = vec![vec![0usize; n_pods]; routers.len()];
     let mut placed: Vec<Option<(usize, usize)>> = vec![None; requests.len()];
+    // Per request, the hit its router predicted on the pod it went to.
+    let mut predicted: Vec<Option<u64>> = vec![None; requests.len()];
+    let mut prediction = PredictionStats::default();
+    let indexed = routers[0].indexed_groups();
+    let hybrid = settings.model_family.is_hybrid();
     let mut unfinished = requests.len();
     let mut ttft = Vec::with_capacity(requests.len());
     let (mut hit_tokens, mut prompt_tokens, mut prefill_tokens) = (0u64, 0u64, 0u64);
@@ -363,6 +371,7 @@ pub fn run(
                         indexer: &indexer,
                         model: MODEL,
                         pod_names: &pod_names,
+                        score_before_last_token: hybrid,
                     };
                     let p = routers[replica].route(&requests[i], &ctx).min(n_pods - 1);
                     // A down pod refuses the connection; the gateway retries on the live pod
@@ -376,6 +385,7 @@ pub fn run(
                         p
                     };
                     routers[replica].routed(&requests[i], p, &ctx);
+                    predicted[i] = routers[replica].predicted_hit_tokens(&requests[i], p);
                     p
                 };
                 if !pods[pod].engine.fits(&requests[i]) {
@@ -393,7 +403,7 @@ pub fn run(
                     continue;
                 }
                 pods[p].stepping = false;
-                let end = pods[p].engine.complete(requests);
+                let end = pods[p].engine.complete(requests, indexed);
                 for &i in &end.first_tokens {
                     ttft.push(now - requests[i].arrival_ms);
                 }
@@ -408,8 +418,7 @@ pub fn run(
                 if end.output_tokens > 0 {
                     last_token_ms = now;
                 }
-                if !end.stored.is_empty() || !end.removed.is_empty() {
-                    let payload = wire::step(&end.removed, &end.stored, settings.engine.block_size);
+                if let Some(payload) = end.payload {
                     push(
                         &mut heap,
                         now + settings.event_delay_ms,
@@ -424,12 +433,11 @@ pub fn run(
                 }
             }
             EventKind::Reset(p) => {
-                let dropped = pods[p].engine.reset_prefix_cache();
-                if !dropped.is_empty() {
+                if let Some(payload) = pods[p].engine.reset_prefix_cache(indexed) {
                     push(
                         &mut heap,
                         now + settings.event_delay_ms,
-                        EventKind::Deliver(p, wire::removed(&dropped)),
+                        EventKind::Deliver(p, payload),
                     );
                 }
             }
@@ -487,6 +495,9 @@ pub fn run(
             if !pod.stepping && pod.down_until <= now {
                 if let Some(step) = pod.engine.schedule(requests) {
                     for &(i, hit) in &step.admitted {
+                        if let Some(expected) = predicted[i].take() {
+                            prediction.record(expected, hit);
+                        }
                         hit_tokens += hit;
                         prompt_tokens += requests[i].prompt_tokens;
                     }
@@ -502,7 +513,7 @@ pub fn run(
         }
     }
     for pod in &pods {
-        let s = pod.engine.stats;
+        let s = pod.engine.stats();
         stats.steps += s.steps;
         stats.preemptions += s.preemptions;
         stats.max_step_tokens = stats.max_step_tokens.max(s.max_step_tokens);
@@ -523,6 +534,7 @@ pub fn run(
         ttft_p50_ms: percentile(&ttft, 50.0),
         ttft_p90_ms: percentile(&ttft, 90.0),
         ttft_p99_ms: percentile(&ttft, 99.0),
+        ttft_mean_ms: ttft.iter().sum::<f64>() / ttft.len().max(1) as f64,
         output_tokens_per_s: output_tokens as f64 / span_s,
         preemptions: stats.preemptions,
         load_spread: if spread_n == 0 {
@@ -531,48 +543,6 @@ pub fn run(
             spread_sum / spread_n as f64
         },
         engine: stats,
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::wire;
-    use kv_core::{decode_batch, BlockHash, EngineHash, KvEvent};
-
-    fn h(v: u64) -> BlockHash {
-        BlockHash::new(v)
-    }
-
-    fn e(v: u64) -> EngineHash {
-        EngineHash::new(v)
-    }
-
-    /// The simulated pods' payloads take the daemon's decode path and mean what they say.
-    #[test]
-    fn simulated_payloads_decode_as_vllm_events() {
-        let stored = decode_batch(&wire::step(&[], &[(Some(h(10)), vec![h(11), h(12)])], 16))
-            .expect("stored");
-        match stored.events.as_slice() {
-            [KvEvent::BlockStored(s)] => {
-                assert_eq!(s.block_hashes, vec![e(11), e(12)]);
-                assert_eq!(s.parent_block_hash, Some(e(10)));
-                assert_eq!(s.block_size, 16);
-            }
-            other => panic!("unexpected {other:?}"),
-        }
-        let removed = decode_batch(&wire::removed(&[h(11), h(12)])).expect("removed");
-        assert_eq!(
-            removed.events.len(),
-            2,
-            "one BlockRemoved per hash, as vLLM sends"
-        );
-        assert!(
-            matches!(&removed.events[1], KvEvent::BlockRemoved(r) if r.block_hashes == [e(12)])
-        );
-        let cleared = decode_batch(&wire::cleared()).expect("cleared");
-        assert!(matches!(
-            cleared.events.as_slice(),
-            [KvEvent::AllBlocksCleared]
-        ));
+        prediction: (prediction.requests > 0).then_some(prediction),
     }
 }

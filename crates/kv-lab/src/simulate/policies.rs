@@ -23,11 +23,17 @@ pub const POLICIES: [&str; 10] = [
     "precise",
 ];
 
+/// Policies `all` leaves out: precise scoring over an index fed only the full-attention
+/// groups' events (llm-d's and Dynamo's indexes today), to set beside `precise` and
+/// `precise-nospec` on a hybrid model family (on `full` they are the same).
+pub const FULL_ONLY_POLICIES: [&str; 2] = ["precise-full-only", "precise-full-only-nospec"];
+
 /// A policy or weight setting that does not parse.
 #[derive(Debug, Error, PartialEq, Eq)]
 pub enum PolicyError {
-    /// Not one of [`POLICIES`].
-    #[error("unknown policy {0:?} (one of {list})", list = POLICIES.join(", "))]
+    /// Not one of [`POLICIES`] or [`FULL_ONLY_POLICIES`].
+    #[error("unknown policy {0:?} (one of {list}, {full_only})", list = POLICIES.join(", "),
+        full_only = FULL_ONLY_POLICIES.join(", "))]
     UnknownPolicy(String),
     /// Not `equal`, `llm-d` or `prefix:queue:kv` (finite, at least 0, not all 0).
     #[error("--weights {0:?}: equal, llm-d, or prefix:queue:kv (e.g. 2:1:1; not all 0)")]
@@ -111,6 +117,11 @@ pub fn router(
         "precise" | "precise-nospec" => Box::new(
             routers::Precise::new(settings.precise_weights, name == "precise", seed)
                 .with_prefix_score(settings.precise_prefix),
+        ),
+        "precise-full-only" | "precise-full-only-nospec" => Box::new(
+            routers::Precise::new(settings.precise_weights, name == "precise-full-only", seed)
+                .with_prefix_score(settings.precise_prefix)
+                .full_attention_only(),
         ),
         other => return Err(PolicyError::UnknownPolicy(other.to_owned())),
     })

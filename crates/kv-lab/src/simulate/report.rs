@@ -173,6 +173,27 @@ pub fn policy_table(reports: &[PolicyReport]) -> String {
     out
 }
 
+/// How each predicting policy's expected hits compared with the hits the engines took, as a
+/// Markdown table (policies that predict nothing are left out).
+pub fn prediction_table(reports: &[PolicyReport]) -> String {
+    let mut out = String::from(
+        "| policy | requests predicted | exact | over-predicted | under-predicted | tokens over-predicted per over-predicted request |\n|---|---:|---:|---:|---:|---:|\n",
+    );
+    for r in reports {
+        let Some(p) = r.prediction else { continue };
+        out += &format!(
+            "| {} | {} | {:.1}% | {:.1}% | {:.1}% | {:.0} |\n",
+            r.policy,
+            p.requests,
+            100.0 * p.exact_share(),
+            100.0 * p.over_share(),
+            100.0 * p.under as f64 / p.requests.max(1) as f64,
+            p.over_tokens as f64 / p.over.max(1) as f64,
+        );
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -38,6 +38,8 @@ use kv_core::SplitMix64;
 use kv_core::{BlockHash, Candidate, PickSettings, PickWeights, PrefixNormalisation};
 use serde::Serialize;
 
+use super::family::{IndexedGroups, UNIT_TOKENS};
+pub use super::prefix_score::PrefixScore;
 use super::{PodMetrics, SimRequest};
 use crate::lru::LruSet;
 use kv_core::Indexer;
@@ -62,6 +64,11 @@ pub struct RouterContext<'a> {
     pub model: &'a str,
     /// Pod names in the index.
     pub pod_names: &'a [String],
+    /// Score only the prompt's hash units before its last token (vLLM recomputes the last
+    /// token, and the hash form carries no token count): set for hybrid pods, whose rule the
+    /// index applies to the units it is given; plain runs score every block, as the published
+    /// figures did.
+    pub score_before_last_token: bool,
 }
 
 /// A routing policy (one instance per gateway replica).
@@ -72,6 +79,17 @@ pub trait Router {
     fn route(&mut self, req: &SimRequest, ctx: &RouterContext<'_>) -> usize;
     /// Learns that `req` went to `pod`.
     fn routed(&mut self, _req: &SimRequest, _pod: usize, _ctx: &RouterContext<'_>) {}
+    /// The prompt tokens the router expected `pod`'s cache to give the request it routed
+    /// last (`None`: it predicts none): what the simulation compares with the hit the engine
+    /// takes.
+    fn predicted_hit_tokens(&self, _req: &SimRequest, _pod: usize) -> Option<u64> {
+        None
+    }
+    /// Which of a hybrid engine's groups this router's index is fed (every group unless it
+    /// models an index of the full-attention group alone).
+    fn indexed_groups(&self) -> IndexedGroups {
+        IndexedGroups::All
+    }
 }
 
 /// The gateway's approximate scorer's default capacity guess (`lruCapacityPerServer`).
@@ -121,86 +139,6 @@ impl From<Weights> for PickWeights {
 
 fn least_loaded(in_flight: &[usize], among: impl Iterator<Item = usize>) -> usize {
     among.min_by_key(|&p| (in_flight[p], p)).unwrap_or(0)
-}
-
-/// How a precise router turns the indexer's raw scores (tier-weighted consecutive blocks, the
-/// `score` of ScorePods) into the prefix scorer's value in `0..=1`.
-///
-/// llm-d's precise-prefix-cache scorer (`indexedScoresToNormalizedScoredPods` in
-/// llm-d-inference-scheduler's `preciseprefixcache` package) normalises min-max over the pods
-/// its indexer returned, 1.0 for each of them when their scores are equal, 0 for a pod not
-/// returned. Which pods those are depends on the indexer: kv-indexer returns every candidate,
-/// pods holding nothing included with 0 ([`PrefixScore::MinMax`]); llm-d's own indexer returns
-/// only the pods holding the prompt's first block ([`PrefixScore::MinMaxHolders`]).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
-pub enum PrefixScore {
-    /// Min-max over every candidate (llm-d's scorer on kv-indexer's scores); 1.0 for all when
-    /// all are equal.
-    MinMax,
-    /// Min-max over the pods holding the prompt's first block (llm-d's scorer on llm-d's own
-    /// indexer): the shortest holder scores as low as a pod holding nothing, a single holder
-    /// 1.0 however short its match.
-    MinMaxHolders,
-    /// Matched blocks over prompt blocks (what this lab scored before; no deployed precise
-    /// scorer does this).
-    Share,
-}
-
-impl PrefixScore {
-    /// Every form, by the name `--precise-prefix-score` takes.
-    pub const NAMES: [(&'static str, PrefixScore); 3] = [
-        ("min-max", PrefixScore::MinMax),
-        ("min-max-holders", PrefixScore::MinMaxHolders),
-        ("share", PrefixScore::Share),
-    ];
-
-    /// The form `name` stands for.
-    pub fn parse(name: &str) -> Option<Self> {
-        Self::NAMES
-            .iter()
-            .find(|(n, _)| *n == name)
-            .map(|&(_, form)| form)
-    }
-
-    /// Its name.
-    pub fn name(self) -> &'static str {
-        Self::NAMES
-            .iter()
-            .find(|(_, form)| *form == self)
-            .map_or("min-max", |&(n, _)| n)
-    }
-
-    /// The prefix scores to hand the pick for the raw scores of a prompt of `blocks` blocks,
-    /// and how the pick is to normalise them: the raw scores for its own min-max
-    /// ([`PrefixScore::MinMax`]), the scorer's values as they are for the other forms.
-    pub fn normalise(self, raw: &[f64], blocks: usize) -> (Vec<f64>, PrefixNormalisation) {
-        match self {
-            PrefixScore::MinMax => (raw.to_vec(), PrefixNormalisation::MinMax),
-            PrefixScore::MinMaxHolders => (min_max_holders(raw), PrefixNormalisation::AsGiven),
-            PrefixScore::Share => {
-                let n = blocks.max(1) as f64;
-                let share = raw.iter().map(|r| r / n).collect();
-                (share, PrefixNormalisation::AsGiven)
-            }
-        }
-    }
-}
-
-/// `(v - min) / (max - min)` over the pods holding something (1.0 for each when they are
-/// equal), 0 for the others: llm-d's min-max over the pods its own indexer returns.
-fn min_max_holders(raw: &[f64]) -> Vec<f64> {
-    let (min, max) = raw
-        .iter()
-        .copied()
-        .filter(|&r| r > 0.0)
-        .fold((f64::MAX, f64::MIN), |(lo, hi), r| (lo.min(r), hi.max(r)));
-    raw.iter()
-        .map(|&r| match r > 0.0 {
-            false => 0.0,
-            true if max > min => (r - min) / (max - min),
-            true => 1.0,
-        })
-        .collect()
 }
 
 /// The daemon's endpoint pick ([`kv_core::pick()`]) over every pod: the prefix scores
@@ -416,7 +354,12 @@ pub struct Precise {
     /// How raw scores become the prefix scorer's value (min-max over every candidate by
     /// default, as llm-d's scorer makes it of kv-indexer's scores).
     pub prefix_score: PrefixScore,
+    /// The index is fed the full-attention groups' events only (llm-d's and Dynamo's indexes
+    /// today), so it predicts a hybrid engine's hit as that group's prefix.
+    pub full_attention_only: bool,
     rng: SplitMix64,
+    /// The last routing's matched blocks per pod (what it predicted).
+    last_matched: Vec<u32>,
 }
 
 impl Precise {
@@ -427,8 +370,16 @@ impl Precise {
             weights,
             speculation,
             prefix_score: PrefixScore::MinMax,
+            full_attention_only: false,
             rng: super::rng(seed ^ 0x9E_C1),
+            last_matched: Vec::new(),
         }
+    }
+
+    /// The same router over an index fed only the full-attention groups' events.
+    pub fn full_attention_only(mut self) -> Self {
+        self.full_attention_only = true;
+        self
     }
 
     /// The same router with another prefix normalisation.
@@ -438,33 +389,61 @@ impl Precise {
     }
 }
 
-/// Per pod, the index's score for `req`: consecutive blocks from the start, tier-weighted
-/// (`score` of ScorePods; speculative blocks included, at their weight, 1 by default).
-fn indexed_blocks(req: &SimRequest, ctx: &RouterContext<'_>) -> Vec<f64> {
-    let mut matched = vec![0.0; ctx.pod_names.len()];
+/// The prompt's blocks a precise router scores: all of them, or those before its last token
+/// when the context says so.
+fn scored_blocks<'r>(req: &'r SimRequest, ctx: &RouterContext<'_>) -> &'r [BlockHash] {
+    if ctx.score_before_last_token {
+        let units = req.prompt_tokens.saturating_sub(1) / u64::from(UNIT_TOKENS);
+        &req.blocks[..req.blocks.len().min(units as usize)]
+    } else {
+        &req.blocks
+    }
+}
+
+/// Per pod, the index's score for `blocks`: consecutive blocks from the start, tier-weighted
+/// (`score` of ScorePods; speculative blocks included, at their weight, 1 by default), and
+/// the blocks matched (into `matched` when given).
+fn indexed_blocks(
+    blocks: &[BlockHash],
+    ctx: &RouterContext<'_>,
+    mut matched: Option<&mut Vec<u32>>,
+) -> Vec<f64> {
+    let mut scores = vec![0.0; ctx.pod_names.len()];
+    if let Some(m) = matched.as_deref_mut() {
+        m.clear();
+        m.resize(ctx.pod_names.len(), 0);
+    }
     if let Ok(result) = ctx
         .indexer
-        .score_hashes(ctx.model, &req.blocks, kv_core::ALL_PODS)
+        .score_hashes(ctx.model, blocks, kv_core::ALL_PODS)
     {
         for (name, s) in result.named() {
             if let Some(p) = ctx.pod_names.iter().position(|n| **n == *name) {
-                matched[p] = s.score;
+                scores[p] = s.score;
+                if let Some(m) = matched.as_deref_mut() {
+                    m[p] = s.matched_blocks;
+                }
             }
         }
     }
-    matched
+    scores
 }
 
 impl Router for Precise {
     fn name(&self) -> String {
-        if self.speculation {
-            "precise".into()
+        let base = if self.full_attention_only {
+            "precise-full-only"
         } else {
-            "precise-nospec".into()
+            "precise"
+        };
+        if self.speculation {
+            base.into()
+        } else {
+            format!("{base}-nospec")
         }
     }
     fn route(&mut self, req: &SimRequest, ctx: &RouterContext<'_>) -> usize {
-        let raw = indexed_blocks(req, ctx);
+        let raw = indexed_blocks(scored_blocks(req, ctx), ctx, Some(&mut self.last_matched));
         let (prefix, normalise) = self.prefix_score.normalise(&raw, req.blocks.len());
         pick(&prefix, normalise, ctx, self.weights, &mut self.rng)
     }
@@ -474,6 +453,20 @@ impl Router for Precise {
             let _ =
                 ctx.indexer
                     .record_routing(ctx.model, &ctx.pod_names[pod], 0, hashes, ctx.instant);
+        }
+    }
+    fn predicted_hit_tokens(&self, req: &SimRequest, pod: usize) -> Option<u64> {
+        // vLLM recomputes at least the last token: a prompt's hit is at most its full units
+        // before it.
+        let cap = req.prompt_tokens.saturating_sub(1) / u64::from(UNIT_TOKENS);
+        let matched = u64::from(*self.last_matched.get(pod)?);
+        Some(matched.min(cap) * u64::from(UNIT_TOKENS))
+    }
+    fn indexed_groups(&self) -> IndexedGroups {
+        if self.full_attention_only {
+            IndexedGroups::FullAttentionOnly
+        } else {
+            IndexedGroups::All
         }
     }
 }
@@ -501,7 +494,7 @@ impl Router for Dynamo {
     }
     fn route(&mut self, req: &SimRequest, ctx: &RouterContext<'_>) -> usize {
         let n = req.blocks.len() as f64;
-        let overlap = indexed_blocks(req, ctx);
+        let overlap = indexed_blocks(&req.blocks, ctx, None);
         let costs: Vec<f64> = ctx
             .scraped
             .iter()
