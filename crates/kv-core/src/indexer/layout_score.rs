@@ -198,6 +198,24 @@ impl LayoutAsk<'_> {
     }
 }
 
+/// The tokens an engine with `layout` will reuse of a prompt of `units` units (at most
+/// `max_tokens`) once it has run a recorded prompt sharing its first `recorded` units: every
+/// group holds the recorded prefix's whole blocks, as vLLM caches them. Partial entries (a
+/// Mamba group's state inside a block, under `--prefix-match-unit`) are not counted: only the
+/// recorded prompt's last unit would have one, and which shared prefix ends there is not known
+/// here, so the credit errs below the hit vLLM takes, never above it.
+pub(super) fn recorded_hit_tokens(
+    layout: &crate::Layout,
+    units: usize,
+    max_tokens: u64,
+    recorded: usize,
+) -> u64 {
+    let groups = layout.groups();
+    layout.hit_tokens(units, max_tokens, |g, u| {
+        u < recorded && (u + 1) % groups[g].block_units.max(1) as usize == 0
+    })
+}
+
 /// Sets `lens[engine]`, growing `lens` to the largest engine id seen (once per thread).
 fn set_len(lens: &mut Vec<u32>, engine: EngineId, len: u32) {
     let i = engine as usize;
@@ -205,4 +223,32 @@ fn set_len(lens: &mut Vec<u32>, engine: EngineId, len: u32) {
         lens.resize(i + 1, 0);
     }
     lens[i] = len;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::recorded_hit_tokens;
+    use crate::{GroupKind, GroupSpec, Layout};
+
+    #[test]
+    fn a_recorded_prefix_counts_in_whole_blocks_even_where_partial_hits_are_on() {
+        let spec = |kind, block_units| GroupSpec { kind, block_units };
+        // Full attention and Mamba of 4 units: vLLM allows partial (unit) hits here.
+        let layout = Layout::new(
+            16,
+            vec![spec(GroupKind::Full, 4), spec(GroupKind::Mamba, 4)],
+        )
+        .expect("valid");
+        assert!(layout.fine_grained());
+        // Ten units recorded: the states at units 4 and 8 are vLLM's; a partial one at 10
+        // only if the recorded prompt ended there, which is not known.
+        assert_eq!(recorded_hit_tokens(&layout, 12, 12 * 16, 10), 8 * 16);
+        assert_eq!(recorded_hit_tokens(&layout, 12, 12 * 16, 3), 0);
+        // Capped like any hit.
+        assert_eq!(recorded_hit_tokens(&layout, 12, 7 * 16, 12), 4 * 16);
+        // Plain blocks of one unit: the recorded prefix itself.
+        let plain = Layout::new(16, vec![spec(GroupKind::Full, 1), spec(GroupKind::Full, 1)])
+            .expect("valid");
+        assert_eq!(recorded_hit_tokens(&plain, 12, 12 * 16, 10), 10 * 16);
+    }
 }

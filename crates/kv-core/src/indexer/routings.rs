@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 
-use super::layout_score::{LayoutAsk, LayoutScratch};
+use super::layout_score::{recorded_hit_tokens, LayoutAsk, LayoutScratch};
 use super::{Indexer, RoutingRecorded, ScoreError};
 use crate::BlockHash;
 
@@ -54,7 +54,8 @@ impl Indexer {
             // record reaching no further than the real hit would change no score.
             let unit = state.processor.block_size().max(1) as u64;
             let all = hashes.len() as u64 * unit;
-            let will_hit = (l.layout.hit_tokens(hashes.len(), all, |_, _| true) / unit) as usize;
+            let will_hit =
+                (recorded_hit_tokens(&l.layout, hashes.len(), all, hashes.len()) / unit) as usize;
             if will_hit <= real_blocks {
                 return Ok(RoutingRecorded::AlreadyHeld);
             }

@@ -14,7 +14,7 @@ use std::sync::Arc;
 use thiserror::Error;
 
 use super::groups::Layouts;
-use super::layout_score::{LayoutAsk, LayoutScratch};
+use super::layout_score::{recorded_hit_tokens, LayoutAsk, LayoutScratch};
 use super::order::{group_in_name_order, holder_order, GroupScratch};
 use super::scored::{PodRef, PodScore, RankScore};
 use super::{Indexer, ModelState};
@@ -520,7 +520,8 @@ impl Indexer {
     /// A recorded prompt counts as the hit the engine will take once it has run it: the
     /// walk stops at vLLM's `num_tokens - 1` cap like the real walk, and an engine with a
     /// layout (hybrid groups, engine blocks of several keys) is credited its rule's hit over
-    /// the recorded prefix (whole scheduler blocks), never the keys inside a block.
+    /// the recorded prefix's whole blocks ([`recorded_hit_tokens`]), never the keys inside a
+    /// block.
     fn score_speculative<S: AsRef<str>>(
         &self,
         state: &ModelState,
@@ -573,10 +574,8 @@ impl Indexer {
                     let rank = sdir.dense().rank_of(e.engine);
                     let layout = directory.engine(name, rank).and_then(|r| layouts.get(&r));
                     if let Some(l) = layout {
-                        let held = n as usize;
-                        let hit = l
-                            .layout
-                            .hit_tokens(hashes.len(), max_tokens, |_, u| u < held);
+                        let hit =
+                            recorded_hit_tokens(&l.layout, hashes.len(), max_tokens, n as usize);
                         n = (hit / unit) as u32;
                     }
                     let slot = &mut s.best[p as usize];

@@ -92,8 +92,6 @@ struct Group {
     units: u64,
     /// Its block, in tokens.
     block: u64,
-    /// Tokens behind the last computed one it keeps (`None`: all).
-    keep: Option<u64>,
 }
 
 impl Group {
@@ -103,12 +101,6 @@ impl Group {
             kind: spec.kind,
             units,
             block: units * u64::from(UNIT_TOKENS),
-            keep: match spec.kind {
-                GroupKind::Full => None,
-                GroupKind::SlidingWindow { window } => Some(u64::from(window.saturating_sub(1))),
-                // The state after the last computed token lives in the block holding it.
-                GroupKind::Mamba => Some(1),
-            },
         }
     }
 
@@ -117,11 +109,20 @@ impl Group {
         (i + 1) * self.units as usize - 1
     }
 
-    /// Blocks wholly outside what a sequence of `computed` tokens keeps.
+    /// Blocks wholly outside what a sequence of `computed` tokens keeps (vLLM's
+    /// `get_num_skipped_tokens`, in whole blocks).
     fn skipped(&self, computed: u64) -> usize {
-        self.keep.map_or(0, |keep| {
-            (computed.saturating_sub(keep) / self.block) as usize
-        })
+        let skipped_tokens = match self.kind {
+            GroupKind::Full => 0,
+            GroupKind::SlidingWindow { window } => {
+                computed.saturating_sub(u64::from(window.saturating_sub(1)))
+            }
+            // The state after the last computed token lives in the block holding it.
+            GroupKind::Mamba => computed.saturating_sub(1),
+            // Tokens before the chunk the next token falls in.
+            GroupKind::ChunkedLocal { chunk } => computed / u64::from(chunk) * u64::from(chunk),
+        };
+        (skipped_tokens / self.block) as usize
     }
 }
 
@@ -270,6 +271,7 @@ impl HybridEngine {
                 GroupKind::Full => 0,
                 GroupKind::SlidingWindow { .. } => group.skipped(hit),
                 GroupKind::Mamba => blocks.saturating_sub(1),
+                GroupKind::ChunkedLocal { .. } => group.skipped(hit),
             };
             held.clear();
             held.resize(first.min(blocks), None);

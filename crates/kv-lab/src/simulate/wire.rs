@@ -64,6 +64,8 @@ fn spec_fields(kind: GroupKind) -> (String, Option<i64>) {
         GroupKind::Full => ("full_attention".into(), None),
         GroupKind::SlidingWindow { window } => ("sliding_window".into(), Some(i64::from(window))),
         GroupKind::Mamba => ("mamba".into(), None),
+        // The chunk is not in vLLM's events: the index takes it from the model's settings.
+        GroupKind::ChunkedLocal { .. } => ("chunked_local_attention".into(), None),
     }
 }
 
