@@ -56,7 +56,7 @@ fn drain(e: &mut HybridEngine, requests: &[SimRequest]) -> Vec<(u32, u32)> {
 
 /// Consecutive blocks of `req` group 0 holds (what an index of full attention alone sees).
 fn full_prefix_tokens(e: &HybridEngine, req: &SimRequest) -> u64 {
-    let g = e.groups[0];
+    let g = e.blocks.groups[0];
     let max = (req.prompt_tokens - 1) / g.block;
     let n = (0..max as usize)
         .take_while(|&i| e.cache.is_hit((0, req.block_hash(g.key_unit(i)))))

@@ -38,6 +38,7 @@ pub mod prefix_score;
 pub mod report;
 pub mod request;
 pub mod routers;
+pub mod scheduler;
 pub mod wire;
 pub mod workloads;
 
