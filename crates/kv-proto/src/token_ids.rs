@@ -6,8 +6,8 @@
 //! buffers), which made the varint form of ScorePods about twice as slow as the packed
 //! little-endian form. This type is the same message on the wire (prost-build maps
 //! `.kvindexer.v1.TokenIds` here with `extern_path`); it writes the varints into a stack
-//! buffer flushed with one copy per kilobyte, and reads them from each contiguous chunk of
-//! the input in a tight loop.
+//! buffer flushed with one copy per 2 KiB, and reads them from each contiguous chunk of the
+//! input eight bytes at a time (every varint of up to 3 bytes that ends in the word).
 //!
 //! Invariants (protobuf's rules for a `repeated uint32`, as prost applies them):
 //! - encoding is packed (one length-delimited field 1), nothing for an empty list;
@@ -29,14 +29,21 @@ pub struct TokenIds {
 }
 
 /// The packed payload's length (the ids' varints, without key or length prefix): one byte
-/// per id, plus one for each 7-bit boundary it passes (a loop the compiler vectorises).
+/// per id, plus one for each 7-bit boundary it passes. Summed in `u32` lanes over batches
+/// that cannot overflow them, so the compiler vectorises the loop (prost asks for the length
+/// before it encodes, and the encoder writes it first: it is computed twice a message).
 fn payload_len(ids: &[u32]) -> usize {
-    ids.iter()
-        .map(|&v| {
-            1 + usize::from(v >= 1 << 7)
-                + usize::from(v >= 1 << 14)
-                + usize::from(v >= 1 << 21)
-                + usize::from(v >= 1 << 28)
+    ids.chunks(1 << 24)
+        .map(|batch| {
+            batch
+                .iter()
+                .map(|&v| {
+                    1 + u32::from(v >= 1 << 7)
+                        + u32::from(v >= 1 << 14)
+                        + u32::from(v >= 1 << 21)
+                        + u32::from(v >= 1 << 28)
+                })
+                .sum::<u32>() as usize
         })
         .sum()
 }
@@ -76,19 +83,19 @@ impl prost::Message for TokenIds {
         encoding::encode_key(1, WireType::LengthDelimited, buf);
         encoding::encode_varint(payload_len(&self.ids) as u64, buf);
         let mut chunk = [0u8; CHUNK];
-        let mut n = 0;
-        for &v in &self.ids {
-            if n > CHUNK - 5 {
-                buf.put_slice(&chunk[..n]);
-                n = 0;
+        // Ids in batches that always fit the buffer's room (5 bytes each at most), so the
+        // loop over a batch checks nothing but the ids.
+        for batch in self.ids.chunks(CHUNK / 5) {
+            let mut n = 0;
+            for &v in batch {
+                let out: &mut [u8; 5] = match (&mut chunk[n..n + 5]).try_into() {
+                    Ok(out) => out,
+                    Err(_) => unreachable!("a batch's varints fit the buffer"),
+                };
+                n += put_varint(v, out);
             }
-            let out: &mut [u8; 5] = match (&mut chunk[n..n + 5]).try_into() {
-                Ok(out) => out,
-                Err(_) => unreachable!("n <= CHUNK - 5"),
-            };
-            n += put_varint(v, out);
+            buf.put_slice(&chunk[..n]);
         }
-        buf.put_slice(&chunk[..n]);
     }
 
     fn merge_field(
@@ -173,17 +180,26 @@ fn merge_packed(ids: &mut Vec<u32>, buf: &mut impl Buf) -> Result<(), DecodeErro
 #[inline]
 fn decode_complete(s: &[u8], ids: &mut Vec<u32>) -> Result<usize, DecodeError> {
     let mut i = 0;
-    // While a whole varint of any length fits, ids of up to 3 bytes (every vocabulary up to
-    // 2M tokens) take a path without length checks.
+    // While a whole varint of any length fits, the varints of up to 3 bytes (every vocabulary
+    // up to 2M tokens) that end inside the next 8 bytes are read from one word: the bytes
+    // without a continuation bit end them, so one load serves two or three ids.
     while let Some(w) = s.get(i..i + 10) {
-        let word = u32::from_le_bytes([w[0], w[1], w[2], w[3]]);
-        // The first byte without a continuation bit ends the varint.
-        let ends = !word & 0x0080_8080;
-        if ends != 0 {
-            let len = (ends.trailing_zeros() as usize + 1) / 8;
-            let kept = word & (u32::MAX >> (32 - 8 * len as u32));
+        let word = u64::from_le_bytes([w[0], w[1], w[2], w[3], w[4], w[5], w[6], w[7]]);
+        let mut ends = !word & 0x8080_8080_8080_8080;
+        let mut start = 0u32; // bytes of the word consumed
+        while ends != 0 {
+            let end = ends.trailing_zeros() / 8 + 1; // bytes through this varint's last
+            let len = end - start;
+            if len > 3 {
+                break;
+            }
+            let kept = (word >> (8 * start)) as u32 & (u32::MAX >> (32 - 8 * len));
             ids.push((kept & 0x7f) | (kept >> 1) & 0x3f80 | (kept >> 2) & 0x1f_c000);
-            i += len;
+            start = end;
+            ends &= ends - 1;
+        }
+        if start > 0 {
+            i += start as usize;
             continue;
         }
         match decode_one(&s[i..])? {
