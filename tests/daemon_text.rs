@@ -70,7 +70,12 @@ impl Fleet {
         }
     }
 
-    /// Publishes `pod` storing the blocks of `ids`, until ScorePods with `request` sees them all.
+    /// Publishes `pod` storing the blocks of `ids` until the daemon has applied the message,
+    /// then scores `request` once: its first ScorePods, so the text is tokenized in full (a
+    /// later call of the same text reads the prefix store, whose hit covers only the prompt's
+    /// stored text blocks, see `kv_tokenize::prefix`). Waiting for the message rather than for
+    /// a non-zero score also keeps a score from reading the run while it is being applied
+    /// (reads never wait for writes).
     async fn store_until_scored(
         &mut self,
         model: &str,
@@ -81,35 +86,42 @@ impl Fleet {
         let hashes = self.processor.block_hashes(ids, &RequestExtras::default());
         assert!(!hashes.is_empty(), "the prompt must have full blocks");
         let tokens = &ids[..hashes.len() * self.block_size];
+        let seq = self.seq;
+        self.seq += 1;
+        let mut applied = false;
         for _ in 0..100 {
             let msg = support::pods::token_stored_message(
                 model,
                 pod,
-                self.seq,
+                seq,
                 &hashes,
                 tokens,
                 self.block_size,
             );
             self.publisher.send(msg).await.expect("send");
             tokio::time::sleep(Duration::from_millis(50)).await;
-            let r = self
-                .grpc
-                .score_pods(ScorePodsRequest {
-                    model: model.into(),
-                    input: Some(request.clone()),
-                    pods: vec![pod.into()],
-                    ..Default::default()
-                })
+            applied = support::pods::list(&self.daemon)
                 .await
-                .expect("ScorePods")
-                .into_inner();
-            if r.scores[0].matched_blocks > 0 {
-                self.seq += 1;
-                assert_eq!(r.total_blocks as usize, hashes.len());
-                return r.scores[0].matched_blocks;
+                .iter()
+                .any(|p| p.pod == pod && p.last_sequence >= seq as i64);
+            if applied {
+                break;
             }
         }
-        panic!("the stored blocks were never scored");
+        assert!(applied, "the stored blocks were never applied");
+        let r = self
+            .grpc
+            .score_pods(ScorePodsRequest {
+                model: model.into(),
+                input: Some(request),
+                pods: vec![pod.into()],
+                ..Default::default()
+            })
+            .await
+            .expect("ScorePods")
+            .into_inner();
+        assert_eq!(r.total_blocks as usize, hashes.len());
+        r.scores[0].matched_blocks
     }
 }
 
