@@ -572,7 +572,12 @@ impl Indexer {
             match directory.pod_index(name) {
                 Some(p) => {
                     let rank = sdir.dense().rank_of(e.engine);
-                    let layout = directory.engine(name, rank).and_then(|r| layouts.get(&r));
+                    // The pod's engine is looked up by name only when some engine of the
+                    // model has a layout (most fleets: none).
+                    let layout = (!layouts.is_empty())
+                        .then(|| directory.engine(name, rank))
+                        .flatten()
+                        .and_then(|r| layouts.get(&r));
                     if let Some(l) = layout {
                         let hit =
                             recorded_hit_tokens(&l.layout, hashes.len(), max_tokens, n as usize);

@@ -186,9 +186,10 @@ impl Blocks for HybridBlocks {
             let blocks = (hit / group.block) as usize;
             let first = match group.kind {
                 GroupKind::Full => 0,
-                GroupKind::SlidingWindow { .. } => group.skipped(hit),
+                GroupKind::SlidingWindow { .. } | GroupKind::ChunkedLocal { .. } => {
+                    group.skipped(hit)
+                }
                 GroupKind::Mamba => blocks.saturating_sub(1),
-                GroupKind::ChunkedLocal { .. } => group.skipped(hit),
             };
             held.clear();
             held.resize(first.min(blocks), None);
