@@ -10,22 +10,11 @@ use std::rc::Rc;
 
 use kv_core::{mix64, BlockHash, Indexer, IndexerSettings};
 use kv_lab::simulate::routers::{self, CapacityGuess, Router, RouterContext, Weights};
-use kv_lab::simulate::workloads::{MultiTurn, Sampling, SharedPrefix};
+use kv_lab::simulate::workloads::{MultiTurn, SharedPrefix};
 use kv_lab::simulate::{run, PodMetrics, PolicyReport, SimRequest, SimSettings};
 
-/// 24 system prompts x 5 questions (2,000 + 200 tokens, 50 out), 4 req/s, each prompt once.
 fn small_spec() -> SharedPrefix {
-    SharedPrefix {
-        groups: 24,
-        prompts_per_group: 5,
-        system_tokens: 2_000,
-        question_tokens: 200,
-        output_tokens: 50,
-        rate_per_s: 4.0,
-        sampling: Sampling::EachOnce,
-        duration_s: 0.0,
-        burst: 1,
-    }
+    support::small_shared_prefix_spec()
 }
 
 fn small_shared_prefix_seeded(seed: u64) -> Vec<SimRequest> {

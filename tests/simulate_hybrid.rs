@@ -5,25 +5,15 @@
 //! Small workloads keep these fast in debug builds; the published figures come from
 //! `kv-indexer simulate --model-family` in release (docs/simulation.md, "Hybrid models").
 
+mod support;
+
 use kv_lab::simulate::family::ModelFamily;
 use kv_lab::simulate::routers::{Precise, Router, Weights};
-use kv_lab::simulate::workloads::{Sampling, SharedPrefix};
 use kv_lab::simulate::{run, PolicyReport, SimRequest, SimSettings};
 
-/// 24 system prompts x 5 questions (2,000 + 200 tokens, 50 out), 4 req/s, each prompt once.
+/// The simulator tests' small shared-prefix workload, seed 7.
 fn workload() -> Vec<SimRequest> {
-    SharedPrefix {
-        groups: 24,
-        prompts_per_group: 5,
-        system_tokens: 2_000,
-        question_tokens: 200,
-        output_tokens: 50,
-        rate_per_s: 4.0,
-        sampling: Sampling::EachOnce,
-        duration_s: 0.0,
-        burst: 1,
-    }
-    .generate(16, 7)
+    support::small_shared_prefix_spec().generate(16, 7)
 }
 
 /// Two pods of `blocks` 16-token blocks of KV, pods of `family`, chunks of 512 tokens (so

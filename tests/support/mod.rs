@@ -248,3 +248,20 @@ pub async fn http_get(port: u16, path: &str) -> Option<(u16, String)> {
     let code = head.split_whitespace().nth(1)?.parse().ok()?;
     Some((code, body.to_owned()))
 }
+
+/// The simulator tests' small workload (`tests/simulate.rs`, `tests/simulate_hybrid.rs`): 24
+/// system prompts x 5 questions (2,000 + 200 tokens, 50 out), 4 req/s, each prompt once.
+pub fn small_shared_prefix_spec() -> kv_lab::simulate::workloads::SharedPrefix {
+    use kv_lab::simulate::workloads::{Sampling, SharedPrefix};
+    SharedPrefix {
+        groups: 24,
+        prompts_per_group: 5,
+        system_tokens: 2_000,
+        question_tokens: 200,
+        output_tokens: 50,
+        rate_per_s: 4.0,
+        sampling: Sampling::EachOnce,
+        duration_s: 0.0,
+        burst: 1,
+    }
+}

@@ -60,6 +60,14 @@ fn sample() -> (Vec<u8>, u64) {
     w.finish()
 }
 
+/// The blocks pod `p` of model `m` is credited for `prompt` (by its tokens).
+fn matched_by_p(ix: &kv_core::Indexer, prompt: &[u32]) -> u32 {
+    ix.score_tokens("m", prompt, &["p"], None, None)
+        .expect("model")
+        .scores[0]
+        .matched_blocks
+}
+
 /// Restores a snapshot of `source`'s blocks and engine keys into `into`.
 fn restore(source: &kv_core::Indexer, into: &kv_core::Indexer) {
     let mut w = SnapshotWriter::new(StreamId::ZERO, 8);
@@ -101,12 +109,7 @@ fn a_translated_engines_map_survives_a_snapshot() {
     // One token past the three engine blocks: vLLM recomputes at least the last token, so a
     // prompt of exactly 96 tokens would reuse two blocks at most.
     let prompt: Vec<u32> = tokens.iter().copied().chain([5]).collect();
-    let matched = |ix: &Indexer| {
-        ix.score_tokens("m", &prompt, &["p"], None, None)
-            .expect("model")
-            .scores[0]
-            .matched_blocks
-    };
+    let matched = |ix: &Indexer| matched_by_p(ix, &prompt);
     assert_eq!(matched(&restored), 4, "two engine blocks of 32: four units");
     restored
         .apply_batch("m", "p", &run(&[13], Some(12), &tokens[64..]))
@@ -234,12 +237,7 @@ fn a_snapshot_of_another_key_space_is_not_loaded_as_keys() {
     let (bytes, _) = w.finish();
     // One token past the four blocks (vLLM recomputes at least the last token).
     let prompt: Vec<u32> = tokens.iter().copied().chain([3]).collect();
-    let matched = |ix: &Indexer| {
-        ix.score_tokens("m", &prompt, &["p"], None, None)
-            .expect("model")
-            .scores[0]
-            .matched_blocks
-    };
+    let matched = |ix: &Indexer| matched_by_p(ix, &prompt);
 
     let same = indexer("1");
     let load = super::super::store::apply_snapshot(&bytes, &same).expect("loads");
@@ -314,12 +312,7 @@ fn a_snapshot_carries_the_lookahead_its_keys_were_made_with() {
     }
     source.export_each(|model, key, blocks| w.blocks(model, key, blocks));
     let (bytes, _) = w.finish();
-    let matched = |ix: &Indexer| {
-        ix.score_tokens("m", &tokens, &["p"], None, None)
-            .expect("model")
-            .scores[0]
-            .matched_blocks
-    };
+    let matched = |ix: &Indexer| matched_by_p(ix, &tokens);
     assert_eq!(matched(&source), 4);
 
     let fresh = indexer();
@@ -378,12 +371,7 @@ fn a_translated_hybrid_engines_groups_survive_a_snapshot() {
         .sum();
     assert_eq!(entries, 6, "three blocks in each of two groups");
     let prompt: Vec<u32> = tokens.iter().copied().chain([5]).collect();
-    let matched = |ix: &Indexer| {
-        ix.score_tokens("m", &prompt, &["p"], None, None)
-            .expect("model")
-            .scores[0]
-            .matched_blocks
-    };
+    let matched = |ix: &Indexer| matched_by_p(ix, &prompt);
     assert_eq!(matched(&restored), 3);
     // The window's last block leaves group 1 only: the window (two blocks) no longer ends
     // at block 3, so the hit is the first two blocks, whose window is held.
