@@ -7,7 +7,8 @@
 //! little-endian form. This type is the same message on the wire (prost-build maps
 //! `.kvindexer.v1.TokenIds` here with `extern_path`); it writes the varints into a stack
 //! buffer flushed with one copy per 2 KiB, and reads them from each contiguous chunk of the
-//! input eight bytes at a time (every varint of up to 3 bytes that ends in the word).
+//! input twelve bytes at a time: the bytes without a continuation bit pick a plan from a
+//! table, which reads up to four varints of up to 3 bytes without a branch per id.
 //!
 //! Invariants (protobuf's rules for a `repeated uint32`, as prost applies them):
 //! - encoding is packed (one length-delimited field 1), nothing for an empty list;
@@ -59,7 +60,9 @@ fn put_varint(v: u32, out: &mut [u8; 5]) -> usize {
         let len = 1 + usize::from(v >= 1 << 7) + usize::from(v >= 1 << 14);
         // 7 bits per byte, then a continuation bit on every byte but the last.
         let spread = (v & 0x7f) | (v << 1) & 0x7f00 | (v << 2) & 0x7f_0000;
-        let cont = [0, 0x80, 0x8080][len - 1];
+        // 0, 0x80 or 0x8080, shifted rather than looked up (a table here is rebuilt on the
+        // stack and read back every id).
+        let cont = 0x8080 >> (8 * (3 - len));
         out[..4].copy_from_slice(&(spread | cont).to_le_bytes());
         len
     } else {
@@ -141,6 +144,11 @@ fn error(what: &'static str) -> DecodeError {
     DecodeError::new(what)
 }
 
+/// Bytes of input decoded per step into a stack buffer (one id per byte at most), then
+/// appended to the list: the ids are written where they stay in cache, and the list's
+/// memory is reserved but never written twice.
+const BATCH: usize = 1024;
+
 /// Reads a packed run (its length prefix, then varints) into `ids`.
 fn merge_packed(ids: &mut Vec<u32>, buf: &mut impl Buf) -> Result<(), DecodeError> {
     let len = encoding::decode_varint(buf)?;
@@ -150,15 +158,17 @@ fn merge_packed(ids: &mut Vec<u32>, buf: &mut impl Buf) -> Result<(), DecodeErro
         .ok_or_else(|| error("TokenIds.ids: packed length past the input"))?;
     // At most one id per byte; never more than is there.
     ids.reserve(left);
+    let mut batch = [0u32; BATCH];
     while left > 0 {
         let chunk = buf.chunk();
-        let take = chunk.len().min(left);
-        let used = decode_complete(&chunk[..take], ids)?;
+        let take = chunk.len().min(left).min(BATCH);
+        let (used, n) = decode_complete(&chunk[..take], &mut batch)?;
+        ids.extend_from_slice(&batch[..n]);
         buf.advance(used);
         left -= used;
         if left > 0 && used < take {
-            // A varint split between two chunks of the input: read it the slow way, and
-            // check that it ends inside the run.
+            // A varint split between two chunks of the input (or batches): read it the slow
+            // way, and check that it ends inside the run.
             let before = buf.remaining();
             let v = encoding::decode_varint(buf)?;
             let used = before - buf.remaining();
@@ -175,51 +185,115 @@ fn merge_packed(ids: &mut Vec<u32>, buf: &mut impl Buf) -> Result<(), DecodeErro
     Ok(())
 }
 
-/// Decodes every varint that ends inside `s` into `ids`; returns the bytes consumed (short of
-/// `s.len()` only when `s` ends inside a varint).
-#[inline]
-fn decode_complete(s: &[u8], ids: &mut Vec<u32>) -> Result<usize, DecodeError> {
-    let mut i = 0;
-    // While a whole varint of any length fits, the varints of up to 3 bytes (every vocabulary
-    // up to 2M tokens) that end inside the next 8 bytes are read from one word: the bytes
-    // without a continuation bit end them, so one load serves two or three ids.
-    while let Some(w) = s.get(i..i + 10) {
-        let word = u64::from_le_bytes([w[0], w[1], w[2], w[3], w[4], w[5], w[6], w[7]]);
-        let mut ends = !word & 0x8080_8080_8080_8080;
-        let mut start = 0u32; // bytes of the word consumed
-        while ends != 0 {
-            let end = ends.trailing_zeros() / 8 + 1; // bytes through this varint's last
-            let len = end - start;
-            if len > 3 {
+/// Bytes a plan looks at: four varints of up to 3 bytes fit.
+const PLAN_BYTES: usize = 12;
+
+/// How to read the varints of up to 3 bytes that start a 12-byte window, for one pattern of
+/// its bytes without a continuation bit (the varints' last bytes).
+#[derive(Clone, Copy)]
+struct Plan {
+    /// Varints read (0-4; 0 when the first is longer than 3 bytes).
+    count: u8,
+    /// Bytes they take.
+    consumed: u8,
+    /// Each varint's first byte in the window (0 for unused slots).
+    start: [u8; 4],
+    /// Each varint's bytes, as a mask of the 4 bytes read from its start (0 for unused
+    /// slots).
+    mask: [u32; 4],
+}
+
+/// Plans for every terminator pattern of a window (bit k set: byte k ends a varint), 96 KiB
+/// of which a stream touches the few patterns its widths make.
+static PLANS: [Plan; 1 << PLAN_BYTES] = {
+    let mut plans = [Plan {
+        count: 0,
+        consumed: 0,
+        start: [0; 4],
+        mask: [0; 4],
+    }; 1 << PLAN_BYTES];
+    let mut pattern = 0;
+    while pattern < 1 << PLAN_BYTES {
+        let plan = &mut plans[pattern];
+        let mut start = 0;
+        let mut slot = 0;
+        while slot < 4 {
+            let mut end = start;
+            while end < PLAN_BYTES && pattern & (1 << end) == 0 {
+                end += 1;
+            }
+            let len = end + 1 - start;
+            if end == PLAN_BYTES || len > 3 {
                 break;
             }
-            let kept = (word >> (8 * start)) as u32 & (u32::MAX >> (32 - 8 * len));
-            ids.push((kept & 0x7f) | (kept >> 1) & 0x3f80 | (kept >> 2) & 0x1f_c000);
-            start = end;
-            ends &= ends - 1;
+            plan.start[slot] = start as u8;
+            plan.mask[slot] = u32::MAX >> (32 - 8 * len);
+            start = end + 1;
+            slot += 1;
         }
-        if start > 0 {
-            i += start as usize;
-            continue;
+        plan.count = slot as u8;
+        plan.consumed = start as u8;
+        pattern += 1;
+    }
+    plans
+};
+
+/// One bit per byte of `word` without a continuation bit, byte k's in bit k (a movemask in
+/// scalar code).
+#[inline(always)]
+fn ends(word: u64) -> usize {
+    ((!word & 0x8080_8080_8080_8080).wrapping_mul(0x0002_0408_1020_4081) >> 56) as usize
+}
+
+/// Decodes every varint that ends inside `s` into `out` (room for one id per byte of `s`);
+/// returns the bytes consumed (short of `s.len()` only when `s` ends inside a varint) and
+/// the ids written.
+#[inline]
+fn decode_complete(s: &[u8], out: &mut [u32]) -> Result<(usize, usize), DecodeError> {
+    let (mut i, mut n) = (0, 0);
+    // While 20 bytes are left, the varints of up to 3 bytes (every vocabulary up to 2M
+    // tokens) that start the next 12 are read by their plan: up to four ids a step, each from
+    // 4 bytes at its start, with no branch per id. Four slots are always written and `n`
+    // moves by the count; slots past it are overwritten next or cut off. In bounds: each id
+    // took at least one byte, so `n + 4 <= i + 4 < s.len() <= out.len()`; a start (below 16)
+    // plus 4 stays inside the 20 bytes.
+    while let Some(w) = s.get(i..i + 20) {
+        let lo = u64::from_le_bytes([w[0], w[1], w[2], w[3], w[4], w[5], w[6], w[7]]);
+        let hi = u64::from_le_bytes([w[8], w[9], w[10], w[11], w[12], w[13], w[14], w[15]]);
+        let plan = &PLANS[(ends(lo) | ends(hi) << 8) & ((1 << PLAN_BYTES) - 1)];
+        if plan.count > 0 {
+            if let Some(dst) = out.get_mut(n..n + 4) {
+                for (slot, id) in dst.iter_mut().enumerate() {
+                    let at = usize::from(plan.start[slot] & 15);
+                    let x = u32::from_le_bytes([w[at], w[at + 1], w[at + 2], w[at + 3]])
+                        & plan.mask[slot];
+                    *id = (x & 0x7f) | (x >> 1) & 0x3f80 | (x >> 2) & 0x1f_c000;
+                }
+                n += usize::from(plan.count);
+                i += usize::from(plan.consumed);
+                continue;
+            }
         }
         match decode_one(&s[i..])? {
             Some((v, len)) => {
-                ids.push(v);
+                out[n] = v;
+                n += 1;
                 i += len;
             }
-            None => return Ok(i),
+            None => return Ok((i, n)),
         }
     }
     while i < s.len() {
         match decode_one(&s[i..])? {
             Some((v, len)) => {
-                ids.push(v);
+                out[n] = v;
+                n += 1;
                 i += len;
             }
             None => break,
         }
     }
-    Ok(i)
+    Ok((i, n))
 }
 
 /// The varint at the start of `s` (its low 32 bits) and its length; `None` when `s` ends

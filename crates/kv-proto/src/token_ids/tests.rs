@@ -95,6 +95,55 @@ fn decodes_what_prost_encodes_packed_or_not_from_any_split() {
     }
 }
 
+/// Ids whose widths follow a random walk: long runs of 1-, 2- and 3-byte varints (more than
+/// four to a word, or a word ending inside one), now and then a 4-5-byte one.
+fn random_widths(n: usize, seed: u64) -> Vec<u32> {
+    let mut x = seed;
+    let mut next = move || {
+        x = x
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        (x >> 32) as u32
+    };
+    let mut width = 1;
+    (0..n)
+        .map(|_| {
+            let r = next();
+            if r % 8 == 0 {
+                width = 1 + next() % 3;
+            }
+            match (r % 97, width) {
+                (0, _) => r | 1 << 28,
+                (1, _) => (r >> 8) | 1 << 21,
+                (_, 1) => r % 128,
+                (_, 2) => 128 + r % (16_384 - 128),
+                _ => 16_384 + r % (151_936 - 16_384),
+            }
+        })
+        .collect()
+}
+
+#[test]
+fn decodes_random_runs_of_widths_as_prost_does() {
+    for seed in 0..200 {
+        let ids = random_widths(64 + seed as usize * 7, seed);
+        let bytes = Packed { ids: ids.clone() }.encode_to_vec();
+        assert_eq!(
+            TokenIds::decode(bytes.as_slice()).expect("decodes").ids,
+            ids,
+            "seed {seed}"
+        );
+        for step in [1, 9, 13, 64] {
+            let buf = Chunked {
+                bytes: Bytes::from(bytes.clone()),
+                step,
+            };
+            let got = TokenIds::decode(buf).expect("decodes split input");
+            assert_eq!(got.ids, ids, "seed {seed}, chunks of {step} bytes");
+        }
+    }
+}
+
 #[test]
 fn large_varints_truncate_to_32_bits_as_prost_does() {
     // Field 1, packed: 2^35 + 9 (5 bytes) and u64::MAX (10 bytes).
