@@ -204,9 +204,11 @@ pub async fn start(config: Config) -> Result<RunningDaemon, DaemonError> {
         indexer.clone(),
         shutdown_rx.clone(),
     )));
-    ingest.attach(tokio::spawn(crate::heap::trim_periodically(
-        shutdown_rx.clone(),
-    )));
+    if crate::heap::TRIM_NEEDED {
+        ingest.attach(tokio::spawn(crate::heap::trim_periodically(
+            shutdown_rx.clone(),
+        )));
+    }
 
     let tokenizers =
         kv_tokenize::TokenizerService::new(config.tokenizer_settings(), metrics.tokenizer.clone());

@@ -1,25 +1,32 @@
-//! Giving freed heap back to the operating system after a burst.
+//! Giving freed heap back to the operating system after a burst, on glibc.
 //!
 //! glibc's allocator keeps the pages of freed small allocations in its arenas: after Redis was
 //! down and the append queue held hundreds of megabytes of entries, the process's resident
 //! memory stays at that high-water mark although the queue is empty again (the one-hour soak:
 //! 390 MB before the first restart, 683 MB after, never lower). [`release_free_heap`] asks the
 //! allocator to return what is free (`malloc_trim(0)`); it is called once a large backlog has
-//! drained, never on a hot path. Off glibc it does nothing.
+//! drained, never on a hot path. Steady work leaves free pages behind too (pods joining and
+//! leaving, batches decoded and dropped): the soak saw RSS climb 50-70 MB in ten minutes with
+//! the index's own bytes flat, all of it returned by the next trim. [`trim_periodically`] trims
+//! once a minute when resident memory has grown by [`TRIM_GROWTH`] since the last trim.
 //!
 //! The binary's allocator is mimalloc (feature `mimalloc`, on by default; `src/main.rs`),
-//! which returns freed pages by itself after a short delay; the trim then also asks it to
-//! collect at once (`mi_collect(true)`), and `malloc_trim` covers what still lives on glibc's
-//! heap (a build without the feature, and the library's own tests, which run on glibc).
-//!
-//! Steady work leaves free pages behind too (pods joining and leaving, batches decoded and
-//! dropped): the soak saw RSS climb 50-70 MB in ten minutes with the index's own bytes flat,
-//! all of it returned by the next trim. [`trim_periodically`] trims once a minute when resident
-//! memory has grown by [`TRIM_GROWTH`] since the last trim.
+//! which returns freed pages by itself: in the shortened soak (two Redis outages, 2026-11-26,
+//! docs/benchmarks.md) replica r1 came back to 113-130 MiB within 20 s of each drained backlog
+//! with these trims and without them alike. So with that feature nothing here runs
+//! ([`TRIM_NEEDED`] is false); a build without it (glibc) keeps both triggers.
 
 use std::time::Duration;
 
 use tokio::sync::watch;
+
+/// Whether the binary's allocator must be told to give freed memory back: glibc's must (a
+/// build without the `mimalloc` feature); mimalloc returns it by itself.
+pub(crate) const TRIM_NEEDED: bool = cfg!(all(
+    target_os = "linux",
+    target_env = "gnu",
+    not(feature = "mimalloc")
+));
 
 /// Growth of resident memory since the last trim that is worth a periodic one.
 const TRIM_GROWTH: u64 = 32 << 20;
@@ -27,8 +34,11 @@ const TRIM_GROWTH: u64 = 32 << 20;
 const TRIM_EVERY: Duration = Duration::from_secs(60);
 
 /// Returns the allocator's free pages to the OS; reports the resident memory before and after
-/// (`None` where it cannot be read or the allocator has no such call).
+/// (`None` where it cannot be read, or where no trim is needed: [`TRIM_NEEDED`]).
 pub(crate) fn release_free_heap() -> Option<(u64, u64)> {
+    if !TRIM_NEEDED {
+        return None;
+    }
     let before = crate::metrics::resident_memory_bytes()?;
     if !trim() {
         return None;
@@ -39,6 +49,9 @@ pub(crate) fn release_free_heap() -> Option<(u64, u64)> {
 /// [`release_free_heap`] on a blocking thread, off the runtime's (a trim of a large heap takes
 /// milliseconds); what both triggers call.
 pub(crate) async fn release_off_runtime() -> Option<(u64, u64)> {
+    if !TRIM_NEEDED {
+        return None;
+    }
     tokio::task::spawn_blocking(release_free_heap)
         .await
         .ok()
@@ -46,7 +59,7 @@ pub(crate) async fn release_off_runtime() -> Option<(u64, u64)> {
 }
 
 /// Until shutdown: every minute, trims the heap if resident memory grew by [`TRIM_GROWTH`]
-/// since the last trim (or since start).
+/// since the last trim (or since start). Spawned only where [`TRIM_NEEDED`].
 pub(crate) async fn trim_periodically(mut shutdown: watch::Receiver<bool>) {
     let mut tick = tokio::time::interval(TRIM_EVERY);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -74,32 +87,19 @@ pub(crate) async fn trim_periodically(mut shutdown: watch::Receiver<bool>) {
     }
 }
 
+/// `malloc_trim(0)`: glibc returns the free pages of its arenas.
 #[cfg(all(target_os = "linux", target_env = "gnu"))]
 #[allow(unsafe_code)]
 fn trim() -> bool {
     // SAFETY: malloc_trim takes no pointers and only touches the allocator's own state, under
     // its locks; any thread may call it at any time.
     unsafe { libc::malloc_trim(0) };
-    collect_mimalloc();
     true
 }
 
-/// Asks mimalloc to return its free pages now (a no-op where it is linked but not the global
-/// allocator).
-#[cfg(feature = "mimalloc")]
-#[allow(unsafe_code)]
-fn collect_mimalloc() {
-    // SAFETY: mi_collect takes no pointers; any thread may call it at any time.
-    unsafe { libmimalloc_sys::mi_collect(true) };
-}
-
-#[cfg(not(feature = "mimalloc"))]
-fn collect_mimalloc() {}
-
 #[cfg(not(all(target_os = "linux", target_env = "gnu")))]
 fn trim() -> bool {
-    collect_mimalloc();
-    cfg!(feature = "mimalloc")
+    false
 }
 
 #[cfg(test)]
@@ -112,7 +112,10 @@ mod tests {
         let mut pieces: Vec<Vec<u8>> = (0..65_536).map(|i| vec![i as u8; 4096]).collect();
         let pins: Vec<Vec<u8>> = pieces.iter().step_by(64).cloned().collect();
         drop(std::mem::take(&mut pieces));
-        let (before, after) = super::release_free_heap().expect("glibc on Linux");
+        // `trim` itself: the library's tests run on glibc whatever the binary's allocator.
+        let before = crate::metrics::resident_memory_bytes().expect("procfs");
+        assert!(super::trim(), "glibc on Linux");
+        let after = crate::metrics::resident_memory_bytes().expect("procfs");
         assert!(
             after + (128 << 20) < before,
             "malloc_trim returned too little: {before} -> {after} bytes resident"

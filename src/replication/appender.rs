@@ -2,7 +2,8 @@
 //! While Redis fails it keeps its batch, backs off (100 ms doubling to 5 s) and reconnects;
 //! the queue meanwhile fills up to `appendQueue` entries or `appendQueueBytes`, beyond which the
 //! workers' appends are dropped and counted (they never wait). Once a backlog of at least
-//! [`TRIM_BACKLOG`] bytes has drained, the freed heap is handed back to the OS (`crate::heap`).
+//! [`TRIM_BACKLOG`] bytes has drained, the freed heap is handed back to the OS where the
+//! allocator needs telling (a glibc build; `crate::heap`).
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -18,7 +19,7 @@ use crate::warn_budget::WarnThrottle;
 const BATCH: usize = 512;
 /// Attempts to flush what is left once the queue has closed (shutdown).
 const FINAL_ATTEMPTS: u32 = 3;
-/// A backlog this large (bytes queued at once), once drained, is worth a `malloc_trim`.
+/// A backlog this large (bytes queued at once), once drained, is worth a `malloc_trim` (glibc).
 const TRIM_BACKLOG: usize = 32 << 20;
 
 pub(super) async fn run(
