@@ -257,33 +257,26 @@ fn decode_complete(s: &[u8], out: &mut [u32]) -> Result<(usize, usize), DecodeEr
     // moves by the count; slots past it are overwritten next or cut off. In bounds: each id
     // took at least one byte, so `n + 4 <= i + 4 < s.len() <= out.len()`; a start (below 16)
     // plus 4 stays inside the 20 bytes.
-    while let Some(w) = s.get(i..i + 20) {
-        let lo = u64::from_le_bytes([w[0], w[1], w[2], w[3], w[4], w[5], w[6], w[7]]);
-        let hi = u64::from_le_bytes([w[8], w[9], w[10], w[11], w[12], w[13], w[14], w[15]]);
-        let plan = &PLANS[(ends(lo) | ends(hi) << 8) & ((1 << PLAN_BYTES) - 1)];
-        if plan.count > 0 {
-            if let Some(dst) = out.get_mut(n..n + 4) {
-                for (slot, id) in dst.iter_mut().enumerate() {
-                    let at = usize::from(plan.start[slot] & 15);
-                    let x = u32::from_le_bytes([w[at], w[at + 1], w[at + 2], w[at + 3]])
-                        & plan.mask[slot];
-                    *id = (x & 0x7f) | (x >> 1) & 0x3f80 | (x >> 2) & 0x1f_c000;
-                }
-                n += usize::from(plan.count);
-                i += usize::from(plan.consumed);
-                continue;
-            }
-        }
-        match decode_one(&s[i..])? {
-            Some((v, len)) => {
-                out[n] = v;
-                n += 1;
-                i += len;
-            }
-            None => return Ok((i, n)),
-        }
-    }
+    // Otherwise (a longer varint, or the last 20 bytes) one varint at a time.
     while i < s.len() {
+        if let Some(w) = s.get(i..i + 20) {
+            let lo = u64::from_le_bytes([w[0], w[1], w[2], w[3], w[4], w[5], w[6], w[7]]);
+            let hi = u64::from_le_bytes([w[8], w[9], w[10], w[11], w[12], w[13], w[14], w[15]]);
+            let plan = &PLANS[(ends(lo) | ends(hi) << 8) & ((1 << PLAN_BYTES) - 1)];
+            if plan.count > 0 {
+                if let Some(dst) = out.get_mut(n..n + 4) {
+                    for (slot, id) in dst.iter_mut().enumerate() {
+                        let at = usize::from(plan.start[slot] & 15);
+                        let x = u32::from_le_bytes([w[at], w[at + 1], w[at + 2], w[at + 3]])
+                            & plan.mask[slot];
+                        *id = (x & 0x7f) | (x >> 1) & 0x3f80 | (x >> 2) & 0x1f_c000;
+                    }
+                    n += usize::from(plan.count);
+                    i += usize::from(plan.consumed);
+                    continue;
+                }
+            }
+        }
         match decode_one(&s[i..])? {
             Some((v, len)) => {
                 out[n] = v;
