@@ -34,11 +34,9 @@ const TRIM_GROWTH: u64 = 32 << 20;
 const TRIM_EVERY: Duration = Duration::from_secs(60);
 
 /// Returns the allocator's free pages to the OS; reports the resident memory before and after
-/// (`None` where it cannot be read, or where no trim is needed: [`TRIM_NEEDED`]).
-pub(crate) fn release_free_heap() -> Option<(u64, u64)> {
-    if !TRIM_NEEDED {
-        return None;
-    }
+/// (`None` where it cannot be read). Called through [`release_off_runtime`], which checks
+/// [`TRIM_NEEDED`].
+fn release_free_heap() -> Option<(u64, u64)> {
     let before = crate::metrics::resident_memory_bytes()?;
     if !trim() {
         return None;
