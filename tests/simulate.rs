@@ -13,12 +13,8 @@ use kv_lab::simulate::routers::{self, CapacityGuess, Router, RouterContext, Weig
 use kv_lab::simulate::workloads::{MultiTurn, SharedPrefix};
 use kv_lab::simulate::{run, PodMetrics, PolicyReport, SimRequest, SimSettings};
 
-fn small_spec() -> SharedPrefix {
-    support::small_shared_prefix_spec()
-}
-
 fn small_shared_prefix_seeded(seed: u64) -> Vec<SimRequest> {
-    small_spec().generate(16, seed)
+    support::small_shared_prefix_spec().generate(16, seed)
 }
 
 fn small_shared_prefix() -> Vec<SimRequest> {
@@ -461,7 +457,7 @@ fn a_cache_too_small_preempts_and_every_request_still_finishes() {
     let requests = SharedPrefix {
         output_tokens: 400,
         rate_per_s: 20.0,
-        ..small_spec()
+        ..support::small_shared_prefix_spec()
     }
     .generate(16, 9);
     let tight = SimSettings {
