@@ -21,7 +21,8 @@ use crate::config::{Config, ConfigError};
 use crate::ingest::{self, IngestError, IngestHandle, IngestSetup, LogHandle, Publishers};
 use crate::metrics::Metrics;
 use crate::replication::{Replication, ReplicationError};
-use crate::server::grpc::{KvIndexerApi, ScoreService};
+use crate::scoring::Scoring;
+use crate::server::grpc::KvIndexerApi;
 use crate::server::http;
 use crate::server::llmd::LlmdIndexerApi;
 use kv_core::{Indexer, SettingsError};
@@ -212,12 +213,12 @@ pub async fn start(config: Config) -> Result<RunningDaemon, DaemonError> {
 
     let tokenizers =
         kv_tokenize::TokenizerService::new(config.tokenizer_settings(), metrics.tokenizer.clone());
-    let service = ScoreService::new(
+    let service = Scoring::new(
         indexer.clone(),
         tokenizers,
         metrics.clone(),
         ingest.pods.clone(),
-        config.server.clone(),
+        (config.server.clone(), "server.maxConcurrentRequests"),
         log.clone(),
     );
     let (health_reporter, health_service) = tonic_health::server::health_reporter();

@@ -7,10 +7,12 @@
 //! - [`replication`]: several replicas sharing one index through Redis (a shared event log,
 //!   snapshots, warm restarts), off by default; it implements ingestion's shared-log port, so
 //!   it depends on ingestion and never the reverse;
+//! - [`scoring`]: scoring as a service of the daemon (a prompt in, each pod's prefix score out;
+//!   routing records), in the daemon's own types and error kinds;
 //! - [`server`]: gRPC (ScorePods, admin, llm-d compatibility, health, reflection) and HTTP
-//!   (metrics, probes);
+//!   (metrics, probes), each RPC mapped onto [`scoring`];
 //! - [`picker`]: the endpoint picker of an `InferencePool` (Envoy ext_proc, GIE's protocol), off
-//!   by default, scoring through the server's ScorePods path and kv-core's pick;
+//!   by default, scoring through [`scoring`] and kv-core's pick;
 //! - [`config`], [`metrics`], [`daemon`]: the YAML schema, the Prometheus registry (attached to
 //!   the index and the tokenizer from the outside), and the wiring with ordered start-up and
 //!   graceful shutdown; `warn_budget`: how many warning lines input can cause; `heap`: freed
@@ -28,6 +30,7 @@ mod ingest;
 mod metrics;
 mod picker;
 pub mod replication;
+mod scoring;
 mod server;
 mod warn_budget;
 

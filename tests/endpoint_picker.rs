@@ -1,14 +1,14 @@
 //! kv-indexer as an InferencePool's endpoint picker, end to end over real sockets: a daemon
 //! with `endpointPicker` on, fake vLLM pods that publish KV events over ZMQ and serve
 //! `/metrics` over HTTP, and an ext_proc client generated from Envoy's protos (envoy-types).
-//! Envoy itself is not installable here; these tests stand in for it, following GIE's
-//! endpoint-picker protocol (`docs/proposals/004-endpoint-picker-protocol`) and its conformance
-//! suite point by point:
+//! These tests drive the protocol message by message, following GIE's endpoint-picker protocol
+//! (`docs/proposals/004-endpoint-picker-protocol`) and its conformance suite point by point
+//! (`tests/gateway_envoy.rs` runs the same picks behind a real Envoy):
 //! - "Destination Endpoint" / conformance `GatewayFollowingEPPRouting`: the pick is in the
 //!   header `x-gateway-destination-endpoint` and in the metadata `envoy.lb`, the same value
 //!   (`a_chat_whose_prefix_pod_b_holds_goes_to_b`, `a_deep_queue_loses_a_tie_on_prefix`);
 //! - "Endpoint Subset": only endpoints of the hint are picked, as a string or a list; an empty
-//!   list is 503 (`the_subset_hint_is_obeyed`);
+//!   list, or one naming no pool pod, is 503 (`the_subset_hint_is_obeyed`);
 //! - "Destination Endpoint" constraints: no ready endpoint is ImmediateResponse 503
 //!   (`no_candidates_is_503`); a request shed is 429
 //!   (`past_max_in_flight_requests_are_shed_with_429`); a body that is not a request is 400 with a JSON error and the
@@ -116,7 +116,11 @@ async fn a_chat_whose_prefix_pod_b_holds_goes_to_b() {
         );
         assert_eq!(first(&a), b, "{a:?}");
         assert_eq!(a.header, a.metadata, "the header and the metadata agree");
-        assert_eq!(a.header.as_deref().map(|h| h.split(',').count()), Some(3));
+        assert_eq!(
+            a.header.as_deref().map(|h| h.split(',').count()),
+            Some(1),
+            "one endpoint, as every GIE gateway parses it"
+        );
     }
     // Negative control: a chat nobody holds is not sent to B every time (ties break at random).
     // Each chat differs from its first tokens on, so no pick's recorded routing favours a pod.
@@ -191,9 +195,16 @@ async fn the_subset_hint_is_obeyed() {
         let a = read(&exchange(&mut client, ask(Some(Hint::List(&only_b_list)))).await);
         assert_eq!(a.header.as_deref(), Some(only_b.as_str()), "{a:?}");
     }
-    // An endpoint the index has never heard of is still the hint's to give.
+    // A hint naming no pool pod is not routed to blindly: 503, counted.
     let a = read(&exchange(&mut client, ask(Some(Hint::Text("127.0.0.9:8000")))).await);
-    assert_eq!(a.header.as_deref(), Some("127.0.0.9:8000"));
+    assert_eq!(a.immediate.as_ref().map(|i| i.0), Some(503), "{a:?}");
+    assert_eq!(a.header, None);
+    assert!(
+        support::metric(
+            &fleet.daemon.metrics_text(),
+            "kvindexer_picker_subset_outside_pool_total"
+        ) >= 1.0
+    );
     // An empty subset: 503.
     let a = read(&exchange(&mut client, ask(Some(Hint::List(&none)))).await);
     assert_eq!(a.immediate.as_ref().map(|i| i.0), Some(503), "{a:?}");

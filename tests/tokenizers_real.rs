@@ -64,6 +64,7 @@ fn check(name: &str, model: &str) {
         add_generation_prompt,
         template_kwargs: kwargs,
         tools: None,
+        cut: None,
     };
     let (rendered, encoded) = tok.encode_chat(&input).expect("renders and encodes");
     assert_eq!(

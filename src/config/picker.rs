@@ -8,6 +8,9 @@ use serde::{Deserialize, Serialize};
 
 use super::{invalid, ConfigDuration, ConfigError, ConfigWarning};
 
+/// Most fallbacks an answer lists (Envoy's `override_host` tries each in turn on retries).
+pub const MAX_FALLBACKS: usize = 16;
+
 /// The endpoint picker (`endpointPicker`).
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 #[serde(rename_all = "camelCase", deny_unknown_fields, default)]
@@ -30,6 +33,10 @@ pub struct EndpointPickerConfig {
     pub max_body_bytes: usize,
     /// Requests being picked at once at most; beyond, 429 (shedding).
     pub max_in_flight: usize,
+    /// Fallback endpoints listed after the pick (`ip:port,ip:port,...`), for gateways whose
+    /// balancer reads a list (Envoy's `override_host` policy); 0, the default, answers one
+    /// endpoint, as every GIE gateway's ORIGINAL_DST cluster parses it.
+    pub fallbacks: usize,
 }
 
 /// The scorers' weights (llm-d's default profile: 3:2:2).
@@ -76,6 +83,7 @@ impl Default for EndpointPickerConfig {
             weights: PickWeightsConfig::default(),
             max_body_bytes: 10 << 20,
             max_in_flight: 1024,
+            fallbacks: 0,
         }
     }
 }
@@ -121,6 +129,12 @@ impl EndpointPickerConfig {
         if self.max_in_flight == 0 {
             return Err(invalid("endpointPicker.maxInFlight", "must be at least 1"));
         }
+        if self.fallbacks > MAX_FALLBACKS {
+            return Err(invalid(
+                "endpointPicker.fallbacks",
+                format!("must be at most {MAX_FALLBACKS}"),
+            ));
+        }
         Ok(())
     }
 
@@ -147,6 +161,7 @@ impl EndpointPickerConfig {
             ("weights", self.weights != d.weights),
             ("maxBodyBytes", self.max_body_bytes != d.max_body_bytes),
             ("maxInFlight", self.max_in_flight != d.max_in_flight),
+            ("fallbacks", self.fallbacks != d.fallbacks),
         ] {
             if set {
                 out.push(ConfigWarning {
@@ -256,6 +271,10 @@ mod tests {
             (
                 "endpointPicker: {maxBodyBytes: 10}",
                 "endpointPicker.maxBodyBytes",
+            ),
+            (
+                "endpointPicker: {fallbacks: 17}",
+                "endpointPicker.fallbacks",
             ),
         ] {
             let e = load(yaml).validate().err();

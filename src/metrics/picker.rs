@@ -2,9 +2,16 @@
 
 use std::time::Duration;
 
-use prometheus::{Histogram, IntCounter, IntCounterVec, Registry};
+use prometheus::{Histogram, HistogramOpts, IntCounter, IntCounterVec, Registry};
 
 use super::registry::{counter, counter_vec, latency};
+
+/// The prediction error's buckets, in tokens (predicted minus cached): symmetric, from a block
+/// to a long prompt either way.
+const PREDICTION_ERROR_BUCKETS: [f64; 15] = [
+    -8192.0, -2048.0, -512.0, -128.0, -32.0, -16.0, -1.0, 0.0, 1.0, 16.0, 32.0, 128.0, 512.0,
+    2048.0, 8192.0,
+];
 
 /// The endpoint picker's activity.
 pub struct PickerMetrics {
@@ -15,6 +22,10 @@ pub struct PickerMetrics {
     rejected_bodies: IntCounterVec,
     served_mismatch: IntCounter,
     not_recorded: IntCounterVec,
+    unscored: IntCounterVec,
+    subset_outside: IntCounter,
+    predictions: IntCounterVec,
+    prediction_error: Histogram,
 }
 
 impl PickerMetrics {
@@ -60,10 +71,44 @@ impl PickerMetrics {
             not_recorded: counter_vec(
                 r,
                 "kvindexer_picker_records_refused_total",
-                "Picks whose speculative routing record was refused (by gRPC code), so \
-                 back-to-back requests sharing their prefix are not steered by it",
-                &["code"],
+                "Picks whose speculative routing record was refused (by reason: invalid, \
+                 not_found, other), so back-to-back requests sharing their prefix are not \
+                 steered by it",
+                &["reason"],
             ),
+            unscored: counter_vec(
+                r,
+                "kvindexer_picker_unscored_requests_total",
+                "Requests picked on load alone because no prefix of theirs is knowable exactly, \
+                 by reason",
+                &["reason"],
+            ),
+            subset_outside: counter(
+                r,
+                "kvindexer_picker_subset_outside_pool_total",
+                "Endpoints a subset hint named that are not in the pool (never picked)",
+            ),
+            predictions: counter_vec(
+                r,
+                "kvindexer_picker_predictions_total",
+                "Responses whose usage.prompt_tokens_details.cached_tokens was held against the \
+                 pick's prediction, by result: exact, over (predicted more), under; or why not \
+                 measured: no_usage, no_cached_tokens, served_unlisted",
+                &["result"],
+            ),
+            prediction_error: {
+                let h = Histogram::with_opts(
+                    HistogramOpts::new(
+                        "kvindexer_picker_prediction_error_tokens",
+                        "Predicted minus actually cached prompt tokens on the endpoint that \
+                         served (vLLM's usage.prompt_tokens_details.cached_tokens)",
+                    )
+                    .buckets(PREDICTION_ERROR_BUCKETS.to_vec()),
+                )
+                .expect("valid histogram");
+                r.register(Box::new(h.clone())).expect("unique metric");
+                h
+            },
         }
     }
 
@@ -107,5 +152,34 @@ impl PickerMetrics {
     /// A response served by another endpoint than the pick.
     pub fn served_elsewhere(&self) {
         self.served_mismatch.inc();
+    }
+
+    /// A request picked on load alone: no prefix of it is knowable exactly (`reason`).
+    pub fn unscored(&self, reason: &str) {
+        self.unscored.with_label_values(&[reason]).inc();
+    }
+
+    /// Endpoints of a subset hint outside the pool.
+    pub fn subset_outside_pool(&self, n: usize) {
+        if n > 0 {
+            self.subset_outside.inc_by(n as u64);
+        }
+    }
+
+    /// A response's cached tokens against the pick's prediction for its endpoint.
+    pub fn prediction(&self, predicted: u32, actual: u32) {
+        let result = match predicted.cmp(&actual) {
+            std::cmp::Ordering::Equal => "exact",
+            std::cmp::Ordering::Greater => "over",
+            std::cmp::Ordering::Less => "under",
+        };
+        self.predictions.with_label_values(&[result]).inc();
+        self.prediction_error
+            .observe(f64::from(predicted) - f64::from(actual));
+    }
+
+    /// A response whose prediction could not be measured (`reason`).
+    pub fn prediction_unmeasured(&self, reason: &str) {
+        self.predictions.with_label_values(&[reason]).inc();
     }
 }

@@ -1,39 +1,37 @@
-//! One request's pick: its candidates (the subset hint, else the model's live pods), their
-//! prefix scores through `ScorePods`' own path (tokenizer, chat template, LoRA and salt), their
-//! load from the scraper, kv-core's [`pick`](kv_core::pick()), and the pick recorded as a
-//! speculative entry through `RecordRouting`'s path.
+//! One request's pick: its candidates (the model's live pods, narrowed by the subset hint),
+//! their prefix scores through the daemon's scoring (tokenizer, chat template, LoRA and salt),
+//! their load from the scraper, kv-core's [`pick`](kv_core::pick()), and the pick recorded as
+//! a speculative entry.
 //!
 //! Invariants: an outcome is exactly one of [`Outcome`]'s kinds, each counted by the caller;
-//! a request the score path finds malformed is the client's error (400), an overloaded
-//! tokenizer or a full picker sheds (429), and any other scoring failure (a tokenizer that
-//! cannot load, a deadline) still picks, on load alone, counted as `picked_without_prefix`.
+//! a subset hint only narrows the pool (an endpoint it names that the pool does not hold is
+//! never picked; nothing left is 503); a request scoring finds malformed is the client's error
+//! (400), an overloaded tokenizer or a full picker sheds (429), and any other scoring failure
+//! (a tokenizer that cannot load, a deadline) still picks, on load alone, counted as
+//! `picked_without_prefix`.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use tonic::Code;
-
-use super::body::OpenAiRequest;
+use super::body::PickRequest;
 use super::scrape::Scraper;
 use crate::ingest::lifecycle::Presence;
 use crate::ingest::Pods;
 use crate::metrics::Metrics;
-use crate::server::grpc::ScoreService;
+use crate::scoring::routing::RoutingRecord;
+use crate::scoring::{ScoreRequest, Scores, Scoring, ScoringError};
 use kv_core::{mix64, Candidate, Indexer, PickSettings, SplitMix64};
-use kv_proto::kvindexer_v1;
 
 /// How long scoring one request may take (tokenizing an 8,000-token chat included).
 const SCORE_DEADLINE: Duration = Duration::from_secs(5);
 
-/// Endpoints listed in the answer at most: the pick and its ordered fallbacks.
-pub const MAX_ENDPOINTS: usize = 4;
-
 /// A pick, as the gateway is told it.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Decision {
-    /// The endpoints, best first (`ip:port`).
+    /// The endpoints, best first (`ip:port`): the pick, then at most
+    /// `endpointPicker.fallbacks` fallbacks.
     pub endpoints: Vec<String>,
     /// The first endpoint's data-parallel rank, for a data-parallel pod.
     pub rank: Option<u32>,
@@ -41,6 +39,17 @@ pub struct Decision {
     pub with_prefix: bool,
     /// What the routing record needs should another endpoint serve (the prompt key).
     pub record: Option<(String, Vec<u8>)>,
+    /// The prompt tokens the engine is predicted to reuse on each of `endpoints` (same order;
+    /// empty when the prefix was not scored).
+    pub predicted_tokens: Vec<u32>,
+}
+
+impl Decision {
+    /// The tokens predicted cached on `endpoint`, if it is one of the answer's.
+    pub fn predicted_on(&self, endpoint: &str) -> Option<u32> {
+        let i = self.endpoints.iter().position(|e| e == endpoint)?;
+        self.predicted_tokens.get(i).copied()
+    }
 }
 
 /// What a request came to.
@@ -58,18 +67,56 @@ pub enum Outcome {
 
 /// The picker's state shared by every stream.
 pub struct Chooser {
-    pub(super) svc: Arc<ScoreService>,
+    pub(super) scoring: Arc<Scoring>,
     pub(super) indexer: Arc<Indexer>,
     pub(super) pods: Pods,
     pub(super) scraper: Arc<Scraper>,
     pub(super) metrics: Arc<Metrics>,
     pub(super) settings: PickSettings,
+    /// Fallbacks listed after the pick (`endpointPicker.fallbacks`).
+    pub(super) fallbacks: usize,
     /// LoRA adapter name -> its base model (vLLM serves an adapter as a model).
     pub(super) adapters: BTreeMap<String, String>,
     /// Picks so far, mixed with the process's seed into each pick's own tie-break stream
     /// (no lock shared by concurrent picks).
     pub(super) picks: AtomicU64,
     pub(super) seed: u64,
+}
+
+/// The address of an `ip:port` endpoint (`[v6]:port` included), the whole string without a
+/// port.
+fn host_of(endpoint: &str) -> &str {
+    match endpoint.rsplit_once(':') {
+        Some((host, port)) if !port.is_empty() && port.bytes().all(|b| b.is_ascii_digit()) => {
+            host.trim_start_matches('[').trim_end_matches(']')
+        }
+        _ => endpoint,
+    }
+}
+
+/// The prefix scores of one request: per candidate, its score, rank and matched blocks.
+#[derive(Default)]
+struct Prefix {
+    by_pod: HashMap<String, (f64, Option<u32>, u32)>,
+    prompt_key: Vec<u8>,
+    block_size: u32,
+    scored: bool,
+}
+
+impl Prefix {
+    fn of(scores: Scores) -> Self {
+        let by_pod = scores
+            .result
+            .named()
+            .map(|(pod, s)| (pod.to_owned(), (s.score, s.rank, s.matched_blocks)))
+            .collect();
+        Self {
+            by_pod,
+            prompt_key: scores.prompt_key,
+            block_size: u32::try_from(scores.block_size).unwrap_or(u32::MAX),
+            scored: true,
+        }
+    }
 }
 
 impl Chooser {
@@ -102,86 +149,121 @@ impl Chooser {
 
     /// Every pod the scraper should watch: each model's live pods.
     pub(super) fn all_live_pods(&self) -> Vec<Arc<str>> {
-        self.indexer
+        let mut pods: Vec<Arc<str>> = self
+            .indexer
             .models()
             .iter()
             .flat_map(|m| self.live_pods(m.name()))
             .map(Arc::from)
-            .collect()
+            .collect();
+        pods.sort_unstable();
+        pods.dedup();
+        pods
     }
 
-    /// Picks for `request` (`None`: a request without a body) among `subset` (the subset hint)
-    /// or the model's live pods.
+    /// The candidates: the pool (the model's live pods; every live pod for a request without
+    /// a model), narrowed by the subset hint.
+    fn candidates(&self, model: &str, subset: Option<Vec<String>>) -> Vec<String> {
+        let pool: Vec<String> = match model.is_empty() {
+            true => self.all_live_pods().iter().map(|p| p.to_string()).collect(),
+            false => self.live_pods(model),
+        };
+        match subset {
+            None => pool,
+            Some(hint) => {
+                // As GIE's EPP matches it: by address, whatever port the hint names (a
+                // data-parallel pod serves several).
+                let hinted: Vec<&str> = hint.iter().map(|h| host_of(h)).collect();
+                let kept: Vec<String> = pool
+                    .into_iter()
+                    .filter(|p| hinted.contains(&host_of(p)))
+                    .collect();
+                let outside = hinted
+                    .iter()
+                    .filter(|h| !kept.iter().any(|p| host_of(p) == **h))
+                    .count();
+                self.metrics.picker.subset_outside_pool(outside);
+                kept
+            }
+        }
+    }
+
+    /// Scores the prompt on `candidates`; an error the client or the load caused ends the
+    /// request, any other picks on load alone.
+    async fn prefix(
+        &self,
+        request: &mut Option<PickRequest>,
+        model: &str,
+        lora: String,
+        candidates: &[String],
+    ) -> Result<Prefix, Outcome> {
+        let Some(prompt) = request.as_mut().and_then(|r| r.prompt.take()) else {
+            return Ok(Prefix::default());
+        };
+        if self.indexer.model(model).is_none() {
+            return Ok(Prefix::default());
+        }
+        let req = ScoreRequest {
+            model: model.to_owned(),
+            prompt,
+            lora,
+            cache_salt: request
+                .as_mut()
+                .map(|r| std::mem::take(&mut r.cache_salt))
+                .unwrap_or_default(),
+            candidates: candidates.to_vec(),
+            every_rank: false,
+        };
+        let scored = self
+            .scoring
+            .score(req, Instant::now() + SCORE_DEADLINE)
+            .await;
+        match scored {
+            Ok(scores) => Ok(Prefix::of(scores)),
+            Err(ScoringError::Invalid(m)) => Err(Outcome::BadRequest("prompt", m)),
+            Err(ScoringError::Overloaded(m)) => Err(Outcome::Shed(m)),
+            Err(e) => {
+                tracing::warn!(%model, error = %e, "cannot score the prompt; picking on load alone");
+                Ok(Prefix::default())
+            }
+        }
+    }
+
+    /// Picks for `request` (`None`: a request without a body) among the pool, narrowed by
+    /// `subset` (the subset hint).
     pub async fn choose(
         &self,
-        request: Option<OpenAiRequest>,
+        mut request: Option<PickRequest>,
         subset: Option<Vec<String>>,
     ) -> Outcome {
         let (model, lora) = match &request {
             Some(r) => self.resolve(&r.model),
             None => (String::new(), String::new()),
         };
-        let candidates = match subset {
-            Some(hint) => {
-                self.scraper.hint(&hint);
-                hint
-            }
-            None if model.is_empty() => {
-                self.all_live_pods().iter().map(|p| p.to_string()).collect()
-            }
-            None => self.live_pods(&model),
-        };
+        let candidates = self.candidates(&model, subset);
         if candidates.is_empty() {
             return Outcome::NoCandidates(match &request {
                 Some(r) => format!("no ready endpoint serves model {:?}", r.model),
                 None => "no ready endpoint".into(),
             });
         }
-        let _permit = match self.svc.admit() {
+        let _permit = match self.scoring.admit() {
             Ok(p) => p,
-            Err(s) => return Outcome::Shed(s.message().to_owned()),
+            Err(e) => return Outcome::Shed(e.to_string()),
         };
-        let mut prefix: HashMap<String, (f64, Option<u32>)> = HashMap::new();
-        let mut prompt_key = Vec::new();
-        let mut with_prefix = false;
-        if let Some(r) = request.filter(|_| self.indexer.model(&model).is_some()) {
-            let scored = self
-                .svc
-                .score(
-                    kvindexer_v1::ScorePodsRequest {
-                        model: model.clone(),
-                        input: Some(r.input),
-                        pods: candidates.clone(),
-                        lora_name: lora,
-                        cache_salt: r.cache_salt,
-                        every_rank: false,
-                    },
-                    Instant::now() + SCORE_DEADLINE,
-                )
-                .await;
-            match scored {
-                Ok(resp) => {
-                    with_prefix = true;
-                    prompt_key = resp.prompt_key;
-                    for s in resp.scores {
-                        prefix.insert(s.pod, (s.score, s.data_parallel_rank));
-                    }
-                }
-                Err(s) if s.code() == Code::InvalidArgument => {
-                    return Outcome::BadRequest("prompt", s.message().to_owned())
-                }
-                Err(s) if s.code() == Code::ResourceExhausted => {
-                    return Outcome::Shed(s.message().to_owned())
-                }
-                Err(s) => {
-                    tracing::warn!(model = %model, code = ?s.code(), error = %s.message(), "cannot score the prompt; picking on load alone");
-                }
-            }
-        }
+        let prefix = match self.prefix(&mut request, &model, lora, &candidates).await {
+            Ok(p) => p,
+            Err(outcome) => return outcome,
+        };
+        self.decide(&model, &candidates, prefix)
+    }
+
+    /// kv-core's pick over the candidates with their prefix and load; the pick recorded.
+    fn decide(&self, model: &str, candidates: &[String], prefix: Prefix) -> Outcome {
         let list: Vec<Candidate> = candidates
             .iter()
             .map(|pod| {
-                let (score, rank) = prefix.get(pod).copied().unwrap_or((0.0, None));
+                let (score, rank, _) = prefix.by_pod.get(pod).copied().unwrap_or_default();
                 Candidate {
                     pod: pod.clone(),
                     rank,
@@ -192,8 +274,7 @@ impl Chooser {
             .collect();
         let n = self.picks.fetch_add(1, Ordering::Relaxed);
         let mut rng = SplitMix64::new(mix64(self.seed ^ n));
-        let pick = kv_core::pick(&list, &self.settings, &mut rng);
-        let pick = match pick {
+        let pick = match kv_core::pick(&list, &self.settings, &mut rng) {
             Ok(p) => p,
             Err(e) => return Outcome::NoCandidates(e.to_string()),
         };
@@ -203,35 +284,51 @@ impl Chooser {
         let endpoints: Vec<String> = pick
             .order
             .iter()
-            .take(MAX_ENDPOINTS)
+            .take(1 + self.fallbacks)
             .map(|r| list[r.candidate].pod.clone())
             .collect();
+        let predicted_tokens = match prefix.scored {
+            true => endpoints
+                .iter()
+                .map(|e| {
+                    let blocks = prefix.by_pod.get(e).map_or(0, |p| p.2);
+                    blocks.saturating_mul(prefix.block_size)
+                })
+                .collect(),
+            false => Vec::new(),
+        };
         let rank = pick.best().and_then(|i| list[i].rank);
-        let record = (!prompt_key.is_empty()).then(|| (model.clone(), prompt_key));
+        let record = (!prefix.prompt_key.is_empty()).then(|| (model.to_owned(), prefix.prompt_key));
         if let (Some((model, key)), Some(first)) = (&record, endpoints.first()) {
             self.record(model, first, rank, key);
         }
         Outcome::Picked(Decision {
             endpoints,
             rank,
-            with_prefix,
+            with_prefix: prefix.scored,
             record,
+            predicted_tokens,
         })
     }
 
     /// Records that `pod` got the prompt `key` names (a speculative entry until its events
     /// confirm it).
     pub fn record(&self, model: &str, pod: &str, rank: Option<u32>, key: &[u8]) {
-        let result = self.svc.record(kvindexer_v1::RecordRoutingRequest {
+        let result = self.scoring.record(RoutingRecord {
             model: model.to_owned(),
             pod: pod.to_owned(),
             prompt_key: key.to_vec(),
-            data_parallel_rank: rank,
+            rank,
             ..Default::default()
         });
-        if let Err(s) = result {
-            self.metrics.picker.not_recorded(&format!("{:?}", s.code()));
-            tracing::debug!(%pod, code = ?s.code(), error = %s.message(), "pick not recorded");
+        if let Err(e) = result {
+            let kind = match e {
+                ScoringError::Invalid(_) => "invalid",
+                ScoringError::NotFound(_) => "not_found",
+                _ => "other",
+            };
+            self.metrics.picker.not_recorded(kind);
+            tracing::debug!(%pod, error = %e, "pick not recorded");
         }
     }
 }

@@ -4,54 +4,42 @@
 //!
 //! Request side, by the body mode Envoy announces (`protocol_config`; absent: full duplex, as
 //! GIE's EPP assumes):
-//! - FULL_DUPLEX_STREAMED: the headers' answer waits for the whole body; then the pick (header
-//!   mutation and `envoy.lb` dynamic metadata) and the body handed back unchanged as streamed
-//!   body responses (at most [`BODY_CHUNK`] bytes each, the last one ending the stream);
+//! - FULL_DUPLEX_STREAMED: the headers' answer waits for the whole body (its end, or the
+//!   request trailers); then the pick (header mutation with `Content-Length` set back, and
+//!   `envoy.lb` dynamic metadata) and the body handed back unchanged as streamed body responses;
 //! - BUFFERED: the headers are answered at once; the body's answer carries the pick;
 //! - STREAMED: as full duplex when Envoy sends the body without waiting for the headers'
 //!   answer (then each chunk is answered after the pick), else as buffered.
 //!
-//! Invariants: the header `x-gateway-destination-endpoint` and the metadata
-//! `envoy.lb/x-gateway-destination-endpoint` always carry the same value; a stream ends with an
-//! ImmediateResponse (400 unreadable body, 429 shed, 503 no candidate) rather than a gRPC error
-//! for anything a client sent; response headers, bodies and trailers are answered unchanged.
+//! Response side (`response`): full duplex unless `protocol_config` announces another response
+//! body mode, as GIE's EPP answers it: each chunk handed back as it comes, `usage` read on the
+//! way to hold the pick's prediction against.
+//!
+//! Invariants: a stream ends with an ImmediateResponse (400 unreadable body, 429 shed, 503 no
+//! candidate) rather than a gRPC error for anything a client sent; request trailers, response
+//! headers, bodies and trailers are answered unchanged.
 
-use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Instant;
 
-use envoy_types::pb::envoy::config::core::v3::{HeaderValue, HeaderValueOption, Metadata};
 use envoy_types::pb::envoy::extensions::filters::http::ext_proc::v3::processing_mode::BodySendMode;
-use envoy_types::pb::envoy::r#type::v3::{HttpStatus, StatusCode};
+use envoy_types::pb::envoy::r#type::v3::StatusCode;
 use envoy_types::pb::envoy::service::ext_proc::v3::{
-    body_mutation, external_processor_server::ExternalProcessor, processing_request,
-    processing_response, BodyMutation, BodyResponse, CommonResponse, HeaderMutation,
-    HeadersResponse, HttpHeaders, ImmediateResponse, ProcessingRequest, ProcessingResponse,
-    StreamedBodyResponse, TrailersResponse,
+    external_processor_server::ExternalProcessor, processing_request, processing_response,
+    CommonResponse, ProcessingRequest, ProcessingResponse, TrailersResponse,
 };
-use envoy_types::pb::google::protobuf::{value::Kind, Struct, Value};
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tokio_stream::StreamExt;
 use tonic::{Request, Response, Status, Streaming};
 
+use super::answer::{
+    body_response, header_value, headers_response, immediate, metadata_list, pick_parts, respond,
+    streamed, SUBSET_KEY, SUBSET_NAMESPACE,
+};
 use super::body;
 use super::choose::{Chooser, Decision, Outcome};
-
-/// The pick's header and metadata key.
-pub const DESTINATION: &str = "x-gateway-destination-endpoint";
-/// The metadata namespace of the pick and of the served endpoint.
-pub const LB_NAMESPACE: &str = "envoy.lb";
-/// The subset hint's namespace.
-pub const SUBSET_NAMESPACE: &str = "envoy.lb.subset_hint";
-/// The subset hint's key.
-pub const SUBSET_KEY: &str = "x-gateway-destination-endpoint-subset";
-/// The endpoint that served, as Envoy reports it.
-pub const SERVED: &str = "x-gateway-destination-endpoint-served";
-/// The data-parallel rank header (for a data-parallel pod).
-pub const RANK_HEADER: &str = "x-data-parallel-rank";
-/// Largest streamed body chunk handed back (GIE's EPP: 62,000, under Envoy's 64 KiB).
-pub const BODY_CHUNK: usize = 62_000;
+use super::response::ResponseSide;
 
 /// The ext_proc service.
 #[derive(Clone)]
@@ -105,185 +93,41 @@ enum Mode {
     Buffered,
 }
 
+/// How a request body ended.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum BodyEnd {
+    /// Its last chunk was marked `end_of_stream`.
+    EndOfStream,
+    /// Trailers followed it.
+    Trailers,
+}
+
 /// One HTTP request's state.
 struct RequestStream {
     svc: ExtProc,
     mode: Option<Mode>,
-    /// Echo response bodies back as streamed responses (full-duplex response mode).
-    duplex_response: bool,
     subset: Option<Vec<String>>,
+    /// The request's `:path`.
+    path: Option<String>,
     body: Vec<u8>,
     chunks: usize,
-    picked: Option<Decision>,
-}
-
-fn header(key: &str, value: &str) -> HeaderValueOption {
-    HeaderValueOption {
-        header: Some(HeaderValue {
-            key: key.to_owned(),
-            raw_value: value.as_bytes().to_vec(),
-            ..Default::default()
-        }),
-        ..Default::default()
-    }
-}
-
-fn string_value(s: &str) -> Value {
-    Value {
-        kind: Some(Kind::StringValue(s.to_owned())),
-    }
-}
-
-/// The pick as a header mutation and as `envoy.lb` dynamic metadata (the same value).
-fn pick_parts(d: &Decision) -> (CommonResponse, Struct) {
-    let value = d.endpoints.join(",");
-    let mut set_headers = vec![header(DESTINATION, &value)];
-    if let Some(rank) = d.rank {
-        set_headers.push(header(RANK_HEADER, &rank.to_string()));
-    }
-    let common = CommonResponse {
-        header_mutation: Some(HeaderMutation {
-            set_headers,
-            ..Default::default()
-        }),
-        clear_route_cache: true,
-        ..Default::default()
-    };
-    let lb = Struct {
-        fields: HashMap::from([(DESTINATION.to_owned(), string_value(&value))]),
-    };
-    let metadata = Struct {
-        fields: HashMap::from([(
-            LB_NAMESPACE.to_owned(),
-            Value {
-                kind: Some(Kind::StructValue(lb)),
-            },
-        )]),
-    };
-    (common, metadata)
-}
-
-fn respond(r: processing_response::Response) -> ProcessingResponse {
-    ProcessingResponse {
-        response: Some(r),
-        ..Default::default()
-    }
-}
-
-fn headers_response(common: CommonResponse) -> processing_response::Response {
-    processing_response::Response::RequestHeaders(HeadersResponse {
-        response: Some(common),
-    })
-}
-
-fn body_response(common: CommonResponse) -> processing_response::Response {
-    processing_response::Response::RequestBody(BodyResponse {
-        response: Some(common),
-    })
-}
-
-/// `body` handed back as streamed body responses (one, empty, for an empty body).
-fn streamed(body: &[u8], request: bool) -> Vec<ProcessingResponse> {
-    let mut chunks: Vec<&[u8]> = body.chunks(BODY_CHUNK).collect();
-    if chunks.is_empty() {
-        chunks.push(&[]);
-    }
-    let last = chunks.len() - 1;
-    chunks
-        .into_iter()
-        .enumerate()
-        .map(|(i, chunk)| {
-            let common = CommonResponse {
-                body_mutation: Some(BodyMutation {
-                    mutation: Some(body_mutation::Mutation::StreamedResponse(
-                        StreamedBodyResponse {
-                            body: chunk.to_vec(),
-                            end_of_stream: i == last,
-                            ..Default::default()
-                        },
-                    )),
-                }),
-                ..Default::default()
-            };
-            let body = BodyResponse {
-                response: Some(common),
-            };
-            respond(match request {
-                true => processing_response::Response::RequestBody(body),
-                false => processing_response::Response::ResponseBody(body),
-            })
-        })
-        .collect()
-}
-
-/// An ImmediateResponse with an OpenAI-style JSON error.
-pub fn immediate(code: StatusCode, kind: &str, message: &str) -> ProcessingResponse {
-    let body = serde_json::json!({
-        "error": {"message": message, "type": kind, "code": code as i32}
-    });
-    respond(processing_response::Response::ImmediateResponse(
-        ImmediateResponse {
-            status: Some(HttpStatus { code: code as i32 }),
-            headers: Some(HeaderMutation {
-                set_headers: vec![header("content-type", "application/json")],
-                ..Default::default()
-            }),
-            body: body.to_string().into_bytes(),
-            details: format!("kv-indexer endpoint picker: {kind}"),
-            ..Default::default()
-        },
-    ))
-}
-
-/// A string or a list of strings in `ns`/`key` of the metadata, split at commas.
-fn metadata_list(metadata: Option<&Metadata>, ns: &str, key: &str) -> Option<Vec<String>> {
-    let value = metadata?.filter_metadata.get(ns)?.fields.get(key)?;
-    let mut out = Vec::new();
-    let mut push = |s: &str| {
-        out.extend(
-            s.split(',')
-                .map(str::trim)
-                .filter(|e| !e.is_empty())
-                .map(str::to_owned),
-        )
-    };
-    match &value.kind {
-        Some(Kind::StringValue(s)) => push(s),
-        Some(Kind::ListValue(list)) => {
-            for v in &list.values {
-                if let Some(Kind::StringValue(s)) = &v.kind {
-                    push(s);
-                }
-            }
-        }
-        _ => {}
-    }
-    Some(out)
-}
-
-fn header_value<'a>(headers: &'a HttpHeaders, key: &str) -> Option<std::borrow::Cow<'a, str>> {
-    let h = headers
-        .headers
-        .as_ref()?
-        .headers
-        .iter()
-        .find(|h| h.key.eq_ignore_ascii_case(key))?;
-    Some(match h.raw_value.is_empty() {
-        true => std::borrow::Cow::Borrowed(h.value.as_str()),
-        false => String::from_utf8_lossy(&h.raw_value),
-    })
+    /// The pick was made (the request side is done).
+    picked: bool,
+    response: ResponseSide,
 }
 
 impl RequestStream {
     fn new(svc: ExtProc) -> Self {
+        let response = ResponseSide::new(svc.chooser.clone());
         Self {
             svc,
             mode: None,
-            duplex_response: false,
             subset: None,
+            path: None,
             body: Vec::new(),
             chunks: 0,
-            picked: None,
+            picked: false,
+            response,
         }
     }
 
@@ -303,10 +147,11 @@ impl RequestStream {
             }
             Some(_) => Mode::Buffered,
         });
-        self.duplex_response = m
+        // GIE's EPP streams responses back whatever Envoy announces (or omits).
+        self.response.duplex = m
             .protocol_config
             .as_ref()
-            .is_some_and(|c| c.response_body_mode == duplex);
+            .is_none_or(|c| c.response_body_mode == duplex);
     }
 
     /// Answers one message; `true` when the stream is done (an ImmediateResponse was sent).
@@ -318,6 +163,7 @@ impl RequestStream {
             Some(R::RequestHeaders(h)) => {
                 self.subset =
                     metadata_list(m.metadata_context.as_ref(), SUBSET_NAMESPACE, SUBSET_KEY);
+                self.path = header_value(&h, ":path").map(|p| p.into_owned());
                 if h.end_of_stream {
                     // No body (a GET): pick on load alone, as GIE's EPP picks at random.
                     return self
@@ -333,98 +179,83 @@ impl RequestStream {
                 }
             }
             Some(R::RequestBody(b)) => {
-                if self.body.len() + b.body.len() > self.svc.max_body_bytes {
-                    return self.refuse(
-                        "too_large",
-                        &format!(
-                            "the request body exceeds {} bytes (endpointPicker.maxBodyBytes)",
-                            self.svc.max_body_bytes
-                        ),
-                    );
-                }
-                self.body.extend_from_slice(&b.body);
-                self.chunks += 1;
-                if !b.end_of_stream {
-                    return match mode {
-                        Mode::Buffered => (
-                            vec![respond(body_response(CommonResponse::default()))],
-                            false,
-                        ),
-                        _ => (Vec::new(), false),
-                    };
-                }
-                let parsed = match body::parse(&self.body) {
-                    Ok(r) => r,
-                    Err(e) => return self.refuse(e.reason(), &e.to_string()),
-                };
-                let body = std::mem::take(&mut self.body);
-                let chunks = self.chunks;
-                self.pick(Some(parsed), move |common| match mode {
-                    Mode::FullDuplex => {
-                        let mut out = vec![respond(headers_response(common))];
-                        out.extend(streamed(&body, true));
-                        out
-                    }
-                    Mode::StreamedDeferred => {
-                        let mut out = vec![respond(headers_response(common))];
-                        out.extend(
-                            (0..chunks).map(|_| respond(body_response(CommonResponse::default()))),
-                        );
-                        out
-                    }
-                    Mode::Buffered => vec![respond(body_response(common))],
-                })
-                .await
+                let end = b.end_of_stream.then_some(BodyEnd::EndOfStream);
+                self.request_body(mode, b.body, end).await
             }
-            Some(R::RequestTrailers(_)) => (
-                vec![respond(processing_response::Response::RequestTrailers(
+            Some(R::RequestTrailers(_)) => {
+                let trailers = respond(processing_response::Response::RequestTrailers(
                     TrailersResponse::default(),
-                ))],
-                false,
-            ),
-            Some(R::ResponseHeaders(h)) => {
-                let served = metadata_list(m.metadata_context.as_ref(), LB_NAMESPACE, SERVED)
-                    .and_then(|l| l.into_iter().next())
-                    .or_else(|| header_value(&h, SERVED).map(|v| v.trim().to_owned()));
-                self.served(served.as_deref());
-                (
-                    vec![respond(processing_response::Response::ResponseHeaders(
-                        HeadersResponse::default(),
-                    ))],
-                    false,
-                )
+                ));
+                if self.picked || mode == Mode::Buffered {
+                    return (vec![trailers], false);
+                }
+                // The body ended without end_of_stream: its trailers end it.
+                let end = Some(BodyEnd::Trailers);
+                let (mut out, done) = self.request_body(mode, Vec::new(), end).await;
+                if !done {
+                    out.push(trailers);
+                }
+                (out, done)
             }
-            Some(R::ResponseBody(b)) => {
-                let answer = match self.duplex_response {
-                    true => {
-                        let mut out = streamed(&b.body, false);
-                        if let Some(processing_response::Response::ResponseBody(BodyResponse {
-                            response: Some(c),
-                        })) = out.last_mut().and_then(|r| r.response.as_mut())
-                        {
-                            if let Some(BodyMutation {
-                                mutation: Some(body_mutation::Mutation::StreamedResponse(s)),
-                            }) = c.body_mutation.as_mut()
-                            {
-                                s.end_of_stream = b.end_of_stream;
-                            }
-                        }
-                        out
-                    }
-                    false => vec![respond(processing_response::Response::ResponseBody(
-                        BodyResponse::default(),
-                    ))],
-                };
-                (answer, false)
-            }
-            Some(R::ResponseTrailers(_)) => (
-                vec![respond(processing_response::Response::ResponseTrailers(
-                    TrailersResponse::default(),
-                ))],
-                false,
-            ),
+            Some(R::ResponseHeaders(h)) => (self.response.headers(&h, &m.metadata_context), false),
+            Some(R::ResponseBody(b)) => (self.response.body(&b.body, b.end_of_stream), false),
+            Some(R::ResponseTrailers(_)) => (self.response.trailers(), false),
             None => (Vec::new(), false),
         }
+    }
+
+    /// A request body chunk; at the body's end (`end`), the pick.
+    async fn request_body(
+        &mut self,
+        mode: Mode,
+        chunk: Vec<u8>,
+        end: Option<BodyEnd>,
+    ) -> (Vec<ProcessingResponse>, bool) {
+        if self.body.len() + chunk.len() > self.svc.max_body_bytes {
+            return self.refuse(
+                "too_large",
+                &format!(
+                    "the request body exceeds {} bytes (endpointPicker.maxBodyBytes)",
+                    self.svc.max_body_bytes
+                ),
+            );
+        }
+        self.body.extend_from_slice(&chunk);
+        self.chunks += 1;
+        let Some(end) = end else {
+            return match mode {
+                Mode::Buffered => (
+                    vec![respond(body_response(CommonResponse::default()))],
+                    false,
+                ),
+                _ => (Vec::new(), false),
+            };
+        };
+        let parsed = match body::parse(self.path.as_deref(), &self.body) {
+            Ok(r) => r,
+            Err(e) => return self.refuse(e.reason(), &e.to_string()),
+        };
+        if let Some(reason) = parsed.unscored {
+            self.svc.chooser.metrics.picker.unscored(reason);
+        }
+        let body = std::mem::take(&mut self.body);
+        let chunks = self.chunks;
+        // Full duplex: the last chunk handed back ends the stream unless trailers follow.
+        let ends = end == BodyEnd::EndOfStream;
+        self.pick(Some(parsed), move |common| match mode {
+            Mode::FullDuplex => {
+                let mut out = vec![respond(headers_response(common))];
+                out.extend(streamed(&body, true, ends));
+                out
+            }
+            Mode::StreamedDeferred => {
+                let mut out = vec![respond(headers_response(common))];
+                out.extend((0..chunks).map(|_| respond(body_response(CommonResponse::default()))));
+                out
+            }
+            Mode::Buffered => vec![respond(body_response(common))],
+        })
+        .await
     }
 
     /// A 400 for a body the picker cannot read: logged and counted.
@@ -442,28 +273,31 @@ impl RequestStream {
 
     async fn pick(
         &mut self,
-        request: Option<body::OpenAiRequest>,
+        request: Option<body::PickRequest>,
         answer: impl FnOnce(CommonResponse) -> Vec<ProcessingResponse>,
     ) -> (Vec<ProcessingResponse>, bool) {
         let started = Instant::now();
         let chooser = &self.svc.chooser;
         let metrics = &chooser.metrics.picker;
+        // Envoy drops Content-Length when it streams the body through a processor; the body
+        // goes on unchanged, so its length is set back (as GIE's EPP does).
+        let content_length = match (self.mode, &request) {
+            (Some(Mode::Buffered), _) | (_, None) => None,
+            (_, Some(r)) => Some(r.body_len),
+        };
         match chooser.choose(request, self.subset.take()).await {
             Outcome::Picked(d) => {
-                metrics.pick(
-                    if d.with_prefix {
-                        "picked"
-                    } else {
-                        "picked_without_prefix"
-                    },
-                    Some(started.elapsed()),
-                );
-                let (common, metadata) = pick_parts(&d);
+                let outcome = match d.with_prefix {
+                    true => "picked",
+                    false => "picked_without_prefix",
+                };
+                metrics.pick(outcome, Some(started.elapsed()));
+                let (common, metadata) = pick_parts(&d, content_length);
                 let mut out = answer(common);
                 if let Some(first) = out.first_mut() {
                     first.dynamic_metadata = Some(metadata);
                 }
-                self.picked = Some(d);
+                self.picked(d);
                 (out, false)
             }
             Outcome::NoCandidates(why) => {
@@ -482,90 +316,8 @@ impl RequestStream {
         }
     }
 
-    /// The endpoint Envoy reports as having served: when it is not the pick (a fallback), the
-    /// routing is recorded for it too.
-    fn served(&mut self, served: Option<&str>) {
-        let (Some(served), Some(d)) = (served, &self.picked) else {
-            return;
-        };
-        if d.endpoints.first().is_some_and(|first| first == served) {
-            return;
-        }
-        self.svc.chooser.metrics.picker.served_elsewhere();
-        if let Some((model, key)) = &d.record {
-            self.svc.chooser.record(model, served, None, key);
-        }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn bodies_are_handed_back_whole_and_in_order() {
-        let body: Vec<u8> = (0..150_000u32).map(|i| (i % 251) as u8).collect();
-        let out = streamed(&body, true);
-        assert_eq!(out.len(), 3);
-        let mut back = Vec::new();
-        let mut ends = Vec::new();
-        for r in out {
-            let Some(processing_response::Response::RequestBody(BodyResponse {
-                response: Some(c),
-            })) = r.response
-            else {
-                panic!("not a request body response")
-            };
-            let Some(BodyMutation {
-                mutation: Some(body_mutation::Mutation::StreamedResponse(s)),
-            }) = c.body_mutation
-            else {
-                panic!("not streamed")
-            };
-            assert!(s.body.len() <= BODY_CHUNK);
-            back.extend(s.body);
-            ends.push(s.end_of_stream);
-        }
-        assert_eq!(back, body);
-        assert_eq!(ends, [false, false, true]);
-        assert_eq!(streamed(&[], true).len(), 1);
-    }
-
-    #[test]
-    fn the_header_and_the_metadata_carry_one_value() {
-        let d = Decision {
-            endpoints: vec!["10.0.0.2:8000".into(), "10.0.0.1:8000".into()],
-            rank: Some(1),
-            with_prefix: true,
-            record: None,
-        };
-        let (common, metadata) = pick_parts(&d);
-        let headers = common
-            .header_mutation
-            .map(|m| m.set_headers)
-            .unwrap_or_default();
-        let value = |key: &str| {
-            headers
-                .iter()
-                .filter_map(|h| h.header.as_ref())
-                .find(|h| h.key == key)
-                .map(|h| String::from_utf8_lossy(&h.raw_value).into_owned())
-        };
-        assert_eq!(
-            value(DESTINATION).as_deref(),
-            Some("10.0.0.2:8000,10.0.0.1:8000")
-        );
-        assert_eq!(value(RANK_HEADER).as_deref(), Some("1"));
-        let Some(Kind::StructValue(lb)) = metadata
-            .fields
-            .get(LB_NAMESPACE)
-            .and_then(|v| v.kind.clone())
-        else {
-            panic!("no envoy.lb")
-        };
-        assert_eq!(
-            lb.fields.get(DESTINATION).and_then(|v| v.kind.clone()),
-            Some(Kind::StringValue("10.0.0.2:8000,10.0.0.1:8000".into()))
-        );
+    fn picked(&mut self, d: Decision) {
+        self.picked = true;
+        self.response.decision = Some(d);
     }
 }

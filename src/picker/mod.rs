@@ -2,21 +2,27 @@
 //! (`envoy.service.ext_proc.v3.ExternalProcessor`) on its own port, speaking GIE's
 //! endpoint-picker protocol, with the gRPC health service a gateway probes.
 //!
-//! - `body`: OpenAI request bodies read into what `ScorePods` scores;
-//! - `choose`: candidates, prefix scores (`ScorePods`' path), load, kv-core's pick, the
-//!   routing record (`RecordRouting`'s path);
+//! - `body`: OpenAI request bodies read into the prompt scoring takes (the prefix knowable
+//!   exactly), or none;
+//! - `choose`: candidates, prefix scores (the daemon's scoring), load, kv-core's pick, the
+//!   routing record;
 //! - `scrape`: each pod's Prometheus endpoint read on a short interval;
-//! - `extproc`: the ext_proc stream (body modes, header and metadata, immediate responses).
+//! - `extproc`: the ext_proc stream's request side (body modes, the pick, immediate
+//!   responses); `response`: its response side (served endpoint, bodies back, `usage` held
+//!   against the prediction, read by `usage`); `answer`: the messages both build.
 //!
 //! Invariants: off unless `endpointPicker.enabled`; plaintext or TLS as the daemon's gRPC
 //! (`server.tls`); the health service reports `liveness` SERVING while the process serves,
 //! `readiness` and `envoy.service.ext_proc.v3.ExternalProcessor` SERVING only while the daemon
 //! is ready (`/readyz`); at most `maxInFlight` requests are scored at once (beyond: 429).
 
+mod answer;
 mod body;
 mod choose;
 mod extproc;
+mod response;
 mod scrape;
+mod usage;
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -32,7 +38,7 @@ use tonic_health::ServingStatus;
 use crate::config::{Config, ServerConfig};
 use crate::ingest::{LogHandle, Pods};
 use crate::metrics::Metrics;
-use crate::server::grpc::ScoreService;
+use crate::scoring::Scoring;
 use kv_core::{Indexer, PickSettings, PrefixNormalisation};
 use kv_tokenize::TokenizerService;
 
@@ -95,12 +101,12 @@ pub async fn start(
         enable_record_routing: true,
         ..config.server.clone()
     };
-    let svc = ScoreService::new(
+    let scoring = Scoring::new(
         setup.indexer.clone(),
         setup.tokenizers,
         setup.metrics.clone(),
         setup.pods.clone(),
-        limits,
+        (limits, "endpointPicker.maxInFlight"),
         setup.log,
     );
     let scraper = scrape::Scraper::new(
@@ -117,7 +123,7 @@ pub async fn start(
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_nanos() as u64);
     let chooser = Arc::new(choose::Chooser {
-        svc,
+        scoring,
         indexer: setup.indexer,
         pods: setup.pods,
         scraper: scraper.clone(),
@@ -127,6 +133,7 @@ pub async fn start(
             max_metrics_age: cfg.metrics_stale_after.0,
             prefix: PrefixNormalisation::MinMax,
         },
+        fallbacks: cfg.fallbacks,
         adapters,
         picks: Default::default(),
         seed,

@@ -4,8 +4,8 @@
 //! Invariants: one loop per pod, so a slow pod delays only its own samples; a scrape is bounded
 //! in time (a second at most) and in body size ([`MAX_METRICS_BYTES`]); every failure is
 //! counted by kind (`kvindexer_picker_scrapes_total`) and leaves the last sample to age, so a
-//! pick sees it stale rather than wrong; pods are scraped while the index or a recent subset
-//! hint names them, at most [`MAX_SCRAPED_PODS`].
+//! pick sees it stale rather than wrong; pods are scraped while the pool holds them, at most
+//! [`MAX_SCRAPED_PODS`].
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -23,9 +23,6 @@ pub const MAX_METRICS_BYTES: usize = 1 << 20;
 
 /// Pods scraped at most.
 pub const MAX_SCRAPED_PODS: usize = 4096;
-
-/// How long a pod named only by a subset hint stays scraped after the last hint.
-const HINT_TTL: Duration = Duration::from_secs(60);
 
 /// One reading of a pod's page.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -77,7 +74,6 @@ pub fn parse_page(text: &str) -> Option<Sample> {
 /// The latest samples, and the pods to scrape.
 pub struct Scraper {
     samples: Mutex<HashMap<Arc<str>, (Sample, Instant)>>,
-    hinted: Mutex<HashMap<Arc<str>, Instant>>,
     template: String,
     interval: Duration,
     client: reqwest::Client,
@@ -101,7 +97,6 @@ impl Scraper {
             });
         Arc::new(Self {
             samples: Mutex::default(),
-            hinted: Mutex::default(),
             template: template.to_owned(),
             interval,
             client,
@@ -116,19 +111,6 @@ impl Scraper {
             kv_cache_usage: s.usage,
             age: at.elapsed(),
         })
-    }
-
-    /// Pods a subset hint named: scraped for a while even if the index does not know them.
-    pub fn hint(&self, pods: &[String]) {
-        let mut hinted = self.hinted.lock();
-        let now = Instant::now();
-        for pod in pods {
-            if let Some(at) = hinted.get_mut(pod.as_str()) {
-                *at = now;
-            } else if hinted.len() < MAX_SCRAPED_PODS {
-                hinted.insert(pod.as_str().into(), now);
-            }
-        }
     }
 
     async fn scrape(&self, pod: &str) -> Result<Sample, &'static str> {
@@ -183,7 +165,7 @@ impl Scraper {
         }
     }
 
-    /// Keeps one scrape loop per pod `pods()` lists (and per recently hinted pod) until
+    /// Keeps one scrape loop per pod `pods()` lists until
     /// shutdown; checks the list every second.
     pub fn run(
         self: Arc<Self>,
@@ -194,11 +176,6 @@ impl Scraper {
             let mut loops: HashMap<Arc<str>, JoinHandle<()>> = HashMap::new();
             loop {
                 let mut want = pods();
-                {
-                    let mut hinted = self.hinted.lock();
-                    hinted.retain(|_, at| at.elapsed() < HINT_TTL);
-                    want.extend(hinted.keys().cloned());
-                }
                 want.sort_unstable();
                 want.dedup();
                 want.truncate(MAX_SCRAPED_PODS);

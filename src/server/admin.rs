@@ -9,17 +9,18 @@ use std::sync::Arc;
 
 use tonic::{Request, Status};
 
-use super::grpc::ScoreService;
+use super::grpc::KvIndexerApi;
 use crate::ingest::lifecycle::{unix_ms, Presence};
 use crate::ingest::PublisherKey;
 use kv_proto::kvindexer_v1;
 
-impl ScoreService {
+impl KvIndexerApi {
     /// Admits an RPC that changes the index: refused unless `server.enableAdminRpcs`, then only
     /// with `authorization: Bearer <server.adminToken>`.
     fn authorize_admin<T>(&self, rpc: &str, request: &Request<T>) -> Result<(), Status> {
-        if !self.limits.enable_admin_rpcs {
-            self.metrics.scoring.request(rpc, "PermissionDenied");
+        let svc = &self.0;
+        if !svc.limits.enable_admin_rpcs {
+            svc.metrics.scoring.request(rpc, "PermissionDenied");
             return Err(Status::permission_denied(format!(
                 "{rpc} changes the index and is disabled; enable it with server.enableAdminRpcs \
                  (and server.adminToken)"
@@ -31,8 +32,8 @@ impl ScoreService {
             .and_then(|v| v.to_str().ok())
             .and_then(|v| v.strip_prefix("Bearer "))
             .unwrap_or("");
-        if !constant_time_eq(presented.as_bytes(), self.limits.admin_token.as_bytes()) {
-            self.metrics.scoring.request(rpc, "Unauthenticated");
+        if !constant_time_eq(presented.as_bytes(), svc.limits.admin_token.as_bytes()) {
+            svc.metrics.scoring.request(rpc, "Unauthenticated");
             tracing::warn!(rpc, "admin RPC refused: missing or wrong bearer token");
             return Err(Status::unauthenticated(format!(
                 "{rpc} needs `authorization: Bearer <server.adminToken>`"
@@ -44,7 +45,7 @@ impl ScoreService {
     /// `ListPods`: every engine of every model (or of `want`), with its publisher's stream
     /// state, hash checks, presence and speculation, sorted by (model, pod, rank).
     pub(super) fn list_pods(&self, want: &str) -> kvindexer_v1::ListPodsResponse {
-        let svc = self;
+        let svc = &self.0;
         let publishers: std::collections::HashMap<_, _> =
             svc.pods.publishers.snapshot().into_iter().collect();
         let presence = svc.pods.presence();
@@ -154,10 +155,11 @@ impl ScoreService {
         if req.model.is_empty() || req.pod.is_empty() {
             return Err(Status::invalid_argument("model and pod are required"));
         }
-        if self.indexer.model(&req.model).is_none() {
+        if self.0.indexer.model(&req.model).is_none() {
             return Err(Status::not_found(format!("unknown model {:?}", req.model)));
         }
         let removed = self
+            .0
             .pods
             .clear_pod(req.model.as_str().into(), req.pod.as_str().into())
             .await

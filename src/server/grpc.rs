@@ -1,102 +1,135 @@
-//! The gRPC services' front: `kvindexer.v1.KvIndexer` (its RPCs handled by operation in
-//! `score`, [`super::routing`] and `admin`) and, for clients of the llm-d indexer,
-//! `indexer.v1.IndexerService/GetPodScores` (`llmd`); the state they share,
-//! admission, deadlines and the decode-error mapping.
+//! The gRPC services' front: `kvindexer.v1.KvIndexer` (ScorePods and RecordRouting mapped onto
+//! the daemon's scoring, ListPods and ClearPod in `admin`) and, for clients of the llm-d
+//! indexer, `indexer.v1.IndexerService/GetPodScores` (`llmd`); the mapping of the daemon's
+//! scoring types and errors to protobuf and gRPC codes, deadlines and the decode-error mapping.
 //!
-//! Invariants: every request is validated before any work; at most `maxConcurrentRequests`
-//! score requests run at once (beyond: RESOURCE_EXHAUSTED, at once, rather than queueing behind
-//! a backlog); what changes the index (ClearPod, RecordRouting) is closed unless configured.
+//! Invariants: scoring's kinds map to one gRPC code each ([`status_of`]); every RPC's outcome
+//! is counted by code; what changes the index (ClearPod, RecordRouting) is closed unless
+//! configured.
 
 use std::sync::Arc;
 use std::time::Instant;
 
-use tokio::sync::Semaphore;
 use tonic::{Request, Response, Status};
 
-use crate::config::ServerConfig;
-use crate::ingest::{LogHandle, Pods};
-use crate::metrics::Metrics;
-use crate::server::routing::{self, PromptKeys};
-use kv_core::Indexer;
+use crate::scoring::routing::RoutingRecord;
+use crate::scoring::{Prompt, ScoreRequest, Scores, Scoring, ScoringError};
 use kv_proto::kvindexer_v1;
-use kv_tokenize::TokenizerService;
+use kv_proto::kvindexer_v1::score_pods_request::Input;
+use kv_tokenize::{ChatInput, ChatMessage};
 
-/// State shared by both services.
-pub struct ScoreService {
-    pub(super) indexer: Arc<Indexer>,
-    pub(crate) tokenizers: Arc<TokenizerService>,
-    pub(super) metrics: Arc<Metrics>,
-    pub(super) pods: Pods,
-    pub(super) limits: ServerConfig,
-    in_flight: Arc<Semaphore>,
-    /// The shared log (replication): recorded routings go to every replica through it (admin
-    /// clears go through the pod's worker, which appends them).
-    log: Option<LogHandle>,
-    /// The prompt keys ScorePods handed out (for RecordRouting).
-    pub(super) prompt_keys: PromptKeys,
+/// The daemon's scoring errors as gRPC statuses.
+pub(super) fn status_of(e: ScoringError) -> Status {
+    match e {
+        ScoringError::Invalid(m) => Status::invalid_argument(m),
+        ScoringError::NotFound(m) => Status::not_found(m),
+        ScoringError::Overloaded(m) => Status::resource_exhausted(m),
+        ScoringError::Unavailable(m) => Status::unavailable(m),
+        ScoringError::NotReady(m) | ScoringError::Unscorable(m) => Status::failed_precondition(m),
+        ScoringError::DeadlineExceeded(m) => Status::deadline_exceeded(m),
+    }
 }
 
-impl ScoreService {
-    /// A service over `indexer`, limited by `limits`.
-    pub fn new(
-        indexer: Arc<Indexer>,
-        tokenizers: Arc<TokenizerService>,
-        metrics: Arc<Metrics>,
-        pods: Pods,
-        limits: ServerConfig,
-        log: Option<LogHandle>,
-    ) -> Arc<Self> {
-        Arc::new(Self {
-            in_flight: Arc::new(Semaphore::new(limits.max_concurrent_requests)),
-            indexer,
-            tokenizers,
-            metrics,
-            pods,
-            limits,
-            log,
-            prompt_keys: PromptKeys::default(),
-        })
-    }
-
-    /// Takes a slot of `maxConcurrentRequests`, or refuses at once.
-    pub(crate) fn admit(&self) -> Result<tokio::sync::OwnedSemaphorePermit, Status> {
-        self.in_flight.clone().try_acquire_owned().map_err(|_| {
-            Status::resource_exhausted(format!(
-                "too many score requests in flight (server.maxConcurrentRequests = {})",
-                self.limits.max_concurrent_requests
+/// A `ScorePodsRequest` as the daemon's score request.
+pub(super) fn score_request(
+    req: kvindexer_v1::ScorePodsRequest,
+) -> Result<ScoreRequest, ScoringError> {
+    let prompt = match req.input {
+        None => {
+            return Err(ScoringError::Invalid(
+                "input is required: prompt, tokens or chat".into(),
             ))
-        })
-    }
+        }
+        Some(Input::Tokens(t)) => Prompt::Tokens(t.ids),
+        Some(Input::TokenIdsLe(bytes)) => Prompt::PackedTokens(bytes),
+        Some(Input::Prompt(text)) => Prompt::Text(text),
+        Some(Input::Chat(chat)) => {
+            let messages = chat
+                .messages
+                .into_iter()
+                .map(|m| ChatMessage {
+                    role: m.role,
+                    content: m.content,
+                })
+                .collect();
+            let input = ChatInput::from_request(
+                messages,
+                chat.add_generation_prompt,
+                &chat.chat_template_kwargs_json,
+                &chat.tools_json,
+            )
+            .map_err(|e| ScoringError::Invalid(e.to_string()))?;
+            Prompt::Chat(input)
+        }
+    };
+    Ok(ScoreRequest {
+        model: req.model,
+        prompt,
+        lora: req.lora_name,
+        cache_salt: req.cache_salt,
+        candidates: req.pods,
+        every_rank: req.every_rank,
+    })
+}
 
-    /// `RecordRouting` on this service's prompt keys and shared log (the RPC, once admitted;
-    /// the endpoint picker records its picks through it).
-    pub(crate) fn record(
-        &self,
-        req: kvindexer_v1::RecordRoutingRequest,
-    ) -> Result<kvindexer_v1::RecordRoutingResponse, Status> {
-        routing::record_routing(
-            &self.indexer,
-            &self.prompt_keys,
-            &self.metrics,
-            self.log.as_ref(),
-            self.limits.max_prompt_tokens,
-            req,
-        )
+/// The daemon's scores as a `ScorePodsResponse`.
+pub(super) fn score_response(s: Scores) -> kvindexer_v1::ScorePodsResponse {
+    let r = &s.result;
+    kvindexer_v1::ScorePodsResponse {
+        scores: r
+            .named()
+            .map(|(pod, p)| kvindexer_v1::PodScore {
+                pod: pod.to_owned(),
+                score: p.score,
+                matched_blocks: p.matched_blocks,
+                speculative_blocks: p.speculative_blocks,
+                data_parallel_rank: p.rank,
+            })
+            .collect(),
+        total_blocks: r.total_blocks,
+        prompt_tokens: r.prompt_tokens,
+        prompt_key: s.prompt_key,
+        rank_scores: r
+            .ranks
+            .iter()
+            .map(|k| kvindexer_v1::RankScore {
+                pod: r.pod_name(k.pod).to_owned(),
+                data_parallel_rank: k.rank,
+                score: k.score,
+                matched_blocks: k.matched_blocks,
+            })
+            .collect(),
     }
+}
 
-    /// Counts an RPC's outcome by gRPC code.
-    pub(super) fn count_request(&self, rpc: &str, status: &Result<(), &Status>) {
-        let code = match status {
-            Ok(()) => "OK".to_owned(),
-            Err(s) => format!("{:?}", s.code()),
-        };
-        self.metrics.scoring.request(rpc, &code);
+/// Admits, scores and counts one score RPC (`rpc` names it in the metrics).
+pub(super) async fn score_rpc(
+    svc: &Scoring,
+    rpc: &str,
+    req: Result<ScoreRequest, ScoringError>,
+    deadline: Instant,
+) -> Result<kvindexer_v1::ScorePodsResponse, Status> {
+    let result = match (svc.admit(), req) {
+        (Ok(_permit), Ok(req)) => svc.score(req, deadline).await.map(score_response),
+        (Err(e), _) | (_, Err(e)) => Err(e),
     }
+    .map_err(status_of);
+    count_request(svc, rpc, &result.as_ref().map(|_| ()));
+    result
+}
+
+/// Counts an RPC's outcome by gRPC code.
+pub(super) fn count_request(svc: &Scoring, rpc: &str, status: &Result<(), &Status>) {
+    let code = match status {
+        Ok(()) => "OK".to_owned(),
+        Err(s) => format!("{:?}", s.code()),
+    };
+    svc.metrics.scoring.request(rpc, &code);
 }
 
 /// `kvindexer.v1.KvIndexer`.
 #[derive(Clone)]
-pub struct KvIndexerApi(pub Arc<ScoreService>);
+pub struct KvIndexerApi(pub Arc<Scoring>);
 
 #[tonic::async_trait]
 impl kvindexer_v1::kv_indexer_server::KvIndexer for KvIndexerApi {
@@ -104,14 +137,11 @@ impl kvindexer_v1::kv_indexer_server::KvIndexer for KvIndexerApi {
         &self,
         request: Request<kvindexer_v1::ScorePodsRequest>,
     ) -> Result<Response<kvindexer_v1::ScorePodsResponse>, Status> {
-        let svc = &self.0;
         let deadline = deadline_of(&request);
-        let result = match svc.admit() {
-            Ok(_permit) => svc.score(request.into_inner(), deadline).await,
-            Err(s) => Err(s),
-        };
-        svc.count_request("ScorePods", &result.as_ref().map(|_| ()));
-        result.map(Response::new)
+        let req = score_request(request.into_inner());
+        score_rpc(&self.0, "ScorePods", req, deadline)
+            .await
+            .map(Response::new)
     }
 
     async fn record_routing(
@@ -128,11 +158,22 @@ impl kvindexer_v1::kv_indexer_server::KvIndexer for KvIndexerApi {
                  with server.enableRecordRouting",
             ));
         }
-        let result = match svc.admit() {
-            Ok(_permit) => svc.record(request.into_inner()),
-            Err(s) => Err(s),
+        let req = request.into_inner();
+        let record = RoutingRecord {
+            model: req.model,
+            pod: req.pod,
+            prompt_key: req.prompt_key,
+            tokens: req.tokens.map(|t| t.ids),
+            lora: req.lora_name,
+            cache_salt: req.cache_salt,
+            rank: req.data_parallel_rank,
         };
-        svc.count_request("RecordRouting", &result.as_ref().map(|_| ()));
+        let result = svc
+            .admit()
+            .and_then(|_permit| svc.record(record))
+            .map(|blocks| kvindexer_v1::RecordRoutingResponse { blocks })
+            .map_err(status_of);
+        count_request(svc, "RecordRouting", &result.as_ref().map(|_| ()));
         result.map(Response::new)
     }
 
@@ -140,14 +181,14 @@ impl kvindexer_v1::kv_indexer_server::KvIndexer for KvIndexerApi {
         &self,
         request: Request<kvindexer_v1::ListPodsRequest>,
     ) -> Result<Response<kvindexer_v1::ListPodsResponse>, Status> {
-        Ok(Response::new(self.0.list_pods(&request.into_inner().model)))
+        Ok(Response::new(self.list_pods(&request.into_inner().model)))
     }
 
     async fn clear_pod(
         &self,
         request: Request<kvindexer_v1::ClearPodRequest>,
     ) -> Result<Response<kvindexer_v1::ClearPodResponse>, Status> {
-        self.0.clear_pod(request).await.map(Response::new)
+        self.clear_pod(request).await.map(Response::new)
     }
 }
 

@@ -6,14 +6,14 @@
 
 use tonic::{Request, Response, Status};
 
-use super::grpc::{deadline_of, ScoreService};
-use kv_proto::kvindexer_v1::score_pods_request::Input;
+use super::grpc::{deadline_of, score_rpc};
+use crate::scoring::{Prompt, ScoreRequest, Scoring};
 use kv_proto::{indexer_v1, kvindexer_v1};
 use std::sync::Arc;
 
 /// `indexer.v1.IndexerService` (llm-d compatibility).
 #[derive(Clone)]
-pub struct LlmdIndexerApi(pub Arc<ScoreService>);
+pub struct LlmdIndexerApi(pub Arc<Scoring>);
 
 #[tonic::async_trait]
 impl indexer_v1::indexer_service_server::IndexerService for LlmdIndexerApi {
@@ -23,26 +23,19 @@ impl indexer_v1::indexer_service_server::IndexerService for LlmdIndexerApi {
     ) -> Result<Response<indexer_v1::GetPodScoresResponse>, Status> {
         let deadline = deadline_of(&request);
         let req = request.into_inner();
-        let result = match self.0.admit() {
-            Ok(_permit) => {
-                let r = kvindexer_v1::ScorePodsRequest {
-                    model: req.model_name,
-                    input: Some(Input::Prompt(req.prompt)),
-                    pods: req.pod_identifiers,
-                    every_rank: true,
-                    ..Default::default()
-                };
-                self.0
-                    .score(r, deadline)
-                    .await
-                    .map(|resp| indexer_v1::GetPodScoresResponse {
-                        scores: per_rank(resp),
-                    })
-            }
-            Err(s) => Err(s),
+        let score = ScoreRequest {
+            model: req.model_name,
+            prompt: Prompt::Text(req.prompt),
+            lora: String::new(),
+            cache_salt: String::new(),
+            candidates: req.pod_identifiers,
+            every_rank: true,
         };
-        self.0
-            .count_request("GetPodScores", &result.as_ref().map(|_| ()));
+        let result = score_rpc(&self.0, "GetPodScores", Ok(score), deadline)
+            .await
+            .map(|resp| indexer_v1::GetPodScoresResponse {
+                scores: per_rank(resp),
+            });
         result.map(Response::new)
     }
 }

@@ -1,6 +1,6 @@
 //! The endpoint picker's test fleet: a daemon with `endpointPicker` on, fake vLLM pods (each an
-//! HTTP `/metrics` page on its own loopback port, named `127.0.0.1:<port>` as vLLM's topic
-//! names a pod, publishing KV events over ZMQ), and an ext_proc client generated from Envoy's
+//! HTTP `/metrics` page on a loopback address of its own, `127.0.0.<n>:<port>`, named so as
+//! vLLM's topic names a pod, publishing KV events over ZMQ), and an ext_proc client generated from Envoy's
 //! protos (envoy-types, the crate the daemon serves with).
 
 use std::collections::HashMap;
@@ -28,9 +28,17 @@ pub const MODEL: &str = "Qwen/Qwen3-8B";
 pub const BLOCK: usize = 16;
 const SEED: &str = "12345";
 
+/// A loopback address of its own for the next fake pod (`127.0.0.10` to `127.0.0.250`, in turn;
+/// Linux routes all of 127/8 to the loopback interface).
+pub fn pod_address() -> std::net::Ipv4Addr {
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    let n = NEXT.fetch_add(1, Ordering::Relaxed) % 241;
+    std::net::Ipv4Addr::new(127, 0, 0, 10 + n as u8)
+}
+
 /// A fake vLLM pod's load, served on `/metrics`.
 pub struct FakePod {
-    /// Its name, `127.0.0.1:<port>`.
+    /// Its name, `127.0.0.<n>:<port>`: each pod its own address, as pods have on a cluster.
     pub name: String,
     waiting: Arc<AtomicU64>,
     usage_millis: Arc<AtomicU64>,
@@ -40,7 +48,7 @@ pub struct FakePod {
 impl FakePod {
     /// A pod serving `/metrics` on a fresh loopback port.
     pub async fn start() -> Self {
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        let listener = tokio::net::TcpListener::bind((pod_address(), 0))
             .await
             .expect("binds");
         let name = listener.local_addr().expect("addr").to_string();

@@ -33,7 +33,15 @@ pub enum ChatError {
         /// The parse error.
         message: String,
     },
+    /// The rendered prompt does not show the cut message's content (the template dropped
+    /// it), so where the knowable prefix ends is not known.
+    #[error("the chat template does not render message {0}'s content; the prompt's knowable prefix cannot be found")]
+    CutNotRendered(usize),
 }
+
+/// Stands for the content of the message a chat is cut at (private-use characters no
+/// tokenizer merges with text and no client sends).
+const CUT_MARKER: &str = "\u{E000}kv-indexer:cut\u{E001}";
 
 /// One chat message.
 #[derive(Debug, Clone, serde::Serialize, PartialEq)]
@@ -55,6 +63,11 @@ pub struct ChatInput {
     pub template_kwargs: serde_json::Map<String, serde_json::Value>,
     /// Tool definitions (JSON), if any.
     pub tools: Option<serde_json::Value>,
+    /// Where the knowable prompt ends: at the start of this message's content (it carries what
+    /// a text template cannot render as the engine does, e.g. an image). Rendered with that
+    /// content replaced by a marker, the text is cut at the marker; the tokens of the cut text
+    /// lose their last one (it may merge with what follows). `None`: the whole chat.
+    pub cut: Option<usize>,
 }
 
 impl ChatInput {
@@ -65,6 +78,14 @@ impl ChatInput {
             .iter()
             .map(|m| m.role.len() + m.content.len())
             .sum()
+    }
+
+    /// Drops the last token of a cut chat's tokens: it may merge with what follows the cut in
+    /// the engine's prompt.
+    pub fn trim_cut(&self, ids: &mut Vec<u32>) {
+        if self.cut.is_some() {
+            ids.pop();
+        }
     }
 
     /// Parses the gRPC request's JSON fields (empty = absent).
@@ -108,6 +129,7 @@ impl ChatInput {
             add_generation_prompt,
             template_kwargs,
             tools,
+            cut: None,
         })
     }
 }
@@ -317,10 +339,13 @@ impl ChatTemplate {
         for (k, v) in &input.template_kwargs {
             ctx.insert(k.clone(), v.clone());
         }
-        ctx.insert(
-            "messages".into(),
-            serde_json::to_value(&input.messages).unwrap_or_default(),
-        );
+        let mut messages = serde_json::to_value(&input.messages).unwrap_or_default();
+        if let Some(cut) = input.cut {
+            if let Some(m) = messages.get_mut(cut).and_then(|m| m.as_object_mut()) {
+                m.insert("content".into(), CUT_MARKER.into());
+            }
+        }
+        ctx.insert("messages".into(), messages);
         ctx.insert(
             "add_generation_prompt".into(),
             serde_json::Value::Bool(input.add_generation_prompt),
@@ -329,15 +354,58 @@ impl ChatTemplate {
             "tools".into(),
             input.tools.clone().unwrap_or(serde_json::Value::Null),
         );
-        template
+        let mut text = template
             .render(Value::from(minijinja::value::Serde(&ctx)))
-            .map_err(|e| ChatError::Template(format!("{e:#}")))
+            .map_err(|e| ChatError::Template(format!("{e:#}")))?;
+        if let Some(cut) = input.cut {
+            let at = text
+                .find(CUT_MARKER)
+                .ok_or(ChatError::CutNotRendered(cut))?;
+            text.truncate(at);
+        }
+        Ok(text)
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_cut_chat_ends_where_the_cut_message_s_content_begins() {
+        let t = ChatTemplate::new(
+            "{% for m in messages %}<{{ m.role }}>{{ m.content }}</{{ m.role }}>{% endfor %}",
+            vec![],
+        )
+        .expect("compiles");
+        let message = |role: &str, content: &str| ChatMessage {
+            role: role.into(),
+            content: content.into(),
+        };
+        let mut input = ChatInput {
+            messages: vec![
+                message("system", "s"),
+                message("user", "look"),
+                message("user", "x"),
+            ],
+            ..Default::default()
+        };
+        let whole = t.render(&input).expect("renders");
+        input.cut = Some(1);
+        let cut = t.render(&input).expect("renders");
+        assert_eq!(cut, "<system>s</system><user>");
+        assert!(whole.starts_with(&cut));
+        let mut ids = vec![1, 2, 3];
+        input.trim_cut(&mut ids);
+        assert_eq!(ids, [1, 2]);
+        // A template that drops the content cannot say where the knowable prompt ends.
+        let blind = ChatTemplate::new("{% for m in messages %}<{{ m.role }}>{% endfor %}", vec![])
+            .expect("compiles");
+        assert!(matches!(
+            blind.render(&input),
+            Err(ChatError::CutNotRendered(1))
+        ));
+    }
 
     #[test]
     fn tojson_matches_python_json_dumps() {

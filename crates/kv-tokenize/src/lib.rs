@@ -297,10 +297,12 @@ impl TokenizerService {
         self.lane(chat.text_bytes())
             .run(deadline, move || {
                 let text = tokenizer.render_chat(&chat)?;
-                tokenize_with_store(&store, &*observer, scope, &text, |t| {
+                let mut tokens = tokenize_with_store(&store, &*observer, scope, &text, |t| {
                     tokenizer.encode(t, false)
                 })
-                .map_err(ChatError::Template)
+                .map_err(ChatError::Template)?;
+                chat.trim_cut(&mut tokens.ids);
+                Ok(tokens)
             })
             .await?
             .map_err(TokenizeError::Chat)

@@ -90,7 +90,9 @@ impl LoadedTokenizer {
     pub fn encode_chat(&self, chat: &ChatInput) -> Result<(String, Encoded), ChatError> {
         let template = self.chat.as_ref().ok_or(ChatError::NoTemplate)?;
         let rendered = template.render(chat)?;
-        let encoded = self.encode(&rendered, false).map_err(ChatError::Template)?;
+        let mut encoded = self.encode(&rendered, false).map_err(ChatError::Template)?;
+        chat.trim_cut(&mut encoded.ids);
+        encoded.offsets.truncate(encoded.ids.len());
         Ok((rendered, encoded))
     }
 
