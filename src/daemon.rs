@@ -77,20 +77,59 @@ fn grpc_builder(tls: &crate::config::TlsConfig) -> Result<tonic::transport::Serv
         return Ok(builder);
     }
     builder
-        .tls_config(tls_config(tls)?)
+        .tls_config(tls_config("server.tls", tls)?)
         .map_err(|e| DaemonError::Tls {
             what: "server.tls".into(),
             detail: e.to_string(),
         })
 }
 
-/// The rustls server configuration from `server.tls` (files read at start).
+/// The endpoint picker's server: TLS as `endpointPicker.tls` says.
+fn picker_builder(config: &Config) -> Result<tonic::transport::Server, DaemonError> {
+    use crate::config::{PickerTlsMode, TlsConfig};
+    let tls = &config.endpoint_picker.tls;
+    let tls_config = match tls.mode {
+        PickerTlsMode::Inherit => return grpc_builder(&config.server.tls),
+        PickerTlsMode::Plaintext => return Ok(tonic::transport::Server::builder()),
+        PickerTlsMode::Files => tls_config(
+            "endpointPicker.tls",
+            &TlsConfig {
+                cert_file: tls.cert_file.clone(),
+                key_file: tls.key_file.clone(),
+                client_ca_file: tls.client_ca_file.clone(),
+            },
+        )?,
+        PickerTlsMode::SelfSigned => self_signed()?,
+    };
+    tonic::transport::Server::builder()
+        .tls_config(tls_config)
+        .map_err(|e| DaemonError::Tls {
+            what: "endpointPicker.tls".into(),
+            detail: e.to_string(),
+        })
+}
+
+/// A certificate made now and signed by its own key (`endpointPicker.tls.mode: selfSigned`).
+fn self_signed() -> Result<tonic::transport::ServerTlsConfig, DaemonError> {
+    let names = vec!["localhost".to_owned(), "kv-indexer".to_owned()];
+    let made = rcgen::generate_simple_self_signed(names).map_err(|e| DaemonError::Tls {
+        what: "endpointPicker.tls (selfSigned)".into(),
+        detail: e.to_string(),
+    })?;
+    let identity =
+        tonic::transport::Identity::from_pem(made.cert.pem(), made.signing_key.serialize_pem());
+    Ok(tonic::transport::ServerTlsConfig::new().identity(identity))
+}
+
+/// The rustls server configuration from the files of `section` (`server.tls`,
+/// `endpointPicker.tls`), read at start.
 fn tls_config(
+    section: &str,
     tls: &crate::config::TlsConfig,
 ) -> Result<tonic::transport::ServerTlsConfig, DaemonError> {
     let read = |field: &str, path: &str| {
         std::fs::read(path).map_err(|e| DaemonError::Tls {
-            what: format!("server.tls.{field} {path}"),
+            what: format!("{section}.{field} {path}"),
             detail: e.to_string(),
         })
     };
@@ -306,7 +345,7 @@ pub async fn start(config: Config) -> Result<RunningDaemon, DaemonError> {
         true => {
             let addr = &config.endpoint_picker.addr;
             let listener = listen("endpoint picker", addr).await?;
-            let builder = grpc_builder(&config.server.tls)?;
+            let builder = picker_builder(&config)?;
             let started = crate::picker::start(
                 &config,
                 picker_setup,

@@ -587,6 +587,8 @@ fn the_endpoint_picker_port_and_configuration_appear_only_when_enabled() {
             "metricsStaleAfter": "500ms",
             "maxBodyBytes": 10485760,
             "maxInFlight": 1024,
+            "fallbacks": 0,
+            "tls": {"mode": "selfSigned"},
         }))
     );
     let d: Deployment = serde_json::from_value(by_kind["Deployment"].clone()).expect("typed");
@@ -608,7 +610,8 @@ fn the_endpoint_picker_port_and_configuration_appear_only_when_enabled() {
         .find(|p| p.name.as_deref() == Some("grpc-ext-proc"))
         .expect("the Service's ext_proc port");
     assert_eq!(ext_proc.port, 9002);
-    assert_eq!(ext_proc.app_protocol.as_deref(), Some("kubernetes.io/h2c"));
+    // TLS by default (a self-signed certificate, as GIE's EPP): HTTP/2 by ALPN, no h2c.
+    assert_eq!(ext_proc.app_protocol.as_deref(), None);
     assert_eq!(
         ext_proc.target_port,
         Some(k8s_openapi::apimachinery::pkg::util::intstr::IntOrString::Int(9002))
@@ -647,6 +650,8 @@ fn the_endpoint_picker_port_and_configuration_appear_only_when_enabled() {
         "metricsStaleAfter": "2s",
         "maxBodyBytes": 4096,
         "maxInFlight": 8,
+        "fallbacks": 2,
+        "tls": "plaintext",
     }})));
     assert_eq!(
         picker_section(&by_kind),
@@ -659,10 +664,25 @@ fn the_endpoint_picker_port_and_configuration_appear_only_when_enabled() {
             "metricsStaleAfter": "2s",
             "maxBodyBytes": 4096,
             "maxInFlight": 8,
+            "fallbacks": 2,
+            "tls": {"mode": "plaintext"},
         }))
     );
     let picker = embedded_config(&by_kind).endpoint_picker;
     assert_eq!((picker.max_body_bytes, picker.max_in_flight), (4096, 8));
+    assert_eq!(picker.fallbacks, 2);
+    assert_eq!(
+        picker.tls.mode,
+        kv_indexer::config::PickerTlsMode::Plaintext
+    );
+    let plain = by_kind["Service"]["spec"]["ports"]
+        .as_array()
+        .and_then(|p| p.iter().find(|p| p["name"] == "grpc-ext-proc").cloned())
+        .expect("the picker's port");
+    assert_eq!(
+        plain["appProtocol"], "kubernetes.io/h2c",
+        "plaintext is h2c"
+    );
     assert_eq!(picker.metrics_stale_after.to_string(), "2s");
     assert_eq!(picker.addr, "0.0.0.0:9102");
     assert_eq!(picker.weights.queue, 0.0);
@@ -670,6 +690,27 @@ fn the_endpoint_picker_port_and_configuration_appear_only_when_enabled() {
     let ports = by_kind["Service"]["spec"]["ports"].to_string();
     assert!(ports.contains("9102") && !ports.contains("9002"), "{ports}");
     assert!(peers_of(&by_kind, 9102).is_some());
+
+    // The certificate of tls.existingSecret, as gRPC's; without the Secret, refused.
+    let by_kind = check_types(&render(json!({
+        "tls": {"existingSecret": "kvi-tls"},
+        "endpointPicker": {"enabled": true, "tls": "secret"},
+    })));
+    let picker = embedded_config(&by_kind).endpoint_picker;
+    assert_eq!(picker.tls.mode, kv_indexer::config::PickerTlsMode::Inherit);
+    for (values, why) in [
+        (
+            json!({"endpointPicker": {"enabled": true, "tls": "secret"}}),
+            "needs tls.existingSecret",
+        ),
+        (
+            json!({"endpointPicker": {"enabled": true, "tls": "on"}}),
+            "must be selfSigned, secret or plaintext",
+        ),
+    ] {
+        let refused = refusal(values);
+        assert!(refused.contains(why), "{refused}");
+    }
 
     // In sidecar mode the EPP kv-indexer runs in is the picker.
     let why = refusal(json!({"mode": "sidecar", "endpointPicker": {"enabled": true}}));
@@ -722,7 +763,11 @@ fn inferencepool_problems(docs: &[serde_json::Value]) -> Vec<String> {
             picker["port"]["number"], ext_proc["port"]
         ));
     }
-    assert_eq!(ext_proc["appProtocol"], "kubernetes.io/h2c");
+    assert_eq!(
+        ext_proc["appProtocol"],
+        serde_json::Value::Null,
+        "TLS by default"
+    );
 
     let vllm = deploy_docs(VLLM_EXAMPLES[0])
         .into_iter()
@@ -794,6 +839,18 @@ fn inferencepool_problems(docs: &[serde_json::Value]) -> Vec<String> {
     if !admitted {
         problems.push("the chart's NetworkPolicy does not admit the Gateway's proxies".into());
     }
+    // Istio's DestinationRule: TLS, unverified, towards the chart's Service (which serves TLS
+    // with its own certificate by default) in the namespace the example is applied to.
+    let host = format!(
+        "{}.inference.svc.cluster.local",
+        service["metadata"]["name"].as_str().unwrap_or_default()
+    );
+    for dr in of_kind("DestinationRule") {
+        let tls = &dr["spec"]["trafficPolicy"]["tls"];
+        if dr["spec"]["host"] != host.as_str() || tls["mode"] != "SIMPLE" {
+            problems.push(format!("the DestinationRule is not TLS to {host}: {dr}"));
+        }
+    }
     problems
 }
 
@@ -801,7 +858,10 @@ fn inferencepool_problems(docs: &[serde_json::Value]) -> Vec<String> {
 fn the_inferencepool_example_is_valid_and_names_kv_indexer_as_its_endpoint_picker() {
     let docs = deploy_docs(INFERENCEPOOL_EXAMPLE);
     let kinds: Vec<&str> = docs.iter().filter_map(|d| d["kind"].as_str()).collect();
-    assert_eq!(kinds, ["InferencePool", "Gateway", "HTTPRoute"]);
+    assert_eq!(
+        kinds,
+        ["InferencePool", "Gateway", "HTTPRoute", "DestinationRule"]
+    );
     let problems = inferencepool_problems(&docs);
     assert!(problems.is_empty(), "{problems:#?}");
 }
@@ -865,6 +925,26 @@ fn a_broken_inferencepool_example_fails_the_check() {
         assert!(
             problems.iter().any(|p| p.contains(expected)),
             "{expected:?} not among {problems:#?}"
+        );
+    }
+    // Istio's DestinationRule must be TLS towards the chart's Service.
+    for (field, value) in [
+        ("host", json!("kv-indexer.inference.svc")),
+        ("mode", json!("DISABLE")),
+    ] {
+        let mut docs = example.clone();
+        for d in docs.iter_mut().filter(|d| d["kind"] == "DestinationRule") {
+            match field {
+                "host" => d["spec"]["host"] = value.clone(),
+                _ => d["spec"]["trafficPolicy"]["tls"]["mode"] = value.clone(),
+            }
+        }
+        let problems = inferencepool_problems(&docs);
+        assert!(
+            problems
+                .iter()
+                .any(|p| p.contains("DestinationRule is not TLS")),
+            "{field}: {problems:#?}"
         );
     }
     // The route to the pool, and the Gateway the chart's NetworkPolicy admits.

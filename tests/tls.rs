@@ -211,3 +211,55 @@ async fn the_endpoint_picker_serves_tls_as_the_grpc_port_does() {
     );
     d.shutdown().await;
 }
+
+/// The certificate a TLS server at `127.0.0.1:port` presents (PEM), read with `openssl`.
+fn presented_certificate(port: u16) -> Option<String> {
+    let out = Command::new("openssl")
+        .args(["s_client", "-connect", &format!("127.0.0.1:{port}")])
+        .args(["-servername", "localhost", "-alpn", "h2"])
+        .stdin(std::process::Stdio::null())
+        .output()
+        .ok()?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    let start = text.find("-----BEGIN CERTIFICATE-----")?;
+    let end = text.find("-----END CERTIFICATE-----")? + "-----END CERTIFICATE-----".len();
+    Some(text[start..end].to_owned())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_picker_serves_a_self_signed_certificate_or_plaintext_when_asked() {
+    use kv_indexer::config::PickerTlsMode;
+    let dir = support::temp_dir("tls-picker-modes");
+    if !certificates_or_skip(&dir) {
+        return;
+    }
+    // gRPC with TLS from files; the picker as GIE's EPP serves by default: its own certificate.
+    let mut c = tls_config(&dir, false);
+    c.endpoint_picker.enabled = true;
+    c.endpoint_picker.addr = "127.0.0.1:0".into();
+    c.endpoint_picker.tls.mode = PickerTlsMode::SelfSigned;
+    let d = daemon::start(c.clone()).await.expect("daemon starts");
+    let port = d.picker_addr.expect("the picker is on").port();
+    let pem = presented_certificate(port).expect("a certificate is presented");
+    let files_ca = std::fs::read_to_string(dir.join("server.pem")).expect("server.pem");
+    assert_ne!(pem.trim(), files_ca.trim(), "not server.tls's certificate");
+    let trusting = ClientTlsConfig::new()
+        .ca_certificate(Certificate::from_pem(pem))
+        .domain_name("localhost");
+    assert_eq!(health(port, Some(trusting), "liveness").await, Ok(1));
+    assert!(
+        health(port, None, "liveness").await.is_err(),
+        "plaintext refused"
+    );
+    d.shutdown().await;
+    // Plaintext for the picker while gRPC keeps its TLS.
+    c.endpoint_picker.tls.mode = PickerTlsMode::Plaintext;
+    let d = daemon::start(c).await.expect("daemon starts");
+    let port = d.picker_addr.expect("the picker is on").port();
+    assert_eq!(health(port, None, "liveness").await, Ok(1), "h2c served");
+    assert!(
+        list_pods(d.grpc_addr.port(), None).await.is_err(),
+        "gRPC still refuses plaintext"
+    );
+    d.shutdown().await;
+}

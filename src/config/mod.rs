@@ -20,7 +20,7 @@ pub use events::{
     MAX_POD_LEN,
 };
 pub use loud::ConfigWarning;
-pub use picker::{EndpointPickerConfig, PickWeightsConfig};
+pub use picker::{EndpointPickerConfig, PickWeightsConfig, PickerTlsConfig, PickerTlsMode};
 
 use std::collections::BTreeMap;
 use std::path::Path;

@@ -33,10 +33,66 @@ pub struct EndpointPickerConfig {
     pub max_body_bytes: usize,
     /// Requests being picked at once at most; beyond, 429 (shedding).
     pub max_in_flight: usize,
+    /// How the picker's port speaks TLS.
+    pub tls: PickerTlsConfig,
     /// Fallback endpoints listed after the pick (`ip:port,ip:port,...`), for gateways whose
     /// balancer reads a list (Envoy's `override_host` policy); 0, the default, answers one
     /// endpoint, as every GIE gateway's ORIGINAL_DST cluster parses it.
     pub fallbacks: usize,
+}
+
+/// How the picker's port speaks TLS (`endpointPicker.tls`).
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase", deny_unknown_fields, default)]
+pub struct PickerTlsConfig {
+    /// Where its certificate comes from.
+    pub mode: PickerTlsMode,
+    /// The certificate chain (PEM file; `mode: files`).
+    pub cert_file: String,
+    /// The private key (PEM file; `mode: files`).
+    pub key_file: String,
+    /// Clients must present a certificate issued by this CA (PEM file; `mode: files`).
+    pub client_ca_file: String,
+}
+
+/// Where the picker's certificate comes from.
+#[derive(Debug, Clone, Copy, Default, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "camelCase")]
+pub enum PickerTlsMode {
+    /// As the daemon's gRPC port (`server.tls`): plaintext unless that is set.
+    #[default]
+    Inherit,
+    /// A self-signed certificate made at start, as GIE's EPP serves by default: gateways built
+    /// from GIE dial the picker with TLS and do not verify its certificate.
+    SelfSigned,
+    /// `certFile` and `keyFile` (and `clientCaFile` for client certificates).
+    Files,
+    /// Plaintext (h2c), whatever `server.tls` says.
+    Plaintext,
+}
+
+impl PickerTlsConfig {
+    fn validate(&self) -> Result<(), ConfigError> {
+        let files = [&self.cert_file, &self.key_file, &self.client_ca_file];
+        match self.mode {
+            PickerTlsMode::Files if self.cert_file.is_empty() || self.key_file.is_empty() => {
+                Err(invalid(
+                    "endpointPicker.tls",
+                    "mode files needs certFile and keyFile",
+                ))
+            }
+            PickerTlsMode::Files => Ok(()),
+            _ if files.iter().any(|f| !f.is_empty()) => Err(invalid(
+                "endpointPicker.tls",
+                format!(
+                    "certFile, keyFile and clientCaFile are read only with mode files (mode is \
+                     {:?}): set mode: files, or remove them",
+                    self.mode
+                ),
+            )),
+            _ => Ok(()),
+        }
+    }
 }
 
 /// The scorers' weights (llm-d's default profile: 3:2:2).
@@ -83,6 +139,7 @@ impl Default for EndpointPickerConfig {
             weights: PickWeightsConfig::default(),
             max_body_bytes: 10 << 20,
             max_in_flight: 1024,
+            tls: PickerTlsConfig::default(),
             fallbacks: 0,
         }
     }
@@ -129,6 +186,7 @@ impl EndpointPickerConfig {
         if self.max_in_flight == 0 {
             return Err(invalid("endpointPicker.maxInFlight", "must be at least 1"));
         }
+        self.tls.validate()?;
         if self.fallbacks > MAX_FALLBACKS {
             return Err(invalid(
                 "endpointPicker.fallbacks",
@@ -162,6 +220,7 @@ impl EndpointPickerConfig {
             ("maxBodyBytes", self.max_body_bytes != d.max_body_bytes),
             ("maxInFlight", self.max_in_flight != d.max_in_flight),
             ("fallbacks", self.fallbacks != d.fallbacks),
+            ("tls", self.tls != d.tls),
         ] {
             if set {
                 out.push(ConfigWarning {
@@ -275,6 +334,14 @@ mod tests {
             (
                 "endpointPicker: {fallbacks: 17}",
                 "endpointPicker.fallbacks",
+            ),
+            (
+                "endpointPicker: {tls: {mode: files, certFile: a.pem}}",
+                "endpointPicker.tls",
+            ),
+            (
+                "endpointPicker: {tls: {mode: selfSigned, certFile: a.pem}}",
+                "endpointPicker.tls",
             ),
         ] {
             let e = load(yaml).validate().err();

@@ -43,12 +43,18 @@ fn picker_port(by_kind: &HashMap<String, serde_json::Value>) -> serde_json::Valu
 
 #[test]
 fn tls_mounts_the_secret_and_points_the_daemon_at_it() {
-    // Plaintext by default: no Secret mounted, no TLS configured, the picker's port h2c.
+    // By default no Secret is mounted and gRPC is plaintext; the picker serves TLS with a
+    // certificate of its own (as GIE's EPP, which the gateways dial with TLS), so not h2c.
     let by_kind = check_types(&render(json!({"endpointPicker": {"enabled": true}})));
     let (volumes, _) = mounts(&by_kind);
     assert!(!volumes.iter().any(|v| v == "tls"), "{volumes:?}");
-    assert!(!embedded_config(&by_kind).server.tls.enabled());
-    assert_eq!(picker_port(&by_kind)["appProtocol"], "kubernetes.io/h2c");
+    let config = embedded_config(&by_kind);
+    assert!(!config.server.tls.enabled());
+    assert_eq!(
+        config.endpoint_picker.tls.mode,
+        kv_indexer::config::PickerTlsMode::SelfSigned
+    );
+    assert!(picker_port(&by_kind).get("appProtocol").is_none());
 
     let by_kind = check_types(&render(json!({
         "endpointPicker": {"enabled": true},

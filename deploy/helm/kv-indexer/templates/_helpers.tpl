@@ -22,4 +22,13 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- if and .Values.endpointPicker.enabled (ne .Values.mode "standalone") -}}
 {{- fail "endpointPicker.enabled needs mode: standalone: in sidecar mode kv-indexer runs inside an EPP, which is the InferencePool's endpoint picker itself" -}}
 {{- end -}}
+{{- if .Values.endpointPicker.enabled -}}
+{{- $tls := .Values.endpointPicker.tls -}}
+{{- if not (or (eq $tls "selfSigned") (eq $tls "secret") (eq $tls "plaintext")) -}}
+{{- fail "endpointPicker.tls must be selfSigned, secret or plaintext" -}}
+{{- end -}}
+{{- if and (eq $tls "secret") (not .Values.tls.existingSecret) -}}
+{{- fail "endpointPicker.tls: secret needs tls.existingSecret" -}}
+{{- end -}}
+{{- end -}}
 {{- end }}
