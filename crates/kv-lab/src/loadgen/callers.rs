@@ -69,6 +69,9 @@ pub(super) async fn score_phase(
     if let Some(addr) = &args.ext_proc {
         return super::picks::pick_phase(args, addr, docs, seconds).await;
     }
+    if let Some(url) = &args.http {
+        return super::http::http_phase(args, url, docs, seconds).await;
+    }
     let stop = Arc::new(AtomicBool::new(false));
     let mut tasks = Vec::new();
     for c in 0..args.score_concurrency {

@@ -26,17 +26,19 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use clap::Args;
-use thiserror::Error;
 
 mod agree;
 mod callers;
 mod chat;
 mod churn;
+mod error;
+mod http;
 mod picks;
 mod report;
 
 pub use agree::AgreementReport;
 use callers::score_phase;
+pub use error::LoadgenError;
 use report::metric_sum;
 pub use report::{ChurnReport, LoadgenReport, ReplicaReport, ScorePhase, SoakReport, SoakSample};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -44,68 +46,7 @@ use zeromq::{PubSocket, Socket, SocketSend, ZmqMessage};
 
 use kv_core::EngineHash;
 use kv_core::{encode_batch, BlockRemoved, BlockStored, EventBatch, KvEvent, Medium};
-use kv_core::{RequestExtras, TokenProcessor, TokenProcessorConfig, TokenProcessorError};
-
-/// Why a load run failed.
-#[derive(Debug, Error)]
-pub enum LoadgenError {
-    /// Flags out of range.
-    #[error("{0}")]
-    InvalidArgs(&'static str),
-    /// The block size or seed cannot hash prompts.
-    #[error("hashing settings: {0}")]
-    Hashing(#[from] TokenProcessorError),
-    /// The async runtime could not start.
-    #[error("starting the runtime: {0}")]
-    Runtime(std::io::Error),
-    /// The daemon's ZMQ endpoint could not be reached, or a send failed.
-    #[error("ZMQ {endpoint}: {source}")]
-    Zmq {
-        /// The daemon's ZMQ endpoint.
-        endpoint: String,
-        /// Why.
-        source: zeromq::ZmqError,
-    },
-    /// The daemon's gRPC endpoint could not be reached.
-    #[error("connecting to gRPC {endpoint}: {source}")]
-    Grpc {
-        /// The address.
-        endpoint: String,
-        /// Why.
-        source: tonic::transport::Error,
-    },
-    /// A ScorePods call failed (other than NOT_FOUND before the first events).
-    #[error("ScorePods failed: {0}")]
-    Score(tonic::Status),
-    /// The metrics port could not be read.
-    #[error("reading the metrics port {addr}: {source}")]
-    Metrics {
-        /// The address.
-        addr: String,
-        /// Why.
-        source: std::io::Error,
-    },
-    /// The request dump could not be written.
-    #[error("writing {path}: {source}")]
-    Dump {
-        /// The file.
-        path: String,
-        /// Why.
-        source: std::io::Error,
-    },
-    /// A load task ended abnormally.
-    #[error("a load task failed: {0}")]
-    Task(String),
-    /// `--chat-tokenizer`'s tokenizer could not be loaded.
-    #[error("the chat tokenizer: {0}")]
-    Tokenizer(#[from] kv_tokenize::LoadError),
-    /// A chat prompt could not be rendered or encoded.
-    #[error("rendering a chat prompt: {0}")]
-    Chat(#[from] kv_tokenize::ChatError),
-    /// The picks never found a prefix in the index: the benchmark would measure nothing.
-    #[error("no prefix matched: {0}")]
-    NoPrefixMatches(String),
-}
+use kv_core::{RequestExtras, TokenProcessor, TokenProcessorConfig};
 
 /// Flags of `kv-indexer loadgen` (its settings).
 #[derive(Debug, Clone, Args)]
@@ -170,8 +111,23 @@ pub struct LoadgenArgs {
     /// code (so the picker finds them). The run fails if ScorePods, asked for the first chat
     /// before the load, does not match every block its pod stored, or if no pick found a
     /// prefix.
-    #[arg(long, value_name = "DIR", requires = "ext_proc")]
+    #[arg(long, value_name = "DIR")]
     pub chat_tokenizer: Option<std::path::PathBuf>,
+    /// Make every simulated pod a real HTTP endpoint on this port: pod `p` is named and served
+    /// at `127.0.0.<10+p>:PORT` (at most 240 pods), with vLLM's `/metrics` page and a short
+    /// completion for any POST (header `x-served-by`), so a gateway can route to it.
+    #[arg(long, value_name = "PORT")]
+    pub serve_pods: Option<u16>,
+    /// Send the documents as OpenAI requests to URL (a gateway, e.g. `http://127.0.0.1:8081`,
+    /// or a pod straight) instead of calling ScorePods, timed to the whole response.
+    #[arg(long, value_name = "URL", conflicts_with = "ext_proc")]
+    pub http: Option<String>,
+    /// Write the OpenAI request body (JSON) for the prompt the first pod stored, for `curl -d`.
+    #[arg(long, value_name = "FILE")]
+    pub dump_body: Option<std::path::PathBuf>,
+    /// Keep the pods serving (`--serve-pods`) this many seconds after the run.
+    #[arg(long, default_value_t = 0)]
+    pub linger: u64,
     /// Serve every simulated pod's vLLM metrics page at `http://ADDR/<pod>/metrics` (loopback),
     /// for the picker's scraper (`endpointPicker.metricsUrlTemplate:
     /// "http://ADDR/{pod}/metrics"`).
@@ -404,6 +360,16 @@ pub fn run(args: LoadgenArgs) -> Result<LoadgenReport, LoadgenError> {
             "--pods must be >= 1, --documents >= 3, --prompt-blocks >= 1",
         ));
     }
+    if args.chat_tokenizer.is_some() && args.ext_proc.is_none() && args.http.is_none() {
+        return Err(LoadgenError::InvalidArgs(
+            "--chat-tokenizer needs --ext-proc or --http",
+        ));
+    }
+    if args.serve_pods.is_some() && args.pods > http::MAX_SERVED_PODS {
+        return Err(LoadgenError::InvalidArgs(
+            "--serve-pods serves at most 240 pods",
+        ));
+    }
     if !(0.0..=1.0).contains(&args.translated_share) {
         return Err(LoadgenError::InvalidArgs(
             "--translated-share must be between 0 and 1",
@@ -413,7 +379,15 @@ pub fn run(args: LoadgenArgs) -> Result<LoadgenReport, LoadgenError> {
         .enable_all()
         .build()
         .map_err(LoadgenError::Runtime)?;
-    runtime.block_on(run_async(args))
+    let linger = (args.serve_pods.is_some() && args.linger > 0).then_some(args.linger);
+    runtime.block_on(async move {
+        let report = run_async(args).await;
+        if let Some(seconds) = linger {
+            eprintln!("the pods keep serving for {seconds}s (--linger)");
+            tokio::time::sleep(Duration::from_secs(seconds)).await;
+        }
+        report
+    })
 }
 
 async fn run_async(args: LoadgenArgs) -> Result<LoadgenReport, LoadgenError> {
@@ -432,9 +406,7 @@ async fn run_async(args: LoadgenArgs) -> Result<LoadgenReport, LoadgenError> {
         tokens(usize::max).unwrap_or(0),
         t.elapsed().as_secs_f64()
     );
-    let pods: Vec<String> = (0..args.pods)
-        .map(|p| format!("10.200.{}.{}:8000", p / 250, p % 250))
-        .collect();
+    let pods = http::pod_names(args.pods, args.serve_pods);
     let topics: Vec<Bytes> = pods
         .iter()
         .map(|p| Bytes::from(format!("kv@{p}@{}", args.model)))
@@ -450,6 +422,9 @@ async fn run_async(args: LoadgenArgs) -> Result<LoadgenReport, LoadgenError> {
         .map_err(|source| publisher.error(source))?;
     if let Some(addr) = &args.pod_metrics {
         picks::serve_pod_metrics(addr).await?;
+    }
+    if args.serve_pods.is_some() {
+        http::serve_pods(&pods, &args.model).await?;
     }
     // Let the subscription reach the PUB (ZeroMQ's slow joiner).
     tokio::time::sleep(Duration::from_millis(500)).await;
@@ -486,6 +461,18 @@ async fn run_async(args: LoadgenArgs) -> Result<LoadgenReport, LoadgenError> {
             path.display()
         );
     }
+    if let Some(path) = &args.dump_body {
+        let body = http::request_body(&args.model, &docs[0]).1;
+        std::fs::write(path, body).map_err(|source| LoadgenError::Dump {
+            path: path.display().to_string(),
+            source,
+        })?;
+        eprintln!(
+            "wrote an OpenAI request body for the prompt {} stored to {}",
+            pods[0],
+            path.display()
+        );
+    }
     let baseline_started = Instant::now();
     let (idle, idle_matched) = score_phase(&args, &docs, &pods, args.baseline).await?;
     let score_idle = ScorePhase::of(
@@ -494,10 +481,10 @@ async fn run_async(args: LoadgenArgs) -> Result<LoadgenReport, LoadgenError> {
         baseline_started.elapsed().as_secs_f64(),
     );
     let mut report = LoadgenReport {
-        calls: if args.ext_proc.is_some() {
-            "picks"
-        } else {
-            "ScorePods"
+        calls: match (&args.ext_proc, &args.http) {
+            (Some(_), _) => "picks",
+            (None, Some(_)) => "http",
+            (None, None) => "ScorePods",
         },
         duration_s: 0.0,
         pods: args.pods,

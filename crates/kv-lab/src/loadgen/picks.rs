@@ -136,23 +136,8 @@ pub(super) async fn pick_phase(
     docs: &Arc<Vec<Document>>,
     seconds: u64,
 ) -> Result<(Vec<u64>, u64), LoadgenError> {
-    let chat = docs.iter().any(|d| d.messages.is_some());
-    let path = if chat {
-        "/v1/chat/completions"
-    } else {
-        "/v1/completions"
-    };
-    let bodies: Arc<Vec<Vec<u8>>> = Arc::new(
-        docs.iter()
-            .map(|d| {
-                let body = match &d.messages {
-                    Some(m) => serde_json::json!({"model": args.model, "messages": m, "max_tokens": 1}),
-                    None => serde_json::json!({"model": args.model, "prompt": d.tokens, "max_tokens": 1}),
-                };
-                body.to_string().into_bytes()
-            })
-            .collect(),
-    );
+    let (path, bodies) = super::http::request_bodies(&args.model, docs);
+    let bodies = Arc::new(bodies);
     let stop = Arc::new(AtomicBool::new(false));
     let mut tasks = Vec::new();
     for c in 0..args.score_concurrency {

@@ -36,7 +36,8 @@ pub struct ScorePhase {
     /// Slowest call, microseconds.
     pub max_us: f64,
     /// Mean matched blocks of the best pod (0 means the prompts were not found); with
-    /// `--ext-proc`, the share of requests answered with a pick.
+    /// `--ext-proc`, the share of requests answered with a pick; with `--http`, the share
+    /// answered 2xx.
     pub avg_matched_blocks: f64,
 }
 
