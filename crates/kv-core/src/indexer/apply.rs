@@ -225,6 +225,14 @@ impl Indexer {
         );
         report.translation.mode_changed = changed;
         let mode = keys.mode;
+        if mode != KeyMode::Aligned && keys.alignable.is_none() && keys.alignable_tries < 3 {
+            // Whether the operator could set blockSize to score it aligned (a few root runs).
+            if let Some(found) = self.alignable_block_size(state, batch) {
+                keys.alignable_tries += 1;
+                keys.alignable = found;
+                report.translation.alignable = found;
+            }
+        }
         // A translated or refused engine's hashes are not taken as keys: not mismatches to
         // count or warn about (the diagnosis is kept, to say why).
         let counted = matches!(mode, KeyMode::Undecided | KeyMode::Aligned);

@@ -78,6 +78,8 @@ pub(super) struct EngineKeys {
     /// The block size at which the engine's hashes are the index's keys (same seed and
     /// algorithm, another block size), once a root run showed it.
     pub(super) alignable: Option<u32>,
+    /// Root runs checked for [`EngineKeys::alignable`] (a few, then no more).
+    pub(super) alignable_tries: u8,
 }
 
 /// What making room for new map entries works with: the shared budget, the fence (entries
