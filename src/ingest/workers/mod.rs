@@ -598,7 +598,7 @@ impl Worker<'_> {
         };
         match mode {
             KeyMode::Translated => {
-                tracing::info!(pod = %key.engine.pod, model = %key.model, rank = key.engine.dp_rank, "engine's block hashes are not the index's keys: translating its blocks from their token ids (exact scores, a map entry per block). Why they differ: {}", why())
+                tracing::info!(pod = %key.engine.pod, model = %key.model, rank = key.engine.dp_rank, "engine's block hashes are not the index's keys: translating its blocks from their token ids (exact scores, a map entry per block; a hash no block can be paired with for certain is skipped and counted, reason unplaced_hash). Why they differ: {}", why())
             }
             KeyMode::Refused { engine, ours } => {
                 tracing::warn!(pod = %key.engine.pod, model = %key.model, rank = key.engine.dp_rank, engine_block_size = engine, block_size = ours, "engine's block size is not a multiple of blockSize: its blocks are not indexed (set the engine's block or page size to a multiple of {ours}, e.g. SGLang --page-size {ours})")
