@@ -131,22 +131,23 @@ pub(super) fn anchors(
     true
 }
 
-/// Whether the anchors can be a subsequence of `blocks` blocks: strictly increasing, each
-/// leaving room for the hashes before and after it.
+/// Whether the anchors can be a subsequence of `blocks` blocks: strictly increasing, with
+/// as many blocks between two of them (and before the first, after the last) as there are
+/// hashes.
 fn consistent(blocks: usize, anchors: &[Option<u32>]) -> bool {
-    let mut last: Option<usize> = None;
+    // The previous anchor as (hash, block); the run's start is hash -1 at block -1.
+    let (mut pj, mut pa) = (-1i64, -1i64);
     for (j, a) in anchors.iter().enumerate() {
-        let Some(a) = a.map(|a| a as usize) else {
+        let Some(a) = a else {
             continue;
         };
-        let room_before = a >= j && last.is_none_or(|l| a > l);
-        let room_after = blocks.saturating_sub(a + 1) >= anchors.len() - j - 1;
-        if !room_before || !room_after || a >= blocks {
+        let (j, a) = (j as i64, i64::from(*a));
+        if a - pa < j - pj {
             return false;
         }
-        last = Some(a);
+        (pj, pa) = (j, a);
     }
-    true
+    blocks as i64 - pa >= anchors.len() as i64 - pj
 }
 
 #[cfg(test)]
@@ -195,10 +196,11 @@ mod tests {
     #[test]
     fn anchors_that_cannot_be_a_subsequence_place_nothing() {
         for anchors in [
-            vec![Some(3), Some(2)], // out of order
-            vec![A, A, Some(1)],    // no room before
-            vec![Some(3), A, A],    // no room after (5 blocks)
-            vec![Some(7)],          // past the run
+            vec![Some(3), Some(2)],       // out of order
+            vec![A, A, Some(1)],          // no room before
+            vec![Some(3), A, A],          // no room after (5 blocks)
+            vec![Some(7)],                // past the run
+            vec![Some(1), A, A, Some(3)], // no room between
         ] {
             let got = placed(5, &anchors, Rule::TailsBeforeAnchors);
             assert!(got.iter().all(Option::is_none), "{anchors:?}: {got:?}");
