@@ -392,10 +392,13 @@ async fn blocks_that_cannot_be_indexed_are_counted_by_reason_and_the_daemon_live
     // than its tokens cover.
     let partial = run(&[903], 8, tokens[64..72].to_vec(), Some(0));
     let uncovered = run(&[911, 912], 32, tokens[..32].to_vec(), Some(0));
+    // One hash for two blocks, which nothing else names: which block it is is not known.
+    let unplaced = run(&[941], 32, tokens[..64].to_vec(), Some(0));
     // Ranks no engine has: negative, and beyond any deployment.
     let negative = run(&[921], 16, tokens[..16].to_vec(), Some(-1));
     let huge = run(&[922], 16, tokens[..16].to_vec(), Some(1 << 40));
-    for (seq, payload) in [partial, uncovered, negative, huge].iter().enumerate() {
+    let sent = [partial, uncovered, unplaced, negative, huge];
+    for (seq, payload) in sent.iter().enumerate() {
         p.send(message(pod, seq as u64 + 1, payload))
             .await
             .expect("send");
@@ -409,9 +412,19 @@ async fn blocks_that_cannot_be_indexed_are_counted_by_reason_and_the_daemon_live
     support::pods::eventually(Duration::from_secs(20), "every drop counted", || async {
         dropped("partial_block") == 1.0
             && dropped("uncovered_hash") == 1.0
+            && dropped("unplaced_hash") == 1.0
             && dropped("rank_out_of_range") == 2.0
     })
     .await;
+    let skipped = "kvindexer_events_skipped_total{reason=\"unplaced_hash\"}";
+    assert_eq!(single::metric(&d, skipped), 1.0, "the run, counted");
+    let unplaced: Vec<u64> = support::pods::list(&d)
+        .await
+        .iter()
+        .filter(|p| p.pod == pod)
+        .map(|p| p.unplaced_hashes)
+        .collect();
+    assert_eq!(unplaced, [1], "ListPods says so");
     assert_eq!(
         single::metric(&d, &format!("kvindexer_rank_errors_total{{pod=\"{pod}\"}}")),
         2.0,

@@ -317,6 +317,8 @@ impl IngestMetrics {
             u64::from(report.skipped_group_events),
         );
         self.skipped("unknown_type", u64::from(report.unknown_events));
+        // Runs stored in part: hashes no evidence pairs with a block (their count is a drop).
+        self.skipped("unplaced_hash", u64::from(report.translation.unplaced_runs));
         self.skipped("too_many_engines", u64::from(report.engine_rejected));
         for (reason, n) in report.drops() {
             self.dropped(reason, n);

@@ -56,6 +56,7 @@ impl KvIndexerApi {
             }
             let checks = model.hash_checks();
             let modes = model.key_modes();
+            let notes = model.key_notes();
             let model_name: Arc<str> = model.name().into();
             for (key, blocks) in model.index().engine_blocks() {
                 let publisher = publishers
@@ -81,12 +82,15 @@ impl KvIndexerApi {
                 let (key_mode, translated_blocks) = modes
                     .get(&key)
                     .map_or(("", 0), |&(mode, n)| (mode.label(), n as u64));
+                let note = notes.get(&key).copied().unwrap_or_default();
                 pods.push(kvindexer_v1::PodInfo {
                     model: model.name().to_owned(),
                     pod: key.pod.to_string(),
                     data_parallel_rank: key.dp_rank,
                     key_mode: key_mode.to_owned(),
                     translated_blocks,
+                    unplaced_hashes: note.unplaced_hashes,
+                    alignable_block_size: note.alignable_block_size.unwrap_or(0),
                     blocks,
                     last_sequence,
                     hash_matches: check.matches,

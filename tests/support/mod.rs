@@ -15,8 +15,8 @@ pub mod redis;
 pub mod replica;
 #[allow(unused_imports)]
 pub use core::{
-    budget_scenario, captured_payload, engine_scenarios, fixture, hashes, hybrid_runs, past, u32s,
-    unhex, BudgetScenario, EngineScenario, HybridRun, Rng,
+    budget_scenario, captured_payload, engine_scenarios, fixture, hashes, hybrid_default_runs,
+    hybrid_runs, past, u32s, unhex, BudgetScenario, EngineScenario, HybridRun, Rng,
 };
 
 /// Writes a small word-level tokenizer (made here, so tests run on a fresh clone) and a

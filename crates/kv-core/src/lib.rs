@@ -77,7 +77,7 @@ pub use index::{harness, reference::ReferenceIndex};
 /// The facade transports call (`indexer`).
 pub use indexer::{
     ApplyReport, EngineHashes, EngineKeyState, EngineLayout, HashCheckStats, Indexer,
-    IndexerSettings, KeyMode, KeysImported, ModelSettings, ModelState, PodRef, PodScore,
+    IndexerSettings, KeyMode, KeyNotes, KeysImported, ModelSettings, ModelState, PodRef, PodScore,
     PodSpeculation, RankScore, RecordEnd, RoutingRecorded, ScoreError, ScoreResult, SettingsError,
     SpeculationSettings, SpeculationStats, TranslatedBlock, TranslationReport, Untranslatable,
     ALL_PODS, DEFAULT_MAX_MODELS, MAX_TTL_FACTOR,

@@ -18,24 +18,13 @@
 
 mod support;
 
-use kv_core::{EngineHash, EngineHashes, HashScratch, Indexer, IndexerSettings, KeyMode, KvEvent};
-use kv_core::{ModelSettings, RequestExtras, TokenProcessor, TokenProcessorConfig};
+use kv_core::{EngineHashes, HashScratch, Indexer, IndexerSettings, KeyMode, KvEvent};
+use kv_core::{ModelSettings, RequestExtras, TokenProcessor};
+use support::replay::{foreign, is_full_attention, misses, processor_config, replay, MODEL, POD};
 use support::{hybrid_runs as runs, HybridRun as Run};
-
-const MODEL: &str = "hybrid";
-const POD: &str = "10.0.0.1:8000";
 
 /// Chunked local attention's chunk size is not in vLLM's events: refused, not predicted.
 const REFUSED: &str = "full+chunked256-bs16";
-
-/// kv-indexer configured as the engine hashes: vLLM's seed and hash unit as `blockSize`.
-fn processor_config(run: &Run) -> TokenProcessorConfig {
-    TokenProcessorConfig {
-        hash_seed: Some("12345".into()),
-        block_size: run.unit,
-        ..Default::default()
-    }
-}
 
 /// Replays `run`'s batches (each event through `keep`) and predicts every probe's hit in
 /// tokens.
@@ -50,12 +39,7 @@ fn predict_as(
     hashes: EngineHashes,
     edit: impl Fn(&KvEvent) -> Option<KvEvent>,
 ) -> (Indexer, Vec<u64>) {
-    let settings = ModelSettings {
-        token_processor: processor_config(run),
-        engine_hashes: hashes,
-        ..Default::default()
-    };
-    predict_with(run, settings, edit)
+    predict_with(run, support::replay::settings_as(run, hashes), edit)
 }
 
 /// [`predict_as`] with the model's settings as given.
@@ -64,55 +48,8 @@ fn predict_with(
     settings: ModelSettings,
     edit: impl Fn(&KvEvent) -> Option<KvEvent>,
 ) -> (Indexer, Vec<u64>) {
-    let ix = Indexer::new(IndexerSettings {
-        default_model: settings,
-        ..Default::default()
-    })
-    .expect("valid");
-    for batch in &run.messages {
-        let mut batch = batch.clone();
-        batch.events = batch.events.iter().filter_map(&edit).collect();
-        ix.apply_batch(MODEL, POD, &batch).expect("applies");
-    }
-    let hits = run
-        .probes
-        .iter()
-        .map(|p| {
-            let r = ix
-                .score_tokens(MODEL, &p.tokens, &[POD], None, None)
-                .expect("model");
-            u64::from(r.scores[0].matched_blocks) * run.unit as u64
-        })
-        .collect();
-    (ix, hits)
-}
-
-/// The probes whose prediction is not vLLM's hit, described.
-fn misses(run: &Run, predicted: &[u64]) -> Vec<String> {
-    run.probes
-        .iter()
-        .zip(predicted)
-        .enumerate()
-        .filter(|(_, (p, &got))| got != p.hit)
-        .map(|(i, (p, got))| {
-            format!(
-                "probe {i} ({} tokens): predicted {got}, vLLM {} (full-only {})",
-                p.tokens.len(),
-                p.hit,
-                p.full_only
-            )
-        })
-        .collect()
-}
-
-fn is_full_attention(e: &KvEvent) -> bool {
-    match e {
-        KvEvent::BlockStored(s) => matches!(
-            s.kv_cache_spec_kind.as_deref(),
-            None | Some("full_attention") | Some("mla_attention")
-        ),
-        _ => true,
-    }
+    let r = replay(run, settings, edit);
+    (r.indexer, r.predicted)
 }
 
 #[test]
@@ -273,22 +210,6 @@ fn chunked_local_attention_with_the_models_chunk_is_scored_as_vllm_reuses() {
 /// The single-group lookahead runs.
 fn single_group_lookahead(run: &Run) -> bool {
     run.lookahead > 0 && run.groups == 1
-}
-
-/// `e` as an engine that hashes otherwise publishes it (every hash it names moved to another
-/// space): its keys must be translated from its tokens.
-fn foreign(e: &KvEvent) -> KvEvent {
-    let move_hash = |h: &mut EngineHash| *h = EngineHash::new(h.get() ^ 0x5A5A_0F0F_3C3C_9696);
-    let mut e = e.clone();
-    match &mut e {
-        KvEvent::BlockStored(s) => {
-            s.block_hashes.iter_mut().for_each(move_hash);
-            s.parent_block_hash.as_mut().map(move_hash);
-        }
-        KvEvent::BlockRemoved(r) => r.block_hashes.iter_mut().for_each(move_hash),
-        _ => {}
-    }
-    e
 }
 
 /// Runs with 16-token partial hits in a Mamba group wider than the unit: a partial entry

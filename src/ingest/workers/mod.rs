@@ -520,6 +520,13 @@ impl Worker<'_> {
             tracing::info!(model = %key.model, pod = %key.engine.pod, lookahead = l, "lookahead hashing (vLLM num_hash_lookahead_tokens, EAGLE/MTP drafters): prompts of this model are hashed with the tokens after each block from now on; its engines must all publish this lookahead length");
         }
         let t = &report.translation;
+        if let Some(size) = t.alignable {
+            // Once per engine: it could be scored without a translation map.
+            tracing::info!(pod = %key.engine.pod, model = %key.model, rank = key.engine.dp_rank, engine_block_size = size, "engine's block hashes are the index's keys at its own block size ({size}: same seed and algorithm): set tokenProcessorConfig.blockSize to {size} to score it aligned, without a translation map (scores are exact either way)");
+        }
+        if t.unplaced_hashes > 0 && self.shared.warn_budget.allow(LineKind::Dropped) {
+            tracing::warn!(pod = %key.engine.pod, model = %key.model, rank = key.engine.dp_rank, hashes = t.unplaced_hashes, "translated blocks not indexed: a run with fewer hashes than blocks (vLLM leaves null and masked blocks out) has hashes no other group's blocks pair with a block for certain; skipped, never guessed (the engine may be scored below its hit)");
+        }
         let (uncovered, full) = (t.partial_blocks + t.uncovered_hashes, t.full_blocks);
         let (mismatch, malformed) = (
             report.lookahead_mismatch_blocks,
@@ -591,7 +598,7 @@ impl Worker<'_> {
         };
         match mode {
             KeyMode::Translated => {
-                tracing::info!(pod = %key.engine.pod, model = %key.model, rank = key.engine.dp_rank, "engine's block hashes are not the index's keys: translating its blocks from their token ids (exact scores, a map entry per block). Why they differ: {}", why())
+                tracing::info!(pod = %key.engine.pod, model = %key.model, rank = key.engine.dp_rank, "engine's block hashes are not the index's keys: translating its blocks from their token ids (exact scores, a map entry per block; a hash no block can be paired with for certain is skipped and counted, reason unplaced_hash). Why they differ: {}", why())
             }
             KeyMode::Refused { engine, ours } => {
                 tracing::warn!(pod = %key.engine.pod, model = %key.model, rank = key.engine.dp_rank, engine_block_size = engine, block_size = ours, "engine's block size is not a multiple of blockSize: its blocks are not indexed (set the engine's block or page size to a multiple of {ours}, e.g. SGLang --page-size {ours})")

@@ -82,12 +82,13 @@ pub struct ApplyReport {
 impl ApplyReport {
     /// Blocks received and not indexed, and removals that found nothing, by a bounded reason
     /// (one metric family): every drop the batch caused, in one list.
-    pub fn drops(&self) -> [(&'static str, u64); 8] {
+    pub fn drops(&self) -> [(&'static str, u64); 9] {
         let t = &self.translation;
         [
             ("unknown_removal", u64::from(t.unknown_removals)),
             ("partial_block", u64::from(t.partial_blocks)),
             ("uncovered_hash", u64::from(t.uncovered_hashes)),
+            ("unplaced_hash", u64::from(t.unplaced_hashes)),
             ("translation_full", u64::from(t.full_blocks)),
             ("model_evicted", self.model_evicted_blocks),
             ("rank_out_of_range", u64::from(self.rank_out_of_range)),
@@ -224,6 +225,14 @@ impl Indexer {
         );
         report.translation.mode_changed = changed;
         let mode = keys.mode;
+        if mode != KeyMode::Aligned && keys.alignable.is_none() && keys.alignable_tries < 3 {
+            // Whether the operator could set blockSize to score it aligned (a few root runs).
+            if let Some(found) = self.alignable_block_size(state, batch) {
+                keys.alignable_tries += 1;
+                keys.alignable = found;
+                report.translation.alignable = found;
+            }
+        }
         // A translated or refused engine's hashes are not taken as keys: not mismatches to
         // count or warn about (the diagnosis is kept, to say why).
         let counted = matches!(mode, KeyMode::Undecided | KeyMode::Aligned);
@@ -233,13 +242,20 @@ impl Indexer {
         let unit = state.processor.block_size() as u32;
         let engine_groups = groups.entry(key.clone()).or_default();
         let mut layout_changed = false;
+        // A translated engine's run with fewer hashes than blocks waits for the run of the same
+        // step that names its blocks (`translate`'s order).
+        let order = match mode {
+            KeyMode::Translated => scratch.application_order(&batch.events),
+            _ => None,
+        };
         let applied = state.index.write_engine(key, |w, engine| {
             if changed.is_some() && was == KeyMode::Undecided && mode != KeyMode::Aligned {
                 // What was stored under the engine's own hashes is not keys.
                 report.blocks_removed += w.clear_engine(engine) as u64;
                 keys.clear(&self.budget);
             }
-            for event in &batch.events {
+            for at in 0..batch.events.len() {
+                let event = &batch.events[order.as_ref().map_or(at, |o| o[at])];
                 match event {
                     KvEvent::BlockStored(s) => {
                         let blocks = s.block_hashes.len() as u64;
@@ -330,6 +346,9 @@ impl Indexer {
             }
             engine
         });
+        if let Some(order) = order {
+            scratch.give_back_order(order);
+        }
         match applied {
             None => {
                 report.engine_rejected = true;

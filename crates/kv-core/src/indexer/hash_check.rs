@@ -63,6 +63,34 @@ impl Indexer {
         checks
     }
 
+    /// Whether `batch`'s first root run of another block size than `blockSize` hashes as the
+    /// index would at that block size (the model's seed, algorithm and extra keys, the engine
+    /// block as one hash unit): `Some(Some(size))` when it does, `Some(None)` when it does not,
+    /// `None` when the batch has no such run. One SHA-256 of one engine block.
+    pub(super) fn alignable_block_size(
+        &self,
+        state: &ModelState,
+        batch: &EventBatch,
+    ) -> Option<Option<u32>> {
+        let processor = &state.processor;
+        let (s, extras) = batch.events.iter().find_map(|event| {
+            let (s, extras) = checkable(state, event)?;
+            let engine = s.block_size as usize;
+            (engine > 0 && engine != processor.block_size() && s.token_ids.len() >= engine)
+                .then_some((s, extras))
+        })?;
+        let engine = s.block_size as usize;
+        let config = TokenProcessorConfig {
+            block_size: engine,
+            hash_block_size: None,
+            ..processor.config().clone()
+        };
+        let key = TokenProcessor::new(&config)
+            .ok()
+            .and_then(|p| first_block_key(&p, s, engine, &extras));
+        Some(publishes(s.block_hashes[0], key).then_some(s.block_size))
+    }
+
     /// Tallies `checks` for `pod` when its hashes are taken as keys (`counted`); the first
     /// mismatch's diagnosis is kept either way (it says why an engine is translated).
     pub(super) fn record_checks(

@@ -111,11 +111,20 @@ pub(super) fn run_tokens<'a>(
     covered: usize,
     buf: &'a mut Vec<u32>,
 ) -> (&'a [u32], usize) {
-    let plain = &s.token_ids[..covered];
     let blocks = covered / (s.block_size as usize).max(1);
-    let last = blocks
-        .checked_sub(1)
-        .and_then(|b| s.lookahead_token_ids.as_ref()?.get(b));
+    run_tokens_with(s, covered, blocks.wrapping_sub(1), buf)
+}
+
+/// [`run_tokens`] with the lookahead tokens of hash `list` (its `lookahead_token_ids` entry):
+/// a run with fewer hashes than blocks hashes all its blocks followed by its last hash's.
+pub(super) fn run_tokens_with<'a>(
+    s: &'a BlockStored,
+    covered: usize,
+    list: usize,
+    buf: &'a mut Vec<u32>,
+) -> (&'a [u32], usize) {
+    let plain = &s.token_ids[..covered];
+    let last = s.lookahead_token_ids.as_ref().and_then(|l| l.get(list));
     match last {
         Some(next) if !next.is_empty() => {
             buf.clear();

@@ -63,7 +63,8 @@ pub use speculation::{
 };
 use translate::EngineKeys;
 pub use translate::{
-    EngineHashes, EngineKeyState, KeyMode, TranslatedBlock, TranslationReport, Untranslatable,
+    EngineHashes, EngineKeyState, KeyMode, KeyNotes, TranslatedBlock, TranslationReport,
+    Untranslatable,
 };
 
 /// How one model's hashes are computed (must equal its vLLM deployment's settings).
@@ -335,6 +336,18 @@ impl ModelState {
             .0
             .iter()
             .map(|(key, keys)| (key.clone(), (keys.mode, keys.translated_blocks())))
+            .collect()
+    }
+
+    /// What each engine's translation noted beside its mode: hashes skipped because no block
+    /// could be paired with them, and the block size at which its hashes are the index's
+    /// keys (what `ListPods` reports).
+    pub fn key_notes(&self) -> HashMap<EngineKey, KeyNotes> {
+        self.engine_keys
+            .lock()
+            .0
+            .iter()
+            .map(|(key, keys)| (key.clone(), keys.notes()))
             .collect()
     }
 

@@ -3,6 +3,8 @@
 //! `README.md`) and small converters.
 #![allow(dead_code)]
 
+pub mod replay;
+
 use kv_core::BlockHash;
 use serde_json::Value;
 
@@ -192,12 +194,17 @@ pub struct HybridProbe {
     pub full_only: u64,
 }
 
-/// One run of `fixtures/hybrid/hybrid.json`: a layout and seed, vLLM's batches, the probes.
+/// One run of `fixtures/hybrid/hybrid.json` or `defaults.json`: a layout and seed, vLLM's
+/// batches, the probes.
 pub struct HybridRun {
     /// `<scenario>/seed<N>`.
     pub name: String,
-    /// The layout's name.
+    /// The scenario's name (the layout's, with the settings in `defaults.json`).
     pub scenario: String,
+    /// The layout's name (the scenario's in `hybrid.json`).
+    pub layout: String,
+    /// vLLM's `max_num_batched_tokens` (512 in `hybrid.json`).
+    pub budget: u64,
     /// vLLM's hash unit (`hash_block_size`).
     pub unit: usize,
     /// `num_hash_lookahead_tokens`.
@@ -224,7 +231,30 @@ fn b64(s: &str) -> Vec<u8> {
 /// The runs of `fixtures/hybrid/hybrid.json` (vLLM 0.33's own KV-cache manager; see its
 /// README).
 pub fn hybrid_runs() -> Vec<HybridRun> {
-    let doc = fixture("hybrid/hybrid.json");
+    let out = hybrid_runs_of("hybrid/hybrid.json");
+    assert!(
+        out.len() >= 33,
+        "11 scenarios x 3 seeds, found {}",
+        out.len()
+    );
+    out
+}
+
+/// The runs of `fixtures/hybrid/defaults.json`: vLLM 0.33's own KV-cache manager at vLLM's
+/// default settings (scheduler budgets of 2,048 and 8,192 tokens, prefix-cache retention 0),
+/// where events carry fewer hashes than blocks (see the README).
+pub fn hybrid_default_runs() -> Vec<HybridRun> {
+    let out = hybrid_runs_of("hybrid/defaults.json");
+    assert!(
+        out.len() >= 38,
+        "16 layouts x 2 budgets + 6, found {}",
+        out.len()
+    );
+    out
+}
+
+fn hybrid_runs_of(rel: &str) -> Vec<HybridRun> {
+    let doc = fixture(rel);
     let mut out = Vec::new();
     for s in doc["scenarios"].as_array().expect("scenarios") {
         let segments: Vec<Vec<u32>> = s["segments"]
@@ -265,9 +295,19 @@ pub fn hybrid_runs() -> Vec<HybridRun> {
             .iter()
             .map(|m| b64(m.as_str().expect("str")))
             .collect();
+        let scenario = s["scenario"].as_str().expect("scenario").to_owned();
         out.push(HybridRun {
             name: s["name"].as_str().expect("name").to_owned(),
-            scenario: s["scenario"].as_str().expect("scenario").to_owned(),
+            layout: s
+                .get("layout")
+                .and_then(Value::as_str)
+                .unwrap_or(&scenario)
+                .to_owned(),
+            budget: s
+                .get("max_num_batched_tokens")
+                .and_then(Value::as_u64)
+                .unwrap_or(512),
+            scenario,
             unit: s["hash_block_size"].as_u64().expect("unit") as usize,
             lookahead: s["lookahead_tokens"].as_u64().expect("lookahead"),
             groups: s["groups"].as_array().expect("groups").len(),
@@ -285,10 +325,5 @@ pub fn hybrid_runs() -> Vec<HybridRun> {
             probes,
         });
     }
-    assert!(
-        out.len() >= 33,
-        "11 scenarios x 3 seeds, found {}",
-        out.len()
-    );
     out
 }

@@ -20,6 +20,12 @@
 //!   apart (by the engine hash in the group's space) and stored in the group's key space;
 //!   a block size that is not a multiple of ours is refused for that engine (counted, never
 //!   guessed), as is a partial chunk (it never makes a key);
+//! - each published hash is paired with its own block: the i-th with the i-th when a run has
+//!   a hash for every block its `token_ids` cover; otherwise (vLLM leaves null and masked
+//!   blocks out, the sliding window's and Mamba's) by `place`, from the engine's map (a
+//!   block's digest is the same in every group) and vLLM's rules, the run applied after the
+//!   run of its step that names its blocks (`order`); a hash nothing places is skipped and
+//!   counted (`unplaced_hash`), never guessed;
 //! - a run that cannot be translated (its parent unknown, a LoRA whose path is not configured,
 //!   multimodal keys, no tokens and unknown hashes) is skipped and counted, never guessed;
 //! - copies are counted: an engine that stores the same block twice in one tier holds it
@@ -38,18 +44,23 @@
 use std::collections::HashMap;
 
 mod map;
+mod order;
+mod place;
+mod tokens;
 mod types;
 
 use map::TranslationMap;
+use tokens::block_digests;
+pub(super) use tokens::run_extras;
 pub use types::{
-    EngineHashes, EngineKeyState, KeyMode, TranslatedBlock, TranslationReport, Untranslatable,
+    EngineHashes, EngineKeyState, KeyMode, KeyNotes, TranslatedBlock, TranslationReport,
+    Untranslatable,
 };
 
 use super::kinds::{full_attention_kind, tier_of};
-use super::lookahead::run_tokens;
 use super::ModelState;
-use crate::events::{BlockRemoved, BlockStored, EventBatch, KvEvent, MsgpackValue};
-use crate::hashing::{BlockDigest, HashScratch, RequestExtras, TokenProcessor};
+use crate::events::{BlockRemoved, BlockStored, EventBatch, KvEvent};
+use crate::hashing::{BlockDigest, HashScratch, TokenProcessor};
 use crate::index::{EngineId, IndexWriter, KeyBudget, Tier};
 use crate::{BlockHash, EngineHash};
 
@@ -61,6 +72,14 @@ pub(super) struct EngineKeys {
     map: TranslationMap,
     /// Aligned (and undecided) engines: copies beyond the first, by (key, tier).
     copies: HashMap<(BlockHash, Tier), u32>,
+    /// Published hashes skipped because no block could be paired with them for certain
+    /// (`ListPods`), since the engine was first seen or last cleared.
+    unplaced: u64,
+    /// The block size at which the engine's hashes are the index's keys (same seed and
+    /// algorithm, another block size), once a root run showed it.
+    pub(super) alignable: Option<u32>,
+    /// Root runs checked for [`EngineKeys::alignable`] (a few, then no more).
+    pub(super) alignable_tries: u8,
 }
 
 /// What making room for new map entries works with: the shared budget, the fence (entries
@@ -80,6 +99,14 @@ pub(super) struct Scratch {
     hashing: HashScratch,
     /// A run's tokens with its lookahead tokens after them.
     tokens: Vec<u32>,
+    /// A sparse run's hashes: their blocks where the map knows them, then as placed.
+    anchors: Vec<Option<u32>>,
+    placed: Vec<Option<u32>>,
+    /// The run's (hash, block) pairs, in chain order.
+    pairs: Vec<(u32, u32)>,
+    /// A batch's application order, and the moves it is made of (`order`).
+    order: Vec<usize>,
+    moves: Vec<(usize, usize)>,
 }
 
 impl Scratch {
@@ -87,12 +114,38 @@ impl Scratch {
     pub(super) fn keys(&self) -> &[BlockHash] {
         &self.keys
     }
+
+    /// The order a translated engine's `events` are applied in (positions), when it is not
+    /// theirs: a run with fewer hashes than blocks after the run that names them (`order`).
+    /// Taken out of the scratch (give it back with [`Scratch::give_back_order`]).
+    pub(super) fn application_order(&mut self, events: &[KvEvent]) -> Option<Vec<usize>> {
+        let mut order = std::mem::take(&mut self.order);
+        if order::application_order(events, &mut order, &mut self.moves) {
+            Some(order)
+        } else {
+            self.order = order;
+            None
+        }
+    }
+
+    /// Returns the vector [`Scratch::application_order`] lent.
+    pub(super) fn give_back_order(&mut self, order: Vec<usize>) {
+        self.order = order;
+    }
 }
 
 impl EngineKeys {
     /// Map entries (what they cost, in keys of the shared budget).
     pub(super) fn translated_blocks(&self) -> usize {
         self.map.len()
+    }
+
+    /// What `ListPods` says of the engine beside its mode.
+    pub(super) fn notes(&self) -> KeyNotes {
+        KeyNotes {
+            unplaced_hashes: self.unplaced,
+            alignable_block_size: self.alignable,
+        }
     }
 
     /// The state a snapshot carries.
@@ -165,6 +218,7 @@ impl EngineKeys {
         budget.give_back(self.map.len() as u64);
         self.map = TranslationMap::default();
         self.copies = HashMap::new();
+        self.unplaced = 0;
     }
 
     /// Takes a key of the budget for a new map entry, making room as [`EngineKeys::make_room`]
@@ -325,7 +379,9 @@ impl EngineKeys {
     /// The run's parent is looked up in its own group first, then in the engine's other
     /// groups (`groups`, as its events showed them): a sliding-window or Mamba group often
     /// lacks the block its run continues, which another group holds, and a block's digest is
-    /// the same in every group. Returns memberships added, or why not.
+    /// the same in every group. A run with fewer hashes than its tokens cover blocks has each
+    /// hash paired with its own block (`place`); a hash no evidence places is skipped and
+    /// counted. Returns memberships added, or why not.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn store_translated(
         &mut self,
@@ -350,10 +406,8 @@ impl EngineKeys {
             return Ok(0);
         }
         let k = per_block / ours;
-        let blocks = s
-            .block_hashes
-            .len()
-            .min(s.token_ids.len() / per_block.max(1));
+        let covered = s.token_ids.len() / per_block;
+        let blocks = s.block_hashes.len().min(covered);
         if blocks == 0 {
             return self.store_known(w, engine, tier, s, group, scratch);
         }
@@ -373,27 +427,80 @@ impl EngineKeys {
             Some(None) => return Err(Untranslatable::UnknownParent),
         };
         let extras = run_extras(s, s.parent_block_hash.is_none(), blocks, model)?;
-        scratch.keys.clear();
-        scratch.digests.clear();
-        let (keys, digests) = (&mut scratch.keys, &mut scratch.digests);
-        // Hash units per key (a key every `per_key` units of vLLM's hash).
-        let per_key = processor.block_size() / processor.hash_block_size();
-        let (tokens, lookahead) = run_tokens(s, blocks * per_block, &mut scratch.tokens);
-        processor.for_each_unit_after_lookahead(
-            &parent_digest,
-            tokens,
-            lookahead,
-            &extras,
-            &mut scratch.hashing,
-            |unit, _, digest| {
-                // An engine block stands for the key of the unit it ends on, as an aligned
-                // engine of that block size publishes it (vLLM 0.24+).
-                if (unit + 1) % (per_key * k) == 0 {
-                    keys.push(crate::hashing::event_hash(digest));
-                    digests.push(*digest);
-                }
-            },
+        // Every block the tokens cover when hashes are fewer (to pair them), else the hashes'.
+        let sparse = blocks < covered;
+        let hashed = if sparse { covered } else { blocks };
+        block_digests(processor, s, (&parent_digest, hashed, k), &extras, scratch);
+        scratch.pairs.clear();
+        if sparse {
+            let unplaced = self.pair_sparse(s, (group, groups), scratch);
+            report.unplaced_hashes = report.unplaced_hashes.saturating_add(unplaced);
+            report.unplaced_runs += u32::from(unplaced > 0);
+            self.unplaced += u64::from(unplaced);
+        } else {
+            scratch.pairs.extend((0..blocks as u32).map(|j| (j, j)));
+        }
+        let mapped = self.map_pairs(w, engine, (tier, group), s, budget, scratch, report);
+        // The parent's keys may have left with its entry just now: the run is then stored as
+        // an orphan (held by hash, scored once its chain is back), as any run whose parent the
+        // engine does not hold.
+        let keys = &mut scratch.keys;
+        keys.clear();
+        keys.extend(scratch.pairs[..mapped].iter().map(|&(_, b)| {
+            crate::hashing::event_hash(&scratch.digests[b as usize]).in_group(group)
+        }));
+        let outcome = w.store(engine, tier, parent_key, keys);
+        report.translated_runs += 1;
+        Ok(outcome.added)
+    }
+
+    /// Pairs a sparse run's hashes with its blocks (`scratch.digests`, one per block its
+    /// tokens cover) into `scratch.pairs`; returns the hashes left unplaced.
+    fn pair_sparse(
+        &self,
+        s: &BlockStored,
+        groups: (u32, &[(u32, crate::GroupSpec)]),
+        scratch: &mut Scratch,
+    ) -> u32 {
+        let hashes = &s.block_hashes;
+        let known = place::anchors(
+            &self.map,
+            groups,
+            hashes,
+            &scratch.digests,
+            &mut scratch.anchors,
         );
+        if !known {
+            return hashes.len() as u32;
+        }
+        let rule = place::Rule::of(s.kv_cache_spec_kind.as_deref());
+        place::place(
+            scratch.digests.len(),
+            &scratch.anchors,
+            rule,
+            &mut scratch.placed,
+        );
+        let placed = scratch.placed.iter().enumerate();
+        scratch
+            .pairs
+            .extend(placed.filter_map(|(j, b)| b.map(|b| (j as u32, b))));
+        (hashes.len() - scratch.pairs.len()) as u32
+    }
+
+    /// Makes (or counts a copy of) the map entry of each of `scratch.pairs`' hashes, room made
+    /// first; returns how many pairs are mapped (a hash that finds no room for its entry is
+    /// not stored, nor are the ones after it; counted).
+    #[allow(clippy::too_many_arguments)]
+    fn map_pairs(
+        &mut self,
+        w: &mut IndexWriter<'_>,
+        engine: EngineId,
+        (tier, group): (Tier, u32),
+        s: &BlockStored,
+        budget: &KeyBudget,
+        scratch: &Scratch,
+        report: &mut TranslationReport,
+    ) -> usize {
         // Room first, for the entries and keys the run adds: the engine's oldest entries give
         // their place (the newest blocks win; left to the index's policy, the run's own new
         // keys could be what it evicts while old entries kept their share of the budget).
@@ -403,47 +510,41 @@ impl EngineKeys {
             fence: self.map.next_stamp(),
             evicted: &mut report.evicted_entries,
         };
-        let new_entries = s.block_hashes[..blocks]
+        let pairs = &scratch.pairs;
+        let new_entries = pairs
             .iter()
-            .filter(|h| self.map.get(&h.in_group(group)).is_none())
+            .filter(|&&(j, _)| {
+                self.map
+                    .get(&s.block_hashes[j as usize].in_group(group))
+                    .is_none()
+            })
             .count();
         // A block already mapped brings no entry and (unless the index evicted it) no new
         // key: only new blocks need room, an entry and a key each.
         let need = (new_entries * 2) as u64;
         self.make_room(w, engine, &mut room, need, false);
-        // Each block's map entry (what will remove its keys), then its keys: a block that
-        // finds no room for its entry is not stored, nor are the blocks after it.
         let mut mapped = 0;
-        for (j, &hash) in s.block_hashes[..blocks].iter().enumerate() {
-            let hash = hash.in_group(group);
+        for (n, &(j, b)) in pairs.iter().enumerate() {
+            let hash = s.block_hashes[j as usize].in_group(group);
             if let Some(t) = self.map.get_mut(&hash) {
                 t.copies[slot] = t.copies[slot].saturating_add(1);
             } else if self.reserve(w, engine, &mut room) {
                 let mut copies = [0u16; 4];
                 copies[slot] = 1;
-                self.map
-                    .insert(hash, group, digests[j], Box::new([]), copies);
+                let digest = scratch.digests[b as usize];
+                self.map.insert(hash, group, digest, Box::new([]), copies);
             } else {
                 break;
             }
-            mapped = j + 1;
+            mapped = n + 1;
         }
-        if mapped < blocks {
+        if mapped < pairs.len() {
             report.untranslatable[Untranslatable::Full as usize] += 1;
-            report.full_blocks = report.full_blocks.saturating_add((blocks - mapped) as u32);
+            report.full_blocks = report
+                .full_blocks
+                .saturating_add((pairs.len() - mapped) as u32);
         }
-        // The parent's keys may have left with its entry just now: the run is then stored as
-        // an orphan (held by hash, scored once its chain is back), as any run whose parent the
-        // engine does not hold.
-        keys.truncate(mapped);
-        if group != 0 {
-            for key in keys.iter_mut() {
-                *key = key.in_group(group);
-            }
-        }
-        let outcome = w.store(engine, tier, parent_key, keys);
-        report.translated_runs += 1;
-        Ok(outcome.added)
+        mapped
     }
 
     /// A run without tokens (an offload tier's event): its hashes resolved through the map.
@@ -544,52 +645,4 @@ fn remove_held(
             w.remove(engine, tier, &last);
         }
     }
-}
-
-/// The extra keys a run's blocks were hashed with, as far as the event tells: its LoRA (the
-/// path from the configuration), and for a run from the prompt's root its `cache_salt`
-/// (SGLang's field, or vLLM's block-0 entry). Multimodal and prompt-embedding keys are not
-/// rebuilt.
-/// Reads the first `blocks` extra-keys entries (the hash check needs block 0's only).
-pub(super) fn run_extras(
-    s: &BlockStored,
-    root: bool,
-    blocks: usize,
-    model: &ModelState,
-) -> Result<RequestExtras, Untranslatable> {
-    let mut extras = RequestExtras::default();
-    if let Some(name) = s.lora_name.as_ref().filter(|n| !n.is_empty()) {
-        extras.lora = Some(model.lora_adapter(name).ok_or(Untranslatable::Lora)?);
-    }
-    // vLLM publishes one extra-keys entry per block: beyond the LoRA name, only block 0's
-    // salt is rebuilt.
-    for (i, entry) in s.extra_keys.iter().flatten().take(blocks).enumerate() {
-        let items: &[MsgpackValue] = match entry {
-            None => continue,
-            Some(MsgpackValue::Array(items)) => items,
-            Some(MsgpackValue::Str(salt)) if i == 0 && root && extras.lora.is_none() => {
-                extras.cache_salt = Some(salt.clone());
-                continue;
-            }
-            Some(_) => return Err(Untranslatable::ExtraKeys),
-        };
-        let mut rest = items;
-        if extras.lora.is_some() {
-            match rest.first() {
-                Some(MsgpackValue::Str(n)) if Some(n) == s.lora_name.as_ref() => rest = &rest[1..],
-                _ => return Err(Untranslatable::ExtraKeys),
-            }
-        }
-        match rest {
-            [] => {}
-            [MsgpackValue::Str(salt)] if i == 0 && root => extras.cache_salt = Some(salt.clone()),
-            _ => return Err(Untranslatable::ExtraKeys),
-        }
-    }
-    if root {
-        if let Some(salt) = s.cache_salt.as_ref().filter(|s| !s.is_empty()) {
-            extras.cache_salt = Some(salt.clone());
-        }
-    }
-    Ok(extras)
 }

@@ -84,6 +84,14 @@ pub struct TranslationReport {
     pub partial_blocks: u32,
     /// Stored hashes beyond what the event's `token_ids` cover (no tokens to key them by).
     pub uncovered_hashes: u32,
+    /// Stored hashes of runs with fewer hashes than blocks that no evidence pairs with a block
+    /// for certain (vLLM left null or masked blocks out), skipped.
+    pub unplaced_hashes: u32,
+    /// Runs with at least one such hash.
+    pub unplaced_runs: u32,
+    /// This batch showed the engine's hashes are the index's keys at this block size (its
+    /// own; same seed and algorithm): `blockSize` set to it would score it aligned.
+    pub alignable: Option<u32>,
     /// Map entries that gave their place to newer ones (the key budget was spent); their keys
     /// left the index with them.
     pub evicted_entries: u32,
@@ -111,6 +119,18 @@ impl Untranslatable {
             Untranslatable::Full => "full",
         }
     }
+}
+
+/// What `ListPods` says of an engine's translation beside its mode.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct KeyNotes {
+    /// Published hashes skipped because no block could be paired with them for certain, since
+    /// the engine was first seen or last cleared.
+    pub unplaced_hashes: u64,
+    /// The block size at which the engine's published hashes are the index's keys (its own
+    /// block size, with the index's seed and algorithm): set `blockSize` to it to score the
+    /// engine aligned, without a translation map.
+    pub alignable_block_size: Option<u32>,
 }
 
 /// One translated engine block, as a snapshot carries it.
