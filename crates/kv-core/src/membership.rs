@@ -137,6 +137,15 @@ impl Membership {
             .collect()
     }
 
+    /// The endpoints out for failed probes, in no order (with or without a pool).
+    pub fn unreachable(&self) -> Vec<String> {
+        self.streaks
+            .keys()
+            .filter(|e| self.standing(e) == Standing::Unreachable)
+            .cloned()
+            .collect()
+    }
+
     /// Every endpoint the pool lists, in order, with its standing (none without a pool).
     pub fn members(&self) -> impl Iterator<Item = (&str, Standing)> {
         self.pool
@@ -298,6 +307,7 @@ mod tests {
         let left = m.probed("p:1", Probe::TimedOut);
         assert_eq!(left.map(|c| c.to), Some(Standing::Unreachable));
         assert!(!m.admits("p:1"));
+        assert_eq!(m.unreachable(), ["p:1"]);
         assert!(m.candidates().is_empty(), "the caller lists the publishers");
         m.forget(|_| false);
         assert!(m.admits("p:1"), "forgotten: no streak");
