@@ -146,11 +146,16 @@ impl Pool {
         failures_to_leave: u32,
         metrics: Arc<Metrics>,
     ) -> Arc<Self> {
+        let mut membership = Membership::new(failures_to_leave);
+        if kind != SourceKind::Publishers {
+            // A pool known to list nothing yet: its first members are counted as added.
+            membership.set_pool(std::iter::empty());
+        }
         Arc::new(Self {
             kind,
             description,
             inner: Mutex::new(Inner {
-                membership: Membership::new(failures_to_leave),
+                membership,
                 endpoints: BTreeMap::new(),
                 synced: kind == SourceKind::Publishers,
                 absent: None,

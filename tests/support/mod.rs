@@ -8,8 +8,10 @@ use serde_json::Value;
 #[path = "../../crates/kv-core/tests/support/mod.rs"]
 mod core;
 pub mod dns;
+pub mod kube_api;
 pub mod picker;
 pub mod pods;
+pub mod pool;
 pub mod prometheus;
 pub mod redis;
 pub mod replica;
