@@ -13,6 +13,7 @@ pub mod pods;
 pub mod prometheus;
 pub mod redis;
 pub mod replica;
+pub mod tls;
 #[allow(unused_imports)]
 pub use core::{
     budget_scenario, captured_payload, engine_scenarios, fixture, hashes, hybrid_runs, past, u32s,
