@@ -9,6 +9,7 @@ use serde_json::Value;
 mod core;
 pub mod dns;
 pub mod picker;
+pub mod pod_http;
 pub mod pods;
 pub mod prometheus;
 pub mod redis;
