@@ -8,6 +8,7 @@ use serde_json::Value;
 #[path = "../../crates/kv-core/tests/support/mod.rs"]
 mod core;
 pub mod dns;
+pub mod envoy;
 pub mod picker;
 pub mod pod_http;
 pub mod pods;
