@@ -6,8 +6,8 @@
 //!
 //! Invariants: without `ENVOY_BIN` a test says `SKIPPED` on stderr and returns, except under
 //! `CI=true`, where it fails; every substitution a test renders stands exactly once in the file
-//! (so the file a test runs is the file shipped, ports aside); Envoy's log is kept for failure
-//! messages.
+//! (so the file a test runs is the file shipped, ports aside); Envoy's directory (configuration,
+//! log) is removed after a passing test and kept, its log quoted, after a failing one.
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -265,11 +265,13 @@ impl Envoy {
         }
     }
 
-    /// Envoy's log so far (its last 150 lines), for a failure's message.
+    /// Envoy's log so far (its last 150 lines, and where the whole is), for a failure's message.
     pub fn log(&self) -> String {
-        let text = std::fs::read_to_string(self.dir.join("envoy.log")).unwrap_or_default();
+        let path = self.dir.join("envoy.log");
+        let text = std::fs::read_to_string(&path).unwrap_or_default();
         let lines: Vec<&str> = text.lines().collect();
-        lines[lines.len().saturating_sub(150)..].join("\n")
+        let tail = lines[lines.len().saturating_sub(150)..].join("\n");
+        format!("{tail}\n(Envoy's log: {})", path.display())
     }
 
     /// A counter or gauge of Envoy's admin `/stats` (0 when absent).
@@ -322,8 +324,12 @@ impl Envoy {
 }
 
 impl Drop for Envoy {
+    /// Kills Envoy; its directory (configuration and log) is kept when the test failed.
     fn drop(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
+        if !std::thread::panicking() {
+            let _ = std::fs::remove_dir_all(&self.dir);
+        }
     }
 }
