@@ -28,9 +28,10 @@
 //!   (`cached_tokens_are_held_against_the_prediction`); a stream reaches the client whole, in
 //!   order and unbuffered, its last event's usage read; without `include_usage`, `no_usage`
 //!   (`a_streamed_response_arrives_whole_in_order_and_its_usage_is_read`);
-//! - override_host with retries and two fallbacks: the holder serves; with it down, Envoy
-//!   retries on the first fallback, which serves, and reports it (served elsewhere); up, nothing
-//!   is served elsewhere (`override_host_retries_on_a_fallback_when_the_pick_is_down`);
+//! - override_host with retries and two fallbacks: the holder serves; with it down (its
+//!   inference, then its metrics too), Envoy retries on the first fallback, which serves, and
+//!   reports it (served elsewhere); up, nothing is served elsewhere
+//!   (`override_host_retries_on_a_fallback_when_the_pick_is_down`);
 //! - why one endpoint is the default: behind GIE's ORIGINAL_DST cluster a list is no address
 //!   (503, `original_dst_host_invalid`) (`an_endpoint_list_fails_behind_gie_s_original_dst_gateway`);
 //! - ignored, failing: a block-aligned prompt held whole is predicted one block over what vLLM
@@ -549,9 +550,11 @@ async fn override_host_retries_on_a_fallback_when_the_pick_is_down() {
         return;
     };
     // The pick A holds the prompt, B its first two blocks, C none of it: the list is A,B,C.
-    let ids = prompt_ids(14, 80);
-    gw.fleet.store(&gw.pods[0].name, &ids).await;
-    gw.fleet.store(&gw.pods[1].name, &ids[..32]).await;
+    let (ids, other) = (prompt_ids(14, 80), prompt_ids(15, 80));
+    for prompt in [&ids, &other] {
+        gw.fleet.store(&gw.pods[0].name, prompt).await;
+        gw.fleet.store(&gw.pods[1].name, &prompt[..32]).await;
+    }
     gw.fleet.store(&gw.pods[2].name, &prompt_ids(16, 32)).await;
     gw.fleet.scraped(3, 2).await;
     let elsewhere = "kvindexer_picker_served_elsewhere_total";
@@ -582,6 +585,12 @@ async fn override_host_retries_on_a_fallback_when_the_pick_is_down() {
     for _ in 0..3 {
         assert_eq!(gw.served(&gw.completions(&ids).await), gw.pod(1));
     }
+    // A fully down (its metrics page too): another prompt it alone holds whole is still picked
+    // to it first (the index says so), and retried on B.
+    gw.pods[0].state().set_health(Health::Down);
+    let before = gw.metric(elsewhere);
+    assert_eq!(gw.served(&gw.completions(&other).await), gw.pod(1));
+    metric_reaches(&gw, elsewhere, before + 1.0).await;
     assert_eq!(
         gw.pods[0].state().received().len(),
         3,
