@@ -5,7 +5,9 @@
   crates/kv-core/tests/fixtures/vllm/zmq_messages.vllm-*.json (copied from vLLM's own output);
 - topic: vLLM-shaped topics and a few near misses;
 - config: the shipped configuration files (config/*.yaml);
-- chat_input: small chats with and without template arguments and tools.
+- chat_input: small chats with and without template arguments and tools;
+- picker_body: a request of each API the endpoint picker reads (completions, chat with content
+  parts, embeddings, responses, conversations) and vLLM-shaped responses (JSON, an SSE stream).
 
 Usage: python3 fuzz/seed.py  (from the project root or fuzz/); idempotent.
 """
@@ -56,3 +58,28 @@ for chat in [
     '{"enable_thinking": true}\n[]\nuser\n\u00e9\u00e8 \U0001F600',
 ]:
     put("chat_input", chat.encode())
+
+for path, body in [
+    ("/v1/completions", {"model": "m", "prompt": "hello", "cache_salt": "t"}),
+    ("/v1/completions", {"model": "m", "prompt": [[1, 2, 3], [4]]}),
+    ("/v1/chat/completions", {"model": "m", "messages": [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": [{"type": "text", "text": "look"},
+                                     {"type": "image_url", "image_url": {"url": "data:x"}}]},
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "1"}]}],
+        "tools": [{"type": "function"}], "chat_template_kwargs": {"enable_thinking": False}}),
+    ("/v1/embeddings", {"model": "e", "input": ["a", "b"]}),
+    ("/v1/responses", {"model": "m", "instructions": "i", "input": [
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "q"}]},
+        {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"}]}),
+    ("/v1/conversations", {"model": "m", "items": [{"role": "user", "content": "x"}]}),
+    ("", {"model": "m", "messages": [{"role": "user", "content": "no path"}]}),
+]:
+    put("picker_body", (path + "\napplication/json\n" + json.dumps(body)).encode())
+put("picker_body", b"/v1/completions\napplication/json\n" + json.dumps(
+    {"choices": [{"text": "x"}], "usage": {"prompt_tokens": 40, "completion_tokens": 2,
+     "prompt_tokens_details": {"cached_tokens": 32}}}).encode())
+put("picker_body", b"/v1/chat/completions\ntext/event-stream\n"
+    b'data: {"choices":[{"delta":{"content":"a"}}],"usage":null}\n\n'
+    b'data: {"choices":[],"usage":{"prompt_tokens":40,"prompt_tokens_details":{"cached_tokens":32}}}\n\n'
+    b"data: [DONE]\n\n")

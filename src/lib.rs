@@ -42,3 +42,6 @@ pub use ingest::topic;
 /// The process's resident memory (public for the benchmarks and tests that run a daemon in
 /// their own process).
 pub use metrics::resident_memory_bytes;
+/// The endpoint picker's readers of what clients and pods send: request bodies and response
+/// usage (public for the fuzz targets).
+pub use picker::{body as picker_body, usage as picker_usage};

@@ -330,13 +330,15 @@ fn connect_mode_discovers_a_deployment_by_its_headless_service() {
 }
 
 /// The vLLM examples of `deploy/examples`, checked below; `examples/inferencepool.yaml` is
-/// checked by the endpoint picker's tests. A new example must be added to one of them.
+/// checked by the endpoint picker's tests, `examples/envoy.yaml` run by a real Envoy in
+/// `tests/gateway_envoy.rs`. A new example must be added to one of them.
 const VLLM_EXAMPLES: [&str; 3] = [
     "examples/vllm-deployment.yaml",
     "examples/vllm-statefulset-connect.yaml",
     "examples/vllm-deployment-connect.yaml",
 ];
 const INFERENCEPOOL_EXAMPLE: &str = "examples/inferencepool.yaml";
+const ENVOY_EXAMPLE: &str = "examples/envoy.yaml";
 
 /// The documents of a (multi-document) YAML file under `deploy/`.
 fn deploy_docs(file: &str) -> Vec<serde_json::Value> {
@@ -364,7 +366,7 @@ fn every_example_manifest_is_checked() {
     found.sort();
     let mut checked: Vec<String> = VLLM_EXAMPLES
         .iter()
-        .chain([&INFERENCEPOOL_EXAMPLE])
+        .chain([&INFERENCEPOOL_EXAMPLE, &ENVOY_EXAMPLE])
         .map(|f| f.to_string())
         .collect();
     checked.sort();

@@ -18,9 +18,32 @@ fn the_commented_example_is_exactly_the_defaults() {
 
 #[test]
 fn the_shipped_configs_set_nothing_that_does_nothing() {
-    for name in ["kv-indexer.yaml", "llm-d-example.yaml"] {
+    for name in [
+        "kv-indexer.yaml",
+        "llm-d-example.yaml",
+        "endpoint-picker.yaml",
+    ] {
         assert_eq!(load(name).warnings(), Vec::new(), "{name}");
     }
+}
+
+#[test]
+fn the_endpoint_picker_quickstart_serves_the_picker_where_the_example_gateway_dials_it() {
+    let c = load("endpoint-picker.yaml");
+    assert!(c.endpoint_picker.enabled);
+    assert_eq!(c.endpoint_picker.addr, "127.0.0.1:9002");
+    assert!(
+        !c.server.tls.enabled(),
+        "plaintext, as the example's h2c cluster dials it"
+    );
+    let envoy = std::fs::read_to_string(
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("deploy/examples/envoy.yaml"),
+    )
+    .expect("deploy/examples/envoy.yaml");
+    assert!(
+        envoy.contains("port_value: 9002"),
+        "the example dials the picker"
+    );
 }
 
 #[test]

@@ -1,78 +1,17 @@
 //! Optional TLS for gRPC (rustls), over real sockets: with `server.tls` set, a client that
 //! trusts the certificate scores, a plaintext client is refused; with `clientCaFile`, a client
 //! without a certificate is refused too; the endpoint picker's port (ext_proc and its health
-//! service) is TLS the same way. The certificates are made here with `openssl`.
+//! service) is TLS the same way. The certificates: `support::tls` (made with `openssl`).
 
 mod support;
 
 use std::path::Path;
-use std::process::Command;
 
 use kv_indexer::config::Config;
 use kv_indexer::daemon;
 use kv_proto::kvindexer_v1::{kv_indexer_client::KvIndexerClient, ListPodsRequest};
+use support::tls::certificates_or_skip;
 use tonic::transport::{Certificate, ClientTlsConfig, Endpoint, Identity};
-
-/// A self-signed CA and a `localhost` certificate it signs (and a client one), as PEM files.
-fn certificates(dir: &Path) -> bool {
-    let run = |args: &[&str]| {
-        Command::new("openssl")
-            .args(args)
-            .current_dir(dir)
-            .output()
-            .is_ok_and(|o| o.status.success())
-    };
-    let ext = dir.join("ext.cnf");
-    std::fs::write(&ext, "subjectAltName=DNS:localhost\n").expect("ext");
-    run(&[
-        "req",
-        "-x509",
-        "-newkey",
-        "ec",
-        "-pkeyopt",
-        "ec_paramgen_curve:P-256",
-        "-nodes",
-        "-keyout",
-        "ca.key",
-        "-out",
-        "ca.pem",
-        "-days",
-        "2",
-        "-subj",
-        "/CN=kv-indexer test CA",
-    ]) && ["server", "client"].iter().all(|who| {
-        run(&[
-            "req",
-            "-newkey",
-            "ec",
-            "-pkeyopt",
-            "ec_paramgen_curve:P-256",
-            "-nodes",
-            "-keyout",
-            &format!("{who}.key"),
-            "-out",
-            &format!("{who}.csr"),
-            "-subj",
-            "/CN=localhost",
-        ]) && run(&[
-            "x509",
-            "-req",
-            "-in",
-            &format!("{who}.csr"),
-            "-CA",
-            "ca.pem",
-            "-CAkey",
-            "ca.key",
-            "-CAcreateserial",
-            "-out",
-            &format!("{who}.pem"),
-            "-days",
-            "2",
-            "-extfile",
-            "ext.cnf",
-        ])
-    })
-}
 
 fn tls_config(dir: &Path, mutual: bool) -> Config {
     let mut c = support::loopback_config();
@@ -96,24 +35,6 @@ async fn channel(
         endpoint = endpoint.tls_config(tls).map_err(|e| e.to_string())?;
     }
     endpoint.connect().await.map_err(|e| format!("{e:?}"))
-}
-
-/// The test certificates in `dir`; `false` (after saying so) where openssl cannot make them,
-/// which CI does not accept.
-fn certificates_or_skip(dir: &Path) -> bool {
-    if certificates(dir) {
-        return true;
-    }
-    if std::env::var("CI").as_deref() == Ok("true") {
-        panic!("CI must have openssl to make the test certificates");
-    }
-    use std::io::Write;
-    let _ = writeln!(
-        std::io::stderr().lock(),
-        "SKIPPED {}: no openssl to make test certificates (CI has it)",
-        std::thread::current().name().unwrap_or("a TLS test")
-    );
-    false
 }
 
 async fn list_pods(port: u16, tls: Option<ClientTlsConfig>) -> Result<(), String> {
@@ -214,7 +135,7 @@ async fn the_endpoint_picker_serves_tls_as_the_grpc_port_does() {
 
 /// The certificate a TLS server at `127.0.0.1:port` presents (PEM), read with `openssl`.
 fn presented_certificate(port: u16) -> Option<String> {
-    let out = Command::new("openssl")
+    let out = std::process::Command::new("openssl")
         .args(["s_client", "-connect", &format!("127.0.0.1:{port}")])
         .args(["-servername", "localhost", "-alpn", "h2"])
         .stdin(std::process::Stdio::null())

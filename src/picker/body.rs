@@ -78,6 +78,17 @@ pub struct PickRequest {
     pub body_len: usize,
 }
 
+impl PickRequest {
+    /// For a chat cut short of its end: the message it is cut at and the chat's length (the
+    /// fuzz target checks the first is within the second).
+    pub fn chat_cut(&self) -> Option<(usize, usize)> {
+        match &self.prompt {
+            Some(Prompt::Chat(c)) => c.cut.map(|cut| (cut, c.messages.len())),
+            _ => None,
+        }
+    }
+}
+
 /// The API a request is for.
 #[derive(Debug, Clone, Copy, PartialEq)]
 enum Api {

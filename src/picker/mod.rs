@@ -19,12 +19,12 @@
 //! `maxInFlight` requests are scored at once (beyond: 429).
 
 mod answer;
-mod body;
+pub mod body;
 mod choose;
 mod extproc;
 mod response;
 mod scrape;
-mod usage;
+pub mod usage;
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};

@@ -140,7 +140,13 @@ impl Scoring {
                 .block_hashes(&req.model, &tokens, lora, salt)
                 .map_err(ScoringError::from)?;
             self.indexer
-                .score_hashes_into(&req.model, &hashes, &req.candidates, &mut result)
+                .score_prompt_hashes_into(
+                    &req.model,
+                    &hashes,
+                    tokens.len(),
+                    &req.candidates,
+                    &mut result,
+                )
                 .map_err(ScoringError::from)?;
             Some(hashes)
         } else {

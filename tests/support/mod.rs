@@ -8,13 +8,16 @@ use serde_json::Value;
 #[path = "../../crates/kv-core/tests/support/mod.rs"]
 mod core;
 pub mod dns;
+pub mod envoy;
 pub mod kube_api;
 pub mod picker;
+pub mod pod_http;
 pub mod pods;
 pub mod pool;
 pub mod prometheus;
 pub mod redis;
 pub mod replica;
+pub mod tls;
 #[allow(unused_imports)]
 pub use core::{
     budget_scenario, captured_payload, engine_scenarios, fixture, hashes, hybrid_default_runs,

@@ -1,13 +1,15 @@
 //! The endpoint picker's test fleet: a daemon with `endpointPicker` on, fake vLLM pods (each an
-//! HTTP `/metrics` page on a loopback address of its own, `127.0.0.<n>:<port>`, named so as
-//! vLLM's topic names a pod, publishing KV events over ZMQ), and an ext_proc client generated from Envoy's
-//! protos (envoy-types, the crate the daemon serves with).
+//! HTTP server on a loopback address of its own, `127.0.0.<n>:<port>`, named so as vLLM's topic
+//! names a pod: its `/metrics` page, and OpenAI requests answered, `support::pod_http`),
+//! publishing KV events over ZMQ, and an ext_proc client generated from Envoy's protos
+//! (envoy-types, the crate the daemon serves with).
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
+use super::pod_http::PodState;
 use envoy_types::pb::envoy::config::core::v3::{HeaderMap, HeaderValue, Metadata};
 use envoy_types::pb::envoy::extensions::filters::http::ext_proc::v3::processing_mode::BodySendMode;
 use envoy_types::pb::envoy::service::ext_proc::v3::{
@@ -19,7 +21,6 @@ use envoy_types::pb::google::protobuf::{value::Kind, ListValue, Struct, Value};
 use kv_core::{RequestExtras, TokenProcessor, TokenProcessorConfig};
 use kv_indexer::config::{Config, ConfigDuration, ModelConfig};
 use kv_indexer::daemon::{self, RunningDaemon};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use zeromq::{PubSocket, SocketSend};
 
 /// The model the picker tests route.
@@ -42,74 +43,42 @@ pub fn shared_port() -> u16 {
     probe.local_addr().expect("addr").port()
 }
 
-/// A fake vLLM pod's load, served on `/metrics`.
+/// A fake vLLM pod: its load on `/metrics`, and OpenAI requests served, recorded and answered
+/// with `usage` (`support::pod_http`), on an address of its own.
 pub struct FakePod {
     /// Its name, `127.0.0.<n>:<port>`: each pod its own address, as pods have on a cluster.
     pub name: String,
-    waiting: Arc<AtomicU64>,
-    usage_millis: Arc<AtomicU64>,
+    state: Arc<PodState>,
     task: tokio::task::JoinHandle<()>,
 }
 
 impl FakePod {
-    /// A pod serving `/metrics` on a fresh loopback port.
+    /// A pod serving on a fresh loopback port.
     pub async fn start() -> Self {
         Self::start_at((pod_address(), 0).into()).await
     }
 
-    /// A pod serving `/metrics` on `addr` (port 0: a fresh one); pods of an InferencePool
-    /// share its target port, each on an address of its own.
+    /// A pod serving on `addr` (port 0: a fresh one); pods of an InferencePool share its
+    /// target port, each on an address of its own.
     pub async fn start_at(addr: std::net::SocketAddr) -> Self {
         let listener = tokio::net::TcpListener::bind(addr).await.expect("binds");
         let name = listener.local_addr().expect("addr").to_string();
-        let waiting = Arc::new(AtomicU64::new(0));
-        let usage_millis = Arc::new(AtomicU64::new(100));
-        let (w, u) = (waiting.clone(), usage_millis.clone());
-        let task = tokio::spawn(async move {
-            while let Ok((mut s, _)) = listener.accept().await {
-                let (w, u) = (w.clone(), u.clone());
-                tokio::spawn(async move {
-                    let mut buf = vec![0u8; 4096];
-                    let mut got = 0;
-                    while !buf[..got].windows(4).any(|x| x == b"\r\n\r\n") {
-                        match s.read(&mut buf[got..]).await {
-                            Ok(0) | Err(_) => return,
-                            Ok(n) => got += n,
-                        }
-                        if got == buf.len() {
-                            return;
-                        }
-                    }
-                    let page = format!(
-                        "# TYPE vllm:num_requests_waiting gauge\n\
-                         vllm:num_requests_waiting{{model_name=\"{MODEL}\"}} {}.0\n\
-                         vllm:num_requests_running{{model_name=\"{MODEL}\"}} 1.0\n\
-                         vllm:kv_cache_usage_perc{{model_name=\"{MODEL}\"}} {}\n",
-                        w.load(Ordering::Relaxed),
-                        u.load(Ordering::Relaxed) as f64 / 1000.0
-                    );
-                    let response = format!(
-                        "HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\ncontent-length: {}\r\n\
-                         connection: close\r\n\r\n{page}",
-                        page.len()
-                    );
-                    let _ = s.write_all(response.as_bytes()).await;
-                });
-            }
-        });
-        Self {
-            name,
-            waiting,
-            usage_millis,
-            task,
-        }
+        let state = Arc::new(PodState::new(name.clone()));
+        let task = tokio::spawn(super::pod_http::serve(state.clone(), listener, MODEL));
+        Self { name, state, task }
     }
 
     /// Sets the load its page reports.
     pub fn set_load(&self, waiting: u64, usage: f64) {
-        self.waiting.store(waiting, Ordering::Relaxed);
-        self.usage_millis
+        self.state.waiting.store(waiting, Ordering::Relaxed);
+        self.state
+            .usage_millis
             .store((usage * 1000.0) as u64, Ordering::Relaxed);
+    }
+
+    /// What it serves, and what it recorded.
+    pub fn state(&self) -> &PodState {
+        &self.state
     }
 }
 

@@ -252,6 +252,27 @@ impl Indexer {
         Ok(())
     }
 
+    /// [`Indexer::score_hashes_into`] for the hashes of a prompt of `prompt_tokens` tokens
+    /// (from [`Indexer::block_hashes`]): as [`Indexer::score_tokens_into`] scores, vLLM
+    /// recomputes at least the prompt's last token, so a prompt of whole blocks held whole
+    /// scores one block short of them.
+    pub fn score_prompt_hashes_into<S: AsRef<str>>(
+        &self,
+        model: &str,
+        hashes: &[BlockHash],
+        prompt_tokens: usize,
+        pods: &[S],
+        out: &mut ScoreResult,
+    ) -> Result<(), ScoreError> {
+        let state = self
+            .model(model)
+            .ok_or_else(|| ScoreError::UnknownModel(model.to_owned()))?;
+        let max_tokens = (prompt_tokens as u64).saturating_sub(1);
+        self.score_hashes_in(&state, hashes, Some(max_tokens), pods, out);
+        out.prompt_tokens = u32::try_from(prompt_tokens).unwrap_or(u32::MAX);
+        Ok(())
+    }
+
     fn request_extras(
         &self,
         state: &ModelState,

@@ -612,7 +612,10 @@ async fn run_async(args: LoadgenArgs) -> Result<LoadgenReport, LoadgenError> {
     report.score_under_load = Some(ScorePhase::of(&loaded, loaded_matched, elapsed));
     report.lookups = delta("kvcache_index_lookup_requests_total");
     report.lookup_hit_share = delta("kvcache_index_lookup_hits_total") / report.lookups.max(1.0);
-    if args.chat_tokenizer.is_some() && report.lookup_hit_share <= 0.0 {
+    // Through a gateway without a picker (--http to a pod, or to Envoy alone) nothing looks
+    // the index up; whatever asked it must have found prefixes.
+    let asked = args.ext_proc.is_some() || report.lookups > 0.0;
+    if args.chat_tokenizer.is_some() && asked && report.lookup_hit_share <= 0.0 {
         return Err(LoadgenError::NoPrefixMatches(format!(
             "the daemon made {} index lookups for {} picks and none found a prefix (does it \
              have the tokenizer of {:?}, and the same blockSize and hashSeed?)",
