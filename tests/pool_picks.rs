@@ -26,14 +26,9 @@ use kv_indexer::config::Config;
 use serde_json::json;
 use support::kube_api::KubeApi;
 use support::picker::{body, exchange, headers, read, shared_port, FakePod, Fleet, MODEL};
-use support::pool::{self, PoolPod, NS, POOL, SELECTOR};
+use support::pool::{self, prompt, static_pool, PoolPod};
 
 type Client = ExternalProcessorClient<tonic::transport::Channel>;
-
-/// A prompt of `blocks` full blocks of its own.
-fn prompt(seed: u32, blocks: u32) -> Vec<u32> {
-    (0..blocks * 16).map(|i| 1000 + seed * 7919 + i).collect()
-}
 
 /// The pick for a completions request of `ids`: its endpoint, or the immediate response.
 async fn pick(client: &mut Client, ids: &[u32]) -> Result<String, (i32, String)> {
@@ -60,19 +55,7 @@ struct ScaleOut {
 /// idle and silent, joins the pool. `config` says where the picker's candidates come from.
 async fn scale_out(api: &KubeApi, config: Config, wait: Duration) -> ScaleOut {
     let port = shared_port();
-    api.set_pool(NS, POOL, &SELECTOR, &[port]);
-    let mut busy = Vec::new();
-    for k in 0..4 {
-        let p = PoolPod::start(&format!("vllm-{k}"), port).await;
-        p.fake.set_load(30, 0.5);
-        p.list(api, true);
-        busy.push(p);
-    }
-    let mut fleet = Fleet::start(config).await;
-    for (k, p) in busy.iter().enumerate() {
-        fleet.store(&p.endpoint(), &prompt(k as u32, 8)).await;
-    }
-    fleet.scraped(4, 2).await;
+    let (fleet, busy) = pool::busy_fleet(api, port, config).await;
     let mut client = fleet.client().await;
     let mut fresh = 100u32;
     for _ in 0..5 {
@@ -152,6 +135,8 @@ async fn kill(config_of: impl FnOnce(&[String]) -> Config) -> Kill {
     let mut client = fleet.client().await;
     assert_eq!(pick(&mut client, &held).await.as_ref(), Ok(&ea));
     let pool = fleet.daemon.pool.clone().expect("the picker is on");
+    // Killed: its open connections die with it, and nothing listens.
+    a.state().set_health(support::pod_http::Health::Down);
     drop(a);
     let killed = Instant::now();
     let mut left = None;
@@ -175,16 +160,6 @@ async fn kill(config_of: impl FnOnce(&[String]) -> Config) -> Kill {
         to_dead,
         to_live,
     }
-}
-
-/// The picker's test config at the default scrape interval, its pool the static list.
-fn static_pool(endpoints: &[String]) -> Config {
-    let mut c = support::picker::config(None);
-    let defaults = Config::default().endpoint_picker;
-    c.endpoint_picker.metrics_interval = defaults.metrics_interval;
-    c.endpoint_picker.metrics_stale_after = defaults.metrics_stale_after;
-    c.endpoint_picker.endpoints = endpoints.to_vec();
-    c
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -219,15 +194,7 @@ async fn negative_control_a_pod_that_never_leaves_keeps_winning_dead() {
 /// A picker restarted over an idle pool (no pod ever published): its first request once it
 /// reports ready.
 async fn first_after_restart(api: &KubeApi, config: Config) -> Result<String, (i32, String)> {
-    let port = shared_port();
-    api.set_pool(NS, POOL, &SELECTOR, &[port]);
-    let pods = [
-        PoolPod::start("vllm-0", port).await,
-        PoolPod::start("vllm-1", port).await,
-    ];
-    for p in &pods {
-        p.list(api, true);
-    }
+    let pods = pool::idle_pool(api).await;
     let before = Fleet::start(config.clone()).await;
     before.daemon.shutdown().await;
     let after = Fleet::start(config).await;

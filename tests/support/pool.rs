@@ -7,6 +7,8 @@ use std::net::{Ipv4Addr, SocketAddr};
 use std::time::Duration;
 
 use kv_indexer::config::{Config, PoolRefConfig};
+
+use super::picker::Fleet;
 use kv_indexer::daemon::RunningDaemon;
 
 use super::kube_api::KubeApi;
@@ -86,4 +88,52 @@ pub async fn wait_standings(d: &RunningDaemon, want: &[(&str, &str)]) {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     panic!("the pool never became {want:?}: {:?}", standings(d));
+}
+
+/// A prompt of `blocks` full blocks of its own.
+pub fn prompt(seed: u32, blocks: u32) -> Vec<u32> {
+    (0..blocks * 16).map(|i| 1000 + seed * 7919 + i).collect()
+}
+
+/// The picker's test config at the default scrape interval, its pool the static list.
+pub fn static_pool(endpoints: &[String]) -> Config {
+    let mut c = super::picker::config(None);
+    let defaults = Config::default().endpoint_picker;
+    c.endpoint_picker.metrics_interval = defaults.metrics_interval;
+    c.endpoint_picker.metrics_stale_after = defaults.metrics_stale_after;
+    c.endpoint_picker.endpoints = endpoints.to_vec();
+    c
+}
+
+/// The pool [`POOL`] on `port`, four of its pods listed Ready with 30 requests waiting each,
+/// pod `k` holding `prompt(k, 8)`, and a daemon with `c` that has read their metrics.
+pub async fn busy_fleet(api: &KubeApi, port: u16, c: Config) -> (Fleet, Vec<PoolPod>) {
+    api.set_pool(NS, POOL, &SELECTOR, &[port]);
+    let mut busy = Vec::new();
+    for k in 0..4 {
+        let p = PoolPod::start(&format!("vllm-{k}"), port).await;
+        p.fake.set_load(30, 0.5);
+        p.list(api, true);
+        busy.push(p);
+    }
+    let mut fleet = Fleet::start(c).await;
+    for (k, p) in busy.iter().enumerate() {
+        fleet.store(&p.endpoint(), &prompt(k as u32, 8)).await;
+    }
+    fleet.scraped(4, 2).await;
+    (fleet, busy)
+}
+
+/// The pool [`POOL`] of two Ready pods that never published.
+pub async fn idle_pool(api: &KubeApi) -> [PoolPod; 2] {
+    let port = super::picker::shared_port();
+    api.set_pool(NS, POOL, &SELECTOR, &[port]);
+    let pods = [
+        PoolPod::start("vllm-0", port).await,
+        PoolPod::start("vllm-1", port).await,
+    ];
+    for p in &pods {
+        p.list(api, true);
+    }
+    pods
 }
