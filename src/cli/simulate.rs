@@ -481,6 +481,15 @@ pub fn run_cli(args: SimulateArgs) -> anyhow::Result<()> {
         args.routers,
         args.seed
     );
+    if let Some(at) = args.scale_out_at {
+        println!("{} more pods join at {at} s", args.scale_out_pods);
+    }
+    if let Some(at) = args.kill_at {
+        println!(
+            "pod {} stops answering at {at} s (not Ready {} s later)",
+            args.kill_pod, args.readiness_delay_s
+        );
+    }
     if sim.model_family.is_hybrid() {
         println!("model family {}", sim.model_family.name());
     }

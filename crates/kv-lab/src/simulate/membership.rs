@@ -5,12 +5,17 @@
 //! Ready pods whose metrics answer, or without a pool the pods that published.
 //!
 //! Invariants: a pod is in the pool from its join time on (pods without a join time from the
-//! start); a killed pod never answers again, and its probes time out (`probe_timeout_ms`
+//! start); a restarting pod is not Ready from [`CRASH_NOTICED_MS`] after its restart until it
+//! serves again (the kubelet sees its container exit); a killed pod never answers again, and its probes time out (`probe_timeout_ms`
 //! each, as the daemon's scraper times out), while a restarting pod refuses at once; the
 //! fleet's pods that were in the pool from the start count as having published (a fleet that
 //! has served), a later pod once its first events are delivered.
 
 use kv_core::{Membership, Probe};
+
+/// How long the kubelet takes to see a restarting pod's container exit and mark the pod not
+/// Ready (its pod lifecycle relist runs every second), ms.
+pub const CRASH_NOTICED_MS: f64 = 1_000.0;
 
 /// Which candidates a router sees.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -46,6 +51,8 @@ pub struct SimPool {
     names: Vec<String>,
     joined_at: Vec<f64>,
     dead_since: Vec<f64>,
+    /// The last restart of each pod: (since, up again at).
+    restart: Vec<(f64, f64)>,
     readiness_delay_ms: f64,
     probe_timeout_ms: f64,
     /// A read of a pod that does not answer: when it times out.
@@ -76,6 +83,7 @@ impl SimPool {
             published: joined_at.iter().map(|&t| t <= 0.0).collect(),
             joined_at,
             dead_since,
+            restart: vec![(f64::INFINITY, f64::NEG_INFINITY); n],
             readiness_delay_ms: changes.readiness_delay_ms,
             probe_timeout_ms: changes.probe_timeout_ms,
             pending: vec![None; n],
@@ -88,9 +96,18 @@ impl SimPool {
         now >= self.joined_at[p]
     }
 
-    /// Whether Kubernetes says pod `p` is Ready at `now`.
+    /// Whether Kubernetes says pod `p` is Ready at `now`: it joined, it has not stopped
+    /// answering for longer than the readiness probe's delay, and it is not restarting (its
+    /// container's exit noticed, [`CRASH_NOTICED_MS`]).
     pub fn ready(&self, p: usize, now: f64) -> bool {
-        self.joined(p, now) && now < self.dead_since[p] + self.readiness_delay_ms
+        let (since, until) = self.restart[p];
+        let restarting = now >= since + CRASH_NOTICED_MS && now < until;
+        self.joined(p, now) && now < self.dead_since[p] + self.readiness_delay_ms && !restarting
+    }
+
+    /// Pod `p` restarts at `now` and serves again at `until`.
+    pub fn restarting(&mut self, p: usize, now: f64, until: f64) {
+        self.restart[p] = (now, until);
     }
 
     /// Whether pod `p` has stopped answering for good.
@@ -192,6 +209,16 @@ mod tests {
         assert_eq!(s.candidates(CandidateRule::Publishers, 1_000.0), [0, 1]);
         s.published(2);
         assert_eq!(s.candidates(CandidateRule::Publishers, 1_000.0), [0, 1, 2]);
+    }
+
+    #[test]
+    fn a_restarting_pod_is_not_ready_once_its_exit_is_noticed_until_it_serves() {
+        let mut s = pool(PoolChanges::default());
+        s.restarting(1, 5_000.0, 20_000.0);
+        assert!(s.ready(1, 5_500.0), "not noticed yet");
+        assert!(!s.ready(1, 6_000.0));
+        assert!(!s.ready(1, 19_999.0));
+        assert!(s.ready(1, 20_000.0), "serving again");
     }
 
     #[test]

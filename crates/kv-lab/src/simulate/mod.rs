@@ -23,8 +23,12 @@
 //! routers (`bypass_fraction`), prefix-cache resets (`resets`: free cached blocks dropped) and
 //! pod restarts (`restarts`: the pod is down for `restart_downtime_ms`, loses its cache and
 //! publishes `AllBlocksCleared`; requests that had no token yet are retried through a router,
-//! streams already started are cut; a request routed to a down pod goes to the live pod with
-//! the fewest of that replica's requests, as a gateway retries on connection refused).
+//! streams already started are cut; a request routed to a down pod goes to the live candidate
+//! with the fewest of that replica's requests, as a gateway retries on connection refused, and
+//! is counted), and the pool changing ([`membership`]: pods joining late, a pod whose server
+//! stops answering for good). Each router picks among its candidates: the pool's Ready pods as
+//! Kubernetes says (a restarting pod is not Ready a second after its restart), or for the
+//! precise routers kv-core's membership rule over them (the daemon's picker).
 
 pub mod cache;
 #[cfg(feature = "charts")]
@@ -523,6 +527,7 @@ pub fn run(
                 // The restarted engine's first batch clears what the index held for it; a killed
                 // one publishes nothing again, and the index keeps its blocks.
                 if !killed {
+                    pool.restarting(p, now, pod.down_until);
                     push(
                         &mut heap,
                         now + settings.event_delay_ms,
