@@ -99,12 +99,10 @@ fn main() {
     if args.get(1).map(String::as_str) == Some("--child") {
         std::process::exit(child_main(&args[2..]));
     }
-    let trace = args.get(1).cloned().unwrap_or_else(|| {
-        format!(
-            "{}/../../../shared/traces/mooncake/conversation_trace.jsonl",
-            env!("CARGO_MANIFEST_DIR")
-        )
-    });
+    if args.get(1).map(String::as_str) == Some("--save") {
+        std::process::exit(save_main(&args[2..]));
+    }
+    let trace = args.get(1).cloned().unwrap_or_else(default_trace);
     let requests = load_mooncake(Path::new(&trace)).unwrap_or_else(|e| {
         eprintln!("cannot read the trace {trace}: {e}");
         std::process::exit(2);
@@ -142,6 +140,42 @@ fn main() {
         run_fleet(&fleet, &summary, &backends, runs);
         let _ = std::fs::remove_file(&file);
     }
+}
+
+/// `--save FLEET PATH [TRACE]`: writes the fleet's stream to `PATH`, for profiling one backend
+/// with `--child PATH PODS BACKEND ANSWERS` under `perf` or `valgrind`.
+fn save_main(args: &[String]) -> i32 {
+    let (Some(fleet), Some(path)) = (args.first(), args.get(1)) else {
+        eprintln!("usage: --save FLEET PATH [TRACE]");
+        return 2;
+    };
+    let Some((.., shape)) = fleets().into_iter().find(|(k, ..)| k == fleet) else {
+        eprintln!("no fleet {fleet:?}");
+        return 2;
+    };
+    let trace = args.get(2).cloned().unwrap_or_else(default_trace);
+    let saved = load_mooncake(Path::new(&trace))
+        .map_err(|e| e.to_string())
+        .and_then(|requests| {
+            let w = IndexWorkload::simulate(&requests, shape);
+            println!("{} pods: {}", shape.pods, w.summary());
+            w.save(Path::new(path)).map_err(|e| e.to_string())
+        });
+    match saved {
+        Ok(()) => 0,
+        Err(e) => {
+            eprintln!("{e}");
+            1
+        }
+    }
+}
+
+/// The Mooncake trace in `../shared`, beside the checkout.
+fn default_trace() -> String {
+    format!(
+        "{}/../../../shared/traces/mooncake/conversation_trace.jsonl",
+        env!("CARGO_MANIFEST_DIR")
+    )
 }
 
 /// `--child WORKLOAD PODS BACKEND ANSWERS`: one measurement (see `measure`).

@@ -22,6 +22,10 @@ pub const BACKENDS: &[(&str, &str)] = &[
         "kv-core's reference index (a per-block map): answers only",
     ),
     ("smg", "SMG kv-index 2.0 ChainIndex"),
+    (
+        "smg-converting",
+        "SMG converting its input inside the timer (the harness before 2026-11-27)",
+    ),
     ("dynamo", "Dynamo dynamo-kv-router 1.6 RadixTree"),
     ("ours", "kv-indexer's ModelIndex, one writer lane (exact)"),
     (
@@ -55,6 +59,7 @@ fn make(key: &str, pods: u32) -> Option<Box<dyn IndexBackend>> {
     Some(match key {
         "reference" => Box::new(ReferenceBackend::default()),
         "smg" => Box::new(Smg::new(pods)),
+        "smg-converting" => Box::new(Smg::with_conversion(pods, true)),
         "dynamo" => Box::new(Dynamo::new()),
         "ours" => lanes(1),
         "lanes" => lanes(2),

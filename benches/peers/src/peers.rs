@@ -25,6 +25,9 @@ pub struct Smg {
     blocks: Vec<StoredBlock>,
     /// The workload's removed hashes in SMG's type, parallel to `IndexWorkload::removed`.
     removed: Vec<SequenceHash>,
+    /// Converts each call's input inside the timed call instead (what the harness did for SMG
+    /// alone before 2026-11-27), to measure what that cost it.
+    converting: bool,
     /// Calls SMG rejected (reported; 0 on every fleet so far).
     pub errors: usize,
 }
@@ -32,6 +35,11 @@ pub struct Smg {
 impl Smg {
     /// An index sized for `pods` workers (SMG's default is 256; 1,024 is its most).
     pub fn new(pods: u32) -> Self {
+        Self::with_conversion(pods, false)
+    }
+
+    /// [`Smg::new`]; `converting`: the input is converted inside each timed call.
+    pub fn with_conversion(pods: u32, converting: bool) -> Self {
         let index = ChainIndex::with_max_workers(pods as usize);
         let workers: Vec<u32> = (0..pods)
             .map(|p| {
@@ -51,6 +59,7 @@ impl Smg {
             maps: (0..pods).map(|_| ChainBlockMap::new()).collect(),
             blocks: Vec::new(),
             removed: Vec::new(),
+            converting,
             errors: 0,
         }
     }
@@ -58,10 +67,16 @@ impl Smg {
 
 impl IndexBackend for Smg {
     fn name(&self) -> &str {
-        "SMG kv-index 2.0 ChainIndex"
+        match self.converting {
+            false => "SMG kv-index 2.0 ChainIndex",
+            true => "SMG, input converted inside the timer (the earlier harness)",
+        }
     }
 
     fn prepare(&mut self, w: &IndexWorkload) {
+        if self.converting {
+            return;
+        }
         self.blocks = w
             .stored
             .iter()
@@ -92,12 +107,28 @@ impl IndexBackend for Smg {
     }
 
     fn store(&mut self, pod: u32, parent: Option<BlockHash>, blocks: Blocks<'_>) {
+        let mut range = blocks.range();
+        if self.converting {
+            self.blocks.clear();
+            self.blocks
+                .extend(
+                    blocks
+                        .hashes
+                        .iter()
+                        .zip(blocks.content)
+                        .map(|(&h, &c)| StoredBlock {
+                            seq_hash: SequenceHash(h.get()),
+                            content_hash: ContentHash(c),
+                        }),
+                );
+            range = 0..self.blocks.len();
+        }
         let map = &mut self.maps[pod as usize];
         if self
             .index
             .apply_stored(
                 self.workers[pod as usize],
-                &self.blocks[blocks.range()],
+                &self.blocks[range],
                 parent.map(|p| SequenceHash(p.get())),
                 map,
             )
@@ -108,9 +139,16 @@ impl IndexBackend for Smg {
     }
 
     fn remove(&mut self, pod: u32, blocks: Blocks<'_>) {
+        let mut range = blocks.range();
+        if self.converting {
+            self.removed.clear();
+            self.removed
+                .extend(blocks.hashes.iter().map(|&h| SequenceHash(h.get())));
+            range = 0..self.removed.len();
+        }
         self.index.apply_removed(
             self.workers[pod as usize],
-            &self.removed[blocks.range()],
+            &self.removed[range],
             &mut self.maps[pod as usize],
         );
     }
