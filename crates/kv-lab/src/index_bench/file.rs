@@ -145,12 +145,25 @@ impl<R: Read> Reader<R> {
         Ok(u64::from_le_bytes(b))
     }
 
+    /// `n` words, read in blocks (a slab is read into memory reserved once).
     fn words(&mut self, n: usize) -> std::io::Result<Vec<u64>> {
-        (0..n).map(|_| self.u64()).collect()
+        let mut out = Vec::with_capacity(n);
+        let mut buf = vec![0u8; 1 << 16];
+        while out.len() < n {
+            let take = (n - out.len()).min(buf.len() / 8);
+            let bytes = &mut buf[..take * 8];
+            self.0.read_exact(bytes)?;
+            out.extend(
+                bytes
+                    .chunks_exact(8)
+                    .map(|c| u64::from_le_bytes(c.try_into().unwrap_or_default())),
+            );
+        }
+        Ok(out)
     }
 
     fn hashes(&mut self, n: usize) -> std::io::Result<Vec<BlockHash>> {
-        (0..n).map(|_| Ok(BlockHash::new(self.u64()?))).collect()
+        Ok(self.words(n)?.into_iter().map(BlockHash::new).collect())
     }
 
     /// A range within a slab of `len`.
