@@ -79,6 +79,9 @@ pub struct Measured {
     pub p99: f64,
     pub bytes: f64,
     pub seconds: f64,
+    /// Block ops per second on a CPU, and seconds spent waiting for one (0 when unknown).
+    pub cpu_ops: f64,
+    pub waiting: f64,
     pub shape: String,
 }
 
@@ -86,7 +89,7 @@ impl Measured {
     /// The line the child prints.
     pub fn line(&self) -> String {
         format!(
-            "RESULT\t{}\t{}\t{}\t{}\t{}\t{}\t{}\t{}",
+            "RESULT\t{}\t{}\t{}\t{}\t{}\t{}\t{}\t{}\t{}\t{}",
             self.name,
             self.ops,
             self.apply,
@@ -94,6 +97,8 @@ impl Measured {
             self.p99,
             self.bytes,
             self.seconds,
+            self.cpu_ops,
+            self.waiting,
             self.shape
         )
     }
@@ -110,7 +115,10 @@ impl Measured {
             p99: num(4)?,
             bytes: num(5)?,
             seconds: num(6)?,
-            shape: f.get(7).unwrap_or(&"").to_string(),
+            // Builds before 2026-11-27 print no scheduler times: the shape follows at once.
+            cpu_ops: num(7).unwrap_or(0.0),
+            waiting: num(8).unwrap_or(0.0),
+            shape: f.get(if num(7).is_some() { 9 } else { 7 }).unwrap_or(&"").to_string(),
         })
     }
 }
@@ -140,6 +148,8 @@ pub fn child(
         p99: report.query_percentile_us(99.0),
         bytes: bytes as f64 / workload.final_memberships as f64,
         seconds,
+        cpu_ops: report.block_ops_per_cpu_sec().unwrap_or(0.0),
+        waiting: report.cpu.map_or(0.0, |c| c.waiting),
         shape: backend.shape().unwrap_or_default().replace('\t', " "),
     };
     write_answers(answers, &report.answers).map_err(|e| format!("{}: {e}", answers.display()))?;

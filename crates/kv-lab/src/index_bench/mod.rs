@@ -105,12 +105,39 @@ pub struct BenchReport {
     pub checksum: u64,
     /// Every query's answer, in order (compared with a reference by [`BenchReport::mismatches`]).
     pub answers: Vec<QueryAnswer>,
+    /// The driving thread's time on a CPU and waiting for one over the whole stream (queries,
+    /// events and the driver's own bookkeeping), from the kernel's scheduler statistics; `None`
+    /// where they cannot be read. On a shared machine the first is the steadier figure.
+    pub cpu: Option<CpuTime>,
+}
+
+/// A thread's scheduler times over a stretch of work.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct CpuTime {
+    /// Seconds on a CPU.
+    pub running: f64,
+    /// Seconds runnable but waiting for a CPU (other work on the machine).
+    pub waiting: f64,
+}
+
+/// The calling thread's (running, waiting) nanoseconds so far, from
+/// `/proc/thread-self/schedstat`.
+fn schedstat() -> Option<(u64, u64)> {
+    let text = std::fs::read_to_string("/proc/thread-self/schedstat").ok()?;
+    let mut fields = text.split_whitespace().map(|f| f.parse::<u64>().ok());
+    Some((fields.next()??, fields.next()??))
 }
 
 impl BenchReport {
     /// Block operations per second of index time.
     pub fn block_ops_per_sec(&self) -> f64 {
         self.block_ops as f64 / (self.query_seconds + self.apply_seconds)
+    }
+
+    /// Block operations per second the driving thread spent on a CPU over the whole stream
+    /// (the driver's bookkeeping included, alike for every backend).
+    pub fn block_ops_per_cpu_sec(&self) -> Option<f64> {
+        self.cpu.map(|c| self.block_ops as f64 / c.running)
     }
 
     /// Queries whose answer differs from `reference`'s (0 for an exact index against the
@@ -157,6 +184,7 @@ pub fn drive(workload: &IndexWorkload, backend: &mut dyn IndexBackend) -> BenchR
     let (q, s, r) = workload.totals();
     report.block_ops = (q + s + r) as u64;
     backend.prepare(workload);
+    let started = schedstat();
     let mut apply_ns = 0u128;
     let mut query_total = 0u128;
     for step in &workload.steps {
@@ -191,6 +219,10 @@ pub fn drive(workload: &IndexWorkload, backend: &mut dyn IndexBackend) -> BenchR
         }
         apply_ns += t.elapsed().as_nanos();
     }
+    report.cpu = started.zip(schedstat()).map(|((r0, w0), (r1, w1))| CpuTime {
+        running: r1.saturating_sub(r0) as f64 / 1e9,
+        waiting: w1.saturating_sub(w0) as f64 / 1e9,
+    });
     backend.release_input();
     report.query_ns.sort_unstable();
     report.query_seconds = query_total as f64 / 1e9;
