@@ -219,10 +219,12 @@ pub fn drive(workload: &IndexWorkload, backend: &mut dyn IndexBackend) -> BenchR
         }
         apply_ns += t.elapsed().as_nanos();
     }
-    report.cpu = started.zip(schedstat()).map(|((r0, w0), (r1, w1))| CpuTime {
-        running: r1.saturating_sub(r0) as f64 / 1e9,
-        waiting: w1.saturating_sub(w0) as f64 / 1e9,
-    });
+    report.cpu = started
+        .zip(schedstat())
+        .map(|((r0, w0), (r1, w1))| CpuTime {
+            running: r1.saturating_sub(r0) as f64 / 1e9,
+            waiting: w1.saturating_sub(w0) as f64 / 1e9,
+        });
     backend.release_input();
     report.query_ns.sort_unstable();
     report.query_seconds = query_total as f64 / 1e9;
