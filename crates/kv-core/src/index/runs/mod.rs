@@ -64,8 +64,7 @@ use arc_swap::ArcSwap;
 use super::table::Table;
 use super::types::EngineId;
 use cells::{
-    IdSlot, IdSlots, Run, RunSlot, RunSlots, Words, WriterChunks, ID_CHUNK, RUN_CHUNK, SINK_ID,
-    SINK_RUN,
+    IdSlot, IdSlots, Run, RunSlot, RunSlots, Words, WriterChunks, WriterIds, RUN_CHUNK, SINK_RUN,
 };
 use holders::RunHolders;
 use holders::{WordPool, WINDOW};
@@ -154,7 +153,7 @@ pub struct RunIndex {
     /// The published table (the writer's handle: no `ArcSwap` load per probe).
     table: Arc<Table>,
     /// The writer's handles on the id and run chunks.
-    id_chunks: WriterChunks<IdSlot, ID_CHUNK>,
+    id_chunks: WriterIds,
     run_chunks: WriterChunks<RunSlot, RUN_CHUNK>,
     /// Table slots in use (live entries and tombstones) and live entries.
     table_used: usize,
@@ -213,7 +212,7 @@ impl RunIndex {
                 gave_up: Default::default(),
             })),
             table,
-            id_chunks: WriterChunks::default(),
+            id_chunks: WriterIds::default(),
             run_chunks: WriterChunks::default(),
             table_used: 0,
             table_live: 0,
@@ -305,8 +304,8 @@ impl RunIndex {
 
     /// The slot of `id` (the writer's view).
     #[inline(always)]
-    fn id(&self, id: u32) -> &IdSlot {
-        self.id_chunks.get(id, &SINK_ID)
+    fn id(&self, id: u32) -> IdSlot<'_> {
+        self.id_chunks.get(id)
     }
 
     /// The slot of run `r`.
@@ -370,7 +369,7 @@ impl RunIndex {
 
     /// Records that block `child` (already in its run) continues block `parent`'s chain, where
     /// it is not the next id: the parent's hint names it, and when the parent ends its run,
-    /// that run's slot names `child`'s run (a walk entering the run prefetches that slot).
+    /// that run's slot names `child` and its run (a walk entering the run prefetches them).
     #[inline]
     fn link(&self, parent: u32, child: u32) {
         if child == parent + 1 {
@@ -379,7 +378,7 @@ impl RunIndex {
         self.id(parent).set_next(child);
         let cell = self.run_slot(self.id(parent).run());
         if cell.end() == parent + 1 {
-            cell.set_after(self.id(child).run());
+            cell.set_after(self.id(child).run(), child);
         }
     }
 

@@ -1,6 +1,6 @@
 //! The run index's write path: stores, removals and clears (one writer, `&mut`).
 
-use super::cells::{NONE, SINK_ID};
+use super::cells::NONE;
 use super::free::SLACK;
 use super::{Cause, RunHolders, RunIndex, PREFETCH_AHEAD};
 use crate::index::table::Vacancy;
@@ -125,7 +125,7 @@ impl RunIndex {
             let run = self.run_slot(run_of_id);
             // The run's next ids, as far as their hashes agree with the event's (one pass
             // over the slots, to the run's end or the chunk's).
-            let slots = self.id_chunks.tail(id + 1);
+            let slots = self.id_chunks.hash_tail(id + 1);
             let room = ((run.end() - id - 1) as usize).min(slots.len());
             let k = 1 + slots[..room]
                 .iter()
@@ -272,7 +272,7 @@ impl RunIndex {
         };
         let mut id = first;
         while id < end {
-            let slots = self.id_chunks.tail(id);
+            let slots = self.id_chunks.link_tail(id);
             let n = ((end - id) as usize).min(slots.len());
             for slot in &slots[..n] {
                 slot.set_run(r);
@@ -337,7 +337,7 @@ impl RunIndex {
         let spare = u64::from(self.ids_len).saturating_sub(live);
         let fresh_ok = self.ids_len < self.capacity && spare * SLACK <= live;
         let chunks = &self.id_chunks;
-        let is_free = |id| chunks.get(id, &SINK_ID).run() == NONE;
+        let is_free = |id| chunks.get(id).run() == NONE;
         match self.free.take(want, fresh_ok, is_free) {
             Some(id) => Some(id),
             None => self.push_id(),
@@ -501,7 +501,7 @@ impl RunIndex {
     pub(super) fn leave(&mut self, a: u32, b: u32) {
         let mut id = a;
         while id < b {
-            let slots = self.id_chunks.tail(id);
+            let slots = self.id_chunks.hash_tail(id);
             let slots = &slots[..((b - id) as usize).min(slots.len())];
             if slots.is_empty() {
                 break; // past the allocated ids (never: every id has its chunk)
