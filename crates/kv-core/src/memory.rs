@@ -47,6 +47,15 @@ pub fn zeroed_slice<T: Zeroable>(len: usize) -> Box<[T]> {
     unsafe { Box::from_raw(std::ptr::slice_from_raw_parts_mut(ptr, len)) }
 }
 
+/// `N` zeroed `T`s behind an `Arc`, allocated zeroed in place: no copy, and on a fresh mapping
+/// no page is touched before it is written (an `Arc` built from a boxed slice copies it, which
+/// faulted in every page of every id chunk twice).
+pub fn zeroed_arc_array<T: Zeroable, const N: usize>() -> std::sync::Arc<[T; N]> {
+    let zeroed = std::sync::Arc::<[T; N]>::new_zeroed();
+    // SAFETY: every byte is zero, and all-zero is a valid `T` (Zeroable), so a valid `[T; N]`.
+    unsafe { zeroed.assume_init() }
+}
+
 /// Faults in every page of `slice` now, in one system call, instead of one page fault per page
 /// as the first writes reach them. For memory that is written at random soon after it is
 /// allocated (a hash table: every page holds entries once it is a few percent full), where a
