@@ -118,7 +118,10 @@ impl Measured {
             // Builds before 2026-11-27 print no scheduler times: the shape follows at once.
             cpu_ops: num(7).unwrap_or(0.0),
             waiting: num(8).unwrap_or(0.0),
-            shape: f.get(if num(7).is_some() { 9 } else { 7 }).unwrap_or(&"").to_string(),
+            shape: f
+                .get(if num(7).is_some() { 9 } else { 7 })
+                .unwrap_or(&"")
+                .to_string(),
         })
     }
 }
