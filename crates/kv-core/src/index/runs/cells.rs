@@ -1,6 +1,7 @@
-//! The run index's shared memory: block-id slots, run slots and pooled holder words, as
-//! atomics in chunks that are never moved or freed while the index lives ([`Chunked`]), so a
-//! reader holds references into them without a lock while the one writer changes them.
+//! The run index's shared memory: block ids (hashes, and runs with hints), run slots and pooled
+//! holder words, as atomics in chunks that are never moved or freed while the index lives
+//! ([`Chunked`]), so a reader holds references into them without a lock while the one writer
+//! changes them.
 //!
 //! Publication (the orders of `crate::seqlock`, whose relabel model checks them):
 //! - a **run** (`start .. end` and its holder set) changes only inside its seqlock; a reader

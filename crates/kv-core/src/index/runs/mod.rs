@@ -2,8 +2,9 @@
 //! holders kept per **run** instead of per block; one writer, lock-free readers.
 //!
 //! Shape:
-//! - every block in the index has an id, whose slot holds its hash and its run (side by side:
-//!   a jump to an id reads one cache line); the table (key-less tagged slots) maps hash -> id.
+//! - every block in the index has an id: its hash in one array (what a walk compares, 8 bytes
+//!   a block) and its run and chain hint in another (what a jump reads); the table (key-less
+//!   tagged slots) maps hash -> id.
 //!   New blocks of a stored run take consecutive ids where free ids allow, so a chain is a
 //!   stretch of ids ([`free`] picks a free range the stretch fits in, or a long one, before
 //!   short ones);
@@ -19,10 +20,12 @@
 //! comparing `hashes[id + 1]` with the event's next hash, without probing), plus the relabels of
 //! split-off parts; only a block leaving the index pays a table delete. A query compares the
 //! prompt's next hash with `hashes[id + 1]` (sequential memory) and probes only where the chain
-//! leaves the stretch; it intersects holder sets only where the run changes. Two prefetches
-//! hide most of a jump: a run's slot names the run its chain last went on in (a hint kept
-//! outside the seqlock, never trusted), fetched on entering the run, and the ids after a block
-//! jumped to are fetched before its run is read.
+//! leaves the stretch; it intersects holder sets only where the run changes. Prefetches hide
+//! most of a jump: a run's slot names the id and the run its chain last went on at (hints kept
+//! outside the seqlock, never trusted), fetched on entering the run with the run's last id's
+//! hint, and the hashes after a block jumped to are fetched before its run is read. A store's
+//! new blocks go in as stretches: each block pays its id and its table entry, the stretch its
+//! run, its range and its merge.
 //!
 //! Concurrency: [`RunIndex`] is the writer (`&mut self`); [`RunReader`]s (any number, any
 //! thread) score and look up without a lock. Ids, runs and pooled words are atomics in chunks
@@ -124,7 +127,7 @@ pub struct RunStats {
     pub relabels: u64,
     /// Pooled words of holder sets wider than one 64-member window.
     pub holder_words: u64,
-    /// Block ids handed out, live or free (an id slot is 16 bytes): above `blocks` by the
+    /// Block ids handed out, live or free (16 bytes each, in two arrays): above `blocks` by the
     /// free ids (the free-id policy takes fresh ids for a long stretch only while free ids are under an
     /// eighth of live ones).
     pub ids: u64,
