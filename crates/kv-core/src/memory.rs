@@ -47,6 +47,24 @@ pub fn zeroed_slice<T: Zeroable>(len: usize) -> Box<[T]> {
     unsafe { Box::from_raw(std::ptr::slice_from_raw_parts_mut(ptr, len)) }
 }
 
+/// `N` zeroed `T`s behind an `Arc`, zeroed in place: one allocation and one pass (an `Arc`
+/// built from a zeroed boxed slice allocated twice and copied, faulting in every page of every
+/// id chunk twice). (`Arc::new_zeroed` would skip the pass on fresh memory; it is newer than
+/// the crate's minimum Rust.)
+pub fn zeroed_arc_array<T: Zeroable, const N: usize>() -> std::sync::Arc<[T; N]> {
+    let mut chunk = std::sync::Arc::<[T; N]>::new_uninit();
+    let Some(slot) = std::sync::Arc::get_mut(&mut chunk) else {
+        unreachable!("a new Arc has one owner")
+    };
+    // SAFETY: the pointer is to the Arc's own uninitialised `[T; N]`, which we own alone; every
+    // byte is written with zero, and all-zero is a valid `T` (Zeroable), so after it the value
+    // is a valid `[T; N]` and `assume_init` is sound.
+    unsafe {
+        std::ptr::write_bytes(slot.as_mut_ptr(), 0, 1);
+        chunk.assume_init()
+    }
+}
+
 /// Faults in every page of `slice` now, in one system call, instead of one page fault per page
 /// as the first writes reach them. For memory that is written at random soon after it is
 /// allocated (a hash table: every page holds entries once it is a few percent full), where a

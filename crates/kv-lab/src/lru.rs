@@ -6,8 +6,9 @@
 //! approximate routers' view of each pod. Capacity is the caller's business: it decides when
 //! to [`LruSet::pop_oldest`].
 
+use std::collections::hash_map::RandomState;
 use std::collections::HashMap;
-use std::hash::Hash;
+use std::hash::{BuildHasher, Hash};
 
 const NIL: usize = usize::MAX;
 /// Slot 0 is the sentinel of the circular list.
@@ -20,10 +21,11 @@ struct Slot<K> {
     next: usize,
 }
 
-/// An LRU-ordered set of keys.
+/// An LRU-ordered set of keys (`S`: how keys are hashed; keys that are already well mixed,
+/// like block hashes, can use a cheaper hasher than the default).
 #[derive(Debug, Clone)]
-pub struct LruSet<K = u64> {
-    slot_of: HashMap<K, usize>,
+pub struct LruSet<K = u64, S = RandomState> {
+    slot_of: HashMap<K, usize, S>,
     slots: Vec<Slot<K>>,
     free: Vec<usize>,
 }
@@ -37,8 +39,15 @@ impl<K: Copy + Eq + Hash + Default> Default for LruSet<K> {
 impl<K: Copy + Eq + Hash + Default> LruSet<K> {
     /// An empty set.
     pub fn new() -> Self {
+        Self::with_hasher(RandomState::new())
+    }
+}
+
+impl<K: Copy + Eq + Hash + Default, S: BuildHasher> LruSet<K, S> {
+    /// An empty set whose keys are hashed by `hasher`.
+    pub fn with_hasher(hasher: S) -> Self {
         Self {
-            slot_of: HashMap::new(),
+            slot_of: HashMap::with_hasher(hasher),
             slots: vec![Slot {
                 key: K::default(),
                 prev: SENTINEL,

@@ -7,7 +7,7 @@
 
 use std::sync::{Arc, OnceLock};
 
-use crate::memory::{zeroed_slice, Zeroable};
+use crate::memory::{zeroed_arc_array, Zeroable};
 
 /// A directory of lazily allocated chunks of `N` items `T` (a power of two), addressed by
 /// `u32` ids. A chunk is a fixed-size array, so a masked offset needs no bounds check: an
@@ -60,10 +60,7 @@ impl<T: Zeroable, const N: usize> Chunked<T, N> {
         let chunk = self
             .chunks
             .get((id >> Self::BITS) as usize)?
-            .get_or_init(|| match Arc::<[T]>::from(zeroed_slice(N)).try_into() {
-                Ok(chunk) => chunk,
-                Err(_) => unreachable!("a zeroed slice of N items is an array of N"),
-            });
+            .get_or_init(zeroed_arc_array::<T, N>);
         Some(&chunk[id as usize & (N - 1)])
     }
 

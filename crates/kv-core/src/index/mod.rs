@@ -32,8 +32,8 @@
 //!   second chance) until the store is paid for, counted as capacity evictions.
 //!
 //! Memory: docs/benchmarks.md measures bytes per block and per membership at 16 and 1,024
-//! pods (an id slot is 16 bytes, a table slot 8 at load 0.4-0.85, a run's holders inline up to
-//! one 64-engine window).
+//! pods (an id is 16 bytes in two arrays, a table slot 8 at load 0.4-0.85, a run's holders
+//! inline up to one 64-engine window).
 //!
 //! `unsafe`: with `crate::memory`, only the run index's cells (`runs::cells`: the `Zeroable`
 //! contract of its atomics), each block with its `// SAFETY:` argument.

@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use kv_core::{BlockHash, EngineHash};
 
-use super::{IndexBackend, QueryAnswer};
+use super::{Blocks, IndexBackend, QueryAnswer};
 
 /// kv-indexer's own index as a benchmark backend.
 pub struct KvIndexerBackend {
@@ -75,7 +75,8 @@ impl IndexBackend for KvIndexerBackend {
         &self.name
     }
 
-    fn query(&mut self, hashes: &[BlockHash], _content: &[u64]) -> QueryAnswer {
+    fn query(&mut self, prompt: Blocks<'_>) -> QueryAnswer {
+        let hashes = prompt.hashes;
         self.index
             .score_engines(hashes, None, &self.weights, &mut self.out);
         let mut answer = QueryAnswer::default();
@@ -87,20 +88,16 @@ impl IndexBackend for KvIndexerBackend {
         answer
     }
 
-    fn store(
-        &mut self,
-        pod: u32,
-        parent: Option<BlockHash>,
-        hashes: &[BlockHash],
-        _content: &[u64],
-    ) {
+    fn store(&mut self, pod: u32, parent: Option<BlockHash>, blocks: Blocks<'_>) {
+        let hashes = blocks.hashes;
         let engine = self.engines[pod as usize];
         self.index.write(engine, |w| {
             w.store(engine, kv_core::Tier::Gpu, parent, hashes);
         });
     }
 
-    fn remove(&mut self, pod: u32, hashes: &[BlockHash]) {
+    fn remove(&mut self, pod: u32, blocks: Blocks<'_>) {
+        let hashes = blocks.hashes;
         let engine = self.engines[pod as usize];
         self.index.write(engine, |w| {
             w.remove(engine, kv_core::Tier::Gpu, hashes);
@@ -145,7 +142,8 @@ impl IndexBackend for RunIndexBackend {
         "kv-indexer v3 RunIndex (core)"
     }
 
-    fn query(&mut self, hashes: &[BlockHash], _content: &[u64]) -> QueryAnswer {
+    fn query(&mut self, prompt: Blocks<'_>) -> QueryAnswer {
+        let hashes = prompt.hashes;
         let mut answer = QueryAnswer::default();
         self.scores.clear();
         let weights = kv_core::TierWeights::default();
@@ -162,18 +160,14 @@ impl IndexBackend for RunIndexBackend {
         answer
     }
 
-    fn store(
-        &mut self,
-        pod: u32,
-        parent: Option<BlockHash>,
-        hashes: &[BlockHash],
-        _content: &[u64],
-    ) {
+    fn store(&mut self, pod: u32, parent: Option<BlockHash>, blocks: Blocks<'_>) {
+        let hashes = blocks.hashes;
         self.index
             .store_each(pod, kv_core::Tier::Gpu, parent, hashes, |_, _| {});
     }
 
-    fn remove(&mut self, pod: u32, hashes: &[BlockHash]) {
+    fn remove(&mut self, pod: u32, blocks: Blocks<'_>) {
+        let hashes = blocks.hashes;
         self.index.remove(pod, kv_core::Tier::Gpu, hashes);
     }
 
@@ -248,7 +242,8 @@ impl IndexBackend for IndexerFacadeBackend {
         self.name
     }
 
-    fn query(&mut self, hashes: &[BlockHash], _content: &[u64]) -> QueryAnswer {
+    fn query(&mut self, prompt: Blocks<'_>) -> QueryAnswer {
+        let hashes = prompt.hashes;
         let mut answer = QueryAnswer::default();
         if self
             .indexer
@@ -283,13 +278,8 @@ impl IndexBackend for IndexerFacadeBackend {
         answer
     }
 
-    fn store(
-        &mut self,
-        pod: u32,
-        parent: Option<BlockHash>,
-        hashes: &[BlockHash],
-        _content: &[u64],
-    ) {
+    fn store(&mut self, pod: u32, parent: Option<BlockHash>, blocks: Blocks<'_>) {
+        let hashes = blocks.hashes;
         // The facade's engines are aligned: they publish the index's keys as their hashes.
         let stored = kv_core::BlockStored {
             block_hashes: published(hashes),
@@ -300,7 +290,8 @@ impl IndexBackend for IndexerFacadeBackend {
         self.apply(pod, kv_core::KvEvent::BlockStored(Box::new(stored)));
     }
 
-    fn remove(&mut self, pod: u32, hashes: &[BlockHash]) {
+    fn remove(&mut self, pod: u32, blocks: Blocks<'_>) {
+        let hashes = blocks.hashes;
         let removed = kv_core::BlockRemoved {
             block_hashes: published(hashes),
             ..Default::default()
@@ -327,7 +318,8 @@ impl IndexBackend for ReferenceBackend {
         "reference (per-block map)"
     }
 
-    fn query(&mut self, hashes: &[BlockHash], _content: &[u64]) -> QueryAnswer {
+    fn query(&mut self, prompt: Blocks<'_>) -> QueryAnswer {
+        let hashes = prompt.hashes;
         let mut answer = QueryAnswer::default();
         for s in self
             .index
@@ -338,17 +330,13 @@ impl IndexBackend for ReferenceBackend {
         answer
     }
 
-    fn store(
-        &mut self,
-        pod: u32,
-        _parent: Option<BlockHash>,
-        hashes: &[BlockHash],
-        _content: &[u64],
-    ) {
+    fn store(&mut self, pod: u32, _parent: Option<BlockHash>, blocks: Blocks<'_>) {
+        let hashes = blocks.hashes;
         self.index.store(pod, kv_core::Tier::Gpu, hashes);
     }
 
-    fn remove(&mut self, pod: u32, hashes: &[BlockHash]) {
+    fn remove(&mut self, pod: u32, blocks: Blocks<'_>) {
+        let hashes = blocks.hashes;
         self.index.remove(pod, kv_core::Tier::Gpu, hashes);
     }
 }

@@ -185,6 +185,25 @@ pub(super) async fn check_daemon_tokens(
     };
     let mut client = KvIndexerClient::new(super::callers::channel(&args.grpc).await?);
     let deadline = Instant::now() + Duration::from_secs(10);
+    // First the token ids, until the pod's events are all applied: the chat is then tokenized
+    // once, whole (a prompt tokenized again may come from the prefix store without its tail).
+    let tokens = ScorePodsRequest {
+        input: Some(Input::Tokens(kvindexer_v1::TokenIds {
+            ids: doc.tokens.clone(),
+        })),
+        ..request.clone()
+    };
+    while Instant::now() < deadline {
+        let held = client
+            .score_pods(tokens.clone())
+            .await
+            .ok()
+            .and_then(|r| r.into_inner().scores.first().map(|s| s.matched_blocks));
+        if held.is_some_and(|m| m + 1 >= full) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
     let mut matched = 0;
     let last = loop {
         let (retry, why) = match client.score_pods(request.clone()).await {

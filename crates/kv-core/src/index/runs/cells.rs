@@ -1,6 +1,7 @@
-//! The run index's shared memory: block-id slots, run slots and pooled holder words, as
-//! atomics in chunks that are never moved or freed while the index lives ([`Chunked`]), so a
-//! reader holds references into them without a lock while the one writer changes them.
+//! The run index's shared memory: block ids (hashes, and runs with hints), run slots and pooled
+//! holder words, as atomics in chunks that are never moved or freed while the index lives
+//! ([`Chunked`]), so a reader holds references into them without a lock while the one writer
+//! changes them.
 //!
 //! Publication (the orders of `crate::seqlock`, whose relabel model checks them):
 //! - a **run** (`start .. end` and its holder set) changes only inside its seqlock; a reader
@@ -28,40 +29,59 @@ use crate::seqlock::{StdFence, PROTOCOL};
 /// No run, no id (a free id's run; a missing hint).
 pub(super) const NONE: u32 = u32::MAX;
 
-/// Bits of an id that select its slot inside a chunk (64Ki slots: 1 MiB).
+/// Bits of an id that select its slot inside a chunk (64Ki ids: 512 KiB of hashes, as much of
+/// links).
 pub(super) const ID_BITS: u32 = 16;
 /// Bits of a run number that select its slot inside a chunk (4Ki runs: 192 KiB).
 const RUN_BITS: u32 = 12;
 
-/// One block id: its hash, its run and a hint to where its chain went on.
-#[repr(C)]
-pub(super) struct IdSlot {
-    /// The block's hash (0 when free).
-    hash: AtomicU64,
-    /// The block's run plus one (0: free).
-    run: AtomicU32,
-    /// The id its most recently stored chain child took, plus one, where that was not the
-    /// next id (a hint, confirmed by the child's hash; 0: none). Fills the slot's padding.
-    next: AtomicU32,
-}
+/// A block id's hash (0 when free), in an array of its own: a walk compares the prompt with
+/// consecutive ids' hashes, eight to a cache line, and reads nothing else of them.
+#[repr(transparent)]
+pub(super) struct HashCell(AtomicU64);
 
-// SAFETY: integer atomics only; all zero is a free id (hash 0, no run, no hint).
-unsafe impl Zeroable for IdSlot {}
+// SAFETY: an integer atomic; zero is a free id's hash.
+unsafe impl Zeroable for HashCell {}
 
-impl IdSlot {
-    /// A free id's slot (what zeroed memory holds).
+impl HashCell {
+    /// A free id's hash (what zeroed memory holds).
     const fn free() -> Self {
-        Self {
-            hash: AtomicU64::new(0),
-            run: AtomicU32::new(0),
-            next: AtomicU32::new(0),
-        }
+        Self(AtomicU64::new(0))
     }
 
     /// The block's hash (0: free).
     #[inline(always)]
     pub fn hash(&self) -> u64 {
-        self.hash.load(Relaxed)
+        self.0.load(Relaxed)
+    }
+
+    #[inline(always)]
+    pub fn set_hash(&self, hash: u64) {
+        self.0.store(hash, Relaxed);
+        stored();
+    }
+}
+
+/// A block id's run and chain hint (each plus one; 0: none), in the second id array.
+#[repr(C)]
+pub(super) struct LinkCell {
+    /// The block's run plus one (0: free).
+    run: AtomicU32,
+    /// The id its most recently stored chain child took, plus one, where that was not the
+    /// next id (a hint, confirmed by the child's hash; 0: none).
+    next: AtomicU32,
+}
+
+// SAFETY: integer atomics only; all zero is a free id (no run, no hint).
+unsafe impl Zeroable for LinkCell {}
+
+impl LinkCell {
+    /// A free id's links (what zeroed memory holds).
+    const fn free() -> Self {
+        Self {
+            run: AtomicU32::new(0),
+            next: AtomicU32::new(0),
+        }
     }
 
     /// The block's run ([`NONE`]: free). Acquire: the run it names was written before.
@@ -74,12 +94,6 @@ impl IdSlot {
     #[inline(always)]
     pub fn next(&self) -> u32 {
         self.next.load(Relaxed).wrapping_sub(1)
-    }
-
-    #[inline(always)]
-    pub fn set_hash(&self, hash: u64) {
-        self.hash.store(hash, Relaxed);
-        stored();
     }
 
     /// Points the id at run `r` (Release: after the run was written).
@@ -96,6 +110,51 @@ impl IdSlot {
     }
 }
 
+/// One block id: its hash, its run and a hint to where its chain went on (16 bytes, in two
+/// arrays: [`HashCell`]s, which a walk reads, and [`LinkCell`]s, which a jump reads).
+#[derive(Clone, Copy)]
+pub(super) struct IdSlot<'a> {
+    hash: &'a HashCell,
+    link: &'a LinkCell,
+}
+
+impl IdSlot<'_> {
+    /// The block's hash (0: free).
+    #[inline(always)]
+    pub fn hash(&self) -> u64 {
+        self.hash.hash()
+    }
+
+    /// The block's run ([`NONE`]: free). Acquire: the run it names was written before.
+    #[inline(always)]
+    pub fn run(&self) -> u32 {
+        self.link.run()
+    }
+
+    /// The hinted chain child ([`NONE`]: none).
+    #[inline(always)]
+    pub fn next(&self) -> u32 {
+        self.link.next()
+    }
+
+    #[inline(always)]
+    pub fn set_hash(&self, hash: u64) {
+        self.hash.set_hash(hash);
+    }
+
+    /// Points the id at run `r` (the tests' way to break an id; the writer relabels through
+    /// [`WriterIds::link_tail`]).
+    #[cfg(test)]
+    pub fn set_run(&self, r: u32) {
+        self.link.set_run(r);
+    }
+
+    #[inline(always)]
+    pub fn set_next(&self, id: u32) {
+        self.link.set_next(id);
+    }
+}
+
 /// One run: ids `start .. end` held by `holders`.
 #[derive(Clone, Copy, Debug, Default)]
 pub(super) struct Run {
@@ -104,7 +163,7 @@ pub(super) struct Run {
     pub holders: RunHolders,
 }
 
-/// A run's slot: the run's fields under a seqlock (48 bytes).
+/// A run's slot: the run's fields under a seqlock, and the hints (56 bytes).
 #[repr(C)]
 pub(super) struct RunSlot {
     seq: AtomicU32,
@@ -118,6 +177,10 @@ pub(super) struct RunSlot {
     /// its last store that jumped ids went. A hint a walk prefetches on entering the run;
     /// written outside the seqlock and never trusted.
     after: AtomicU32,
+    /// The id that chain went on at, plus one (0: none): a walk entering the run prefetches
+    /// its hash and links too, so leaving the run at its end costs no wait. A hint like
+    /// `after`.
+    after_id: AtomicU32,
     gpu_word: AtomicU64,
     other_word: AtomicU64,
 }
@@ -137,6 +200,7 @@ impl RunSlot {
             other_base: AtomicU32::new(0),
             other_len: AtomicU32::new(0),
             after: AtomicU32::new(0),
+            after_id: AtomicU32::new(0),
             gpu_word: AtomicU64::new(0),
             other_word: AtomicU64::new(0),
         }
@@ -216,10 +280,17 @@ impl RunSlot {
         self.after.load(Relaxed).wrapping_sub(1)
     }
 
-    /// Hints that the chain goes on in run `r` after this run.
+    /// The id hinted to follow this run's last block ([`NONE`]: none; possibly stale).
     #[inline(always)]
-    pub fn set_after(&self, r: u32) {
+    pub fn after_id(&self) -> u32 {
+        self.after_id.load(Relaxed).wrapping_sub(1)
+    }
+
+    /// Hints that the chain goes on at id `id`, in run `r`, after this run.
+    #[inline(always)]
+    pub fn set_after(&self, r: u32, id: u32) {
         self.after.store(r.wrapping_add(1), Relaxed);
+        self.after_id.store(id.wrapping_add(1), Relaxed);
         stored();
     }
 
@@ -289,18 +360,96 @@ impl<T: Zeroable, const N: usize> WriterChunks<T, N> {
     }
 }
 
-/// Block-id slots.
-pub(super) type IdSlots = Chunked<IdSlot, ID_CHUNK>;
+/// The block ids' two arrays (the readers' view).
+pub(super) struct IdSlots {
+    hashes: Chunked<HashCell, ID_CHUNK>,
+    links: Chunked<LinkCell, ID_CHUNK>,
+}
+
+impl IdSlots {
+    /// Room for `capacity` ids, no chunk allocated.
+    pub fn new(capacity: usize) -> Self {
+        Self {
+            hashes: Chunked::new(capacity),
+            links: Chunked::new(capacity),
+        }
+    }
+
+    /// Bytes held from the allocator.
+    pub fn allocated_bytes(&self) -> usize {
+        self.hashes.allocated_bytes() + self.links.allocated_bytes()
+    }
+
+    /// The hashes from `id` to the end of its chunk: what a walk compares in one pass.
+    #[inline(always)]
+    pub fn hash_tail(&self, id: u32) -> &[HashCell] {
+        self.hashes.tail(id)
+    }
+
+    /// Hints the CPU to fetch `id`'s hash (when `hash`) and links (when `link`).
+    #[inline(always)]
+    pub fn prefetch(&self, id: u32, hash: bool, link: bool) {
+        if let (true, Some(h)) = (hash, self.hashes.get(id)) {
+            crate::memory::prefetch_read(h as *const HashCell as *const u8);
+        }
+        if let (true, Some(l)) = (link, self.links.get(id)) {
+            crate::memory::prefetch_read(l as *const LinkCell as *const u8);
+        }
+    }
+}
+
+/// The writer's handles on the id arrays' chunks.
+#[derive(Default)]
+pub(super) struct WriterIds {
+    hashes: WriterChunks<HashCell, ID_CHUNK>,
+    links: WriterChunks<LinkCell, ID_CHUNK>,
+}
+
+impl WriterIds {
+    /// The slot of `id` (the sinks past the chunks held).
+    #[inline(always)]
+    pub fn get(&self, id: u32) -> IdSlot<'_> {
+        IdSlot {
+            hash: self.hashes.get(id, &SINK_HASH),
+            link: self.links.get(id, &SINK_LINK),
+        }
+    }
+
+    /// The hashes from `id` to the end of its chunk.
+    #[inline(always)]
+    pub fn hash_tail(&self, id: u32) -> &[HashCell] {
+        self.hashes.tail(id)
+    }
+
+    /// The links from `id` to the end of its chunk.
+    #[inline(always)]
+    pub fn link_tail(&self, id: u32) -> &[LinkCell] {
+        self.links.tail(id)
+    }
+
+    /// Makes id `i` addressable in both arrays; `None` past the capacity.
+    #[inline]
+    pub fn reach(&mut self, i: u32, shared: &IdSlots) -> Option<()> {
+        self.hashes.reach(i, &shared.hashes)?;
+        self.links.reach(i, &shared.links)
+    }
+}
+
 /// Run slots.
 pub(super) type RunSlots = Chunked<RunSlot, RUN_CHUNK>;
 
-/// The slot every id outside the allocated chunks reads as: free.
-pub(super) static FREE_ID: IdSlot = IdSlot::free();
+/// What every id outside the allocated chunks reads as: free.
+static FREE_HASH: HashCell = HashCell::free();
+/// See [`FREE_HASH`].
+static FREE_LINK: LinkCell = LinkCell::free();
 
 /// The slot of `id` (a free one outside the allocated chunks: never written).
 #[inline(always)]
-pub(super) fn id_slot(ids: &IdSlots, id: u32) -> &IdSlot {
-    ids.get(id).unwrap_or(&FREE_ID)
+pub(super) fn id_slot(ids: &IdSlots, id: u32) -> IdSlot<'_> {
+    IdSlot {
+        hash: ids.hashes.get(id).unwrap_or(&FREE_HASH),
+        link: ids.links.get(id).unwrap_or(&FREE_LINK),
+    }
 }
 
 /// The slot every run outside the allocated chunks reads as: empty, covering nothing.
@@ -314,8 +463,10 @@ pub(super) fn run_slot(runs: &RunSlots, r: u32) -> &RunSlot {
 
 /// Where the writer's stores would go if it ever addressed an id or run outside the allocated
 /// chunks (a bug: every id and run it hands out has its chunk): somewhere no reader looks, so
-/// [`FREE_ID`] and [`NO_RUN`] stay what they say.
-pub(super) static SINK_ID: IdSlot = IdSlot::free();
+/// [`FREE_HASH`], [`FREE_LINK`] and [`NO_RUN`] stay what they say.
+static SINK_HASH: HashCell = HashCell::free();
+/// See [`SINK_HASH`].
+static SINK_LINK: LinkCell = LinkCell::free();
 
-/// See [`SINK_ID`].
+/// See [`SINK_HASH`].
 pub(super) static SINK_RUN: RunSlot = RunSlot::empty();

@@ -31,7 +31,7 @@ pub(super) const MIN_STRETCH: u32 = 64;
 /// only while free ids are under live ids divided by this. A rule at the moment of choosing,
 /// not a bound: a stretch begun on fresh ids goes on on them, and ids freed later add to the
 /// free ones, so the id space settles above it. Measured: 1.14 ids per live block in the
-/// 16-pod replay, 1.18 with shuffled evictions (16 bytes per id slot).
+/// 16-pod replay, 1.18 with shuffled evictions (16 bytes per id).
 pub(super) const SLACK: u64 = 8;
 
 /// Size classes: class `c` holds ranges of `2^c .. 2^(c + 1)` ids.

@@ -2,8 +2,9 @@
 //! holders kept per **run** instead of per block; one writer, lock-free readers.
 //!
 //! Shape:
-//! - every block in the index has an id, whose slot holds its hash and its run (side by side:
-//!   a jump to an id reads one cache line); the table (key-less tagged slots) maps hash -> id.
+//! - every block in the index has an id: its hash in one array (what a walk compares, 8 bytes
+//!   a block) and its run and chain hint in another (what a jump reads); the table (key-less
+//!   tagged slots) maps hash -> id.
 //!   New blocks of a stored run take consecutive ids where free ids allow, so a chain is a
 //!   stretch of ids ([`free`] picks a free range the stretch fits in, or a long one, before
 //!   short ones);
@@ -19,10 +20,12 @@
 //! comparing `hashes[id + 1]` with the event's next hash, without probing), plus the relabels of
 //! split-off parts; only a block leaving the index pays a table delete. A query compares the
 //! prompt's next hash with `hashes[id + 1]` (sequential memory) and probes only where the chain
-//! leaves the stretch; it intersects holder sets only where the run changes. Two prefetches
-//! hide most of a jump: a run's slot names the run its chain last went on in (a hint kept
-//! outside the seqlock, never trusted), fetched on entering the run, and the ids after a block
-//! jumped to are fetched before its run is read.
+//! leaves the stretch; it intersects holder sets only where the run changes. Prefetches hide
+//! most of a jump: a run's slot names the id and the run its chain last went on at (hints kept
+//! outside the seqlock, never trusted), fetched on entering the run with the run's last id's
+//! hint, and the hashes after a block jumped to are fetched before its run is read. A store's
+//! new blocks go in as stretches: each block pays its id and its table entry, the stretch its
+//! run, its range and its merge.
 //!
 //! Concurrency: [`RunIndex`] is the writer (`&mut self`); [`RunReader`]s (any number, any
 //! thread) score and look up without a lock. Ids, runs and pooled words are atomics in chunks
@@ -64,8 +67,7 @@ use arc_swap::ArcSwap;
 use super::table::Table;
 use super::types::EngineId;
 use cells::{
-    IdSlot, IdSlots, Run, RunSlot, RunSlots, Words, WriterChunks, ID_CHUNK, RUN_CHUNK, SINK_ID,
-    SINK_RUN,
+    IdSlot, IdSlots, Run, RunSlot, RunSlots, Words, WriterChunks, WriterIds, RUN_CHUNK, SINK_RUN,
 };
 use holders::RunHolders;
 use holders::{WordPool, WINDOW};
@@ -125,7 +127,7 @@ pub struct RunStats {
     pub relabels: u64,
     /// Pooled words of holder sets wider than one 64-member window.
     pub holder_words: u64,
-    /// Block ids handed out, live or free (an id slot is 16 bytes): above `blocks` by the
+    /// Block ids handed out, live or free (16 bytes each, in two arrays): above `blocks` by the
     /// free ids (the free-id policy takes fresh ids for a long stretch only while free ids are under an
     /// eighth of live ones).
     pub ids: u64,
@@ -154,7 +156,7 @@ pub struct RunIndex {
     /// The published table (the writer's handle: no `ArcSwap` load per probe).
     table: Arc<Table>,
     /// The writer's handles on the id and run chunks.
-    id_chunks: WriterChunks<IdSlot, ID_CHUNK>,
+    id_chunks: WriterIds,
     run_chunks: WriterChunks<RunSlot, RUN_CHUNK>,
     /// Table slots in use (live entries and tombstones) and live entries.
     table_used: usize,
@@ -213,7 +215,7 @@ impl RunIndex {
                 gave_up: Default::default(),
             })),
             table,
-            id_chunks: WriterChunks::default(),
+            id_chunks: WriterIds::default(),
             run_chunks: WriterChunks::default(),
             table_used: 0,
             table_live: 0,
@@ -305,8 +307,8 @@ impl RunIndex {
 
     /// The slot of `id` (the writer's view).
     #[inline(always)]
-    fn id(&self, id: u32) -> &IdSlot {
-        self.id_chunks.get(id, &SINK_ID)
+    fn id(&self, id: u32) -> IdSlot<'_> {
+        self.id_chunks.get(id)
     }
 
     /// The slot of run `r`.
@@ -370,7 +372,7 @@ impl RunIndex {
 
     /// Records that block `child` (already in its run) continues block `parent`'s chain, where
     /// it is not the next id: the parent's hint names it, and when the parent ends its run,
-    /// that run's slot names `child`'s run (a walk entering the run prefetches that slot).
+    /// that run's slot names `child` and its run (a walk entering the run prefetches them).
     #[inline]
     fn link(&self, parent: u32, child: u32) {
         if child == parent + 1 {
@@ -379,7 +381,7 @@ impl RunIndex {
         self.id(parent).set_next(child);
         let cell = self.run_slot(self.id(parent).run());
         if cell.end() == parent + 1 {
-            cell.set_after(self.id(child).run());
+            cell.set_after(self.id(child).run(), child);
         }
     }
 

@@ -16,7 +16,7 @@
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
 
-use super::cells::{id_slot, run_slot, IdSlot, Run, RunSlot, NONE};
+use super::cells::{id_slot, run_slot, HashCell, Run, RunSlot, NONE};
 use super::{RunHolders, Shared, WINDOW};
 use crate::index::table::Table;
 use crate::index::types::{EngineId, EngineScore, Tier, TierWeights};
@@ -35,7 +35,7 @@ const CHANGES: usize = 4096;
 /// the stretch it compares next (24 lines), fetched while the run slot, a dependent miss, is
 /// read. 96 and 256 ids gave the same query p99 (docs/benchmarks.md, "Where the 16-pod query
 /// p99 goes").
-const STRETCH_AHEAD: usize = 96;
+const STRETCH_AHEAD: usize = 192;
 
 /// Spins before a reader waiting for a write to end yields its thread (the writer may have
 /// been descheduled inside the write).
@@ -256,13 +256,13 @@ impl Shared {
         None
     }
 
-    /// Prefetches the id slots after `id` (a line each four ids, to [`STRETCH_AHEAD`] or the
-    /// chunk's end).
+    /// Prefetches the hashes of the ids after `id` (a line each eight ids, to
+    /// [`STRETCH_AHEAD`] or the chunk's end).
     #[inline]
     fn prefetch_stretch(&self, id: u32) {
-        let tail = self.ids.tail(id);
-        for slot in tail.iter().take(STRETCH_AHEAD).skip(4).step_by(4) {
-            crate::memory::prefetch_read(slot as *const IdSlot as *const u8);
+        let tail = self.ids.hash_tail(id);
+        for slot in tail.iter().take(STRETCH_AHEAD).skip(8).step_by(8) {
+            crate::memory::prefetch_read(slot as *const HashCell as *const u8);
         }
     }
 
@@ -299,7 +299,7 @@ impl Shared {
             // Inside the block's run (one holder set): the next ids hold the next keys for as
             // long as their hashes agree, with the same answer; kept if the run did not
             // change (as the walk does).
-            let slots = self.ids.tail(at.id + 1);
+            let slots = self.ids.hash_tail(at.id + 1);
             let room = (at.end - at.id - 1) as usize;
             let slots = &slots[..slots.len().min(room)];
             let same = slots
@@ -362,20 +362,33 @@ impl Shared {
         let Some(mut at) = found else {
             return;
         };
-        // `since`: the prompt position where the current run started.
+        // `since`: the prompt position where the current run started; `entered`: the walk
+        // has just entered the run `at` is in.
         let (mut j, mut since) = (0usize, 0usize);
+        let mut entered = true;
         while j + 1 < prompt.len() && !s.alive.is_empty() {
-            // Where the chain last went on after this run: its slot, fetched while the run's
-            // hashes are compared (a hint; the hop reads it under its seqlock).
-            let after = run_slot(&self.runs, at.run).after();
-            if after != NONE {
-                crate::memory::prefetch_read(
-                    run_slot(&self.runs, after) as *const RunSlot as *const u8
-                );
+            // Where the chain last went on after this run: that block's hash and links and
+            // its run's slot, and the links of the run's last block (whose hint a hop from
+            // there reads), fetched while the run's hashes are compared (hints; the hop reads
+            // them under its seqlock). Only on entering a run.
+            if entered {
+                let cell = run_slot(&self.runs, at.run);
+                let after = cell.after();
+                if after != NONE {
+                    crate::memory::prefetch_read(
+                        run_slot(&self.runs, after) as *const RunSlot as *const u8
+                    );
+                }
+                let after_id = cell.after_id();
+                if after_id != NONE {
+                    self.ids.prefetch(after_id, true, true);
+                }
+                self.ids.prefetch(at.end - 1, false, true);
             }
+            entered = false;
             // Inside the run (one holder set): the next ids hold the next blocks for as long
             // as their hashes agree; one pass over the slots, kept if the run did not change.
-            let slots = self.ids.tail(at.id + 1);
+            let slots = self.ids.hash_tail(at.id + 1);
             let room = (at.end - at.id - 1) as usize;
             let slots = &slots[..slots.len().min(room)];
             let same = slots
@@ -411,6 +424,7 @@ impl Shared {
                 break; // block `j + 1` is held by none of them
             };
             j += 1;
+            entered = next.run != at.run;
             if next.run != at.run || next.seq != at.seq {
                 // A new holder set from block `j`: close the run before it, then drop the
                 // engines that do not hold block `j`.

@@ -58,7 +58,7 @@ impl RunIndex {
     fn relabel(&mut self, start: u32, end: u32, r: u32) {
         let mut id = start;
         while id < end {
-            let slots = self.id_chunks.tail(id);
+            let slots = self.id_chunks.link_tail(id);
             let n = ((end - id) as usize).min(slots.len());
             if n == 0 {
                 break; // past the allocated ids (never: every id handed out has its chunk)

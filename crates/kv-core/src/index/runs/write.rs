@@ -1,6 +1,6 @@
 //! The run index's write path: stores, removals and clears (one writer, `&mut`).
 
-use super::cells::{NONE, SINK_ID};
+use super::cells::NONE;
 use super::free::SLACK;
 use super::{Cause, RunHolders, RunIndex, PREFETCH_AHEAD};
 use crate::index::table::Vacancy;
@@ -32,6 +32,21 @@ impl RunIndex {
             self.table.prefetch(hashes[*prefetched].get());
             *prefetched += 1;
         }
+    }
+
+    /// [`RunIndex::prefetch_ahead`] for `hashes`, a tail of the store's hashes that starts at
+    /// the store's index `base`, at the store's index `i`.
+    #[inline]
+    fn prefetch_ahead_at(
+        &self,
+        hashes: &[BlockHash],
+        base: usize,
+        i: usize,
+        prefetched: &mut usize,
+    ) {
+        let mut local = prefetched.saturating_sub(base);
+        self.prefetch_ahead(hashes, i - base, &mut local);
+        *prefetched = base + local;
     }
 
     /// `engine` stores `hashes` after `parent` in `tier` (a `BlockStored`), telling
@@ -84,13 +99,24 @@ impl RunIndex {
                         vacancy,
                         lone,
                     };
-                    prev = self.add_block(engine, tier as u32, h, at);
-                    lone = prev.map(|id| self.id(id).run());
-                    if prev.is_some() {
-                        outcome.added += 1;
-                        held(hashes[i], true);
+                    let added =
+                        self.add_stretch(engine, tier as u32, &hashes[i..], at, &mut prefetched, i);
+                    match added {
+                        Some((last, n)) => {
+                            for &h in &hashes[i..i + n] {
+                                held(h, true);
+                            }
+                            outcome.added += n;
+                            prev = Some(last);
+                            lone = Some(self.id(last).run());
+                            i += n;
+                        }
+                        None => {
+                            prev = None;
+                            lone = None;
+                            i += 1;
+                        }
                     }
-                    i += 1;
                     continue;
                 }
             };
@@ -99,7 +125,7 @@ impl RunIndex {
             let run = self.run_slot(run_of_id);
             // The run's next ids, as far as their hashes agree with the event's (one pass
             // over the slots, to the run's end or the chunk's).
-            let slots = self.id_chunks.tail(id + 1);
+            let slots = self.id_chunks.hash_tail(id + 1);
             let room = ((run.end() - id - 1) as usize).min(slots.len());
             let k = 1 + slots[..room]
                 .iter()
@@ -135,20 +161,61 @@ impl RunIndex {
         outcome
     }
 
-    /// A new block `hash` held by `engine` alone in `tier`, placed as `at` says; `None` when
-    /// every id is in use (counted).
-    fn add_block(&mut self, engine: EngineId, tier: u32, hash: u64, at: Placement) -> Option<u32> {
+    /// New blocks `hashes[0..n]` held by `engine` alone in `tier`, on consecutive ids from
+    /// the one `at` places the first on, for as long as the next hash is absent from the table
+    /// and the next id is free: each block pays its slot and its table entry, the stretch pays
+    /// its run, its range and its merge once. Returns the last block's id and `n` (at least 1),
+    /// or `None` when every id is in use (counted). `base` is `hashes[0]`'s index in the
+    /// store (for the prefetch cursor `prefetched`).
+    fn add_stretch(
+        &mut self,
+        engine: EngineId,
+        tier: u32,
+        hashes: &[BlockHash],
+        at: Placement,
+        prefetched: &mut usize,
+        base: usize,
+    ) -> Option<(u32, usize)> {
         let Placement {
             prev,
             want,
             vacancy,
             lone,
         } = at;
-        let Some(id) = self.alloc_id(prev, want) else {
+        let Some(first) = self.alloc_id(prev, want) else {
             self.stats.dropped_full += 1;
             return None;
         };
-        // The hash first: a reader trusts it once the id is inside a run.
+        self.put_new_block(first, hashes[0].get(), vacancy);
+        let mut end = first + 1;
+        while let Some(&h) = hashes.get((end - first) as usize) {
+            let i = base + (end - first) as usize;
+            self.prefetch_ahead_at(hashes, base, i, prefetched);
+            // Stops at a hash the index holds, or where the ids stop being free (the table
+            // keeps no write from this probe, so the caller probes that block again).
+            let Err(vacancy) = self.table.find_or_vacancy(h.get(), |id| self.id(id).hash()) else {
+                break;
+            };
+            if self.next_free(end - 1).is_none() {
+                break;
+            }
+            self.put_new_block(end, h.get(), vacancy);
+            end += 1;
+        }
+        let r = self.cover_new(engine, tier, first, end, lone)?;
+        let r = self.merge_right(r);
+        self.set_referenced(r);
+        self.note_range(engine, first, end);
+        if let Some(p) = prev {
+            self.link(p, first);
+        }
+        Some((end - 1, (end - first) as usize))
+    }
+
+    /// Writes a new block's slot (the hash first: a reader trusts it once the id is inside a
+    /// run) and its table entry at `vacancy`.
+    #[inline(always)]
+    fn put_new_block(&mut self, id: u32, hash: u64, vacancy: Vacancy) {
         self.id(id).set_hash(hash);
         self.id(id).set_next(NONE);
         // `insert_at` reports whether it reused a tombstone (a slot already counted as used).
@@ -157,8 +224,22 @@ impl RunIndex {
         }
         self.table_live += 1;
         self.stats.blocks += 1;
+    }
+
+    /// Puts new blocks `first .. end` (slots and table entries written) into a run held by
+    /// `engine` alone in `tier`: the run before `first` grows over them when it has that holder
+    /// set (`lone`: known to), else a new run; then each id points at it. `None` (the blocks
+    /// taken back) when no run number is left (unreachable while runs never outnumber ids).
+    fn cover_new(
+        &mut self,
+        engine: EngineId,
+        tier: u32,
+        first: u32,
+        end: u32,
+        lone: Option<u32>,
+    ) -> Option<u32> {
         let alone = RunHolders::one(engine, tier);
-        let left = id.checked_sub(1).map(|l| self.id(l).run());
+        let left = first.checked_sub(1).map(|l| self.id(l).run());
         let joins_left = left.filter(|&l| {
             l != NONE
                 && (lone == Some(l)
@@ -170,11 +251,11 @@ impl RunIndex {
         });
         let r = match joins_left {
             Some(l) => {
-                // The receiving run grows first, then the id points at it.
-                self.run_slot(l).set_end(id + 1);
+                // The receiving run grows first, then the ids point at it.
+                self.run_slot(l).set_end(end);
                 l
             }
-            None => match self.new_run(id, id + 1, alone) {
+            None => match self.new_run(first, end, alone) {
                 Some(r) => {
                     if let Some(order) = &mut self.order {
                         order.set_one(r, engine * 4 + tier);
@@ -182,20 +263,23 @@ impl RunIndex {
                     r
                 }
                 None => {
-                    // Unreachable while runs never outnumber ids (`new`); undo the block.
-                    self.drop_new_block(id, hash);
+                    for id in first..end {
+                        self.drop_new_block(id, self.id(id).hash());
+                    }
                     return None;
                 }
             },
         };
-        self.id(id).set_run(r);
-        let r = self.merge_right(r);
-        self.set_referenced(r);
-        self.note_range(engine, id, id + 1);
-        if let Some(p) = prev {
-            self.link(p, id);
+        let mut id = first;
+        while id < end {
+            let slots = self.id_chunks.link_tail(id);
+            let n = ((end - id) as usize).min(slots.len());
+            for slot in &slots[..n] {
+                slot.set_run(r);
+            }
+            id += n as u32;
         }
-        Some(id)
+        Some(r)
     }
 
     /// `joined` (run `r`'s holders with member `m` added, owned) kept within `podCacheSize`
@@ -246,25 +330,31 @@ impl RunIndex {
     /// stretch of up to `want` blocks ([`free`](super::free)'s order), else a fresh id; `None`
     /// at capacity.
     fn alloc_id(&mut self, prev: Option<u32>, want: u32) -> Option<u32> {
-        if let Some(p) = prev {
-            let next = p + 1;
-            if next == self.ids_len {
-                if let Some(id) = self.push_id() {
-                    return Some(id);
-                }
-            } else if next < self.ids_len && self.id(next).run() == NONE {
-                self.free.taken(next);
-                return Some(next);
-            }
+        if let Some(id) = prev.and_then(|p| self.next_free(p)) {
+            return Some(id);
         }
         let live = self.stats.blocks;
         let spare = u64::from(self.ids_len).saturating_sub(live);
         let fresh_ok = self.ids_len < self.capacity && spare * SLACK <= live;
         let chunks = &self.id_chunks;
-        let is_free = |id| chunks.get(id, &SINK_ID).run() == NONE;
+        let is_free = |id| chunks.get(id).run() == NONE;
         match self.free.take(want, fresh_ok, is_free) {
             Some(id) => Some(id),
             None => self.push_id(),
+        }
+    }
+
+    /// Takes id `p + 1` when it is free (a fresh id when `p` is the last handed out).
+    #[inline]
+    fn next_free(&mut self, p: u32) -> Option<u32> {
+        let next = p + 1;
+        if next == self.ids_len {
+            self.push_id()
+        } else if next < self.ids_len && self.id(next).run() == NONE {
+            self.free.taken(next);
+            Some(next)
+        } else {
+            None
         }
     }
 
@@ -411,7 +501,7 @@ impl RunIndex {
     pub(super) fn leave(&mut self, a: u32, b: u32) {
         let mut id = a;
         while id < b {
-            let slots = self.id_chunks.tail(id);
+            let slots = self.id_chunks.hash_tail(id);
             let slots = &slots[..((b - id) as usize).min(slots.len())];
             if slots.is_empty() {
                 break; // past the allocated ids (never: every id has its chunk)
