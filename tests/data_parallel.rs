@@ -260,6 +260,10 @@ async fn each_face_names_the_rank_that_holds_the_prefix() {
     );
     let exact = score(&d, &fresh, false).await;
     let a = exact.scores.iter().find(|s| s.pod == "10.8.0.1:8000");
-    assert_eq!(a.map(|a| a.matched_blocks), Some(5), "the last token recomputed");
+    assert_eq!(
+        a.map(|a| a.matched_blocks),
+        Some(5),
+        "the last token recomputed"
+    );
     d.shutdown().await;
 }

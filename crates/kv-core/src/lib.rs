@@ -12,7 +12,9 @@
 //!   token ids), pod scores and speculative entries (recorded routings not yet confirmed by
 //!   events) ([`Indexer`]): what a transport (the daemon, a gateway, a benchmark) calls;
 //! - `pick`: which candidate serves a request, from the index's prefix scores and the pods'
-//!   load, as llm-d's default profile scores them ([`pick()`]).
+//!   load, as llm-d's default profile scores them ([`pick()`]);
+//! - `membership`: which endpoints are candidates at all: the pool's Ready members whose metrics
+//!   endpoint answers ([`Membership`]).
 //!
 //! Every block in the index is keyed by a [`BlockHash`] (computed from token ids); what an
 //! engine publishes in its events is an [`EngineHash`], a key only for an aligned engine
@@ -33,6 +35,7 @@ mod hit;
 mod index;
 mod indexer;
 mod marks;
+mod membership;
 // Memory for randomly probed structures: with the run index's cells (`index::runs::cells`),
 // the only `unsafe` in kv-core.
 #[allow(unsafe_code)]
@@ -88,6 +91,9 @@ pub use pick::{
     pick, Candidate, Pick, PickError, PickSettings, PickWeights, PodMetrics, PrefixNormalisation,
     Ranked,
 };
+
+/// Which endpoints are candidates: the pool's Ready members whose metrics answer (`membership`).
+pub use membership::{Change, Membership, Probe, Standing, DEFAULT_FAILURES_TO_LEAVE};
 
 /// 64-bit mixing, the project's one PRNG and its one FNV-1a (`mix`).
 pub use mix::{fnv1a, mix64, Fnv1a, SplitMix64};
