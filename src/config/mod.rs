@@ -10,6 +10,7 @@
 mod duration;
 mod events;
 mod loud;
+mod pd;
 mod picker;
 mod settings;
 mod validate;
@@ -20,6 +21,7 @@ pub use events::{
     MAX_POD_LEN,
 };
 pub use loud::ConfigWarning;
+pub use pd::{PdConfig, RoledEndpoint, StaticEndpoint};
 pub use picker::{
     EndpointPickerConfig, PickWeightsConfig, PickerTlsConfig, PickerTlsMode, PoolRefConfig,
 };

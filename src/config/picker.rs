@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
-use super::{invalid, ConfigDuration, ConfigError, ConfigWarning};
+use super::{invalid, ConfigDuration, ConfigError, ConfigWarning, PdConfig, StaticEndpoint};
 
 /// Most fallbacks an answer lists (Envoy's `override_host` tries each in turn on retries).
 pub const MAX_FALLBACKS: usize = 16;
@@ -42,11 +42,13 @@ pub struct EndpointPickerConfig {
     /// The `InferencePool` whose Ready pods are the candidates (watched through the
     /// Kubernetes API); absent: `endpoints`, else DNS discovery, else the live publishers.
     pub pool: Option<PoolRefConfig>,
-    /// A static pool (`ip:port` each), outside Kubernetes.
-    pub endpoints: Vec<String>,
+    /// A static pool (`ip:port` each, or `{address, role}`), outside Kubernetes.
+    pub endpoints: Vec<StaticEndpoint>,
     /// Refused or timed-out metrics reads in a row that take an endpoint out of the
     /// candidates (an answer brings it back).
     pub scrape_failures_to_leave: u32,
+    /// Prefill/decode disaggregation (off by default).
+    pub pd: PdConfig,
 }
 
 /// The `InferencePool` the picker serves (`endpointPicker.pool`), as GIE's EPP takes
@@ -184,6 +186,7 @@ impl Default for EndpointPickerConfig {
             pool: None,
             endpoints: Vec::new(),
             scrape_failures_to_leave: kv_core::DEFAULT_FAILURES_TO_LEAVE,
+            pd: PdConfig::default(),
         }
     }
 }
@@ -274,18 +277,23 @@ impl EndpointPickerConfig {
             ));
         }
         for e in &self.endpoints {
-            if e.parse::<SocketAddr>().is_err() {
+            if e.address().parse::<SocketAddr>().is_err() {
                 return Err(invalid(
                     "endpointPicker.endpoints",
-                    format!("{e:?} is not ip:port (as the picker answers it)"),
+                    format!(
+                        "{:?} is not ip:port (as the picker answers it)",
+                        e.address()
+                    ),
                 ));
             }
+            e.validate()?;
         }
         Ok(())
     }
 
     /// Settings given while the picker is off: they do nothing.
     pub(super) fn warnings(&self, out: &mut Vec<ConfigWarning>) {
+        self.pd.warnings(out);
         if self.enabled {
             return;
         }
@@ -311,6 +319,7 @@ impl EndpointPickerConfig {
             ("tls", self.tls != d.tls),
             ("pool", self.pool != d.pool),
             ("endpoints", self.endpoints != d.endpoints),
+            ("pd", self.pd != d.pd),
             (
                 "scrapeFailuresToLeave",
                 self.scrape_failures_to_leave != d.scrape_failures_to_leave,

@@ -17,6 +17,7 @@ pub struct PoolMetrics {
     synced: IntGauge,
     watch_events: IntCounterVec,
     watch_errors: IntCounterVec,
+    unknown_roles: IntCounter,
 }
 
 impl PoolMetrics {
@@ -76,7 +77,18 @@ impl PoolMetrics {
                  relists)",
                 &["resource"],
             ),
+            unknown_roles: counter(
+                r,
+                "kvindexer_pool_unknown_roles_total",
+                "Pool endpoints whose llm-d.ai/role label no llm-d filter knows (each endpoint \
+                 and label counted once): neither a prefill nor a decode candidate",
+            ),
         }
+    }
+
+    /// An endpoint with an unknown role label, first seen.
+    pub fn unknown_role(&self) {
+        self.unknown_roles.inc();
     }
 
     /// The endpoints' standings now.

@@ -12,6 +12,9 @@
 //! A pod's `inference.networking.k8s.io/active-ports` annotation keeps only the ports it
 //! lists, as in GIE.
 //!
+//! Each endpoint carries its pod's `llm-d.ai/role` label as a [`kv_core::Role`] (no label:
+//! decode only; a label no llm-d filter knows: neither, and the pool says so).
+//!
 //! Invariants: a pod is Ready when its `Ready` condition is `True`, it has an IP and it is not
 //! being deleted (GIE's `IsPodReady`); the pool's members change only after a complete list
 //! (`InitDone`) or a watch event, never from a half-read list; a new selector starts a new pod
@@ -35,6 +38,7 @@ use tokio::task::JoinHandle;
 use super::{Member, Pool, PoolEndpoint};
 use crate::config::PoolRefConfig;
 use crate::warn_budget::WarnThrottle;
+use kv_core::Role;
 
 /// The InferencePool's API group.
 pub const GROUP: &str = "inference.networking.k8s.io";
@@ -137,6 +141,16 @@ pub fn members_of(spec: &PoolSpec, pod: &Pod) -> Vec<Member> {
         .and_then(|a| a.get(ACTIVE_PORTS))
         .map(|v| v.split(',').filter_map(|p| p.trim().parse().ok()).collect());
     let ready = is_ready(pod);
+    let label = pod
+        .metadata
+        .labels
+        .as_ref()
+        .and_then(|l| l.get(kv_core::ROLE_LABEL))
+        .map(String::as_str);
+    let (role, unknown_role) = match Role::from_label(label) {
+        Ok(role) => (role, None),
+        Err(e) => (Role::Neither, Some(e.0)),
+    };
     let first = join(ip, spec.target_ports[0]);
     let ranked = spec.target_ports.len() > 1;
     let name = pod.metadata.name.clone().unwrap_or_default();
@@ -150,8 +164,10 @@ pub fn members_of(spec: &PoolSpec, pod: &Pod) -> Vec<Member> {
                 pod: first.clone(),
                 rank: ranked.then_some(rank as u32),
                 name: name.clone(),
+                role,
             },
             ready,
+            unknown_role: unknown_role.clone(),
         })
         .collect()
 }
@@ -435,6 +451,29 @@ mod tests {
         assert_eq!(members.len(), 1);
         assert_eq!(members[0].endpoint.address, "[fd00::5]:8001");
         assert_eq!(members[0].endpoint.rank, Some(1));
+        assert_eq!(members[0].endpoint.role, Role::Decode, "no label: decode");
+    }
+
+    #[test]
+    fn a_pod_s_role_is_its_llm_d_role_label() {
+        let spec = PoolSpec {
+            selector: BTreeMap::new(),
+            target_ports: vec![8000],
+        };
+        let ready = json!([{"type": "Ready", "status": "True"}]);
+        let of = |label: &str| {
+            let p = pod(
+                json!({"metadata": {"name": "v", "labels": {"llm-d.ai/role": label}},
+                "status": {"podIP": "10.1.0.5", "conditions": ready}}),
+            );
+            let m = members_of(&spec, &p).remove(0);
+            (m.endpoint.role, m.unknown_role)
+        };
+        assert_eq!(of("prefill"), (Role::Prefill, None));
+        assert_eq!(of("decode"), (Role::Decode, None));
+        assert_eq!(of("both"), (Role::Both, None));
+        assert_eq!(of("encode"), (Role::Neither, None));
+        assert_eq!(of("Prefill"), (Role::Neither, Some("Prefill".into())));
     }
 
     #[test]

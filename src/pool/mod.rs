@@ -13,10 +13,16 @@
 //! Without any of them the candidates are the model's live publishers (the picker's behaviour
 //! before pools), with the same health rule.
 //!
+//! Each endpoint carries its pod's prefill/decode [`Role`] (llm-d's `llm-d.ai/role` label, read
+//! by kv-core's [`Role::from_label`]): the Kubernetes watcher reads the label, a static entry
+//! may name one, DNS answers and publishers decode only (no label).
+//!
 //! Invariants: a pick reads the [`PoolView`] published after every change, without a lock; the
 //! picker is ready only once the source has answered and lists a candidate ([`Pool::readiness`]
 //! says why not); every change of standing is logged and counted by reason; a publisher the
-//! pool does not list is never a candidate, logged once and counted.
+//! pool does not list is never a candidate, logged once and counted; an endpoint whose role
+//! label no llm-d filter knows is neither role (never picked), logged and counted once per
+//! endpoint and label.
 
 pub mod kubernetes;
 mod sources;
@@ -32,7 +38,7 @@ use tokio::task::JoinHandle;
 use crate::config::EndpointPickerConfig;
 use crate::ingest::Discovered;
 use crate::metrics::Metrics;
-use kv_core::{Change, Membership, Probe, Standing};
+use kv_core::{Change, Membership, Probe, Role, Standing};
 
 pub use sources::follow_discovery;
 
@@ -48,16 +54,20 @@ pub struct PoolEndpoint {
     pub rank: Option<u32>,
     /// The Kubernetes pod's name (empty outside Kubernetes).
     pub name: String,
+    /// What it may do in a prefill/decode split (decode, unlabelled, unless its source says).
+    pub role: Role,
 }
 
 impl PoolEndpoint {
-    /// An endpoint the index knows by its own address (one target port, a static list, DNS).
+    /// An endpoint the index knows by its own address (one target port, a static list, DNS),
+    /// decoding only (no role label).
     pub fn plain(address: String) -> Self {
         Self {
             pod: address.clone(),
             address,
             rank: None,
             name: String::new(),
+            role: Role::Decode,
         }
     }
 }
@@ -69,6 +79,9 @@ pub struct Member {
     pub endpoint: PoolEndpoint,
     /// Ready, as the source says (a static list and DNS answers list Ready endpoints only).
     pub ready: bool,
+    /// The role label no llm-d filter knows, when its pod carries one (the endpoint's role is
+    /// then [`Role::Neither`]).
+    pub unknown_role: Option<String>,
 }
 
 /// Where the pool's members come from.
@@ -124,6 +137,12 @@ struct Inner {
     absent: Option<String>,
     /// Publishers seen outside the pool (each logged and counted once).
     outside: HashSet<String>,
+    /// Endpoints seen with an unknown role label, with it (each logged and counted once).
+    unknown_roles: HashSet<(String, String)>,
+    /// Whether a prefill/decode split is configured (its pool should list a pod that
+    /// prefills), and whether the last view had one (so the warning is logged per change).
+    wants_prefill: bool,
+    had_prefill: Option<bool>,
 }
 
 /// The pool: its members, their health, and the view picks read.
@@ -160,11 +179,22 @@ impl Pool {
                 synced: kind == SourceKind::Publishers,
                 absent: None,
                 outside: HashSet::new(),
+                unknown_roles: HashSet::new(),
+                wants_prefill: false,
+                had_prefill: None,
             }),
             view: ArcSwap::default(),
             changed: tokio::sync::Notify::new(),
             metrics,
         })
+    }
+
+    /// Says a prefill/decode split is configured: a view without a candidate that prefills
+    /// is then logged (a warning, once per change), since nothing can be split.
+    pub fn want_prefill(&self) {
+        let mut inner = self.inner.lock();
+        inner.wants_prefill = true;
+        self.publish(&mut inner, &[]);
     }
 
     /// Where the members come from.
@@ -199,6 +229,7 @@ impl Pool {
 
     fn set(&self, members: Vec<Member>, absent: Option<String>) {
         let mut inner = self.inner.lock();
+        self.note_unknown_roles(&mut inner, &members);
         let changes = inner.membership.set_pool(
             members
                 .iter()
@@ -214,19 +245,37 @@ impl Pool {
         inner.synced = true;
         inner.absent = absent;
         self.metrics.pool.synced(true);
-        self.publish(&inner, &changes);
+        self.publish(&mut inner, &changes);
+    }
+
+    /// Logs and counts, once per endpoint and label, the members whose role label no llm-d
+    /// filter knows (they are neither role, so never picked).
+    fn note_unknown_roles(&self, inner: &mut Inner, members: &[Member]) {
+        for m in members {
+            let Some(label) = &m.unknown_role else {
+                continue;
+            };
+            if inner
+                .unknown_roles
+                .insert((m.endpoint.address.clone(), label.clone()))
+            {
+                let e = kv_core::UnknownRole(label.clone());
+                tracing::warn!(endpoint = %m.endpoint.address, name = %m.endpoint.name, pool = %self.description, error = %e, "endpoint picker: a pod's role label is unknown; it is neither a prefill nor a decode candidate");
+                self.metrics.pool.unknown_role();
+            }
+        }
     }
 
     /// Counts a read of `endpoint`'s metrics.
     pub fn probed(&self, endpoint: &str, probe: Probe) {
         let mut inner = self.inner.lock();
         if let Some(change) = inner.membership.probed(endpoint, probe) {
-            self.publish(&inner, &[change]);
+            self.publish(&mut inner, &[change]);
         }
     }
 
     /// Logs and counts `changes`, then publishes the view.
-    fn publish(&self, inner: &Inner, changes: &[Change]) {
+    fn publish(&self, inner: &mut Inner, changes: &[Change]) {
         for c in changes {
             self.metrics.pool.changed(c.from, c.to);
             tracing::info!(endpoint = %c.endpoint, from = c.from.label(), to = c.to.label(), pool = %self.description, "endpoint picker: an endpoint's standing changed");
@@ -243,11 +292,39 @@ impl Pool {
             count(Standing::NotReady),
             count(Standing::Unreachable),
         );
-        self.view.store(Arc::new(PoolView {
+        let view = PoolView {
             candidates,
             unreachable: m.unreachable().into_iter().collect(),
-        }));
+        };
+        self.view.store(Arc::new(view));
         self.changed.notify_waiters();
+        self.check_prefill(inner);
+    }
+
+    /// With a split configured: warns when the candidates come to have no pod that prefills
+    /// (once per change; also at start for a source that can list no role).
+    fn check_prefill(&self, inner: &mut Inner) {
+        if !inner.wants_prefill || !inner.synced {
+            return;
+        }
+        let has = self
+            .view
+            .load()
+            .candidates
+            .iter()
+            .any(|c| c.role.prefills());
+        if inner.had_prefill == Some(has) {
+            return;
+        }
+        inner.had_prefill = Some(has);
+        match has {
+            true => {
+                tracing::info!(pool = %self.description, "endpoint picker: the pool has a candidate that prefills; long prompts may be split (endpointPicker.pd)")
+            }
+            false => {
+                tracing::warn!(pool = %self.description, "endpoint picker: endpointPicker.pd.threshold is set but no candidate prefills (no pod labelled llm-d.ai/role: prefill, prefill-decode, both, encode-prefill or encode-prefill-decode): no request is split")
+            }
+        }
     }
 
     /// `Ok` when the picker can pick: always without a pool; with one, once its source has
@@ -305,7 +382,7 @@ impl Pool {
             .membership
             .forget(|e| scraped.binary_search_by(|s| (**s).cmp(e)).is_ok());
         if inner.membership.unreachable().len() != before {
-            self.publish(&inner, &[]);
+            self.publish(&mut inner, &[]);
         }
     }
 
@@ -384,6 +461,7 @@ pub async fn start(
             .map_err(PoolError::Kubernetes)?;
         let description = format!("InferencePool {namespace}/{}", pool_ref.name);
         let pool = Pool::new(SourceKind::Kubernetes, description, failures, metrics);
+        want_prefill(config, &pool);
         tracing::info!(pool = %pool.description, "endpoint picker: candidates are the pool's Ready pods (watched through the Kubernetes API)");
         let task = kubernetes::watch(client, &namespace, &pool_ref.name, pool.clone(), shutdown);
         return Ok((pool, Some(task)));
@@ -391,22 +469,30 @@ pub async fn start(
     if !config.endpoints.is_empty() {
         let description = format!("endpointPicker.endpoints ({})", config.endpoints.len());
         let pool = Pool::new(SourceKind::Static, description, failures, metrics);
+        want_prefill(config, &pool);
         pool.set_members(sources::static_members(&config.endpoints));
         return Ok((pool, None));
     }
     if let Some(discovered) = discovered {
         let description = "kvEventsConfig.discovery.services".to_owned();
         let pool = Pool::new(SourceKind::Dns, description, failures, metrics);
+        want_prefill(config, &pool);
         tracing::info!("endpoint picker: candidates are the addresses DNS discovery answers");
         let task = tokio::spawn(follow_discovery(discovered, pool.clone(), shutdown));
         return Ok((pool, Some(task)));
     }
     let description = "the model's live publishers".to_owned();
     tracing::info!("endpoint picker: no pool configured; candidates are the model's live publishers (endpointPicker.pool or endpointPicker.endpoints lists the pool)");
-    Ok((
-        Pool::new(SourceKind::Publishers, description, failures, metrics),
-        None,
-    ))
+    let pool = Pool::new(SourceKind::Publishers, description, failures, metrics);
+    want_prefill(config, &pool);
+    Ok((pool, None))
+}
+
+/// Tells `pool` a split is configured (`endpointPicker.pd.threshold` above 0).
+fn want_prefill(config: &EndpointPickerConfig, pool: &Pool) {
+    if config.pd.threshold > 0 {
+        pool.want_prefill();
+    }
 }
 
 #[cfg(test)]
@@ -417,6 +503,7 @@ mod tests {
         Member {
             endpoint: PoolEndpoint::plain(address.into()),
             ready,
+            unknown_role: None,
         }
     }
 

@@ -11,15 +11,28 @@ use std::sync::Arc;
 use tokio::sync::watch;
 
 use super::{Member, Pool, PoolEndpoint};
+use crate::config::StaticEndpoint;
 use crate::ingest::Discovered;
+use kv_core::Role;
 
-/// The static list's members, each Ready.
-pub(super) fn static_members(endpoints: &[String]) -> Vec<Member> {
+/// The static list's members, each Ready, each with its role (validated with the config: a
+/// label no llm-d filter knows is refused there, so it is neither here).
+pub(super) fn static_members(endpoints: &[StaticEndpoint]) -> Vec<Member> {
     endpoints
         .iter()
-        .map(|e| Member {
-            endpoint: PoolEndpoint::plain(e.clone()),
-            ready: true,
+        .map(|e| {
+            let (role, unknown_role) = match Role::from_label(e.role()) {
+                Ok(role) => (role, None),
+                Err(u) => (Role::Neither, Some(u.0)),
+            };
+            Member {
+                endpoint: PoolEndpoint {
+                    role,
+                    ..PoolEndpoint::plain(e.address().to_owned())
+                },
+                ready: true,
+                unknown_role,
+            }
         })
         .collect()
 }
@@ -37,6 +50,7 @@ fn discovered_members(d: &Discovered) -> Option<Vec<Member>> {
             .map(|p| Member {
                 endpoint: PoolEndpoint::plain(p.clone()),
                 ready: true,
+                unknown_role: None,
             })
             .collect(),
     )

@@ -217,6 +217,7 @@ fn pool_listing(pool: &Pool) -> Vec<kvindexer_v1::PoolEndpoint> {
             name: l.endpoint.name,
             standing: l.standing.label().to_owned(),
             failed_scrapes: l.failures,
+            role: l.endpoint.role.label().to_owned(),
         })
         .collect()
 }

@@ -282,8 +282,8 @@ async fn a_real_prometheus_sees_each_alert_and_every_dashboard_query() {
     c.endpoint_picker.enabled = true;
     c.endpoint_picker.addr = "127.0.0.1:0".into();
     c.endpoint_picker.endpoints = vec![
-        live.name.clone(),
-        format!("127.0.0.1:{}", support::redis::free_port()),
+        live.name.clone().into(),
+        format!("127.0.0.1:{}", support::redis::free_port()).into(),
     ];
     let d = daemon::start(c).await.expect("daemon starts");
     let replica = daemon::start(replica_config())

@@ -101,7 +101,7 @@ pub fn static_pool(endpoints: &[String]) -> Config {
     let defaults = Config::default().endpoint_picker;
     c.endpoint_picker.metrics_interval = defaults.metrics_interval;
     c.endpoint_picker.metrics_stale_after = defaults.metrics_stale_after;
-    c.endpoint_picker.endpoints = endpoints.to_vec();
+    c.endpoint_picker.endpoints = endpoints.iter().map(|e| e.as_str().into()).collect();
     c
 }
 
