@@ -13,6 +13,12 @@ const PREDICTION_ERROR_BUCKETS: [f64; 15] = [
     2048.0, 8192.0,
 ];
 
+/// The uncached tokens' buckets at a prefill/decode decision: from llm-d's shipped threshold
+/// (16) to a long prompt.
+const PD_UNCACHED_BUCKETS: [f64; 10] = [
+    0.0, 16.0, 64.0, 256.0, 512.0, 1024.0, 2048.0, 4096.0, 16384.0, 65536.0,
+];
+
 /// The endpoint picker's activity.
 pub struct PickerMetrics {
     picks: IntCounterVec,
@@ -26,6 +32,8 @@ pub struct PickerMetrics {
     subset_outside: IntCounter,
     predictions: IntCounterVec,
     prediction_error: Histogram,
+    pd_decisions: IntCounterVec,
+    pd_uncached: Histogram,
 }
 
 impl PickerMetrics {
@@ -109,7 +117,47 @@ impl PickerMetrics {
                 r.register(Box::new(h.clone())).expect("unique metric");
                 h
             },
+            pd_decisions: counter_vec(
+                r,
+                "kvindexer_picker_pd_decisions_total",
+                "Picks by prefill/decode decision (split: a prefill pod named in \
+                 x-prefiller-host-port; whole: decode pod alone) and reason: uncached (split), \
+                 disabled (endpointPicker.pd.threshold 0), short_prompt, cached (fewer uncached \
+                 tokens than the threshold on the decode pod), unscored (no prefix scored), \
+                 no_prefill_candidate, prefill_is_decode (the best prefill pod is the decode pod)",
+                &["decision", "reason"],
+            ),
+            pd_uncached: {
+                let h = Histogram::with_opts(
+                    HistogramOpts::new(
+                        "kvindexer_picker_pd_uncached_tokens",
+                        "Prompt tokens the chosen decode pod is predicted not to reuse, at each \
+                         prefill/decode decision (endpointPicker.pd.threshold above 0, prefix \
+                         scored)",
+                    )
+                    .buckets(PD_UNCACHED_BUCKETS.to_vec()),
+                )
+                .expect("valid histogram");
+                r.register(Box::new(h.clone())).expect("unique metric");
+                h
+            },
         }
+    }
+
+    /// A pick's prefill/decode decision.
+    pub fn pd_decision(&self, split: bool, reason: &str) {
+        let decision = match split {
+            true => "split",
+            false => "whole",
+        };
+        self.pd_decisions
+            .with_label_values(&[decision, reason])
+            .inc();
+    }
+
+    /// The uncached tokens a prefill/decode decision was taken on.
+    pub fn pd_uncached(&self, tokens: u32) {
+        self.pd_uncached.observe(f64::from(tokens));
     }
 
     /// One request's outcome (and, for a pick, how long it took).

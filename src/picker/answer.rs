@@ -9,6 +9,7 @@
 use std::borrow::Cow;
 use std::collections::HashMap;
 
+use envoy_types::pb::envoy::config::core::v3::header_value_option::HeaderAppendAction;
 use envoy_types::pb::envoy::config::core::v3::{HeaderValue, HeaderValueOption, Metadata};
 use envoy_types::pb::envoy::r#type::v3::{HttpStatus, StatusCode};
 use envoy_types::pb::envoy::service::ext_proc::v3::{
@@ -18,6 +19,7 @@ use envoy_types::pb::envoy::service::ext_proc::v3::{
 use envoy_types::pb::google::protobuf::{value::Kind, Struct, Value};
 
 use super::choose::Decision;
+use super::split::PREFILLER_HEADER;
 
 /// The pick's header and metadata key.
 pub const DESTINATION: &str = "x-gateway-destination-endpoint";
@@ -53,7 +55,8 @@ fn string_value(s: &str) -> Value {
 }
 
 /// The pick as a header mutation and as `envoy.lb` dynamic metadata (the same value: the
-/// endpoint, then its fallbacks when configured, comma-separated). `content_length`: the
+/// endpoint, then its fallbacks when configured, comma-separated), with the prefill pod in
+/// `x-prefiller-host-port` when the prefill is split off (else that header removed). `content_length`: the
 /// request body's length, set back as GIE's EPP does (Envoy drops the header when it streams
 /// the body through a processor).
 pub fn pick_parts(d: &Decision, content_length: Option<usize>) -> (CommonResponse, Struct) {
@@ -65,10 +68,20 @@ pub fn pick_parts(d: &Decision, content_length: Option<usize>) -> (CommonRespons
     if let Some(len) = content_length {
         set_headers.push(header("content-length", &len.to_string()));
     }
+    // The prefill pod replaces whatever a client sent; without one, a client's header is
+    // removed, so no client chooses a prefiller.
+    let mut remove_headers = Vec::new();
+    match &d.prefiller {
+        Some(p) => set_headers.push(HeaderValueOption {
+            append_action: HeaderAppendAction::OverwriteIfExistsOrAdd as i32,
+            ..header(PREFILLER_HEADER, p)
+        }),
+        None => remove_headers.push(PREFILLER_HEADER.to_owned()),
+    }
     let common = CommonResponse {
         header_mutation: Some(HeaderMutation {
             set_headers,
-            ..Default::default()
+            remove_headers,
         }),
         clear_route_cache: true,
         ..Default::default()
@@ -247,6 +260,7 @@ mod tests {
             with_prefix: true,
             record: None,
             predicted_tokens: Vec::new(),
+            prefiller: None,
         };
         let (common, metadata) = pick_parts(&d, Some(1234));
         let headers = common

@@ -4,6 +4,9 @@
 //! their load from the scraper, kv-core's [`pick`](kv_core::pick()), and the pick recorded as
 //! a speculative entry.
 //!
+//! With prefill/decode roles in the pool the pick is among the candidates that decode, and
+//! `split` decides whether a prefill pod is named too (`endpointPicker.pd`).
+//!
 //! Invariants: an outcome is exactly one of [`Outcome`]'s kinds, each counted by the caller;
 //! a subset hint only narrows the pool (an endpoint it names that the pool does not hold is
 //! never picked; nothing left is 503); a request scoring finds malformed is the client's error
@@ -11,6 +14,7 @@
 //! (a tokenizer that cannot load, a deadline) still picks, on load alone, counted as
 //! `picked_without_prefix`.
 
+use std::borrow::Cow;
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -24,7 +28,7 @@ use crate::metrics::Metrics;
 use crate::pool::{Pool, PoolEndpoint};
 use crate::scoring::routing::RoutingRecord;
 use crate::scoring::{ScoreRequest, Scores, Scoring, ScoringError};
-use kv_core::{mix64, Candidate, Indexer, PickSettings, SplitMix64};
+use kv_core::{mix64, Candidate, Indexer, PickSettings, Role, SplitMix64, SplitRule};
 
 /// How long scoring one request may take (tokenizing an 8,000-token chat included).
 const SCORE_DEADLINE: Duration = Duration::from_secs(5);
@@ -46,6 +50,8 @@ pub struct Decision {
     /// The prompt tokens the engine is predicted to reuse on each of `endpoints` (same order;
     /// empty when the prefix was not scored).
     pub predicted_tokens: Vec<u32>,
+    /// The prefill pod's `ip:port` when the prefill is split off (`x-prefiller-host-port`).
+    pub prefiller: Option<String>,
 }
 
 impl Decision {
@@ -86,6 +92,8 @@ pub struct Chooser {
     /// (no lock shared by concurrent picks).
     pub(super) picks: AtomicU64,
     pub(super) seed: u64,
+    /// When a prefill is split off (`endpointPicker.pd`).
+    pub(super) pd: SplitRule,
 }
 
 /// The address of an `ip:port` endpoint (`[v6]:port` included), the whole string without a
@@ -99,15 +107,20 @@ fn host_of(endpoint: &str) -> &str {
     }
 }
 
+/// An endpoint's prefix score, rank and matched blocks.
+pub(super) type Scored = (f64, Option<u32>, u32);
+
 /// The prefix scores of one request: per pod, its score, best rank and matched blocks; per
 /// pod, each rank's (for data-parallel endpoints).
 #[derive(Default)]
-struct Prefix {
+pub(super) struct Prefix {
     by_pod: HashMap<String, (f64, Option<u32>, u32)>,
     by_rank: HashMap<String, Vec<(u32, f64, u32)>>,
     prompt_key: Vec<u8>,
-    block_size: u32,
-    scored: bool,
+    pub(super) block_size: u32,
+    pub(super) scored: bool,
+    /// The prompt's tokens, as the engine sees them.
+    pub(super) prompt_tokens: u32,
 }
 
 impl Prefix {
@@ -132,13 +145,14 @@ impl Prefix {
             prompt_key: scores.prompt_key,
             block_size: u32::try_from(scores.block_size).unwrap_or(u32::MAX),
             scored: true,
+            prompt_tokens: result.prompt_tokens,
         }
     }
 
     /// An endpoint's score, rank and matched blocks: its pod's (best rank), or for a
     /// data-parallel endpoint its rank's (the pod's best when that is its rank, which covers
     /// recorded routings; else the rank's own blocks).
-    fn of_endpoint(&self, e: &PoolEndpoint) -> (f64, Option<u32>, u32) {
+    pub(super) fn of_endpoint(&self, e: &PoolEndpoint) -> (f64, Option<u32>, u32) {
         let pod = self.by_pod.get(&e.pod).copied();
         let Some(k) = e.rank else {
             return pod.unwrap_or_default();
@@ -327,10 +341,14 @@ impl Chooser {
         self.decide(&model, &candidates, prefix)
     }
 
-    /// kv-core's pick over the candidates with their prefix and load; the pick recorded.
-    fn decide(&self, model: &str, candidates: &[PoolEndpoint], prefix: Prefix) -> Outcome {
-        let scored: Vec<(f64, Option<u32>, u32)> =
-            candidates.iter().map(|c| prefix.of_endpoint(c)).collect();
+    /// kv-core's pick over `candidates` with their prefix and load: the candidates' indices,
+    /// best first, and each candidate's score, rank and matched blocks.
+    pub(super) fn rank(
+        &self,
+        candidates: &[PoolEndpoint],
+        prefix: &Prefix,
+    ) -> Result<(Vec<usize>, Vec<Scored>), String> {
+        let scored: Vec<Scored> = candidates.iter().map(|c| prefix.of_endpoint(c)).collect();
         let list: Vec<Candidate> = candidates
             .iter()
             .zip(&scored)
@@ -343,20 +361,40 @@ impl Chooser {
             .collect();
         let n = self.picks.fetch_add(1, Ordering::Relaxed);
         let mut rng = SplitMix64::new(mix64(self.seed ^ n));
-        let pick = match kv_core::pick(&list, &self.settings, &mut rng) {
-            Ok(p) => p,
-            Err(e) => return Outcome::NoCandidates(e.to_string()),
-        };
+        let pick = kv_core::pick(&list, &self.settings, &mut rng).map_err(|e| e.to_string())?;
         self.metrics
             .picker
             .metrics_unusable(pick.stale, pick.missing);
-        let chosen: Vec<usize> = pick
-            .order
-            .iter()
-            .take(1 + self.fallbacks)
-            .map(|r| r.candidate)
-            .collect();
-        let predicted_tokens = match prefix.scored {
+        Ok((pick.order.iter().map(|r| r.candidate).collect(), scored))
+    }
+
+    /// The decode pick among the candidates that decode (all of them in a pool without P/D
+    /// roles), then the prefill pod when the prefill is split off; the picks recorded.
+    fn decide(&self, model: &str, candidates: &[PoolEndpoint], prefix: Prefix) -> Outcome {
+        let decoders: Cow<[PoolEndpoint]> = match candidates.iter().all(|c| c.role == Role::Decode)
+        {
+            true => Cow::Borrowed(candidates),
+            false => Cow::Owned(
+                candidates
+                    .iter()
+                    .filter(|c| c.role.decodes())
+                    .cloned()
+                    .collect(),
+            ),
+        };
+        if decoders.is_empty() {
+            return Outcome::NoCandidates(
+                "no candidate decodes (each one's llm-d.ai/role is prefill, encode, encode-prefill \
+                 or unknown)"
+                    .into(),
+            );
+        }
+        let (order, scored) = match self.rank(&decoders, &prefix) {
+            Ok(r) => r,
+            Err(e) => return Outcome::NoCandidates(e),
+        };
+        let chosen: Vec<usize> = order.into_iter().take(1 + self.fallbacks).collect();
+        let predicted_tokens: Vec<u32> = match prefix.scored {
             true => chosen
                 .iter()
                 .map(|&i| scored[i].2.saturating_mul(prefix.block_size))
@@ -364,23 +402,35 @@ impl Chooser {
             false => Vec::new(),
         };
         let rank = chosen.first().and_then(|&i| scored[i].1);
+        let prefill = chosen.first().and_then(|&i| {
+            self.split(
+                candidates,
+                &prefix,
+                &decoders[i],
+                predicted_tokens.first().copied(),
+            )
+        });
         let record = (!prefix.prompt_key.is_empty()).then(|| (model.to_owned(), prefix.prompt_key));
         if let (Some((model, key)), Some(&first)) = (&record, chosen.first()) {
-            self.record(model, &candidates[first].pod, rank, key);
+            self.record(model, &decoders[first].pod, rank, key);
+            if let Some(p) = &prefill {
+                self.record(model, &p.endpoint.pod, p.rank, key);
+            }
         }
         Outcome::Picked(Decision {
             endpoints: chosen
                 .iter()
-                .map(|&i| candidates[i].address.clone())
+                .map(|&i| decoders[i].address.clone())
                 .collect(),
             targets: chosen
                 .iter()
-                .map(|&i| (candidates[i].pod.clone(), scored[i].1))
+                .map(|&i| (decoders[i].pod.clone(), scored[i].1))
                 .collect(),
             rank,
             with_prefix: prefix.scored,
             record,
             predicted_tokens,
+            prefiller: prefill.map(|p| p.header),
         })
     }
 

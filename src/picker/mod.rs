@@ -7,6 +7,7 @@
 //! - `choose`: candidates, prefix scores (the daemon's scoring), load, kv-core's pick, the
 //!   routing record;
 //! - `scrape`: each pod's Prometheus endpoint read on a short interval;
+//! - `split`: prefill/decode disaggregation (whether to name a prefill pod, and which);
 //! - `extproc`: the ext_proc stream's request side (body modes, the pick, immediate
 //!   responses); `response`: its response side (served endpoint, bodies back, `usage` held
 //!   against the prediction, read by `usage`); `answer`: the messages both build.
@@ -24,6 +25,7 @@ mod choose;
 mod extproc;
 mod response;
 mod scrape;
+mod split;
 pub mod usage;
 
 use std::net::SocketAddr;
@@ -146,6 +148,7 @@ pub async fn start(
         adapters,
         picks: Default::default(),
         seed,
+        pd: cfg.pd.rule(),
     });
     let mut tasks: Vec<JoinHandle<()>> = setup.pool_task.into_iter().collect();
     let lister = chooser.clone();

@@ -295,9 +295,16 @@ impl Envoy {
 
     /// POSTs `body` (JSON, with its Content-Length) to `path` through Envoy.
     pub async fn post(&self, path: &str, body: &[u8]) -> Reply {
-        let r = self
-            .http
-            .post(self.url(path))
+        self.post_with(path, body, &[]).await
+    }
+
+    /// [`Envoy::post`] with the client's `headers` too.
+    pub async fn post_with(&self, path: &str, body: &[u8], headers: &[(&str, &str)]) -> Reply {
+        let mut request = self.http.post(self.url(path));
+        for (k, v) in headers {
+            request = request.header(*k, *v);
+        }
+        let r = request
             .header("content-type", "application/json")
             .body(body.to_vec())
             .send()

@@ -289,6 +289,22 @@ pub fn headers(
     }
 }
 
+/// [`headers`] (no body mode, no hint) with `extra` headers a client sent.
+pub fn headers_with(path: &str, extra: &[(&str, &str)]) -> ProcessingRequest {
+    let mut m = headers(path, None, None, false);
+    if let Some(processing_request::Request::RequestHeaders(h)) = m.request.as_mut() {
+        let map = h.headers.get_or_insert_default();
+        for (k, v) in extra {
+            map.headers.push(HeaderValue {
+                key: (*k).into(),
+                raw_value: v.as_bytes().to_vec(),
+                ..Default::default()
+            });
+        }
+    }
+    m
+}
+
 /// `body` as request-body messages of at most `chunk` bytes, the last one ending the stream.
 pub fn body(body: &[u8], chunk: usize) -> Vec<ProcessingRequest> {
     let parts: Vec<&[u8]> = body.chunks(chunk.max(1)).collect();
@@ -354,6 +370,11 @@ pub struct Answer {
     pub streamed_end: bool,
     /// Kinds of answers, in order (`headers`, `body`, `immediate`, `response_headers`, ...).
     pub kinds: Vec<&'static str>,
+    /// `x-prefiller-host-port` set, and whether it overwrites a client's (append action
+    /// `OVERWRITE_IF_EXISTS_OR_ADD`).
+    pub prefiller: Option<(String, bool)>,
+    /// Headers the answer removes.
+    pub removed: Vec<String>,
 }
 
 fn read_common(a: &mut Answer, c: &CommonResponse) {
@@ -367,9 +388,22 @@ fn read_common(a: &mut Answer, c: &CommonResponse) {
         match h.key.as_str() {
             "x-gateway-destination-endpoint" => a.header = Some(v),
             "x-data-parallel-rank" => a.rank = Some(v),
+            "x-prefiller-host-port" => a.prefiller = Some((v, false)),
             _ => {}
         }
     }
+    for o in c.header_mutation.iter().flat_map(|m| &m.set_headers) {
+        let key = o.header.as_ref().map(|h| h.key.as_str());
+        if let (Some("x-prefiller-host-port"), Some(p)) = (key, a.prefiller.as_mut()) {
+            // OVERWRITE_IF_EXISTS_OR_ADD: a client's value is replaced, not appended to.
+            p.1 = o.append_action == 2;
+        }
+    }
+    a.removed.extend(
+        c.header_mutation
+            .iter()
+            .flat_map(|m| m.remove_headers.iter().cloned()),
+    );
     if let Some(body_mutation::Mutation::StreamedResponse(s)) =
         c.body_mutation.as_ref().and_then(|b| b.mutation.as_ref())
     {

@@ -32,6 +32,19 @@ pub struct Received {
     pub body: Vec<u8>,
     /// The body the pod answered with, whole (every event of a stream).
     pub answered: Vec<u8>,
+    /// Every header line received (names lower-cased), in order.
+    pub headers: Vec<(String, String)>,
+}
+
+impl Received {
+    /// Every value of the header `name` (lower case), one per header line.
+    pub fn values(&self, name: &str) -> Vec<String> {
+        self.headers
+            .iter()
+            .filter(|(k, _)| k == name)
+            .map(|(_, v)| v.clone())
+            .collect()
+    }
 }
 
 /// Whether a pod serves.
@@ -310,6 +323,7 @@ async fn answer(state: &PodState, s: &mut TcpStream, head: &Head, body: Vec<u8>)
         transfer_encoding: head.get("transfer-encoding").map(str::to_owned),
         body,
         answered: parts.concat(),
+        headers: head.headers.clone(),
     });
     write_answer(state, s, request["stream"] == true, &parts).await
 }
