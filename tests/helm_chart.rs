@@ -595,6 +595,7 @@ fn the_endpoint_picker_port_and_configuration_appear_only_when_enabled() {
             "maxInFlight": 1024,
             "fallbacks": 0,
             "scrapeFailuresToLeave": 3,
+            "pd": {"threshold": 0, "minPromptTokens": 0},
             "tls": {"mode": "selfSigned"},
         }))
     );
@@ -659,6 +660,7 @@ fn the_endpoint_picker_port_and_configuration_appear_only_when_enabled() {
         "maxInFlight": 8,
         "fallbacks": 2,
         "tls": "plaintext",
+        "pd": {"threshold": 16, "minPromptTokens": 64},
     }})));
     assert_eq!(
         picker_section(&by_kind),
@@ -673,6 +675,7 @@ fn the_endpoint_picker_port_and_configuration_appear_only_when_enabled() {
             "maxInFlight": 8,
             "fallbacks": 2,
             "scrapeFailuresToLeave": 3,
+            "pd": {"threshold": 16, "minPromptTokens": 64},
             "tls": {"mode": "plaintext"},
         }))
     );
@@ -817,6 +820,17 @@ fn a_pool_gets_namespace_scoped_rbac_and_its_values() {
         "enabled": true, "endpoints": ["10.0.0.1:8000", "10.0.0.2:8000"]}})));
     assert_eq!(embedded_config(&by_kind).endpoint_picker.endpoints.len(), 2);
     assert!(!by_kind.contains_key("Role"));
+    // Prefill/decode: the split's values, and a static entry's role.
+    let by_kind = check_types(&render(json!({"endpointPicker": {
+        "enabled": true, "pd": {"threshold": 16, "minPromptTokens": 64},
+        "endpoints": ["10.0.0.1:8000", {"address": "10.0.0.2:8000", "role": "prefill"}]}})));
+    let picker = embedded_config(&by_kind).endpoint_picker;
+    assert_eq!((picker.pd.threshold, picker.pd.min_prompt_tokens), (16, 64));
+    assert_eq!(picker.endpoints[1].role(), Some("prefill"));
+    let off = embedded_config(&check_types(&render(
+        json!({"endpointPicker": {"enabled": true}}),
+    )));
+    assert_eq!(off.endpoint_picker.pd.threshold, 0, "off by default");
     let why = refusal(json!({"endpointPicker": {
         "enabled": true, "pool": {"name": "p"}, "endpoints": ["10.0.0.1:8000"]}}));
     assert!(why.contains("not both"), "{why}");
