@@ -259,7 +259,7 @@ impl Indexer {
                 match event {
                     KvEvent::BlockStored(s) => {
                         let blocks = s.block_hashes.len() as u64;
-                        match lookahead::admit(state, s) {
+                        match lookahead::admit(&state.lookahead, s) {
                             Admission::Indexed(learned) => {
                                 report.lookahead_learned = learned.or(report.lookahead_learned);
                             }
@@ -294,7 +294,7 @@ impl Indexer {
                                     engine,
                                     (group, engine_groups.seen()),
                                     s,
-                                    state,
+                                    state.hashing(),
                                     &self.budget,
                                     scratch,
                                     &mut report.translation,
