@@ -71,7 +71,9 @@ pub use index::{
 };
 
 /// The reference every index structure is checked against, and the differential harness
-/// that checks it (kv-core's tests, kv-lab's baseline).
+/// that checks it (feature `testing`: kv-core's tests, kv-lab's reference backend, the
+/// benchmarks).
+#[cfg(feature = "testing")]
 pub use index::{harness, reference::ReferenceIndex};
 
 /// The facade transports call (`indexer`).
