@@ -274,11 +274,6 @@ const FUNCTIONS_STILL_LONG: &[(&str, &str)] = &[
     ("src/picker/mod.rs", "start"),
     ("src/replication/snapshot/mod.rs", "next_item"),
     ("src/replication/appender.rs", "run"),
-    ("crates/kv-core/src/indexer/score.rs", "score_pods"),
-    ("crates/kv-core/src/indexer/apply.rs", "apply_to"),
-    ("crates/kv-core/src/index/runs/surgery.rs", "recolor"),
-    ("crates/kv-core/src/index/runs/read.rs", "score"),
-    ("crates/kv-core/src/index/runs/write.rs", "store_each"),
     ("crates/kv-lab/src/simulate/mod.rs", "run"),
 ];
 
