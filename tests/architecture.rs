@@ -268,12 +268,7 @@ const FUNCTIONS_STILL_LONG: &[(&str, &str)] = &[
     ("src/server/admin.rs", "list_pods"),
     ("src/daemon.rs", "start"),
     ("src/config/validate.rs", "validate"),
-    ("src/config/loud.rs", "warnings"),
-    ("src/metrics/ingest.rs", "new"),
-    ("src/ingest/mod.rs", "start_here"),
     ("src/picker/mod.rs", "start"),
-    ("src/replication/snapshot/mod.rs", "next_item"),
-    ("src/replication/appender.rs", "run"),
     ("crates/kv-lab/src/simulate/mod.rs", "run"),
 ];
 
