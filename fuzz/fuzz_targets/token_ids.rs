@@ -7,9 +7,10 @@
 //! Input layout: byte 0 is the chunk size of the split buffer (1-256), the rest the message.
 #![no_main]
 
+use kv_proto::token_ids::chunked::Chunked;
 use kv_proto::token_ids::TokenIds;
 use libfuzzer_sys::fuzz_target;
-use prost::bytes::{Buf, Bytes};
+use prost::bytes::Bytes;
 use prost::Message;
 
 /// `message TokenIds { repeated uint32 ids = 1; }` as prost generates it: the reference.
@@ -17,24 +18,6 @@ use prost::Message;
 struct Reference {
     #[prost(uint32, repeated, tag = "1")]
     ids: Vec<u32>,
-}
-
-/// A `Buf` handing out at most `step` bytes per chunk.
-struct Chunked {
-    bytes: Bytes,
-    step: usize,
-}
-
-impl Buf for Chunked {
-    fn remaining(&self) -> usize {
-        self.bytes.len()
-    }
-    fn chunk(&self) -> &[u8] {
-        &self.bytes[..self.step.min(self.bytes.len())]
-    }
-    fn advance(&mut self, n: usize) {
-        self.bytes.advance(n);
-    }
 }
 
 fuzz_target!(|data: &[u8]| {
