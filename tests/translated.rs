@@ -4,7 +4,9 @@
 //!
 //! - a replica killed with SIGKILL and started again (snapshot load, then the log) scores a
 //!   translated pod as the replica that heard it does, and a later removal by engine hash
-//!   reaches both;
+//!   reaches both. That the restart loaded a snapshot is asserted: it counts a snapshot
+//!   loaded and applies no log entry before it scores the pod, where the same replica's first
+//!   start (before the stores) got them from the log (the check's negative control);
 //! - a replica started after the events (the log alone, no snapshot yet) does the same.
 //!
 //! Without `redis-server` on PATH these tests say they were skipped (and fail under CI=true).
@@ -48,6 +50,21 @@ async fn scores(replica: &Process, tokens: &[u32], pod: &str, want: u32, within:
         );
         tokio::time::sleep(Duration::from_millis(25)).await;
     }
+}
+
+/// How `replica` came by what it holds: the snapshots it loaded, and the log entries (other
+/// replicas' messages) it applied.
+async fn restored_from(replica: &Process) -> (f64, f64) {
+    let page = replica.metrics_text().await;
+    let loaded = support::metric(
+        &page,
+        "kvindexer_replication_snapshots_total{operation=\"load\",result=\"ok\"}",
+    );
+    let applied = support::metric(
+        &page,
+        "kvindexer_replication_log_entries_total{outcome=\"applied\"}",
+    );
+    (loaded, applied)
 }
 
 /// (key mode, blocks, translated blocks) of `pod` on `replica`.
@@ -169,9 +186,21 @@ async fn a_sigkilled_replica_scores_translated_pods_as_the_replica_that_heard_th
     let pod = t.pod;
     let before = listed(&b, pod).await.expect("listed on B");
     assert_eq!(before.0, "translated", "{before:?}");
+    // The negative control of the check below: started before the stores, B got them from
+    // the log (a replica rebuilt from the log alone looks like this).
+    let (_, from_log) = restored_from(&b).await;
+    assert!(from_log >= 2.0, "B applied the two stores from the log: {from_log}");
     b.kill();
     b = t.start_b().await;
     scores(&b, &t.s.tokens, pod, held, Duration::from_secs(10)).await;
+    // The restart loaded a snapshot that held the stores: no log entry was applied to get
+    // them back.
+    let (loaded, from_log) = restored_from(&b).await;
+    assert!(loaded >= 1.0, "the restarted replica loaded a snapshot: {loaded}");
+    assert_eq!(
+        from_log, 0.0,
+        "the restarted replica rebuilt the pod from the snapshot, not the log"
+    );
     assert_eq!(
         listed(&b, pod).await,
         Some(before.clone()),
