@@ -33,8 +33,8 @@ const CHANGES: usize = 4096;
 
 /// Ids past a block a walk jumps to whose slots it prefetches before reading the block's run:
 /// the stretch it compares next (24 lines), fetched while the run slot, a dependent miss, is
-/// read. 96 and 256 ids gave the same query p99 (docs/benchmarks.md, "Where the 16-pod query
-/// p99 goes").
+/// read. 96 and 256 ids gave the same query p99 (docs/benchmarks-history.md, "Where the
+/// 16-pod query p99 goes").
 const STRETCH_AHEAD: usize = 192;
 
 /// Spins before a reader waiting for a write to end yields its thread (the writer may have
