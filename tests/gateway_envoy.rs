@@ -6,7 +6,8 @@
 //! `tests/fixtures/envoy/` (GIE's TLS to the picker; Istio's override_host balancer with
 //! retries). `tests/endpoint_picker.rs` drives the same protocol message by message. Without
 //! Envoy the tests say `SKIPPED` (under `CI=true` they fail). Each case and its negative control:
-//! - GIE's configuration, h2c and TLS: the prefix holder serves; prompts nobody holds spread
+//! - GIE's configuration, h2c and TLS (the picker's certificate from files, or self-signed as
+//!   the Helm chart serves it): the prefix holder serves; prompts nobody holds spread
 //!   over the pods (`gie_e2e_config_over_*`); the h2c configuration against a TLS picker routes
 //!   nothing (`a_plaintext_gateway_gets_nothing_from_a_tls_picker`);
 //! - a chat (the tiny tokenizer, the daemon's chat template) lands on the pod holding its
@@ -120,6 +121,18 @@ async fn gie_e2e_config_over_tls_routes_to_the_prefix_holder() {
         return;
     }
     let Some(gw) = Gateway::start(3, tls_config(&dir), GIE_TLS).await else {
+        return;
+    };
+    the_holder_serves(gw).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gie_e2e_config_over_tls_to_a_self_signed_picker_routes_to_the_prefix_holder() {
+    // The Helm chart's default: the picker's own certificate, which GIE's gateway does not
+    // verify (as GIE's EPP serves by default).
+    let mut c = support::picker::config(None);
+    c.endpoint_picker.tls.mode = kv_indexer::config::PickerTlsMode::SelfSigned;
+    let Some(gw) = Gateway::start(3, c, GIE_TLS).await else {
         return;
     };
     the_holder_serves(gw).await;

@@ -267,12 +267,15 @@ impl TokenizerService {
         deadline: Instant,
     ) -> Result<Tokenized, TokenizeError> {
         let tokenizer = self.tokenizer(model).await?;
+        let scope = prefix::scope(model, "prompt");
+        if let Some(stored) = self.stored(scope, &text) {
+            return Ok(stored);
+        }
         let store = self.store.clone();
         let observer = self.observer.clone();
-        let scope = prefix::scope(model, "prompt");
         self.lane(text.len())
             .run(deadline, move || {
-                tokenize_with_store(&store, &*observer, scope, &text, |t| {
+                tokenize_and_store(&store, &*observer, scope, &text, |t| {
                     tokenizer.encode_prompt(t)
                 })
             })
@@ -283,7 +286,9 @@ impl TokenizerService {
             })
     }
 
-    /// Renders and tokenizes a chat (as vLLM's chat endpoint).
+    /// Renders and tokenizes a chat (as vLLM's chat endpoint). A chat of at most
+    /// [`INLINE_RENDER_BYTES`] is rendered, and looked up in the prefix store, on the caller's
+    /// thread; only a miss goes to a tokenizer thread.
     pub async fn encode_chat(
         &self,
         model: &str,
@@ -291,26 +296,65 @@ impl TokenizerService {
         deadline: Instant,
     ) -> Result<Tokenized, TokenizeError> {
         let tokenizer = self.tokenizer(model).await?;
+        let scope = prefix::scope(model, "chat");
+        let bytes = chat.text_bytes();
+        let rendered = match bytes <= INLINE_RENDER_BYTES {
+            true => {
+                let text = tokenizer.render_chat(&chat).map_err(TokenizeError::Chat)?;
+                if let Some(mut stored) = self.stored(scope, &text) {
+                    chat.trim_cut(&mut stored.ids);
+                    return Ok(stored);
+                }
+                Some(text)
+            }
+            false => None,
+        };
         let store = self.store.clone();
         let observer = self.observer.clone();
-        let scope = prefix::scope(model, "chat");
-        self.lane(chat.text_bytes())
+        self.lane(bytes)
             .run(deadline, move || {
-                let text = tokenizer.render_chat(&chat)?;
-                let mut tokens = tokenize_with_store(&store, &*observer, scope, &text, |t| {
-                    tokenizer.encode(t, false)
-                })
-                .map_err(ChatError::Template)?;
+                let text = match rendered {
+                    Some(text) => text,
+                    None => tokenizer.render_chat(&chat)?,
+                };
+                let tokenize = |t: &str| tokenizer.encode(t, false);
+                let mut tokens = match store.lookup(scope, &text) {
+                    Some(ids) => stored_tokens(&*observer, ids),
+                    None => tokenize_and_store(&store, &*observer, scope, &text, tokenize)
+                        .map_err(ChatError::Template)?,
+                };
                 chat.trim_cut(&mut tokens.ids);
                 Ok(tokens)
             })
             .await?
             .map_err(TokenizeError::Chat)
     }
+
+    /// The prompt's tokens when the prefix store covers it, looked up on the caller's thread:
+    /// a hit costs the lookup alone, not a hand-off to a tokenizer thread (which, on busy
+    /// cores, waits longer than the lookup takes).
+    fn stored(&self, scope: u64, text: &str) -> Option<Tokenized> {
+        let ids = self.store.lookup(scope, text)?;
+        Some(stored_tokens(&*self.observer, ids))
+    }
 }
 
-/// Looks the prompt up in the prefix store; on a miss, tokenizes it and stores its blocks.
-fn tokenize_with_store(
+/// Chats of at most this many bytes of text are rendered on the caller's thread (tens of
+/// microseconds), so a prefix-store hit needs no tokenizer thread.
+pub const INLINE_RENDER_BYTES: usize = 256 << 10;
+
+/// Tokens the prefix store returned, reported as a hit.
+fn stored_tokens(observer: &dyn TokenizeObserver, ids: Vec<u32>) -> Tokenized {
+    observer.prefix_lookup(true);
+    observer.tokenized(ids.len(), None);
+    Tokenized {
+        ids,
+        from_prefix_store: true,
+    }
+}
+
+/// Tokenizes a prompt the prefix store missed (counted as a miss) and stores its blocks.
+fn tokenize_and_store(
     store: &PrefixStore,
     observer: &dyn TokenizeObserver,
     scope: u64,
@@ -318,14 +362,6 @@ fn tokenize_with_store(
     encode: impl FnOnce(&str) -> Result<model::Encoded, String>,
 ) -> Result<Tokenized, String> {
     let started = Instant::now();
-    if let Some(ids) = store.lookup(scope, text) {
-        observer.prefix_lookup(true);
-        observer.tokenized(ids.len(), None);
-        return Ok(Tokenized {
-            ids,
-            from_prefix_store: true,
-        });
-    }
     observer.prefix_lookup(false);
     let encoded = encode(text)?;
     store.insert(scope, text, &encoded.ids, &encoded.offsets);
