@@ -1,7 +1,7 @@
 //! The hand-written `TokenIds` against prost's own derive of the same message: the same bytes
 //! out, the same ids (or an error) back, from one slice or from a buffer split anywhere.
 
-use prost::bytes::{Buf, Bytes};
+use prost::bytes::Bytes;
 use prost::Message;
 
 use super::chunked::Chunked;
