@@ -20,9 +20,7 @@ pub use events::{
     MAX_POD_LEN,
 };
 pub use loud::ConfigWarning;
-pub use picker::{
-    EndpointPickerConfig, PickWeightsConfig, PickerTlsConfig, PickerTlsMode, PoolRefConfig,
-};
+pub use picker::{EndpointPickerConfig, PickerTlsConfig, PickerTlsMode, PoolRefConfig};
 
 use std::collections::BTreeMap;
 use std::path::Path;

@@ -93,8 +93,8 @@ pub use indexer::{
 
 /// The endpoint pick: llm-d's default scoring profile over candidates, I/O-free (`pick`).
 pub use pick::{
-    pick, Candidate, Pick, PickError, PickSettings, PickWeights, PodMetrics, PrefixNormalisation,
-    Ranked,
+    pick, scorer_index, Candidate, Pick, PickError, PickSettings, PickWeights, PodMetrics,
+    PrefixNormalisation, Ranked, Scorer, ScorerInput, SCORERS, SCORER_COUNT,
 };
 
 /// Which endpoints are candidates: the pool's Ready members whose metrics answer (`membership`).

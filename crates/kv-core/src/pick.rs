@@ -2,16 +2,23 @@
 //! scheduling profile scores them, with no I/O (the daemon's ext_proc endpoint picker and the
 //! lab's simulator call the same function).
 //!
-//! Three scorers, each giving every candidate a value in `[0, 1]`, summed with weights
-//! ([`PickWeights`], 3:2:2 by default, as llm-d's default profile):
-//! - prefix: the index's prefix score ([`Candidate::prefix_score`]), min-max normalised over the
-//!   candidates (the best holder 1, the worst 0; all equal: 1 when they hold something, else 0),
-//!   or, with [`PrefixNormalisation::AsGiven`], taken as a value already in `[0, 1]` (the lab's
-//!   model of the gateway's approximate scorer, whose prefix value is a share of the prompt);
-//! - queue (llm-d's `queue-scorer`): `(max - q) / (max - min)` over the candidates' waiting
+//! The scorers are one list, [`SCORERS`]: each has its name (the key of its weight in the
+//! config, `endpointPicker.weights`, and its place in the lab's `--weights`), its default
+//! weight (llm-d's default profile, 3:2:2) and its input, and gives every candidate a value in
+//! `[0, 1]`; a candidate's score is the values summed with the weights ([`PickWeights`]):
+//! - `prefix`: the index's prefix score ([`Candidate::prefix_score`]), min-max normalised over
+//!   the candidates (the best holder 1, the worst 0; all equal: 1 when they hold something,
+//!   else 0), or, with [`PrefixNormalisation::AsGiven`], taken as a value already in `[0, 1]`
+//!   (the lab's model of the gateway's approximate scorer, whose prefix value is a share of
+//!   the prompt);
+//! - `queue` (llm-d's `queue-scorer`): `(max - q) / (max - min)` over the candidates' waiting
 //!   requests (`vllm:num_requests_waiting`); all equal: 1;
-//! - KV-cache utilisation (llm-d's `kv-cache-utilization-scorer`): `1 - usage`
+//! - `kvCacheUtilization` (llm-d's `kv-cache-utilization-scorer`): `1 - usage`
 //!   (`vllm:kv_cache_usage_perc`, clamped to `[0, 1]`).
+//!
+//! Adding a scorer is one entry in [`SCORERS`] (a metric it reads that [`PodMetrics`] lacks is
+//! a field there, filled by whoever scrapes); the config, its validation and the lab read the
+//! list.
 //!
 //! Invariants:
 //! - the metric scorers apply only when every candidate has metrics no older than
@@ -23,32 +30,150 @@
 //! - every candidate appears exactly once in [`Pick::order`] (the rest are the gateway's ordered
 //!   fallbacks);
 //! - bad input (no candidate, a weight that is negative or not finite, all weights zero, a
-//!   score that is not finite) is a [`PickError`], never a panic.
+//!   score or metric input that is not finite) is a [`PickError`], never a panic; weights read
+//!   from a config name scorers of the list, or are refused.
 
+use std::collections::BTreeMap;
+use std::fmt;
 use std::time::Duration;
 
+use serde::{Deserialize, Deserializer, Serialize, Serializer};
 use thiserror::Error;
 
 use crate::SplitMix64;
 
-/// The scorers' weights (llm-d's default profile: prefix 3, queue 2, KV-cache utilisation 2).
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct PickWeights {
-    /// The index's prefix score.
-    pub prefix: f64,
-    /// Waiting requests (`vllm:num_requests_waiting`).
-    pub queue: f64,
-    /// KV-cache usage (`vllm:kv_cache_usage_perc`).
-    pub kv_cache_utilization: f64,
+/// What a scorer reads of a candidate, and how that becomes its value in `[0, 1]`.
+#[derive(Clone, Copy)]
+pub enum ScorerInput {
+    /// The index's prefix score, normalised as [`PickSettings::prefix`] says.
+    Prefix,
+    /// A metric where less is better (a queue): `(max - v) / (max - min)` over the
+    /// candidates; all equal: 1.
+    Fewest(fn(&PodMetrics) -> f64),
+    /// A share in use, 0 to 1: `1 - v` (clamped to `[0, 1]`).
+    FreeShare(fn(&PodMetrics) -> f64),
+}
+
+/// One scorer of the pick.
+#[derive(Clone, Copy)]
+pub struct Scorer {
+    /// Its name: its weight's key in the config (`endpointPicker.weights.<name>`).
+    pub name: &'static str,
+    /// Its weight in llm-d's default profile (the config's default).
+    pub default_weight: f64,
+    /// What it reads.
+    pub input: ScorerInput,
+}
+
+/// How many scorers there are.
+pub const SCORER_COUNT: usize = 3;
+
+/// The scorers, in the order of [`PickWeights`]' and [`Ranked::values`]' entries and of the
+/// lab's `--weights prefix:queue:kv`. Adding one here is all a new scorer needs.
+pub const SCORERS: [Scorer; SCORER_COUNT] = [
+    Scorer {
+        name: "prefix",
+        default_weight: 3.0,
+        input: ScorerInput::Prefix,
+    },
+    Scorer {
+        name: "queue",
+        default_weight: 2.0,
+        input: ScorerInput::Fewest(|m| m.waiting_requests),
+    },
+    Scorer {
+        name: "kvCacheUtilization",
+        default_weight: 2.0,
+        input: ScorerInput::FreeShare(|m| m.kv_cache_usage),
+    },
+];
+
+/// Where scorer `name` is in [`SCORERS`].
+pub fn scorer_index(name: &str) -> Option<usize> {
+    SCORERS.iter().position(|s| s.name == name)
+}
+
+/// The scorers' weights, one per entry of [`SCORERS`], in its order. Read from the config as a
+/// map by scorer name (a scorer left out keeps its default weight; an unknown name is an
+/// error), so the config has no shape of its own to keep in step with the list.
+#[derive(Clone, Copy, PartialEq)]
+pub struct PickWeights(pub [f64; SCORER_COUNT]);
+
+impl PickWeights {
+    /// llm-d's default profile (each scorer's [`Scorer::default_weight`]): prefix 3, queue 2,
+    /// KV-cache utilisation 2.
+    pub const LLM_D: PickWeights = {
+        let mut w = [0.0; SCORER_COUNT];
+        let mut i = 0;
+        while i < SCORER_COUNT {
+            w[i] = SCORERS[i].default_weight;
+            i += 1;
+        }
+        PickWeights(w)
+    };
+
+    /// Every scorer weighed alike (the lab's head-to-head default).
+    pub const EQUAL: PickWeights = PickWeights([1.0; SCORER_COUNT]);
+
+    /// Scorer `name`'s weight (`None`: no such scorer).
+    pub fn get(&self, name: &str) -> Option<f64> {
+        scorer_index(name).map(|i| self.0[i])
+    }
+
+    /// These weights with scorer `name`'s set to `weight` (unchanged when there is no such
+    /// scorer).
+    pub fn with(mut self, name: &str, weight: f64) -> Self {
+        if let Some(i) = scorer_index(name) {
+            self.0[i] = weight;
+        }
+        self
+    }
+
+    /// Whether these weights can score: finite, non-negative and not all zero.
+    pub fn check(&self) -> Result<(), PickError> {
+        let w = &self.0;
+        if w.iter().any(|w| !w.is_finite() || *w < 0.0) || w.iter().all(|w| *w == 0.0) {
+            return Err(PickError::BadWeights(*self));
+        }
+        Ok(())
+    }
 }
 
 impl Default for PickWeights {
     fn default() -> Self {
-        Self {
-            prefix: 3.0,
-            queue: 2.0,
-            kv_cache_utilization: 2.0,
+        Self::LLM_D
+    }
+}
+
+impl fmt::Debug for PickWeights {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_map()
+            .entries(SCORERS.iter().map(|s| s.name).zip(self.0))
+            .finish()
+    }
+}
+
+impl Serialize for PickWeights {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_map(SCORERS.iter().map(|s| s.name).zip(self.0))
+    }
+}
+
+impl<'de> Deserialize<'de> for PickWeights {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let given = BTreeMap::<String, f64>::deserialize(d)?;
+        let mut w = Self::default();
+        for (name, weight) in given {
+            let i = scorer_index(&name).ok_or_else(|| {
+                let names: Vec<&str> = SCORERS.iter().map(|s| s.name).collect();
+                serde::de::Error::custom(format!(
+                    "unknown scorer {name:?} (the scorers: {})",
+                    names.join(", ")
+                ))
+            })?;
+            w.0[i] = weight;
         }
+        Ok(w)
     }
 }
 
@@ -88,7 +213,7 @@ impl Default for PickSettings {
     }
 }
 
-/// A pod's load, as its Prometheus endpoint last reported it.
+/// A pod's load, as its Prometheus endpoint last reported it (the metric scorers' inputs).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct PodMetrics {
     /// Requests waiting (`vllm:num_requests_waiting`).
@@ -136,12 +261,16 @@ pub struct Ranked {
     pub candidate: usize,
     /// Its weighted total.
     pub score: f64,
-    /// Its prefix scorer's value, 0 to 1.
-    pub prefix: f64,
-    /// Its queue scorer's value, 0 to 1 (`None`: metrics not used).
-    pub queue: Option<f64>,
-    /// Its KV-cache scorer's value, 0 to 1 (`None`: metrics not used).
-    pub kv_cache: Option<f64>,
+    /// Each scorer's value, 0 to 1, in [`SCORERS`]' order (`None`: a metric scorer, not used
+    /// because some candidate's metrics were stale or missing).
+    pub values: [Option<f64>; SCORER_COUNT],
+}
+
+impl Ranked {
+    /// Scorer `name`'s value (`None`: not used, or no such scorer).
+    pub fn value(&self, name: &str) -> Option<f64> {
+        scorer_index(name).and_then(|i| self.values[i])
+    }
 }
 
 /// A pick: every candidate, best first.
@@ -164,17 +293,6 @@ impl Pick {
     }
 }
 
-impl PickWeights {
-    /// Whether these weights can score: finite, non-negative and not all zero.
-    pub fn check(&self) -> Result<(), PickError> {
-        let w = [self.prefix, self.queue, self.kv_cache_utilization];
-        if w.iter().any(|w| !w.is_finite() || *w < 0.0) || w.iter().all(|w| *w == 0.0) {
-            return Err(PickError::BadWeights(*self));
-        }
-        Ok(())
-    }
-}
-
 /// `(v - min) / (max - min)` for each value, or `when_equal` for all when they are equal.
 fn min_max(values: impl Iterator<Item = f64> + Clone, when_equal: f64) -> Vec<f64> {
     let (min, max) = values
@@ -194,6 +312,44 @@ fn min_max(values: impl Iterator<Item = f64> + Clone, when_equal: f64) -> Vec<f6
         .collect()
 }
 
+/// Whether a candidate's inputs are all finite numbers: its prefix score and every metric a
+/// scorer reads.
+fn finite_inputs(c: &Candidate) -> bool {
+    c.prefix_score.is_finite()
+        && SCORERS.iter().all(|s| match (s.input, c.metrics) {
+            (ScorerInput::Fewest(f) | ScorerInput::FreeShare(f), Some(m)) => f(&m).is_finite(),
+            _ => true,
+        })
+}
+
+/// One scorer's values for `candidates`, in their order (`None`: a metric scorer while the
+/// metrics are not used).
+fn values_of(
+    scorer: &Scorer,
+    candidates: &[Candidate],
+    settings: &PickSettings,
+    metrics_used: bool,
+) -> Vec<Option<f64>> {
+    let metrics = || candidates.iter().filter_map(|c| c.metrics);
+    let values = match scorer.input {
+        ScorerInput::Prefix => {
+            let scores = candidates.iter().map(|c| c.prefix_score);
+            match settings.prefix {
+                PrefixNormalisation::MinMax => {
+                    let top = scores.clone().fold(f64::NEG_INFINITY, f64::max);
+                    min_max(scores, if top > 0.0 { 1.0 } else { 0.0 })
+                }
+                PrefixNormalisation::AsGiven => scores.map(|s| s.clamp(0.0, 1.0)).collect(),
+            }
+        }
+        _ if !metrics_used => return vec![None; candidates.len()],
+        // The negated metric min-max normalised: the least gets 1.
+        ScorerInput::Fewest(f) => min_max(metrics().map(|m| -f(&m)), 1.0),
+        ScorerInput::FreeShare(f) => metrics().map(|m| 1.0 - f(&m).clamp(0.0, 1.0)).collect(),
+    };
+    values.into_iter().map(Some).collect()
+}
+
 /// Orders `candidates` best first (see the module doc for the scorers and the invariants);
 /// `rng` breaks ties.
 pub fn pick(
@@ -206,13 +362,8 @@ pub fn pick(
     }
     let w = settings.weights;
     w.check()?;
-    for c in candidates {
-        let metrics_finite = c
-            .metrics
-            .is_none_or(|m| m.waiting_requests.is_finite() && m.kv_cache_usage.is_finite());
-        if !c.prefix_score.is_finite() || !metrics_finite {
-            return Err(PickError::NotFinite { pod: c.pod.clone() });
-        }
+    if let Some(c) = candidates.iter().find(|c| !finite_inputs(c)) {
+        return Err(PickError::NotFinite { pod: c.pod.clone() });
     }
     let missing = candidates.iter().filter(|c| c.metrics.is_none()).count();
     let stale = candidates
@@ -220,46 +371,22 @@ pub fn pick(
         .filter(|c| c.metrics.is_some_and(|m| m.age > settings.max_metrics_age))
         .count();
     let metrics_used = missing == 0 && stale == 0;
-
-    let top = candidates
+    let columns: Vec<Vec<Option<f64>>> = SCORERS
         .iter()
-        .map(|c| c.prefix_score)
-        .fold(f64::NEG_INFINITY, f64::max);
-    let prefix = match settings.prefix {
-        PrefixNormalisation::MinMax => min_max(
-            candidates.iter().map(|c| c.prefix_score),
-            if top > 0.0 { 1.0 } else { 0.0 },
-        ),
-        PrefixNormalisation::AsGiven => candidates
-            .iter()
-            .map(|c| c.prefix_score.clamp(0.0, 1.0))
-            .collect(),
-    };
-    let (queue, kv): (Vec<Option<f64>>, Vec<Option<f64>>) = if metrics_used {
-        let metrics = || candidates.iter().filter_map(|c| c.metrics);
-        // The queue scorer favours the shortest queue: (max - q) / (max - min), the negated
-        // queue min-max normalised; all equal: 1.
-        let queue = min_max(metrics().map(|m| -m.waiting_requests), 1.0)
-            .into_iter()
-            .map(Some)
-            .collect();
-        let kv = metrics()
-            .map(|m| Some(1.0 - m.kv_cache_usage.clamp(0.0, 1.0)))
-            .collect();
-        (queue, kv)
-    } else {
-        (vec![None; candidates.len()], vec![None; candidates.len()])
-    };
-
+        .map(|s| values_of(s, candidates, settings, metrics_used))
+        .collect();
     let mut order: Vec<Ranked> = (0..candidates.len())
-        .map(|i| Ranked {
-            candidate: i,
-            score: w.prefix * prefix[i]
-                + queue[i].map_or(0.0, |q| w.queue * q)
-                + kv[i].map_or(0.0, |k| w.kv_cache_utilization * k),
-            prefix: prefix[i],
-            queue: queue[i],
-            kv_cache: kv[i],
+        .map(|i| {
+            let values: [Option<f64>; SCORER_COUNT] = std::array::from_fn(|s| columns[s][i]);
+            let score = values
+                .iter()
+                .zip(w.0)
+                .fold(0.0, |sum, (v, w)| sum + v.map_or(0.0, |v| w * v));
+            Ranked {
+                candidate: i,
+                score,
+                values,
+            }
         })
         .collect();
     // Fisher-Yates, then a stable sort: equals keep the random order.
@@ -318,7 +445,7 @@ mod tests {
         assert!(p.metrics_used);
         // b: 3 * 1 + 2 * 1 + 2 * 0.5.
         assert!((p.order[0].score - 6.0).abs() < 1e-9, "{:?}", p.order[0]);
-        assert!((p.order[1].prefix - 1.0 / 3.0).abs() < 1e-9);
+        assert!((p.order[1].value("prefix").unwrap_or(0.0) - 1.0 / 3.0).abs() < 1e-9);
     }
 
     #[test]
@@ -331,8 +458,8 @@ mod tests {
             let p = pick(&c, &PickSettings::default(), &mut SplitMix64::new(seed))
                 .unwrap_or_else(|e| panic!("{e}"));
             assert_eq!(pods(&p, &c), ["short", "deep"], "seed {seed}");
-            assert_eq!(p.order[0].queue, Some(1.0));
-            assert_eq!(p.order[1].queue, Some(0.0));
+            assert_eq!(p.order[0].value("queue"), Some(1.0));
+            assert_eq!(p.order[1].value("queue"), Some(0.0));
         }
     }
 
@@ -356,10 +483,7 @@ mod tests {
         assert_eq!(pods(&run(&c), &c), ["a", "b"]);
         // Negative control: with the prefix weighted 5, b = 5 beats a = 4.
         let heavy = PickSettings {
-            weights: PickWeights {
-                prefix: 5.0,
-                ..PickWeights::default()
-            },
+            weights: PickWeights::default().with("prefix", 5.0),
             ..PickSettings::default()
         };
         let p = pick(&c, &heavy, &mut SplitMix64::new(1)).unwrap_or_else(|e| panic!("{e}"));
@@ -380,7 +504,7 @@ mod tests {
         assert_eq!(pods(&p, &c), ["b", "a"]);
         assert!(!p.metrics_used);
         assert_eq!((p.stale, p.missing), (1, 0));
-        assert_eq!(p.order[0].queue, None);
+        assert_eq!(p.order[0].value("queue"), None);
         let c = [cand("a", 0.0, None), cand("b", 10.0, fresh(10.0, 1.0))];
         let p = run(&c);
         assert_eq!(pods(&p, &c), ["b", "a"]);
@@ -428,9 +552,12 @@ mod tests {
     fn nothing_held_anywhere_gives_no_prefix_preference() {
         let c = [cand("a", 0.0, None), cand("b", 0.0, None)];
         let p = run(&c);
-        assert!(p.order.iter().all(|r| r.score == 0.0 && r.prefix == 0.0));
+        assert!(p
+            .order
+            .iter()
+            .all(|r| r.score == 0.0 && r.value("prefix") == Some(0.0)));
         let c = [cand("a", 3.0, None), cand("b", 3.0, None)];
-        assert!(run(&c).order.iter().all(|r| r.prefix == 1.0));
+        assert!(run(&c).order.iter().all(|r| r.value("prefix") == Some(1.0)));
     }
 
     #[test]
@@ -450,19 +577,9 @@ mod tests {
         ));
         let c = [cand("a", 1.0, None)];
         for weights in [
-            PickWeights {
-                prefix: -1.0,
-                ..PickWeights::default()
-            },
-            PickWeights {
-                prefix: 0.0,
-                queue: 0.0,
-                kv_cache_utilization: 0.0,
-            },
-            PickWeights {
-                queue: f64::NAN,
-                ..PickWeights::default()
-            },
+            PickWeights::default().with("prefix", -1.0),
+            PickWeights([0.0; SCORER_COUNT]),
+            PickWeights::default().with("queue", f64::NAN),
         ] {
             let s = PickSettings {
                 weights,
@@ -490,11 +607,14 @@ mod tests {
         };
         let p = pick(&c, &given, &mut SplitMix64::new(3)).unwrap_or_else(|e| panic!("{e}"));
         assert_eq!(pods(&p, &c), ["short", "long"]);
-        assert_eq!(p.order[1].prefix, 0.5);
+        assert_eq!(p.order[1].value("prefix"), Some(0.5));
         // Out of range is clamped, not trusted.
         let c = [cand("over", 7.0, None), cand("under", -1.0, None)];
         let p = pick(&c, &given, &mut SplitMix64::new(3)).unwrap_or_else(|e| panic!("{e}"));
-        assert_eq!((p.order[0].prefix, p.order[1].prefix), (1.0, 0.0));
+        assert_eq!(
+            (p.order[0].value("prefix"), p.order[1].value("prefix")),
+            (Some(1.0), Some(0.0))
+        );
         // Negative control: min-max (the default) gives the long match the full prefix weight,
         // 3 + 0 + 2 = 5 against 0 + 2 + 2 = 4.
         let c = [
@@ -515,5 +635,60 @@ mod tests {
         ];
         let p = run(&c);
         assert_eq!(c[p.order[0].candidate].rank, Some(3));
+    }
+
+    #[test]
+    fn weights_are_read_by_scorer_name_and_unknown_names_refused() {
+        let w: PickWeights =
+            serde_json::from_str(r#"{"queue": 1.5}"#).unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(w.0, [3.0, 1.5, 2.0], "a scorer left out keeps its default");
+        assert_eq!(w.get("queue"), Some(1.5));
+        let all: PickWeights =
+            serde_json::from_str(r#"{"prefix": 1, "queue": 0, "kvCacheUtilization": 4}"#)
+                .unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(all.0, [1.0, 0.0, 4.0]);
+        let text = serde_json::to_string(&all).unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(
+            text,
+            r#"{"prefix":1.0,"queue":0.0,"kvCacheUtilization":4.0}"#
+        );
+        assert_eq!(
+            format!("{all:?}"),
+            r#"{"prefix": 1.0, "queue": 0.0, "kvCacheUtilization": 4.0}"#
+        );
+        let bad = serde_json::from_str::<PickWeights>(r#"{"kv": 1}"#).map_err(|e| e.to_string());
+        assert!(
+            bad.as_ref()
+                .is_err_and(|e| e.contains("unknown scorer \"kv\"")),
+            "{bad:?}"
+        );
+        assert_eq!(PickWeights::default(), PickWeights::LLM_D);
+        assert_eq!(PickWeights::LLM_D.0, [3.0, 2.0, 2.0]);
+    }
+
+    #[test]
+    fn each_scorer_of_the_list_is_its_value_times_its_weight() {
+        let c = [
+            cand("a", 2.0, fresh(3.0, 0.25)),
+            cand("b", 6.0, fresh(1.0, 0.5)),
+            cand("c", 4.0, fresh(5.0, 1.0)),
+        ];
+        for (i, scorer) in SCORERS.iter().enumerate() {
+            let mut only = [0.0; SCORER_COUNT];
+            only[i] = 2.0;
+            let s = PickSettings {
+                weights: PickWeights(only),
+                ..PickSettings::default()
+            };
+            let p = pick(&c, &s, &mut SplitMix64::new(1)).unwrap_or_else(|e| panic!("{e}"));
+            for r in &p.order {
+                let v = r.value(scorer.name).unwrap_or(f64::NAN);
+                assert!((0.0..=1.0).contains(&v), "{}: {v}", scorer.name);
+                assert_eq!(r.score, 2.0 * v, "{}", scorer.name);
+            }
+            // Each scorer tells these candidates apart (b best on prefix and queue, a on KV).
+            let best = c[p.best().unwrap_or(9)].pod.as_str();
+            assert_eq!(best, ["b", "b", "a"][i], "{}", scorer.name);
+        }
     }
 }
