@@ -1,6 +1,6 @@
 //! The reference docs cover what the code has: every configuration field in
-//! `docs/configuration.md`, every metric in `docs/metrics.md`; and the files the README and
-//! the architecture and benchmark pages name exist.
+//! `docs/configuration.md`, every metric in `docs/metrics.md`; and the files the README and the
+//! architecture, benchmark and testing pages name exist.
 
 use kv_indexer::config::Config;
 
@@ -105,12 +105,17 @@ fn missing_paths(root: &std::path::Path, text: &str) -> Vec<String> {
     missing
 }
 
-/// The README and the architecture and benchmark pages name files a reader opens: each
-/// exists.
+/// The README and the architecture, benchmark and testing pages name files a reader opens:
+/// each exists.
 #[test]
 fn every_path_the_reference_pages_name_exists() {
     let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
-    for page in ["README.md", "docs/architecture.md", "docs/benchmarks.md"] {
+    for page in [
+        "README.md",
+        "docs/architecture.md",
+        "docs/benchmarks.md",
+        "docs/testing.md",
+    ] {
         let text = read(page);
         let named = text
             .split('`')
