@@ -52,10 +52,16 @@ for round in $(seq "$rounds"); do
       RUST_LOG=warn "$daemon_bin" serve "${config_args[@]}" --zmq-endpoint tcp://127.0.0.1:5592 \
         --grpc-addr 127.0.0.1:50592 --metrics-addr 127.0.0.1:9592 >"$work/daemon.log" 2>&1 &
       daemon=$!
+      ready=""
       for _ in $(seq 100); do
-        curl -fs http://127.0.0.1:9592/readyz >/dev/null 2>&1 && break
+        curl -fs http://127.0.0.1:9592/readyz >/dev/null 2>&1 && { ready=1; break; }
         sleep 0.1
       done
+      if [ -z "$ready" ]; then
+        echo "reads.sh: daemon $name ($daemon_bin) not ready after 10 s; its log:" >&2
+        cat "$work/daemon.log" >&2
+        exit 1
+      fi
       "$bin" loadgen --zmq-endpoint tcp://127.0.0.1:5592 --grpc http://127.0.0.1:50592 \
         --metrics 127.0.0.1:9592 --rate "$RATE" --duration "$DURATION" "${args[@]}" \
         --json 2>/dev/null >"$work/run.json"
@@ -63,11 +69,21 @@ for round in $(seq "$rounds"); do
 import json, sys
 scenario, name, rnd, path = sys.argv[1:5]
 r = json.load(open(path))
-load = r["score_under_load"] or {}
-print("\t".join(str(x) for x in [scenario, name, rnd, round(r["applied_blocks_per_s"]),
-                                 int(r["sequence_gaps"]),
-                                 round(r["score_idle"]["p50_us"]), round(r["score_idle"]["p99_us"]),
-                                 round(load.get("p50_us", 0)), round(load.get("p99_us", 0))]))
+def need(*keys):
+    # A measurement the run did not make fails the benchmark: a 0 in the medians would read
+    # as a figure.
+    v = r
+    for k in keys:
+        v = v.get(k) if isinstance(v, dict) else None
+    if not isinstance(v, (int, float)) or isinstance(v, bool):
+        sys.exit(f"reads.sh: {scenario}/{name} round {rnd}: loadgen reported no {'.'.join(keys)} ({path})")
+    return v
+row = [need("applied_blocks_per_s"), need("sequence_gaps"),
+       need("score_idle", "p50_us"), need("score_idle", "p99_us"),
+       need("score_under_load", "p50_us"), need("score_under_load", "p99_us")]
+if row[0] <= 0:
+    sys.exit(f"reads.sh: {scenario}/{name} round {rnd}: no block applied under load ({path})")
+print("\t".join(str(x) for x in [scenario, name, rnd] + [round(v) for v in row]))
 PY
       tail -n 1 "$results"
       kill "$daemon"; wait "$daemon" 2>/dev/null || true; daemon=""

@@ -18,7 +18,7 @@ if ! [[ "$seconds" =~ ^[1-9][0-9]*$ ]]; then
 fi
 targets=("$@")
 if [ ${#targets[@]} -eq 0 ]; then
-  targets=(decode_batch topic config chat_input picker_body)
+  targets=(decode_batch topic config chat_input picker_body token_ids)
 fi
 logs="$(mktemp -d "${TMPDIR:-/tmp}/fuzz-run.XXXXXX")"
 

@@ -7,7 +7,9 @@
 - config: the shipped configuration files (config/*.yaml);
 - chat_input: small chats with and without template arguments and tools;
 - picker_body: a request of each API the endpoint picker reads (completions, chat with content
-  parts, embeddings, responses, conversations) and vLLM-shaped responses (JSON, an SSE stream).
+  parts, embeddings, responses, conversations) and vLLM-shaped responses (JSON, an SSE stream);
+- token_ids: `TokenIds` messages (packed, unpacked, both mixed, cut inside a varint), ids of
+  every varint width, each behind a chunk-size byte.
 
 Usage: python3 fuzz/seed.py  (from the project root or fuzz/); idempotent.
 """
@@ -83,3 +85,38 @@ put("picker_body", b"/v1/chat/completions\ntext/event-stream\n"
     b'data: {"choices":[{"delta":{"content":"a"}}],"usage":null}\n\n'
     b'data: {"choices":[],"usage":{"prompt_tokens":40,"prompt_tokens_details":{"cached_tokens":32}}}\n\n'
     b"data: [DONE]\n\n")
+
+
+def varint(v):
+    out = bytearray()
+    while True:
+        b = v & 0x7F
+        v >>= 7
+        if v:
+            out.append(b | 0x80)
+        else:
+            out.append(b)
+            return bytes(out)
+
+
+def packed(ids):
+    payload = b"".join(varint(i) for i in ids)
+    return b"\x0a" + varint(len(payload)) + payload
+
+
+def unpacked(ids):
+    return b"".join(b"\x08" + varint(i) for i in ids)
+
+
+widths = [0, 1, 127, 128, 16383, 16384, 151935, 2097151, 2097152, 2**28, 2**32 - 1]
+prompt = [(i * 2654435761) % 151936 for i in range(600)]
+for step, message in [
+    (0, packed(widths)),
+    (6, packed(prompt)),
+    (2, unpacked(widths)),
+    (11, packed(widths) + unpacked(prompt[:20]) + packed(prompt[20:40])),
+    (3, packed(widths)[:-1]),
+    (255, b"\x10\x05" + packed(widths[:4])),
+    (1, b""),
+]:
+    put("token_ids", bytes([step]) + message)

@@ -193,21 +193,7 @@ pub async fn start(config: Config) -> Result<RunningDaemon, DaemonError> {
         tracing::warn!(field = %w.field, "a setting that does nothing: {}", w.message);
     }
     let indexer = Arc::new(Indexer::new(config.indexer_settings())?);
-    let index = &indexer.settings().index;
-    tracing::info!(
-        size = index.max_keys,
-        writer_lanes = index.writer_lanes,
-        "block index"
-    );
-    if let Some(bound) = indexer.settings().index.pod_cache_size {
-        tracing::warn!(
-            pod_cache_size = bound,
-            "podCacheSize is set: a block records at most {bound} holders and drops the oldest \
-             beyond, so a prefix held by more pods scores too few of them \
-             (kvindexer_index_capacity_drops{{reason=\"pod_cache_size\"}}); remove it for exact \
-             membership"
-        );
-    }
+    announce_index(&indexer);
     let metrics = Metrics::new();
     let (shutdown, shutdown_rx) = watch::channel(false);
     let ready = Arc::new(AtomicBool::new(false));
@@ -217,16 +203,7 @@ pub async fn start(config: Config) -> Result<RunningDaemon, DaemonError> {
     } else {
         None
     };
-    let (mut restored, log, appender) = match &replication {
-        Some(r) => {
-            tracing::info!(redis = %r.redacted_url(), replica = %r.replica(), "replication on: loading the newest snapshot");
-            let restored = r.restore(&indexer).await;
-            let (sink, task) = r.start_appender();
-            let log: LogHandle = Arc::new(sink);
-            (restored, Some(log), Some(task))
-        }
-        None => (Default::default(), None, None),
-    };
+    let (mut restored, log, appender) = restore_and_append(replication.as_ref(), &indexer).await;
     let replica = replication
         .as_ref()
         .map_or_else(|| "".into(), Replication::replica);
@@ -265,42 +242,7 @@ pub async fn start(config: Config) -> Result<RunningDaemon, DaemonError> {
         (config.server.clone(), "server.maxConcurrentRequests"),
         log.clone(),
     );
-    let (health_reporter, health_service) = tonic_health::server::health_reporter();
-    health_reporter
-        .set_serving::<KvIndexerServer<KvIndexerApi>>()
-        .await;
-    health_reporter
-        .set_serving::<IndexerServiceServer<LlmdIndexerApi>>()
-        .await;
-    let reflection = tonic_reflection::server::Builder::configure()
-        .register_encoded_file_descriptor_set(FILE_DESCRIPTOR_SET)
-        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
-        .build_v1()
-        .map_err(|e| DaemonError::Reflection(e.to_string()))?;
-
-    let grpc_listener = listen("gRPC", &config.server.grpc_addr).await?;
-    let grpc_addr = grpc_listener
-        .local_addr()
-        .map_err(|source| DaemonError::Listen {
-            what: "gRPC",
-            addr: config.server.grpc_addr.clone(),
-            source,
-        })?;
-    let mut grpc_shutdown = shutdown_rx.clone();
-    let builder = grpc_builder(&config.server.tls)?;
-    let (pool, pool_task) = match config.endpoint_picker.enabled {
-        true => {
-            let (pool, task) = crate::pool::start(
-                &config.endpoint_picker,
-                ingest.discovered.clone(),
-                metrics.clone(),
-                shutdown_rx.clone(),
-            )
-            .await?;
-            (Some(pool), task)
-        }
-        false => (None, None),
-    };
+    let (pool, pool_task) = start_pool(&config, &ingest, &metrics, &shutdown_rx).await?;
     let picker_setup = pool.clone().map(|pool| crate::picker::PickerSetup {
         indexer: indexer.clone(),
         tokenizers: service.tokenizers.clone(),
@@ -311,79 +253,17 @@ pub async fn start(config: Config) -> Result<RunningDaemon, DaemonError> {
         pool,
         pool_task,
     });
-    let grpc = tokio::spawn(
-        builder
-            // A 500-block prompt is ~25 KB of token ids: open windows wide enough that a
-            // request never waits for a WINDOW_UPDATE round trip.
-            .initial_stream_window_size(Some(1 << 20))
-            .initial_connection_window_size(Some(4 << 20))
-            .layer(tower::util::MapResponseLayer::new(
-                crate::server::grpc::undecodable_is_invalid_argument,
-            ))
-            .add_service(health_service)
-            .add_service(reflection)
-            .add_service(
-                KvIndexerServer::new(KvIndexerApi(service.clone(), pool.clone()))
-                    .max_decoding_message_size(config.server.max_request_bytes()),
-            )
-            .add_service(
-                IndexerServiceServer::new(LlmdIndexerApi(service))
-                    .max_decoding_message_size(config.server.max_request_bytes()),
-            )
-            // TCP_NODELAY: a small response must not wait for a delayed ACK (40 ms on Linux).
-            .serve_with_incoming_shutdown(
-                tonic::transport::server::TcpIncoming::from(grpc_listener).with_nodelay(Some(true)),
-                async move {
-                    let _ = grpc_shutdown.changed().await;
-                },
-            ),
-    );
+    let (grpc_addr, grpc) = serve_grpc(&config, service, pool.clone(), shutdown_rx.clone()).await?;
 
-    let http_listener = listen("metrics", &config.server.metrics_addr).await?;
-    let metrics_addr = http_listener
-        .local_addr()
-        .map_err(|source| DaemonError::Listen {
-            what: "metrics",
-            addr: config.server.metrics_addr.clone(),
-            source,
-        })?;
-    let app = http::app(http::HttpState {
+    let state = http::HttpState {
         indexer: indexer.clone(),
         metrics: metrics.clone(),
         ready: ready.clone(),
         pool: pool.clone(),
-    });
-    let mut http_shutdown = shutdown_rx.clone();
-    let http = tokio::spawn(async move {
-        axum::serve(http_listener, app)
-            .with_graceful_shutdown(async move {
-                let _ = http_shutdown.changed().await;
-            })
-            .await
-    });
-
-    let picker = match picker_setup {
-        Some(picker_setup) => {
-            let addr = &config.endpoint_picker.addr;
-            let listener = listen("endpoint picker", addr).await?;
-            let builder = picker_builder(&config)?;
-            let started = crate::picker::start(
-                &config,
-                picker_setup,
-                listener,
-                builder,
-                shutdown_rx.clone(),
-            )
-            .await
-            .map_err(|source| DaemonError::Listen {
-                what: "endpoint picker",
-                addr: addr.clone(),
-                source,
-            })?;
-            Some(started)
-        }
-        None => None,
     };
+    let (metrics_addr, http) = serve_http(&config, state, shutdown_rx.clone()).await?;
+
+    let picker = start_picker(&config, picker_setup, shutdown_rx.clone()).await?;
 
     if replication.is_none() {
         ready.store(true, Ordering::Relaxed);
@@ -405,6 +285,174 @@ pub async fn start(config: Config) -> Result<RunningDaemon, DaemonError> {
         grpc,
         http,
         grace: Duration::from_millis(config.server.shutdown_grace_ms),
+    })
+}
+
+/// With replication: the newest snapshot loaded into `indexer` (what it restored), and the
+/// appender of this replica's messages to the shared log (its handle and task).
+async fn restore_and_append(
+    replication: Option<&Replication>,
+    indexer: &Indexer,
+) -> (
+    crate::replication::Restored,
+    Option<LogHandle>,
+    Option<JoinHandle<()>>,
+) {
+    let Some(r) = replication else {
+        return (Default::default(), None, None);
+    };
+    tracing::info!(redis = %r.redacted_url(), replica = %r.replica(), "replication on: loading the newest snapshot");
+    let restored = r.restore(indexer).await;
+    let (sink, task) = r.start_appender();
+    let log: LogHandle = Arc::new(sink);
+    (restored, Some(log), Some(task))
+}
+
+/// The endpoint picker's pool, when the picker is on (its watch task, if it has one).
+async fn start_pool(
+    config: &Config,
+    ingest: &IngestHandle,
+    metrics: &Arc<Metrics>,
+    shutdown: &watch::Receiver<bool>,
+) -> Result<(Option<Arc<crate::pool::Pool>>, Option<JoinHandle<()>>), DaemonError> {
+    if !config.endpoint_picker.enabled {
+        return Ok((None, None));
+    }
+    let (pool, task) = crate::pool::start(
+        &config.endpoint_picker,
+        ingest.discovered.clone(),
+        metrics.clone(),
+        shutdown.clone(),
+    )
+    .await?;
+    Ok((Some(pool), task))
+}
+
+/// Logs the index's size and lanes, and warns when `podCacheSize` bounds its membership.
+fn announce_index(indexer: &Indexer) {
+    let index = &indexer.settings().index;
+    tracing::info!(
+        size = index.max_keys,
+        writer_lanes = index.writer_lanes,
+        "block index"
+    );
+    if let Some(bound) = index.pod_cache_size {
+        tracing::warn!(
+            pod_cache_size = bound,
+            "podCacheSize is set: a block records at most {bound} holders and drops the oldest \
+             beyond, so a prefix held by more pods scores too few of them \
+             (kvindexer_index_capacity_drops{{reason=\"pod_cache_size\"}}); remove it for exact \
+             membership"
+        );
+    }
+}
+
+/// The gRPC server (health, reflection, `kvindexer.v1` and llm-d's indexer service over
+/// `service`), bound and serving until `shutdown`.
+async fn serve_grpc(
+    config: &Config,
+    service: Arc<Scoring>,
+    pool: Option<Arc<crate::pool::Pool>>,
+    mut shutdown: watch::Receiver<bool>,
+) -> Result<(SocketAddr, JoinHandle<Result<(), tonic::transport::Error>>), DaemonError> {
+    let (health_reporter, health_service) = tonic_health::server::health_reporter();
+    health_reporter
+        .set_serving::<KvIndexerServer<KvIndexerApi>>()
+        .await;
+    health_reporter
+        .set_serving::<IndexerServiceServer<LlmdIndexerApi>>()
+        .await;
+    let reflection = tonic_reflection::server::Builder::configure()
+        .register_encoded_file_descriptor_set(FILE_DESCRIPTOR_SET)
+        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+        .build_v1()
+        .map_err(|e| DaemonError::Reflection(e.to_string()))?;
+
+    let grpc_listener = listen("gRPC", &config.server.grpc_addr).await?;
+    let grpc_addr = grpc_listener
+        .local_addr()
+        .map_err(|source| DaemonError::Listen {
+            what: "gRPC",
+            addr: config.server.grpc_addr.clone(),
+            source,
+        })?;
+    let builder = grpc_builder(&config.server.tls)?;
+    let grpc = tokio::spawn(
+        builder
+            // A 500-block prompt is ~25 KB of token ids: open windows wide enough that a
+            // request never waits for a WINDOW_UPDATE round trip.
+            .initial_stream_window_size(Some(1 << 20))
+            .initial_connection_window_size(Some(4 << 20))
+            .layer(tower::util::MapResponseLayer::new(
+                crate::server::grpc::undecodable_is_invalid_argument,
+            ))
+            .add_service(health_service)
+            .add_service(reflection)
+            .add_service(
+                KvIndexerServer::new(KvIndexerApi(service.clone(), pool))
+                    .max_decoding_message_size(config.server.max_request_bytes()),
+            )
+            .add_service(
+                IndexerServiceServer::new(LlmdIndexerApi(service))
+                    .max_decoding_message_size(config.server.max_request_bytes()),
+            )
+            // TCP_NODELAY: a small response must not wait for a delayed ACK (40 ms on Linux).
+            .serve_with_incoming_shutdown(
+                tonic::transport::server::TcpIncoming::from(grpc_listener).with_nodelay(Some(true)),
+                async move {
+                    let _ = shutdown.changed().await;
+                },
+            ),
+    );
+    Ok((grpc_addr, grpc))
+}
+
+/// The HTTP server (metrics, health, the admin pages), bound and serving until `shutdown`.
+async fn serve_http(
+    config: &Config,
+    state: http::HttpState,
+    mut shutdown: watch::Receiver<bool>,
+) -> Result<(SocketAddr, JoinHandle<std::io::Result<()>>), DaemonError> {
+    let http_listener = listen("metrics", &config.server.metrics_addr).await?;
+    let metrics_addr = http_listener
+        .local_addr()
+        .map_err(|source| DaemonError::Listen {
+            what: "metrics",
+            addr: config.server.metrics_addr.clone(),
+            source,
+        })?;
+    let app = http::app(state);
+    let http = tokio::spawn(async move {
+        axum::serve(http_listener, app)
+            .with_graceful_shutdown(async move {
+                let _ = shutdown.changed().await;
+            })
+            .await
+    });
+    Ok((metrics_addr, http))
+}
+
+/// The endpoint picker, when it is enabled (`setup`), bound and serving until `shutdown`.
+async fn start_picker(
+    config: &Config,
+    setup: Option<crate::picker::PickerSetup>,
+    shutdown: watch::Receiver<bool>,
+) -> Result<Option<crate::picker::RunningPicker>, DaemonError> {
+    Ok(match setup {
+        Some(picker_setup) => {
+            let addr = &config.endpoint_picker.addr;
+            let listener = listen("endpoint picker", addr).await?;
+            let builder = picker_builder(config)?;
+            let started = crate::picker::start(config, picker_setup, listener, builder, shutdown)
+                .await
+                .map_err(|source| DaemonError::Listen {
+                    what: "endpoint picker",
+                    addr: addr.clone(),
+                    source,
+                })?;
+            Some(started)
+        }
+        None => None,
     })
 }
 

@@ -2,18 +2,18 @@
 //!
 //! glibc's allocator keeps the pages of freed small allocations in its arenas: after Redis was
 //! down and the append queue held hundreds of megabytes of entries, the process's resident
-//! memory stays at that high-water mark although the queue is empty again (the one-hour soak:
-//! 390 MB before the first restart, 683 MB after, never lower). [`release_free_heap`] asks the
+//! memory stays at that high-water mark although the queue is empty again (the one-hour soak of
+//! a glibc build never came back below its peak). [`release_free_heap`] asks the
 //! allocator to return what is free (`malloc_trim(0)`); it is called once a large backlog has
 //! drained, never on a hot path. Steady work leaves free pages behind too (pods joining and
-//! leaving, batches decoded and dropped): the soak saw RSS climb 50-70 MB in ten minutes with
-//! the index's own bytes flat, all of it returned by the next trim. [`trim_periodically`] trims
+//! leaving, batches decoded and dropped): in the soak RSS climbed with the index's own bytes
+//! flat, and the next trim returned all of it. [`trim_periodically`] trims
 //! once a minute when resident memory has grown by [`TRIM_GROWTH`] since the last trim.
 //!
 //! The binary's allocator is mimalloc (feature `mimalloc`, on by default; `src/main.rs`),
-//! which returns freed pages by itself: in the shortened soak (two Redis outages, 2026-11-26,
-//! docs/benchmarks.md) replica r1 came back to 113-130 MiB within 20 s of each drained backlog
-//! with these trims and without them alike. So with that feature nothing here runs
+//! which returns freed pages by itself: a replica came back to the same resident memory after
+//! each drained backlog with these trims and without them alike (docs/benchmarks.md, "The
+//! allocator, and memory over time"). So with that feature nothing here runs
 //! ([`TRIM_NEEDED`] is false); a build without it (glibc) keeps both triggers.
 
 use std::time::Duration;

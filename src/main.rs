@@ -3,8 +3,8 @@
 mod cli;
 
 /// The allocator (feature `mimalloc`, on by default): glibc's moving mmap threshold and
-/// fresh-mapping faults cost the index a third of its apply rate at 1,024 pods, and glibc keeps
-/// freed pages until trimmed; mimalloc does neither (docs/benchmarks.md, "Today, and the allocator").
+/// fresh-mapping faults slow the index's apply as it grows, and glibc keeps freed pages until
+/// trimmed; mimalloc does neither (docs/benchmarks.md, "The allocator, and memory over time").
 #[cfg(feature = "mimalloc")]
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;

@@ -1,5 +1,6 @@
 //! The reference docs cover what the code has: every configuration field in
-//! `docs/configuration.md`, every metric in `docs/metrics.md`.
+//! `docs/configuration.md`, every metric in `docs/metrics.md`; and the files the README and the
+//! architecture, benchmark and testing pages name exist.
 
 use kv_indexer::config::Config;
 
@@ -82,4 +83,57 @@ fn every_metric_is_documented() {
         .filter(|n| !doc.contains(&format!("`{n}`")))
         .collect();
     assert!(missing.is_empty(), "undocumented metrics: {missing:?}");
+}
+
+/// Repository paths named in backticks in `text` (words starting with a top-level folder),
+/// that do not exist under `root`.
+fn missing_paths(root: &std::path::Path, text: &str) -> Vec<String> {
+    const ROOTS: [&str; 7] = [
+        "src/", "crates/", "tests/", "docs/", "benches/", "deploy/", "fuzz/",
+    ];
+    let mut missing = Vec::new();
+    for quoted in text.split('`').skip(1).step_by(2) {
+        for word in quoted.split_whitespace() {
+            let path = word.trim_end_matches([',', ';', ':', ')', '.']);
+            // Patterns, and what a build makes, are not files of the repository.
+            let pattern = path.contains(['{', '*', '<']) || path.contains("/target/");
+            if ROOTS.iter().any(|r| path.starts_with(r)) && !pattern && !root.join(path).exists() {
+                missing.push(path.to_owned());
+            }
+        }
+    }
+    missing
+}
+
+/// The README and the architecture, benchmark and testing pages name files a reader opens:
+/// each exists.
+#[test]
+fn every_path_the_reference_pages_name_exists() {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+    for page in [
+        "README.md",
+        "docs/architecture.md",
+        "docs/benchmarks.md",
+        "docs/testing.md",
+    ] {
+        let text = read(page);
+        let named = text
+            .split('`')
+            .skip(1)
+            .step_by(2)
+            .filter(|q| q.starts_with("src/"))
+            .count();
+        assert!(
+            page != "docs/architecture.md" || named > 20,
+            "{page} names the files: {named}"
+        );
+        let missing = missing_paths(root, &text);
+        assert!(
+            missing.is_empty(),
+            "{page} names paths that do not exist: {missing:?}"
+        );
+    }
+    // Negative control: a moved file is found.
+    let moved = "the walk starts in `src/ingest/sockets.rs`, then `src/ingest/socket.rs`.";
+    assert_eq!(missing_paths(root, moved), ["src/ingest/socket.rs"]);
 }

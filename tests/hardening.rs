@@ -303,6 +303,7 @@ async fn oversize_prompts_and_chats_are_refused_before_any_work() {
     // before counting them would take about 15 s (4,096 short messages were answered whole in
     // 0.21 s). The bound, 10x the encoding plus 250 ms, is that wide so that a busy machine
     // passes and only such work fails it.
+    // Every time bound of the suite, and what finds a 2x slowdown instead: docs/testing.md.
     for (what, refused, encoded) in [
         ("prompt", prompt_refused, prompt_encoding),
         ("chat", chat_refused, chat_encoding),

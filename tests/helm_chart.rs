@@ -646,7 +646,7 @@ fn the_endpoint_picker_port_and_configuration_appear_only_when_enabled() {
     assert_eq!(picker.metrics_url_template, "http://{pod}/metrics");
     assert_eq!(picker.metrics_interval.to_string(), "50ms");
     let w = &picker.weights;
-    assert_eq!((w.prefix, w.queue, w.kv_cache_utilization), (3.0, 2.0, 2.0));
+    assert_eq!(w.0, [3.0, 2.0, 2.0], "prefix, queue, kvCacheUtilization");
 
     // Its settings follow the values.
     let by_kind = check_types(&render(json!({"endpointPicker": {
@@ -696,7 +696,7 @@ fn the_endpoint_picker_port_and_configuration_appear_only_when_enabled() {
     );
     assert_eq!(picker.metrics_stale_after.to_string(), "2s");
     assert_eq!(picker.addr, "0.0.0.0:9102");
-    assert_eq!(picker.weights.queue, 0.0);
+    assert_eq!(picker.weights.get("queue"), Some(0.0));
     assert_eq!(picker.metrics_interval.to_string(), "200ms");
     let ports = by_kind["Service"]["spec"]["ports"].to_string();
     assert!(ports.contains("9102") && !ports.contains("9002"), "{ports}");

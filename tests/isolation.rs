@@ -227,6 +227,7 @@ async fn a_pod_whose_gap_fill_hangs_does_not_delay_the_others() {
     // machine's scheduling stays far below the bound (the worst seen beside the broken pods
     // was 0.35 s with other builds on the machine, 0.41 s earlier under three CPU hogs); only
     // a build whose healthy pod waits for a fill fails it.
+    // Every time bound of the suite, and what finds a 2x slowdown instead: docs/testing.md.
     let bound = alone_worst + Duration::from_millis(REPLAY_TIMEOUT_MS / 2);
     assert!(
         worst < bound,

@@ -5,7 +5,7 @@
 //!
 //! - bind mode, publishers on different replicas: every replica's ScorePods agrees soon after
 //!   an event (p99 over thousands, through the log against the replica that received it:
-//!   within 10x its p99 plus 250 ms), and the indexes end identical;
+//!   within 3x its p99 plus 100 ms), and the indexes end identical;
 //! - SIGKILL of a replica process holding ~1M memberships, then a restart: ready and agreeing
 //!   within 5 s, blocks stored before the kill (and never again) included;
 //! - Redis killed for 10 s under load: every replica keeps serving, and all agree within 10 s
@@ -349,10 +349,13 @@ async fn bind_mode_replicas_agree_soon_after_each_event() {
     // that received them, same run. Debug build on a busy 2-core machine, 2026-11-26, two
     // runs: p99 41-57 ms through the log, 37-55 ms on the receiving replica (p50 9 vs 7 ms).
     // A log read that waits for a poll interval or a batch to fill, rather than for the next
-    // entry, adds up to its period to every event; the bound, 10x the receiving replica's p99
-    // plus 250 ms (0.6-0.8 s in those runs), is that wide so that a busy machine passes, and
-    // a period of a second fails it. Replication throughput: benches/replication-load.sh.
-    let bound = local_p99 * 10 + Duration::from_millis(250);
+    // entry, adds up to its period to every event; the bound, 3x the receiving replica's p99
+    // plus 100 ms (0.21-0.27 s in those runs), passes the measured ratio (1.0-1.1x; on
+    // 2026-11-27, with other builds running, 203 against 204 ms) and fails a read period of
+    // 250 ms (it was 10x + 250 ms, which only a period of a second failed). A 2x slowdown of
+    // the log's path is for benches/replication-load.sh to find, as is throughput
+    // (docs/testing.md).
+    let bound = local_p99 * 3 + Duration::from_millis(100);
     assert!(
         p99 <= bound,
         "replication lag p99 {p99:?}, {local_p99:?} on the receiving replica (bound {bound:?})"

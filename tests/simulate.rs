@@ -8,8 +8,9 @@ mod support;
 use std::cell::RefCell;
 use std::rc::Rc;
 
+use kv_core::PickWeights;
 use kv_core::{mix64, BlockHash, Indexer, IndexerSettings};
-use kv_lab::simulate::routers::{self, CapacityGuess, Router, RouterContext, Weights};
+use kv_lab::simulate::routers::{self, CapacityGuess, Router, RouterContext};
 use kv_lab::simulate::workloads::{MultiTurn, SharedPrefix};
 use kv_lab::simulate::{run, PodMetrics, PolicyReport, SimRequest, SimSettings};
 
@@ -33,11 +34,7 @@ fn total_prompt_tokens(requests: &[SimRequest]) -> u64 {
 }
 
 fn precise() -> Vec<Box<dyn Router>> {
-    vec![Box::new(routers::Precise::new(
-        Weights::LLM_D_PRECISE,
-        true,
-        1,
-    ))]
+    vec![Box::new(routers::Precise::new(PickWeights::LLM_D, true, 1))]
 }
 
 fn one(router: impl Router + 'static) -> Vec<Box<dyn Router>> {
@@ -113,22 +110,22 @@ fn every_policy_reports_consistent_figures() {
         || {
             Box::new(routers::ApproxPrefix::new(
                 CapacityGuess::Fixed(31_250),
-                Weights::EQUAL,
+                PickWeights::EQUAL,
                 1,
             ))
         },
         || {
             Box::new(routers::ApproxPrefix::new(
                 CapacityGuess::AutoTune,
-                Weights::EQUAL,
+                PickWeights::EQUAL,
                 1,
             ))
         },
         || Box::new(routers::Aibrix::default()),
         || Box::new(routers::LocalAi::default()),
         || Box::new(routers::Dynamo::new(1)),
-        || Box::new(routers::Precise::new(Weights::EQUAL, false, 1)),
-        || Box::new(routers::Precise::new(Weights::EQUAL, true, 1)),
+        || Box::new(routers::Precise::new(PickWeights::EQUAL, false, 1)),
+        || Box::new(routers::Precise::new(PickWeights::EQUAL, true, 1)),
     ];
     for make in policies {
         let report = run(&s, &requests, &mut [make()]);
@@ -189,7 +186,7 @@ fn precise_routing_without_events_falls_back_to_load() {
     let seeds = 1..=6u64;
     let (mut without_sum, mut random_sum) = (0.0, 0.0);
     for seed in seeds.clone() {
-        let nospec = || one(routers::Precise::new(Weights::LLM_D_PRECISE, false, seed));
+        let nospec = || one(routers::Precise::new(PickWeights::LLM_D, false, seed));
         let without = run(&blind, &requests, &mut nospec());
         let with = run(&settings(4), &requests, &mut nospec());
         let random = run(
@@ -246,7 +243,7 @@ fn approximate_routers_size_their_view_from_a_guess_or_the_reported_blocks_never
     };
     let fixed = Rc::new(RefCell::new(routers::ApproxPrefix::new(
         CapacityGuess::Fixed(31_250),
-        Weights::EQUAL,
+        PickWeights::EQUAL,
         1,
     )));
     run(
@@ -263,7 +260,7 @@ fn approximate_routers_size_their_view_from_a_guess_or_the_reported_blocks_never
     // 64-character blocks (16 tokens at 4 characters per token: one each).
     let tuned = Rc::new(RefCell::new(routers::ApproxPrefix::new(
         CapacityGuess::AutoTune,
-        Weights::EQUAL,
+        PickWeights::EQUAL,
         1,
     )));
     run(
@@ -351,12 +348,13 @@ fn the_approximate_scorer_looks_at_256_text_blocks_at_most() {
     let approx = |seed| -> Box<dyn Router> {
         Box::new(routers::ApproxPrefix::new(
             CapacityGuess::Fixed(31_250),
-            Weights::EQUAL,
+            PickWeights::EQUAL,
             seed,
         ))
     };
-    let precise =
-        |seed| -> Box<dyn Router> { Box::new(routers::Precise::new(Weights::EQUAL, true, seed)) };
+    let precise = |seed| -> Box<dyn Router> {
+        Box::new(routers::Precise::new(PickWeights::EQUAL, true, seed))
+    };
     assert_eq!(
         winners(264, &approx),
         [0, 1],

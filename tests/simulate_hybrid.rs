@@ -7,8 +7,9 @@
 
 mod support;
 
+use kv_core::PickWeights;
 use kv_lab::simulate::family::ModelFamily;
-use kv_lab::simulate::routers::{Precise, Router, Weights};
+use kv_lab::simulate::routers::{Precise, Router};
 use kv_lab::simulate::{run, PolicyReport, SimRequest, SimSettings};
 
 /// The simulator tests' small shared-prefix workload, seed 7.
@@ -29,7 +30,7 @@ fn settings(family: ModelFamily, blocks: usize) -> SimSettings {
 }
 
 fn precise(full_only: bool) -> Vec<Box<dyn Router>> {
-    let router = Precise::new(Weights::EQUAL, false, 1);
+    let router = Precise::new(PickWeights::EQUAL, false, 1);
     vec![Box::new(if full_only {
         router.full_attention_only()
     } else {

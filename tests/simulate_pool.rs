@@ -6,7 +6,8 @@
 
 mod support;
 
-use kv_lab::simulate::routers::{self, CapacityGuess, Router, Weights};
+use kv_core::PickWeights;
+use kv_lab::simulate::routers::{self, CapacityGuess, Router};
 use kv_lab::simulate::{run, PolicyReport, SimRequest, SimSettings};
 
 /// The small shared-prefix workload (24 system prompts x 5 questions), at `rate` requests per
@@ -26,17 +27,17 @@ fn span(requests: &[SimRequest]) -> f64 {
 }
 
 fn precise() -> Box<dyn Router> {
-    Box::new(routers::Precise::new(Weights::LLM_D_PRECISE, true, 1))
+    Box::new(routers::Precise::new(PickWeights::LLM_D, true, 1))
 }
 
 fn publishers() -> Box<dyn Router> {
-    Box::new(routers::Precise::new(Weights::LLM_D_PRECISE, true, 1).publishers_only())
+    Box::new(routers::Precise::new(PickWeights::LLM_D, true, 1).publishers_only())
 }
 
 fn approx() -> Box<dyn Router> {
     Box::new(routers::ApproxPrefix::new(
         CapacityGuess::Fixed(routers::APPROX_CAPACITY_GUESS),
-        Weights::EQUAL,
+        PickWeights::EQUAL,
         1,
     ))
 }

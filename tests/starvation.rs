@@ -1,7 +1,7 @@
 //! A few maximal prompts cannot starve short ones (over real sockets, the project's word-level
 //! tokenizer): eight concurrent 1 MB prompts run in the large-prompt lane while short prompts
 //! (about 1,000 tokens each, all different) keep being answered about as fast as without them
-//! (p99 within 10x the p99 of the same loop alone, earlier in the test, plus 250 ms).
+//! (p99 within 3x the p99 of the same loop alone, earlier in the test, plus 100 ms).
 
 mod support;
 
@@ -110,9 +110,11 @@ async fn short_prompts_are_answered_while_maximal_ones_are_tokenized() {
     // beside them 36 ms. In the lane (one thread of the pool's eight) a maximal prompt took
     // 1.0-1.7 s, answered 2.7 s to 12.2 s after they were sent. A build without the lane puts
     // them on all eight threads at once, and a short prompt waits until one of them ends:
-    // seconds. The bound, 10x the baseline p99 plus 250 ms, is that wide so that only such
-    // waiting fails it.
-    let bound = alone_p99 * 10 + Duration::from_millis(250);
+    // seconds. The bound, 3x the baseline p99 plus 100 ms, passes the measured ratio (1.1x;
+    // 1.9x on 2026-11-27 with other builds running) and fails a wait for a fraction of one
+    // maximal prompt (it was 10x + 250 ms); a 2x slowdown of the pool is for cargo bench
+    // --bench text to find (docs/testing.md).
+    let bound = alone_p99 * 3 + Duration::from_millis(100);
     assert!(
         p99 <= bound,
         "short prompts waited behind maximal ones: p99 {p99:?}, {alone_p99:?} alone (bound {bound:?})"

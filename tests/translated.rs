@@ -4,7 +4,9 @@
 //!
 //! - a replica killed with SIGKILL and started again (snapshot load, then the log) scores a
 //!   translated pod as the replica that heard it does, and a later removal by engine hash
-//!   reaches both;
+//!   reaches both. That the restart loaded a snapshot is asserted: it counts a snapshot
+//!   loaded and applies no log entry before it scores the pod, where the same replica's first
+//!   start (before the stores) got them from the log (the check's negative control);
 //! - a replica started after the events (the log alone, no snapshot yet) does the same.
 //!
 //! Without `redis-server` on PATH these tests say they were skipped (and fail under CI=true).
@@ -47,6 +49,27 @@ async fn scores(replica: &Process, tokens: &[u32], pod: &str, want: u32, within:
             replica.grpc
         );
         tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+}
+
+/// Whether `replica` came by what it holds from a snapshot: it counted a snapshot loaded and
+/// applied no log entry (another replica's message) to get there. `Err` says how it did.
+async fn from_a_snapshot(replica: &Process) -> Result<(), String> {
+    let page = replica.metrics_text().await;
+    let loaded = support::metric(
+        &page,
+        "kvindexer_replication_snapshots_total{operation=\"load\",result=\"ok\"}",
+    );
+    let applied = support::metric(
+        &page,
+        "kvindexer_replication_log_entries_total{outcome=\"applied\"}",
+    );
+    match (loaded, applied) {
+        (l, 0.0) if l >= 1.0 => Ok(()),
+        _ => Err(format!(
+            "{} loaded {loaded} snapshots and applied {applied} log entries",
+            replica.grpc
+        )),
     }
 }
 
@@ -169,9 +192,21 @@ async fn a_sigkilled_replica_scores_translated_pods_as_the_replica_that_heard_th
     let pod = t.pod;
     let before = listed(&b, pod).await.expect("listed on B");
     assert_eq!(before.0, "translated", "{before:?}");
+    // The negative control of the check below: started before the stores, B got them from
+    // the log, as a replica rebuilt from the log alone does, and the check says so.
+    let rebuilt = from_a_snapshot(&b).await;
+    assert!(
+        rebuilt.is_err(),
+        "a replica fed by the log passes for one restored from a snapshot"
+    );
     b.kill();
     b = t.start_b().await;
     scores(&b, &t.s.tokens, pod, held, Duration::from_secs(10)).await;
+    // The restart loaded a snapshot that held the stores: no log entry was applied to get
+    // them back.
+    if let Err(how) = from_a_snapshot(&b).await {
+        panic!("the restarted replica did not restore the pod from a snapshot: {how}");
+    }
     assert_eq!(
         listed(&b, pod).await,
         Some(before.clone()),

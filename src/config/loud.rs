@@ -68,12 +68,16 @@ impl Config {
     /// Settings that are inert in this configuration, each with the field that names it.
     pub fn warnings(&self) -> Vec<ConfigWarning> {
         let mut out = Vec::new();
-        let mut warn = |field: &str, message: &str| {
-            out.push(ConfigWarning {
-                field: field.to_owned(),
-                message: message.to_owned(),
-            })
-        };
+        self.event_warnings(&mut out);
+        self.scoring_warnings(&mut out);
+        self.tokenizer_and_model_warnings(&mut out);
+        self.endpoint_picker.warnings(&mut out);
+        out
+    }
+
+    /// The index's and the events' inert settings.
+    fn event_warnings(&self, out: &mut Vec<ConfigWarning>) {
+        let mut warn = |field: &str, message: &str| push(out, field, message);
         let mem = &self.indexer_config.kv_block_index_config.in_memory_config;
         if mem.engine == Some(super::RetiredEngine::Runs) {
             warn(
@@ -113,9 +117,15 @@ impl Config {
                 );
             }
         }
+    }
+
+    /// The server's and scoring's inert settings (recorded routings' bounds with nothing
+    /// recorded).
+    fn scoring_warnings(&self, out: &mut Vec<ConfigWarning>) {
         let server = &self.server;
         if !server.enable_admin_rpcs && !server.admin_token.is_empty() {
-            warn(
+            push(
+                out,
                 "server.adminToken",
                 "is set (or KVINDEXER_ADMIN_TOKEN) but server.enableAdminRpcs is false: the \
                  admin RPCs stay off",
@@ -124,35 +134,42 @@ impl Config {
         let scoring = &self.scoring;
         let scoring_defaults = super::ScoringConfig::default();
         let recorded = server.enable_record_routing || self.endpoint_picker.enabled;
-        if !recorded && !self.replication.enabled {
-            for (field, set) in [
-                (
-                    "scoring.speculativeTtl",
-                    scoring.speculative_ttl != scoring_defaults.speculative_ttl,
-                ),
-                (
-                    "scoring.speculativePodBlocks",
-                    scoring.speculative_pod_blocks != scoring_defaults.speculative_pod_blocks,
-                ),
-                (
-                    "scoring.speculativeMaxBlocks",
-                    scoring.speculative_max_blocks != scoring_defaults.speculative_max_blocks,
-                ),
-                (
-                    "scoring.tierWeights.speculative",
-                    scoring.tier_weights.speculative != scoring_defaults.tier_weights.speculative,
-                ),
-            ] {
-                if set {
-                    warn(
-                        field,
-                        "applies to recorded routings, and server.enableRecordRouting and \
-                         endpointPicker.enabled are false (and no replica shares its log): none \
-                         are recorded",
-                    );
-                }
+        if recorded || self.replication.enabled {
+            return;
+        }
+        for (field, set) in [
+            (
+                "scoring.speculativeTtl",
+                scoring.speculative_ttl != scoring_defaults.speculative_ttl,
+            ),
+            (
+                "scoring.speculativePodBlocks",
+                scoring.speculative_pod_blocks != scoring_defaults.speculative_pod_blocks,
+            ),
+            (
+                "scoring.speculativeMaxBlocks",
+                scoring.speculative_max_blocks != scoring_defaults.speculative_max_blocks,
+            ),
+            (
+                "scoring.tierWeights.speculative",
+                scoring.tier_weights.speculative != scoring_defaults.tier_weights.speculative,
+            ),
+        ] {
+            if set {
+                push(
+                    out,
+                    field,
+                    "applies to recorded routings, and server.enableRecordRouting and \
+                     endpointPicker.enabled are false (and no replica shares its log): none \
+                     are recorded",
+                );
             }
         }
+    }
+
+    /// The tokenizers' and the models' inert settings.
+    fn tokenizer_and_model_warnings(&self, out: &mut Vec<ConfigWarning>) {
+        let mut warn = |field: &str, message: &str| push(out, field, message);
         let pool = &self.indexer_config.tokenizers_pool_config;
         if pool.offline && !pool.hugging_face_token.is_empty() {
             warn(
@@ -186,9 +203,10 @@ impl Config {
                 );
             }
         }
-        if !ev.allowed_models.is_empty() {
+        let allowed = &self.kv_events_config.allowed_models;
+        if !allowed.is_empty() {
             for model in self.models.keys() {
-                if !ev.allowed_models.contains(model) {
+                if !allowed.contains(model) {
                     warn(
                         &format!("models.{model}"),
                         "is not in kvEventsConfig.allowedModels: its events are refused, so \
@@ -197,7 +215,13 @@ impl Config {
                 }
             }
         }
-        self.endpoint_picker.warnings(&mut out);
-        out
     }
+}
+
+/// Adds the warning that `field` does nothing, and why.
+fn push(out: &mut Vec<ConfigWarning>, field: &str, message: &str) {
+    out.push(ConfigWarning {
+        field: field.to_owned(),
+        message: message.to_owned(),
+    });
 }

@@ -27,8 +27,9 @@ pub struct EndpointPickerConfig {
     pub metrics_interval: ConfigDuration,
     /// Metrics older than this are stale: picks fall back to the index alone (counted).
     pub metrics_stale_after: ConfigDuration,
-    /// The scorers' weights.
-    pub weights: PickWeightsConfig,
+    /// The scorers' weights, by scorer name (`kv_core::SCORERS`; one left out keeps its
+    /// default, llm-d's 3:2:2).
+    pub weights: kv_core::PickWeights,
     /// Request bodies larger than this are refused with 400 (as GIE's EPP, 10 MiB).
     pub max_body_bytes: usize,
     /// Requests being picked at once at most; beyond, 429 (shedding).
@@ -137,39 +138,6 @@ impl PickerTlsConfig {
     }
 }
 
-/// The scorers' weights (llm-d's default profile: 3:2:2).
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
-#[serde(rename_all = "camelCase", deny_unknown_fields, default)]
-pub struct PickWeightsConfig {
-    /// The index's prefix score.
-    pub prefix: f64,
-    /// Waiting requests (`vllm:num_requests_waiting`).
-    pub queue: f64,
-    /// KV-cache usage (`vllm:kv_cache_usage_perc`).
-    pub kv_cache_utilization: f64,
-}
-
-impl Default for PickWeightsConfig {
-    fn default() -> Self {
-        let w = kv_core::PickWeights::default();
-        Self {
-            prefix: w.prefix,
-            queue: w.queue,
-            kv_cache_utilization: w.kv_cache_utilization,
-        }
-    }
-}
-
-impl From<&PickWeightsConfig> for kv_core::PickWeights {
-    fn from(w: &PickWeightsConfig) -> Self {
-        Self {
-            prefix: w.prefix,
-            queue: w.queue,
-            kv_cache_utilization: w.kv_cache_utilization,
-        }
-    }
-}
-
 impl Default for EndpointPickerConfig {
     fn default() -> Self {
         Self {
@@ -178,7 +146,7 @@ impl Default for EndpointPickerConfig {
             metrics_url_template: "http://{pod}/metrics".into(),
             metrics_interval: ConfigDuration::millis(50),
             metrics_stale_after: ConfigDuration::millis(500),
-            weights: PickWeightsConfig::default(),
+            weights: kv_core::PickWeights::default(),
             max_body_bytes: 10 << 20,
             max_in_flight: 1024,
             tls: PickerTlsConfig::default(),
@@ -220,7 +188,7 @@ impl EndpointPickerConfig {
                 "must be longer than metricsInterval",
             ));
         }
-        kv_core::PickWeights::from(&self.weights)
+        self.weights
             .check()
             .map_err(|e| invalid("endpointPicker.weights", e.to_string()))?;
         if self.max_body_bytes < 1024 {
@@ -354,10 +322,7 @@ mod tests {
         );
         c.validate().unwrap_or_else(|e| panic!("{e}"));
         assert!(c.endpoint_picker.enabled);
-        assert_eq!(
-            kv_core::PickWeights::from(&c.endpoint_picker.weights),
-            kv_core::PickWeights::default()
-        );
+        assert_eq!(c.endpoint_picker.weights, kv_core::PickWeights::default());
         assert!(!Config::default().endpoint_picker.enabled);
         assert!(c.warnings().is_empty(), "{:?}", c.warnings());
     }
@@ -474,6 +439,13 @@ mod tests {
             );
         }
         assert!(Config::from_yaml("endpointPicker: {bogus: 1}", "f").is_err());
+        // Weights name scorers of kv-core's list; another name is refused when read.
+        let e = Config::from_yaml("endpointPicker: {weights: {kv: 1}}", "f").err();
+        assert!(
+            e.as_ref()
+                .is_some_and(|e| e.to_string().contains("unknown scorer \"kv\"")),
+            "{e:?}"
+        );
         assert!(Config::from_yaml("endpointPicker: {pool: {name: p, bogus: 1}}", "f").is_err());
     }
 

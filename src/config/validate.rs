@@ -10,8 +10,19 @@ use super::{invalid, Config, ConfigError};
 const MAX_DIGEST_MEMO_BYTES: usize = 4 << 30;
 
 impl Config {
-    /// Checks every range; the error names the field.
+    /// Checks every range, section by section; the error names the field.
     pub fn validate(&self) -> Result<(), ConfigError> {
+        self.validate_indexer()?;
+        self.validate_events()?;
+        self.validate_server()?;
+        self.validate_scoring()?;
+        self.validate_models()?;
+        self.endpoint_picker.validate()?;
+        self.validate_replication()
+    }
+
+    /// `indexerConfig`: block sizes, the index's size and lanes, the tokenizers, `maxModels`.
+    fn validate_indexer(&self) -> Result<(), ConfigError> {
         let tp = &self.indexer_config.token_processor_config;
         check_block_sizes(
             "indexerConfig.tokenProcessorConfig",
@@ -65,6 +76,27 @@ impl Config {
                 "must be between 0 and 1",
             ));
         }
+        if mem.max_models == 0 || mem.max_models > 4096 {
+            return Err(invalid(
+                "indexerConfig.kvBlockIndexConfig.inMemoryConfig.maxModels",
+                "must be between 1 and 4096",
+            ));
+        }
+        if self.models.len() > mem.max_models {
+            return Err(invalid(
+                "models",
+                format!(
+                    "{} models are configured but maxModels is {}",
+                    self.models.len(),
+                    mem.max_models
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    /// `kvEventsConfig`: the workers, the queues, the endpoints, discovery, the pod filter.
+    fn validate_events(&self) -> Result<(), ConfigError> {
         let ev = &self.kv_events_config;
         if ev.concurrency == 0 || ev.concurrency > 1024 {
             return Err(invalid(
@@ -128,6 +160,19 @@ impl Config {
                 "no event source: kvEventsConfig.zmqEndpoint is empty, and no endpoints or discovery services are listed"
             );
         }
+        for (i, pattern) in ev.allowed_pods.iter().enumerate() {
+            if pattern.is_empty() || pattern.len() > super::MAX_POD_LEN {
+                return Err(invalid(
+                    format!("kvEventsConfig.allowedPods[{i}]"),
+                    "must be a non-empty pod pattern",
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// `server`: the listen addresses, the request limits, TLS and the admin token.
+    fn validate_server(&self) -> Result<(), ConfigError> {
         for (field, addr) in [
             ("server.grpcAddr", &self.server.grpc_addr),
             ("server.metricsAddr", &self.server.metrics_addr),
@@ -169,31 +214,11 @@ impl Config {
                  (set server.adminToken or KVINDEXER_ADMIN_TOKEN, from a Secret)",
             ));
         }
-        for (i, pattern) in ev.allowed_pods.iter().enumerate() {
-            if pattern.is_empty() || pattern.len() > super::MAX_POD_LEN {
-                return Err(invalid(
-                    format!("kvEventsConfig.allowedPods[{i}]"),
-                    "must be a non-empty pod pattern",
-                ));
-            }
-        }
-        let mem = &self.indexer_config.kv_block_index_config.in_memory_config;
-        if mem.max_models == 0 || mem.max_models > 4096 {
-            return Err(invalid(
-                "indexerConfig.kvBlockIndexConfig.inMemoryConfig.maxModels",
-                "must be between 1 and 4096",
-            ));
-        }
-        if self.models.len() > mem.max_models {
-            return Err(invalid(
-                "models",
-                format!(
-                    "{} models are configured but maxModels is {}",
-                    self.models.len(),
-                    mem.max_models
-                ),
-            ));
-        }
+        Ok(())
+    }
+
+    /// `scoring`: tier weights, speculative entries, the digest memo.
+    fn validate_scoring(&self) -> Result<(), ConfigError> {
         let w = &self.scoring.tier_weights;
         for (name, v) in [
             ("gpu", w.gpu),
@@ -233,6 +258,12 @@ impl Config {
                 format!("must be at most {MAX_DIGEST_MEMO_BYTES} (4 GiB; 0 disables the memo)"),
             ));
         }
+        Ok(())
+    }
+
+    /// `models`: each model's block sizes and attention chunk.
+    fn validate_models(&self) -> Result<(), ConfigError> {
+        let tp = &self.indexer_config.token_processor_config;
         for (model, m) in &self.models {
             if model.is_empty() {
                 return Err(invalid("models", "a model name is empty"));
@@ -250,8 +281,7 @@ impl Config {
                 }
             }
         }
-        self.endpoint_picker.validate()?;
-        self.validate_replication()
+        Ok(())
     }
 
     fn validate_discovery(&self) -> Result<(), ConfigError> {

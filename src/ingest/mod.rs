@@ -81,33 +81,18 @@ use kv_core::Indexer;
 use thiserror::Error;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
-use zeromq::{Socket, SubSocket};
 
 use crate::config::KvEventsConfig;
 use crate::metrics::Metrics;
 use crate::warn_budget::{WarnBudget, WarnThrottle};
 use dispatch::{Dispatch, Shared};
-use jobs::GapFillRoute;
 
 /// Why ingestion could not start.
 #[derive(Debug, Error)]
 pub enum IngestError {
-    /// The bind-mode SUB socket could not bind.
-    #[error("binding {endpoint}: {source}")]
-    Bind {
-        /// The endpoint.
-        endpoint: String,
-        /// Why.
-        source: zeromq::ZmqError,
-    },
-    /// Subscribing failed.
-    #[error("subscribing on {endpoint}: {source}")]
-    Subscribe {
-        /// The endpoint.
-        endpoint: String,
-        /// Why.
-        source: zeromq::ZmqError,
-    },
+    /// The bind-mode SUB socket could not bind or subscribe.
+    #[error(transparent)]
+    Socket(#[from] sockets::SocketError),
     /// DNS discovery could not set up its resolver.
     #[error("connect-mode discovery: {0}")]
     Discovery(#[from] discovery::DiscoveryError),
@@ -208,47 +193,23 @@ async fn start_here(
     setup: IngestSetup,
     shutdown: watch::Receiver<bool>,
 ) -> Result<IngestHandle, IngestError> {
-    let IngestSetup {
-        indexer,
-        metrics,
-        publishers: restored,
-        log,
-        replica,
-    } = setup;
     let n = config.concurrency.max(1);
     let publishers = Arc::new(Publishers::new(n));
-    publishers.restore(restored);
-    let budget = inbox::Budget::new(config.queue_bytes, config.queue_bytes_per_pod);
-    let inboxes: Vec<Arc<inbox::Inbox>> = (0..n)
-        .map(|_| Arc::new(inbox::Inbox::new(budget.clone())))
-        .collect();
     let links = Arc::new(lifecycle::Links::default());
     let lifecycle = lifecycle::LifecycleSettings {
         grace_period: config.publisher_grace_period.0,
         idle_timeout: Some(config.publisher_idle_timeout.0).filter(|t| !t.is_zero()),
     };
-    let shared = Arc::new(Shared {
-        indexer,
-        metrics,
-        publishers: publishers.clone(),
-        filter: config.topic_filter.clone(),
-        allowed_models: config.allowed_models.clone(),
-        allowed_pods: config.allowed_pods.clone(),
-        gap_fill_timeout: Duration::from_millis(config.replay_timeout_ms),
-        gap_fill_slots: Arc::new(tokio::sync::Semaphore::new(
-            config.max_gap_fills_in_flight.max(1),
-        )),
-        frame_warn: WarnThrottle::default(),
-        decode_warn: WarnThrottle::default(),
-        gap_fill_warn: WarnThrottle::default(),
-        shed_warn: WarnThrottle::default(),
-        warn_budget: WarnBudget::default(),
-        links: links.clone(),
+    let shared = Arc::new(shared_state(
+        config,
+        setup,
+        (publishers.clone(), links.clone()),
         lifecycle,
-        log_stalled: std::sync::atomic::AtomicBool::new(log.is_some()),
-        log,
-        replica,
-    });
+    ));
+    let budget = inbox::Budget::new(config.queue_bytes, config.queue_bytes_per_pod);
+    let inboxes: Vec<Arc<inbox::Inbox>> = (0..n)
+        .map(|_| Arc::new(inbox::Inbox::new(budget.clone())))
+        .collect();
     let dispatch = Arc::new(Dispatch {
         shared: shared.clone(),
         workers: inboxes.clone(),
@@ -263,48 +224,10 @@ async fn start_here(
     let mut receivers = Vec::new();
     let mut bound_endpoint = None;
     if !config.zmq_endpoint.is_empty() {
-        let endpoint = topic::bindable(&config.zmq_endpoint);
-        let mut socket = SubSocket::new();
-        receivers.push(tokio::spawn(lifecycle::follow_bind_monitor(
-            socket.monitor(),
-            links.clone(),
-            shutdown.clone(),
-        )));
-        let bound = socket
-            .bind(&endpoint)
-            .await
-            .map_err(|source| IngestError::Bind {
-                endpoint: endpoint.clone(),
-                source,
-            })?;
-        socket
-            .subscribe(&config.topic_filter)
-            .await
-            .map_err(|source| IngestError::Subscribe {
-                endpoint: endpoint.clone(),
-                source,
-            })?;
-        tracing::info!(endpoint = %bound, filter = %config.topic_filter, "bind mode: SUB socket bound; vLLM pods connect here");
-        bound_endpoint = Some(bound.to_string());
-        let gap_fill = if config.replay_endpoint_template.is_empty() {
-            GapFillRoute::None
-        } else {
-            GapFillRoute::Template(config.replay_endpoint_template.as_str().into())
-        };
-        let source = sockets::Source {
-            pod: "".into(),
-            model: "".into(),
-            gap_fill,
-            label: bound.to_string().into(),
-            link: None,
-        };
-        receivers.push(tokio::spawn(sockets::receive(
-            socket,
-            source,
-            None,
-            dispatch.clone(),
-            shutdown.clone(),
-        )));
+        let (bound, tasks) =
+            sockets::bind_and_receive(config, links.clone(), dispatch.clone(), &shutdown).await?;
+        bound_endpoint = Some(bound);
+        receivers.extend(tasks);
     }
     for ep in &config.endpoints {
         receivers.push(tokio::spawn(sockets::connect_and_receive(
@@ -359,4 +282,44 @@ async fn start_here(
         dispatch: Some(dispatch),
         runtime: None,
     })
+}
+
+/// The state receivers and workers share: the config's settings and what ingestion starts
+/// from (the publisher states a snapshot restored go into `publishers`).
+fn shared_state(
+    config: &KvEventsConfig,
+    setup: IngestSetup,
+    (publishers, links): (Arc<Publishers>, Arc<lifecycle::Links>),
+    lifecycle: lifecycle::LifecycleSettings,
+) -> Shared {
+    let IngestSetup {
+        indexer,
+        metrics,
+        publishers: restored,
+        log,
+        replica,
+    } = setup;
+    publishers.restore(restored);
+    Shared {
+        indexer,
+        metrics,
+        publishers,
+        filter: config.topic_filter.clone(),
+        allowed_models: config.allowed_models.clone(),
+        allowed_pods: config.allowed_pods.clone(),
+        gap_fill_timeout: Duration::from_millis(config.replay_timeout_ms),
+        gap_fill_slots: Arc::new(tokio::sync::Semaphore::new(
+            config.max_gap_fills_in_flight.max(1),
+        )),
+        frame_warn: WarnThrottle::default(),
+        decode_warn: WarnThrottle::default(),
+        gap_fill_warn: WarnThrottle::default(),
+        shed_warn: WarnThrottle::default(),
+        warn_budget: WarnBudget::default(),
+        links,
+        lifecycle,
+        log_stalled: std::sync::atomic::AtomicBool::new(log.is_some()),
+        log,
+        replica,
+    }
 }

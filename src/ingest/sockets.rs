@@ -1,17 +1,47 @@
-//! The ZMQ side: bind-mode and connect-mode SUB sockets, and the dispatch of each well-formed
-//! message to its pod's worker queue.
+//! The ZMQ side: bind-mode and connect-mode SUB sockets side by side, and the dispatch of each
+//! well-formed message to its pod's worker queue.
+//!
+//! - bind mode ([`bind_and_receive`]): one SUB socket binds `zmqEndpoint` and vLLM pods connect
+//!   to it; the pod and model come from each message's topic; a pod's link (how its leaving is
+//!   noticed) is the address its id names, followed on the socket's monitor;
+//! - connect mode ([`connect_and_receive`]): one SUB socket per listed (or discovered) pod
+//!   endpoint, dialling with backoff in the background so a pod that is down never blocks the
+//!   daemon; the link is the socket itself.
 
 use std::sync::Arc;
 use std::time::Duration;
 
+use thiserror::Error;
 use tokio::sync::watch;
+use tokio::task::JoinHandle;
 use zeromq::{Socket, SocketRecv, SubSocket, ZmqMessage};
 
 use super::dispatch::{Dispatch, Shared};
 use super::jobs::{GapFillRoute, Job, Message, Via};
-use super::lifecycle::{ConnectMonitor, Link};
+use super::lifecycle::{self, ConnectMonitor, Link, Links};
 use super::topic;
-use crate::config::ConnectEndpoint;
+use crate::config::{ConnectEndpoint, KvEventsConfig};
+
+/// Why the bind-mode socket could not start.
+#[derive(Debug, Error)]
+pub enum SocketError {
+    /// The bind-mode SUB socket could not bind.
+    #[error("binding {endpoint}: {source}")]
+    Bind {
+        /// The endpoint.
+        endpoint: String,
+        /// Why.
+        source: zeromq::ZmqError,
+    },
+    /// Subscribing failed.
+    #[error("subscribing on {endpoint}: {source}")]
+    Subscribe {
+        /// The endpoint.
+        endpoint: String,
+        /// Why.
+        source: zeromq::ZmqError,
+    },
+}
 
 /// How a receiver names the messages it gets.
 #[derive(Clone)]
@@ -27,6 +57,53 @@ pub(super) struct Source {
     /// Connect mode: the link of every pod this socket brings (this socket). `None` in bind
     /// mode: each pod's link is the address its id names.
     pub(super) link: Option<Link>,
+}
+
+/// Bind mode: binds `zmqEndpoint` and subscribes; returns the bound endpoint (its port
+/// resolved) and the tasks that follow the socket (its monitor, for the pods' links, and its
+/// receiver).
+pub(super) async fn bind_and_receive(
+    config: &KvEventsConfig,
+    links: Arc<Links>,
+    dispatch: Arc<Dispatch>,
+    shutdown: &watch::Receiver<bool>,
+) -> Result<(String, Vec<JoinHandle<()>>), SocketError> {
+    let endpoint = topic::bindable(&config.zmq_endpoint);
+    let mut socket = SubSocket::new();
+    let monitor = tokio::spawn(lifecycle::follow_bind_monitor(
+        socket.monitor(),
+        links,
+        shutdown.clone(),
+    ));
+    let bound = socket
+        .bind(&endpoint)
+        .await
+        .map_err(|source| SocketError::Bind {
+            endpoint: endpoint.clone(),
+            source,
+        })?;
+    socket
+        .subscribe(&config.topic_filter)
+        .await
+        .map_err(|source| SocketError::Subscribe {
+            endpoint: endpoint.clone(),
+            source,
+        })?;
+    tracing::info!(endpoint = %bound, filter = %config.topic_filter, "bind mode: SUB socket bound; vLLM pods connect here");
+    let gap_fill = if config.replay_endpoint_template.is_empty() {
+        GapFillRoute::None
+    } else {
+        GapFillRoute::Template(config.replay_endpoint_template.as_str().into())
+    };
+    let source = Source {
+        pod: "".into(),
+        model: "".into(),
+        gap_fill,
+        label: bound.to_string().into(),
+        link: None,
+    };
+    let receiver = tokio::spawn(receive(socket, source, None, dispatch, shutdown.clone()));
+    Ok((bound.to_string(), vec![monitor, receiver]))
 }
 
 /// Connect mode: dials the pod until it answers (with backoff), then receives. `link` is

@@ -10,15 +10,11 @@ use super::registry::{counter, counter_vec, gauge, gauge_vec, Labels};
 /// Event intake and application.
 pub struct IngestMetrics {
     labels: Arc<Labels>,
-    messages_received: IntCounterVec,
-    events_received: IntCounterVec,
+    /// The series labelled by pod (removed when the pod is forgotten).
+    pod: PodSeries,
     decode_errors: IntCounterVec,
     frame_errors: IntCounterVec,
-    sequence_gaps: IntCounterVec,
-    messages_lost: IntCounterVec,
     gap_fills: IntCounterVec,
-    pod_restarts: IntCounterVec,
-    hash_checks: IntCounterVec,
     blocks_applied: IntCounterVec,
     events_skipped: IntCounterVec,
     messages_shed: IntCounterVec,
@@ -29,13 +25,22 @@ pub struct IngestMetrics {
     publishers: IntGaugeVec,
     pods_forgotten: IntCounterVec,
     blocks_dropped: IntCounterVec,
+}
+
+/// Ingest's series labelled by pod: what [`IngestMetrics::forgotten`] removes.
+struct PodSeries {
+    messages_received: IntCounterVec,
+    events_received: IntCounterVec,
+    sequence_gaps: IntCounterVec,
+    messages_lost: IntCounterVec,
+    pod_restarts: IntCounterVec,
+    hash_checks: IntCounterVec,
     rank_errors: IntCounterVec,
 }
 
-impl IngestMetrics {
-    pub(super) fn new(r: &Registry, labels: Arc<Labels>) -> Self {
+impl PodSeries {
+    fn new(r: &Registry) -> Self {
         Self {
-            labels,
             messages_received: counter_vec(
                 r,
                 "kvindexer_zmq_messages_received_total",
@@ -47,18 +52,6 @@ impl IngestMetrics {
                 "kvindexer_events_received_total",
                 "KV events received",
                 &["pod", "type"],
-            ),
-            decode_errors: counter_vec(
-                r,
-                "kvindexer_decode_errors_total",
-                "Event payloads that failed to decode",
-                &["reason"],
-            ),
-            frame_errors: counter_vec(
-                r,
-                "kvindexer_frame_errors_total",
-                "ZMQ messages dropped before decoding",
-                &["reason"],
             ),
             sequence_gaps: counter_vec(
                 r,
@@ -72,13 +65,6 @@ impl IngestMetrics {
                 "Messages missing after gap fill from vLLM's replay buffer (or without it)",
                 &["pod"],
             ),
-            // vLLM calls its gap-fill socket the replay endpoint; the metric keeps that name.
-            gap_fills: counter_vec(
-                r,
-                "kvindexer_replays_total",
-                "Gap-fill requests to vLLM's replay socket",
-                &["result"],
-            ),
             pod_restarts: counter_vec(
                 r,
                 "kvindexer_pod_restarts_total",
@@ -90,6 +76,40 @@ impl IngestMetrics {
                 "kvindexer_hash_checks_total",
                 "Root-block hashes recomputed from event tokens",
                 &["pod", "model", "result"],
+            ),
+            rank_errors: counter_vec(
+                r,
+                "kvindexer_rank_errors_total",
+                "Messages dropped because their data_parallel_rank was out of range, by publisher",
+                &["pod"],
+            ),
+        }
+    }
+}
+
+impl IngestMetrics {
+    pub(super) fn new(r: &Registry, labels: Arc<Labels>) -> Self {
+        Self {
+            labels,
+            pod: PodSeries::new(r),
+            decode_errors: counter_vec(
+                r,
+                "kvindexer_decode_errors_total",
+                "Event payloads that failed to decode",
+                &["reason"],
+            ),
+            frame_errors: counter_vec(
+                r,
+                "kvindexer_frame_errors_total",
+                "ZMQ messages dropped before decoding",
+                &["reason"],
+            ),
+            // vLLM calls its gap-fill socket the replay endpoint; the metric keeps that name.
+            gap_fills: counter_vec(
+                r,
+                "kvindexer_replays_total",
+                "Gap-fill requests to vLLM's replay socket",
+                &["result"],
             ),
             blocks_applied: counter_vec(
                 r,
@@ -148,12 +168,6 @@ impl IngestMetrics {
                 "Blocks received and not indexed, and removals that found nothing, by reason",
                 &["reason"],
             ),
-            rank_errors: counter_vec(
-                r,
-                "kvindexer_rank_errors_total",
-                "Messages dropped because their data_parallel_rank was out of range, by publisher",
-                &["pod"],
-            ),
         }
     }
 
@@ -172,21 +186,22 @@ impl IngestMetrics {
             return; // reported as "_other": nothing of its own to remove
         };
         for vec in [
-            &self.messages_received,
-            &self.sequence_gaps,
-            &self.messages_lost,
-            &self.pod_restarts,
-            &self.rank_errors,
+            &self.pod.messages_received,
+            &self.pod.sequence_gaps,
+            &self.pod.messages_lost,
+            &self.pod.pod_restarts,
+            &self.pod.rank_errors,
         ] {
             let _ = vec.remove_label_values(&[&label]);
         }
         for ty in ["BlockStored", "BlockRemoved", "AllBlocksCleared", "unknown"] {
-            let _ = self.events_received.remove_label_values(&[&label, ty]);
+            let _ = self.pod.events_received.remove_label_values(&[&label, ty]);
         }
         for model in models {
             let model = self.labels.model(model);
             for result in ["match", "mismatch"] {
                 let _ = self
+                    .pod
                     .hash_checks
                     .remove_label_values(&[&label, &model, result]);
             }
@@ -195,7 +210,8 @@ impl IngestMetrics {
 
     /// A well-formed message arrived from `pod`.
     pub fn received(&self, pod: &str) {
-        self.messages_received
+        self.pod
+            .messages_received
             .with_label_values(&[&self.labels.pod(pod)])
             .inc();
     }
@@ -226,7 +242,8 @@ impl IngestMetrics {
 
     /// A message of `pod` named a data-parallel rank out of range (dropped).
     pub fn rank_error(&self, pod: &str) {
-        self.rank_errors
+        self.pod
+            .rank_errors
             .with_label_values(&[&self.labels.pod(pod)])
             .inc();
     }
@@ -256,14 +273,16 @@ impl IngestMetrics {
 
     /// A publisher's sequence went backwards.
     pub fn restart(&self, pod: &str) {
-        self.pod_restarts
+        self.pod
+            .pod_restarts
             .with_label_values(&[&self.labels.pod(pod)])
             .inc();
     }
 
     /// A publisher's sequence jumped.
     pub fn gap(&self, pod: &str) {
-        self.sequence_gaps
+        self.pod
+            .sequence_gaps
             .with_label_values(&[&self.labels.pod(pod)])
             .inc();
     }
@@ -271,7 +290,8 @@ impl IngestMetrics {
     /// `n` messages of `pod` are lost for good.
     pub fn lost(&self, pod: &str, n: u64) {
         if n > 0 {
-            self.messages_lost
+            self.pod
+                .messages_lost
                 .with_label_values(&[&self.labels.pod(pod)])
                 .inc_by(n);
         }
@@ -307,7 +327,8 @@ impl IngestMetrics {
             ("unknown", report.unknown_events),
         ] {
             if n > 0 {
-                self.events_received
+                self.pod
+                    .events_received
                     .with_label_values(&[&pod_label, ty])
                     .inc_by(u64::from(n));
             }
@@ -335,7 +356,8 @@ impl IngestMetrics {
                 ("match", report.hash_matches),
                 ("mismatch", report.hash_mismatches),
             ] {
-                self.hash_checks
+                self.pod
+                    .hash_checks
                     .with_label_values(&[&pod_label, &model_label, result])
                     .inc_by(u64::from(n));
             }

@@ -140,7 +140,7 @@ pub async fn start(
         pool: setup.pool.clone(),
         metrics: setup.metrics,
         settings: PickSettings {
-            weights: (&cfg.weights).into(),
+            weights: cfg.weights,
             max_metrics_age: cfg.metrics_stale_after.0,
             prefix: PrefixNormalisation::MinMax,
         },

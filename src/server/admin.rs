@@ -71,17 +71,7 @@ impl KvIndexerApi {
                     .unwrap_or_default();
                 let last_sequence = publisher.last_seq.map_or(-1, |s| s as i64);
                 let check = checks.get(&key.pod).cloned().unwrap_or_default();
-                let (state, state_since, last_message) = match presence.get(&key.pod) {
-                    Some(&(p, last)) => {
-                        let (state, since) = match p {
-                            Presence::Live => (kvindexer_v1::PodState::Live, None),
-                            Presence::Idle(t) => (kvindexer_v1::PodState::Idle, Some(t)),
-                            Presence::Gone(t) => (kvindexer_v1::PodState::Gone, Some(t)),
-                        };
-                        (state, since.map_or(0, unix_ms), unix_ms(last))
-                    }
-                    None => (kvindexer_v1::PodState::Unspecified, 0, 0),
-                };
+                let (state, state_since, last_message) = presence_fields(presence.get(&key.pod));
                 let (key_mode, translated_blocks) = modes
                     .get(&key)
                     .map_or(("", 0), |&(mode, n)| (mode.label(), n as u64));
@@ -110,44 +100,12 @@ impl KvIndexerApi {
                     ..Default::default()
                 });
             }
-            // Pods known only by their recorded routings (no events for this model).
-            let directory = model.index().directory();
-            for pod in model.speculative_pods() {
-                if !directory.engines_of(&pod).is_empty() {
-                    continue;
-                }
-                let spec = model.speculation_of(&pod).unwrap_or_default();
-                pods.push(kvindexer_v1::PodInfo {
-                    model: model.name().to_owned(),
-                    pod: pod.to_string(),
-                    last_sequence: -1,
-                    speculative_records: spec.records,
-                    speculative_blocks: spec.blocks,
-                    speculative_fallback: spec.fallback,
-                    ..Default::default()
-                });
-            }
+            speculative_only(&model, &mut pods);
         }
         pods.sort_by(|a, b| {
             (&a.model, &a.pod, a.data_parallel_rank).cmp(&(&b.model, &b.pod, b.data_parallel_rank))
         });
-        // A pod's speculation (per pod, not per engine) goes on its lowest rank's entry.
-        for i in 0..pods.len() {
-            let first_rank =
-                i == 0 || (&pods[i - 1].model, &pods[i - 1].pod) != (&pods[i].model, &pods[i].pod);
-            if !first_rank || pods[i].speculative_records > 0 {
-                continue;
-            }
-            let spec = svc
-                .indexer
-                .model(&pods[i].model)
-                .and_then(|m| m.speculation_of(&pods[i].pod));
-            if let Some(spec) = spec {
-                pods[i].speculative_records = spec.records;
-                pods[i].speculative_blocks = spec.blocks;
-                pods[i].speculative_fallback = spec.fallback;
-            }
-        }
+        speculation_on_first_ranks(&svc.indexer, &mut pods);
         let (pool, pool_source) = match &self.1 {
             Some(p) => {
                 mark_standings(p, &mut pods);
@@ -185,6 +143,63 @@ impl KvIndexerApi {
         Ok(kvindexer_v1::ClearPodResponse {
             removed: removed as u64,
         })
+    }
+}
+
+/// A pod's presence as `ListPods` lists it: (state, since when, last message), in Unix ms.
+fn presence_fields(
+    presence: Option<&(Presence, std::time::Instant)>,
+) -> (kvindexer_v1::PodState, u64, u64) {
+    match presence {
+        Some(&(p, last)) => {
+            let (state, since) = match p {
+                Presence::Live => (kvindexer_v1::PodState::Live, None),
+                Presence::Idle(t) => (kvindexer_v1::PodState::Idle, Some(t)),
+                Presence::Gone(t) => (kvindexer_v1::PodState::Gone, Some(t)),
+            };
+            (state, since.map_or(0, unix_ms), unix_ms(last))
+        }
+        None => (kvindexer_v1::PodState::Unspecified, 0, 0),
+    }
+}
+
+/// Pods of `model` known only by their recorded routings (no events for it), listed too.
+fn speculative_only(model: &kv_core::ModelState, pods: &mut Vec<kvindexer_v1::PodInfo>) {
+    let directory = model.index().directory();
+    for pod in model.speculative_pods() {
+        if !directory.engines_of(&pod).is_empty() {
+            continue;
+        }
+        let spec = model.speculation_of(&pod).unwrap_or_default();
+        pods.push(kvindexer_v1::PodInfo {
+            model: model.name().to_owned(),
+            pod: pod.to_string(),
+            last_sequence: -1,
+            speculative_records: spec.records,
+            speculative_blocks: spec.blocks,
+            speculative_fallback: spec.fallback,
+            ..Default::default()
+        });
+    }
+}
+
+/// A pod's speculation (per pod, not per engine) on its lowest rank's entry of `pods`, sorted
+/// by (model, pod, rank).
+fn speculation_on_first_ranks(indexer: &kv_core::Indexer, pods: &mut [kvindexer_v1::PodInfo]) {
+    for i in 0..pods.len() {
+        let first_rank =
+            i == 0 || (&pods[i - 1].model, &pods[i - 1].pod) != (&pods[i].model, &pods[i].pod);
+        if !first_rank || pods[i].speculative_records > 0 {
+            continue;
+        }
+        let spec = indexer
+            .model(&pods[i].model)
+            .and_then(|m| m.speculation_of(&pods[i].pod));
+        if let Some(spec) = spec {
+            pods[i].speculative_records = spec.records;
+            pods[i].speculative_blocks = spec.blocks;
+            pods[i].speculative_fallback = spec.fallback;
+        }
     }
 }
 

@@ -77,7 +77,9 @@ pub use index::{
 };
 
 /// The reference every index structure is checked against, and the differential harness
-/// that checks it (kv-core's tests, kv-lab's baseline).
+/// that checks it (feature `testing`: kv-core's tests, kv-lab's reference backend, the
+/// benchmarks).
+#[cfg(feature = "testing")]
 pub use index::{harness, reference::ReferenceIndex};
 
 /// The facade transports call (`indexer`).
@@ -91,8 +93,8 @@ pub use indexer::{
 
 /// The endpoint pick: llm-d's default scoring profile over candidates, I/O-free (`pick`).
 pub use pick::{
-    pick, Candidate, Pick, PickError, PickSettings, PickWeights, PodMetrics, PrefixNormalisation,
-    Ranked,
+    pick, scorer_index, Candidate, Pick, PickError, PickSettings, PickWeights, PodMetrics,
+    PrefixNormalisation, Ranked, Scorer, ScorerInput, SCORERS, SCORER_COUNT,
 };
 
 /// Which endpoints are candidates: the pool's Ready members whose metrics answer (`membership`).

@@ -306,5 +306,8 @@ fn decode_one(s: &[u8]) -> Result<Option<(u32, usize)>, DecodeError> {
     Ok(None)
 }
 
+/// A buffer cut into small chunks (test code, feature `testing`).
+#[cfg(any(test, feature = "testing"))]
+pub mod chunked;
 #[cfg(test)]
 mod tests;

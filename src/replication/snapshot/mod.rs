@@ -464,110 +464,122 @@ impl<'a> SnapshotReader<'a> {
             return Ok(None);
         }
         let at = self.at;
-        match self.u8()? {
+        let item = match self.u8()? {
             TAG_END => {
                 self.done = true;
-                Ok(None)
+                return Ok(None);
             }
-            TAG_BLOCKS => {
-                let model = self.string()?;
-                let pod = self.string()?;
-                let rank = self.u32()?;
-                let tier = match self.u8()? {
-                    0 => Tier::Gpu,
-                    1 => Tier::Cpu,
-                    2 => Tier::Storage,
-                    3 => Tier::Other,
-                    _ => {
-                        return Err(SnapshotError::Corrupt {
-                            at,
-                            what: "unknown tier",
-                        })
-                    }
-                };
-                let count = self.u32()? as usize;
-                let bytes = self.take(count.checked_mul(8).ok_or(SnapshotError::Truncated(at))?)?;
-                let hashes = bytes
-                    .chunks_exact(8)
-                    .map(|c| {
-                        let mut b = [0; 8];
-                        b.copy_from_slice(c);
-                        BlockHash::from(u64::from_le_bytes(b))
-                    })
-                    .collect();
-                Ok(Some(SnapshotItem::Blocks {
-                    model,
-                    key: EngineKey::new(pod, rank),
-                    tier,
-                    hashes,
-                }))
-            }
-            TAG_PUBLISHER => {
-                let pod: Arc<str> = self.string()?.into();
-                let model: Arc<str> = self.string()?.into();
-                let received_by: Arc<str> = self.string()?.into();
-                let rank = self.u32()?;
-                let seq = self.u64()?;
-                let ts = f64::from_bits(self.u64()?);
-                let state = PublisherState {
-                    last_seq: (seq != u64::MAX).then_some(seq),
-                    last_ts: ts,
-                    received_by,
-                    messages: self.u64()?,
-                    gaps: self.u64()?,
-                    restarts: self.u64()?,
-                    messages_lost: self.u64()?,
-                    ..PublisherState::default()
-                };
-                Ok(Some(SnapshotItem::Publisher(
-                    PublisherKey::new(pod, model, rank),
-                    state,
-                )))
-            }
-            TAG_KEY_SPACE => {
-                let model = self.string()?;
-                let mut none_hash = [0u8; 32];
-                none_hash.copy_from_slice(self.take(32)?);
-                let block_size = self.u32()?;
-                let hash_block_size = self.u32()?;
-                let extra_keys_format = match self.u8()? {
-                    0 => ExtraKeysFormat::Tagged,
-                    1 => ExtraKeysFormat::Untagged,
-                    _ => {
-                        return Err(SnapshotError::Corrupt {
-                            at,
-                            what: "unknown extra-key format",
-                        })
-                    }
-                };
-                let lookahead = if self.version >= 5 { self.u32()? } else { 0 };
-                Ok(Some(SnapshotItem::KeySpace {
-                    model,
-                    space: KeySpace {
-                        none_hash,
-                        block_size,
-                        hash_block_size,
-                        extra_keys_format,
-                        lookahead,
-                    },
-                }))
-            }
+            TAG_BLOCKS => self.blocks(at)?,
+            TAG_PUBLISHER => self.publisher()?,
+            TAG_KEY_SPACE => self.key_space(at)?,
             TAG_ENGINE_KEYS => {
                 let model = self.string()?;
                 let pod = self.string()?;
                 let rank = self.u32()?;
                 let state = self.engine_keys(at)?;
-                Ok(Some(SnapshotItem::EngineKeys {
+                SnapshotItem::EngineKeys {
                     model,
                     key: EngineKey::new(pod, rank),
                     state,
-                }))
+                }
             }
-            _ => Err(SnapshotError::Corrupt {
-                at,
-                what: "unknown item tag",
-            }),
-        }
+            _ => {
+                return Err(SnapshotError::Corrupt {
+                    at,
+                    what: "unknown item tag",
+                })
+            }
+        };
+        Ok(Some(item))
+    }
+
+    /// A blocks record (its tag read at `at`): an engine's hashes in one tier.
+    fn blocks(&mut self, at: usize) -> Result<SnapshotItem<'a>, SnapshotError> {
+        let model = self.string()?;
+        let pod = self.string()?;
+        let rank = self.u32()?;
+        let tier = match self.u8()? {
+            0 => Tier::Gpu,
+            1 => Tier::Cpu,
+            2 => Tier::Storage,
+            3 => Tier::Other,
+            _ => {
+                return Err(SnapshotError::Corrupt {
+                    at,
+                    what: "unknown tier",
+                })
+            }
+        };
+        let count = self.u32()? as usize;
+        let bytes = self.take(count.checked_mul(8).ok_or(SnapshotError::Truncated(at))?)?;
+        let hashes = bytes
+            .chunks_exact(8)
+            .map(|c| {
+                let mut b = [0; 8];
+                b.copy_from_slice(c);
+                BlockHash::from(u64::from_le_bytes(b))
+            })
+            .collect();
+        Ok(SnapshotItem::Blocks {
+            model,
+            key: EngineKey::new(pod, rank),
+            tier,
+            hashes,
+        })
+    }
+
+    /// A publisher's stream state.
+    fn publisher(&mut self) -> Result<SnapshotItem<'a>, SnapshotError> {
+        let pod: Arc<str> = self.string()?.into();
+        let model: Arc<str> = self.string()?.into();
+        let received_by: Arc<str> = self.string()?.into();
+        let rank = self.u32()?;
+        let seq = self.u64()?;
+        let ts = f64::from_bits(self.u64()?);
+        let state = PublisherState {
+            last_seq: (seq != u64::MAX).then_some(seq),
+            last_ts: ts,
+            received_by,
+            messages: self.u64()?,
+            gaps: self.u64()?,
+            restarts: self.u64()?,
+            messages_lost: self.u64()?,
+            ..PublisherState::default()
+        };
+        Ok(SnapshotItem::Publisher(
+            PublisherKey::new(pod, model, rank),
+            state,
+        ))
+    }
+
+    /// A model's key space (its tag read at `at`): what its keys were hashed with.
+    fn key_space(&mut self, at: usize) -> Result<SnapshotItem<'a>, SnapshotError> {
+        let model = self.string()?;
+        let mut none_hash = [0u8; 32];
+        none_hash.copy_from_slice(self.take(32)?);
+        let block_size = self.u32()?;
+        let hash_block_size = self.u32()?;
+        let extra_keys_format = match self.u8()? {
+            0 => ExtraKeysFormat::Tagged,
+            1 => ExtraKeysFormat::Untagged,
+            _ => {
+                return Err(SnapshotError::Corrupt {
+                    at,
+                    what: "unknown extra-key format",
+                })
+            }
+        };
+        let lookahead = if self.version >= 5 { self.u32()? } else { 0 };
+        Ok(SnapshotItem::KeySpace {
+            model,
+            space: KeySpace {
+                none_hash,
+                block_size,
+                hash_block_size,
+                extra_keys_format,
+                lookahead,
+            },
+        })
     }
 }
 

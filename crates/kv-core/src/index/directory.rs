@@ -59,7 +59,7 @@ pub struct EngineDirectory {
 /// order. One directory value's view is built once, by the first score that reads it (O(pods +
 /// engines)); the persistent maps stay what a registration changes. At 1,024 pods, looking
 /// engines up in them, walking the name-ordered map and comparing names while sorting were
-/// most of a score's time (docs/benchmarks.md, "The facade at 1,024 pods").
+/// most of a score's time (docs/benchmarks-history.md, "The facade at 1,024 pods").
 #[derive(Debug, Default)]
 pub struct DenseView {
     /// Engine id -> pod index ([`NO_POD`]: a free id).

@@ -40,9 +40,11 @@
 
 mod chunked;
 mod directory;
+#[cfg(any(test, feature = "testing"))]
 pub mod harness;
 mod lane;
 mod read;
+#[cfg(any(test, feature = "testing"))]
 pub mod reference;
 mod runs;
 mod stats;

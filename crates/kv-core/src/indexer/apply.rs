@@ -12,13 +12,13 @@ use std::collections::HashMap;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
-use super::groups::Route;
+use super::groups::{EngineGroups, Route};
 use super::kinds::tier_of;
 use super::lookahead::{self, Admission};
-use super::translate::aligned_keys;
+use super::translate::{aligned_keys, EngineKeys, Scratch};
 use super::{EngineKeyState, Indexer, KeyMode, ModelState, SettingsError, TranslationReport};
-use crate::events::{EventBatch, KvEvent};
-use crate::index::{EngineKey, Tier};
+use crate::events::{BlockRemoved, BlockStored, EventBatch, KvEvent};
+use crate::index::{EngineId, EngineKey, IndexWriter, KeyBudget, Tier};
 use crate::BlockHash;
 
 /// What applying one batch did (for metrics and tests).
@@ -199,7 +199,6 @@ impl Indexer {
         now: &mut Option<impl FnOnce() -> std::time::Instant>,
         report: &mut ApplyReport,
     ) -> bool {
-        let pod = &*key.pod;
         self.make_room(state, batch);
         let mut groups = state.groups.lock();
         let mut engines = state.engine_keys.lock();
@@ -210,9 +209,84 @@ impl Indexer {
         let (engines, scratch) = &mut *engines;
         let keys = engines.entry(key.clone()).or_default();
         let was = keys.mode;
-        // Hashes are checked while they may be taken as keys; the first root run's verdict
-        // (block 0 recomputed equal to the published hash) decides an undecided engine.
-        let checks = if matches!(was, KeyMode::Undecided | KeyMode::Aligned) {
+        let changed = self.decide_mode(state, &key.pod, keys, batch, report);
+        let mode = keys.mode;
+        let unit = state.processor.block_size() as u32;
+        // A translated engine's run with fewer hashes than blocks waits for the run of the same
+        // step that names its blocks (`translate`'s order).
+        let order = match mode {
+            KeyMode::Translated => scratch.application_order(&batch.events),
+            _ => None,
+        };
+        let mut run = EngineRun {
+            state,
+            budget: &self.budget,
+            keys,
+            groups: groups.entry(key.clone()).or_default(),
+            scratch: &mut *scratch,
+            report: &mut *report,
+            mode,
+            unit,
+            speculating: !state.speculation.is_empty(),
+            confirmed: Vec::new(),
+            layout_changed: false,
+        };
+        let applied = state.index.write_engine(key, |w, engine| {
+            if changed.is_some() && was == KeyMode::Undecided && mode != KeyMode::Aligned {
+                // What was stored under the engine's own hashes is not keys.
+                run.report.blocks_removed += w.clear_engine(engine) as u64;
+                run.keys.clear(run.budget);
+            }
+            for at in 0..batch.events.len() {
+                let event = &batch.events[order.as_ref().map_or(at, |o| o[at])];
+                run.event(w, engine, event);
+            }
+            engine
+        });
+        let (confirmed, layout_changed, speculating) =
+            (run.confirmed, run.layout_changed, run.speculating);
+        if let Some(order) = order {
+            scratch.give_back_order(order);
+        }
+        match applied {
+            None => {
+                report.engine_rejected = true;
+                engines.remove(key);
+                groups.remove(key);
+            }
+            Some(engine) if layout_changed => {
+                report.layout_changed = true;
+                let layout = groups.get(key).and_then(|g| g.published(unit));
+                state.publish_layout(engine, layout);
+            }
+            Some(_) => {}
+        }
+        drop(groups);
+        if speculating {
+            let now = now.take().map_or_else(std::time::Instant::now, |f| f());
+            confirm_speculation(state, &key.pod, batch, mode, confirmed, now);
+        }
+        self.totals
+            .unknown_events
+            .fetch_add(report.unknown_events as u64, Ordering::Relaxed);
+        self.totals
+            .skipped_group_events
+            .fetch_add(report.skipped_group_events as u64, Ordering::Relaxed);
+        true
+    }
+
+    /// Checks the batch's hashes while they may be taken as keys and decides an undecided
+    /// engine's key mode (the first root run's verdict: block 0 recomputed equal to the
+    /// published hash); returns the new mode when it changed.
+    fn decide_mode(
+        &self,
+        state: &ModelState,
+        pod: &Arc<str>,
+        keys: &mut EngineKeys,
+        batch: &EventBatch,
+        report: &mut ApplyReport,
+    ) -> Option<KeyMode> {
+        let checks = if matches!(keys.mode, KeyMode::Undecided | KeyMode::Aligned) {
             self.check_hashes(state, batch)
         } else {
             Default::default()
@@ -236,156 +310,8 @@ impl Indexer {
         // A translated or refused engine's hashes are not taken as keys: not mismatches to
         // count or warn about (the diagnosis is kept, to say why).
         let counted = matches!(mode, KeyMode::Undecided | KeyMode::Aligned);
-        self.record_checks(state, &key.pod, batch, &checks, counted, report);
-        let speculating = !state.speculation.is_empty();
-        let mut confirmed: Vec<Vec<BlockHash>> = Vec::new();
-        let unit = state.processor.block_size() as u32;
-        let engine_groups = groups.entry(key.clone()).or_default();
-        let mut layout_changed = false;
-        // A translated engine's run with fewer hashes than blocks waits for the run of the same
-        // step that names its blocks (`translate`'s order).
-        let order = match mode {
-            KeyMode::Translated => scratch.application_order(&batch.events),
-            _ => None,
-        };
-        let applied = state.index.write_engine(key, |w, engine| {
-            if changed.is_some() && was == KeyMode::Undecided && mode != KeyMode::Aligned {
-                // What was stored under the engine's own hashes is not keys.
-                report.blocks_removed += w.clear_engine(engine) as u64;
-                keys.clear(&self.budget);
-            }
-            for at in 0..batch.events.len() {
-                let event = &batch.events[order.as_ref().map_or(at, |o| o[at])];
-                match event {
-                    KvEvent::BlockStored(s) => {
-                        let blocks = s.block_hashes.len() as u64;
-                        match lookahead::admit(state, s) {
-                            Admission::Indexed(learned) => {
-                                report.lookahead_learned = learned.or(report.lookahead_learned);
-                            }
-                            Admission::Mismatch { run, model } => {
-                                report.lookahead_mismatch = Some((run, model));
-                                report.lookahead_mismatch_blocks += blocks;
-                                continue;
-                            }
-                            Admission::Malformed => {
-                                report.lookahead_malformed_blocks += blocks;
-                                continue;
-                            }
-                        }
-                        let (route, changed) = engine_groups.stored(s, unit, state.model_groups);
-                        layout_changed |= changed;
-                        let Route::Group(group) = route else {
-                            report.skipped_group_events += 1;
-                            continue;
-                        };
-                        report.stored_events += 1;
-                        match mode {
-                            KeyMode::Undecided | KeyMode::Aligned => {
-                                let tier = tier_of(s.medium.as_ref());
-                                let outcome =
-                                    keys.store_published(w, engine, tier, s, group, scratch);
-                                report.blocks_stored += outcome.added as u64;
-                                report.orphan_runs += u32::from(outcome.orphan);
-                            }
-                            KeyMode::Translated => {
-                                let stored = keys.store_translated(
-                                    w,
-                                    engine,
-                                    (group, engine_groups.seen()),
-                                    s,
-                                    state,
-                                    &self.budget,
-                                    scratch,
-                                    &mut report.translation,
-                                );
-                                match stored {
-                                    Ok(added) => {
-                                        report.blocks_stored += added as u64;
-                                        if speculating {
-                                            confirmed.push(scratch.keys().to_vec());
-                                        }
-                                    }
-                                    Err(why) => {
-                                        report.translation.untranslatable[why as usize] += 1
-                                    }
-                                }
-                            }
-                            KeyMode::Refused { .. } => report.refused_events += 1,
-                        }
-                    }
-                    KvEvent::BlockRemoved(r) => {
-                        let Route::Group(group) = engine_groups.removed(r.group_idx) else {
-                            report.skipped_group_events += 1;
-                            continue;
-                        };
-                        report.removed_events += 1;
-                        report.blocks_removed += match mode {
-                            KeyMode::Undecided | KeyMode::Aligned => {
-                                keys.remove_published(w, engine, r, group, scratch)
-                            }
-                            KeyMode::Translated => keys.remove_translated(
-                                w,
-                                engine,
-                                r,
-                                group,
-                                &self.budget,
-                                scratch,
-                                &mut report.translation,
-                            ),
-                            KeyMode::Refused { .. } => 0,
-                        } as u64;
-                    }
-                    KvEvent::AllBlocksCleared => {
-                        report.blocks_removed += w.clear_engine(engine) as u64;
-                        keys.clear(&self.budget);
-                        report.cleared_events += 1;
-                    }
-                    KvEvent::Unknown(_) => report.unknown_events += 1,
-                }
-            }
-            engine
-        });
-        if let Some(order) = order {
-            scratch.give_back_order(order);
-        }
-        match applied {
-            None => {
-                report.engine_rejected = true;
-                engines.remove(key);
-                groups.remove(key);
-            }
-            Some(engine) if layout_changed => {
-                report.layout_changed = true;
-                let layout = groups.get(key).and_then(|g| g.published(unit));
-                state.publish_layout(engine, layout);
-            }
-            Some(_) => {}
-        }
-        drop(groups);
-        if speculating {
-            if mode != KeyMode::Translated {
-                // The hashes were taken as keys as published.
-                confirmed = batch
-                    .events
-                    .iter()
-                    .filter_map(|e| match e {
-                        KvEvent::BlockStored(s) => Some(aligned_keys(&s.block_hashes).collect()),
-                        _ => None,
-                    })
-                    .collect();
-            }
-            let stored: Vec<&[BlockHash]> = confirmed.iter().map(Vec::as_slice).collect();
-            let now = now.take().map_or_else(std::time::Instant::now, |f| f());
-            state.speculation.confirm(pod, &stored, now);
-        }
-        self.totals
-            .unknown_events
-            .fetch_add(report.unknown_events as u64, Ordering::Relaxed);
-        self.totals
-            .skipped_group_events
-            .fetch_add(report.skipped_group_events as u64, Ordering::Relaxed);
-        true
+        self.record_checks(state, pod, batch, &checks, counted, report);
+        changed
     }
 
     /// When the shared key budget cannot take `batch`'s new blocks, evicts that many from the
@@ -563,4 +489,153 @@ impl Indexer {
             })
             .unwrap_or(0)
     }
+}
+
+/// One engine's batch being applied under its model's writer: what each event reads and
+/// adds to.
+struct EngineRun<'a> {
+    state: &'a ModelState,
+    budget: &'a KeyBudget,
+    /// How the engine's hashes become keys.
+    keys: &'a mut EngineKeys,
+    /// The engine's KV-cache groups as its events showed them.
+    groups: &'a mut EngineGroups,
+    scratch: &'a mut Scratch,
+    report: &'a mut ApplyReport,
+    /// The engine's key mode for this batch.
+    mode: KeyMode,
+    /// The model's block size, tokens.
+    unit: u32,
+    /// Whether the model has speculative entries (then translated runs' keys are kept).
+    speculating: bool,
+    /// The keys of the translated runs stored, for the speculative entries to confirm.
+    confirmed: Vec<Vec<BlockHash>>,
+    /// Whether a group was seen for the first time, or wider.
+    layout_changed: bool,
+}
+
+impl EngineRun<'_> {
+    /// Applies one event of the batch to the engine.
+    fn event(&mut self, w: &mut IndexWriter<'_>, engine: EngineId, event: &KvEvent) {
+        match event {
+            KvEvent::BlockStored(s) => self.stored(w, engine, s),
+            KvEvent::BlockRemoved(r) => self.removed(w, engine, r),
+            KvEvent::AllBlocksCleared => {
+                self.report.blocks_removed += w.clear_engine(engine) as u64;
+                self.keys.clear(self.budget);
+                self.report.cleared_events += 1;
+            }
+            KvEvent::Unknown(_) => self.report.unknown_events += 1,
+        }
+    }
+
+    /// A `BlockStored` run: admitted under the model's lookahead, routed to its group, stored
+    /// as the engine's key mode says.
+    fn stored(&mut self, w: &mut IndexWriter<'_>, engine: EngineId, s: &BlockStored) {
+        let report = &mut *self.report;
+        let blocks = s.block_hashes.len() as u64;
+        match lookahead::admit(&self.state.lookahead, s) {
+            Admission::Indexed(learned) => {
+                report.lookahead_learned = learned.or(report.lookahead_learned);
+            }
+            Admission::Mismatch { run, model } => {
+                report.lookahead_mismatch = Some((run, model));
+                report.lookahead_mismatch_blocks += blocks;
+                return;
+            }
+            Admission::Malformed => {
+                report.lookahead_malformed_blocks += blocks;
+                return;
+            }
+        }
+        let (route, changed) = self.groups.stored(s, self.unit, self.state.model_groups);
+        self.layout_changed |= changed;
+        let Route::Group(group) = route else {
+            report.skipped_group_events += 1;
+            return;
+        };
+        report.stored_events += 1;
+        match self.mode {
+            KeyMode::Undecided | KeyMode::Aligned => {
+                let tier = tier_of(s.medium.as_ref());
+                let outcome = self
+                    .keys
+                    .store_published(w, engine, tier, s, group, self.scratch);
+                report.blocks_stored += outcome.added as u64;
+                report.orphan_runs += u32::from(outcome.orphan);
+            }
+            KeyMode::Translated => {
+                let stored = self.keys.store_translated(
+                    w,
+                    engine,
+                    (group, self.groups.seen()),
+                    s,
+                    self.state.hashing(),
+                    self.budget,
+                    self.scratch,
+                    &mut report.translation,
+                );
+                match stored {
+                    Ok(added) => {
+                        report.blocks_stored += added as u64;
+                        if self.speculating {
+                            self.confirmed.push(self.scratch.keys().to_vec());
+                        }
+                    }
+                    Err(why) => report.translation.untranslatable[why as usize] += 1,
+                }
+            }
+            KeyMode::Refused { .. } => report.refused_events += 1,
+        }
+    }
+
+    /// A `BlockRemoved` event, routed to its group, removed as the engine's key mode says.
+    fn removed(&mut self, w: &mut IndexWriter<'_>, engine: EngineId, r: &BlockRemoved) {
+        let Route::Group(group) = self.groups.removed(r.group_idx) else {
+            self.report.skipped_group_events += 1;
+            return;
+        };
+        self.report.removed_events += 1;
+        self.report.blocks_removed += match self.mode {
+            KeyMode::Undecided | KeyMode::Aligned => {
+                self.keys
+                    .remove_published(w, engine, r, group, self.scratch)
+            }
+            KeyMode::Translated => self.keys.remove_translated(
+                w,
+                engine,
+                r,
+                group,
+                self.budget,
+                self.scratch,
+                &mut self.report.translation,
+            ),
+            KeyMode::Refused { .. } => 0,
+        } as u64;
+    }
+}
+
+/// Confirms `pod`'s speculative entries with the runs `batch` stored: their keys as
+/// published, or (a translated engine) the keys translation gave them.
+fn confirm_speculation(
+    state: &ModelState,
+    pod: &str,
+    batch: &EventBatch,
+    mode: KeyMode,
+    mut confirmed: Vec<Vec<BlockHash>>,
+    now: std::time::Instant,
+) {
+    if mode != KeyMode::Translated {
+        // The hashes were taken as keys as published.
+        confirmed = batch
+            .events
+            .iter()
+            .filter_map(|e| match e {
+                KvEvent::BlockStored(s) => Some(aligned_keys(&s.block_hashes).collect()),
+                _ => None,
+            })
+            .collect();
+    }
+    let stored: Vec<&[BlockHash]> = confirmed.iter().map(Vec::as_slice).collect();
+    state.speculation.confirm(pod, &stored, now);
 }

@@ -167,7 +167,7 @@ fn checkable<'a>(
         return None;
     }
     // Multimodal keys or an unknown LoRA path: not reproducible from the event alone.
-    let extras = super::translate::run_extras(s, true, 1, state).ok()?;
+    let extras = super::translate::run_extras(s, true, 1, state.hashing()).ok()?;
     Some((s, extras))
 }
 

@@ -5,7 +5,7 @@
 //!
 //! `L` is a model's, learned from its engines' events: the first `BlockStored` carrying
 //! lookahead sets it, and from then on prompts are hashed with their own next `L` tokens
-//! ([`super::ModelState::lookahead`]), so the blocks at a prompt's end without `L` tokens
+//! (`ModelState::lookahead`), so the blocks at a prompt's end without `L` tokens
 //! after them have no key and match nothing, as in vLLM. An aligned engine's published hashes
 //! are then the keys as they come; a translated engine's keys are computed from its
 //! `token_ids` followed by its last block's lookahead tokens.
@@ -17,10 +17,10 @@
 //! - a run whose lookahead lists are not one per hash of one length (at most
 //!   [`MAX_LOOKAHEAD`]), or disagree with its own `token_ids`, is refused and counted ([`Admission::Malformed`]), never guessed;
 //! - `L` is set once per model, from its events or from a snapshot of its keys
-//!   ([`super::ModelState::adopt_lookahead`]), and kept until the model is dropped; runs
+//!   (`ModelState::adopt_lookahead`), and kept until the model is dropped; runs
 //!   without lookahead indexed before it was learned stay until removed, and no longer match.
 
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicU32, Ordering};
 
 /// The longest lookahead taken from events. vLLM's is the drafter's prefill lookahead (1 for
 /// EAGLE, the MTP module count otherwise: single digits); a run claiming more is refused as
@@ -28,7 +28,6 @@ use std::sync::atomic::Ordering;
 /// every prompt without keys.
 pub(super) const MAX_LOOKAHEAD: usize = 64;
 
-use super::ModelState;
 use crate::events::BlockStored;
 
 /// A run whose lookahead lists are inconsistent (count, lengths, or its own tokens).
@@ -84,17 +83,18 @@ pub(super) enum Admission {
     Malformed,
 }
 
-/// Whether `s` is indexed under the model's lookahead, learning it from the first run that
-/// carries one. Called under the model's writer lock.
-pub(super) fn admit(state: &ModelState, s: &BlockStored) -> Admission {
+/// Whether `s` is indexed under the model's lookahead (`model_lookahead`, the model's
+/// `lookahead` field), learning it from the first run that carries one. Called under the
+/// model's writer lock.
+pub(super) fn admit(model_lookahead: &AtomicU32, s: &BlockStored) -> Admission {
     let l = match run_lookahead(s) {
         Ok(l) => u32::try_from(l).unwrap_or(u32::MAX),
         Err(MalformedLookahead) => return Admission::Malformed,
     };
-    let model = state.lookahead.load(Ordering::Relaxed);
+    let model = model_lookahead.load(Ordering::Relaxed);
     if model == 0 && l > 0 {
         // Under the model's writer: no other batch learns it meanwhile.
-        state.lookahead.store(l, Ordering::Relaxed);
+        model_lookahead.store(l, Ordering::Relaxed);
         return Admission::Indexed(Some(l));
     }
     if l == model {

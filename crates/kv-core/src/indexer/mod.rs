@@ -4,6 +4,8 @@
 //!
 //! The facade is split by operation, one verb each:
 //! - this module: the settings and the model registry ([`Indexer::model_or_create`]);
+//! - [`model`]: one model's state ([`ModelState`]: its index, processor and what its engines'
+//!   events taught it);
 //! - [`apply`]: what events do: [`Indexer::apply_batch`], [`Indexer::clear_engine`] (a
 //!   restarted engine), [`Indexer::remove_pod`] (a pod forgotten), and a snapshot's
 //!   [`Indexer::export_each`], [`Indexer::import`] and [`Indexer::clear_all`];
@@ -26,12 +28,14 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
 
+mod adapters;
 mod apply;
 mod groups;
 mod hash_check;
 mod kinds;
 mod layout_score;
 mod lookahead;
+mod model;
 mod order;
 mod routings;
 mod score;
@@ -44,16 +48,12 @@ use parking_lot::Mutex;
 use thiserror::Error;
 
 use crate::hashing::{
-    DigestMemo, ExtraKeysFormat, HashScratch, KeySpace, LoraAdapter, MemoStats, RequestExtras,
-    TokenProcessor, TokenProcessorConfig, TokenProcessorError,
+    DigestMemo, MemoStats, TokenProcessor, TokenProcessorConfig, TokenProcessorError,
 };
-use crate::index::{
-    EngineId, EngineKey, IndexConfig, IndexConfigError, IndexStats, KeyBudget, ModelIndex,
-    TierWeights,
-};
-use crate::BlockHash;
+use crate::index::{IndexConfig, IndexConfigError, IndexStats, KeyBudget, ModelIndex, TierWeights};
 pub use apply::{ApplyReport, KeysImported};
 pub use groups::EngineLayout;
+pub use model::{HashCheckStats, ModelState};
 pub use score::{ScoreError, ScoreResult, ALL_PODS};
 pub use scored::{PodRef, PodScore, RankScore};
 use speculation::Speculation;
@@ -61,7 +61,6 @@ pub use speculation::{
     PodSpeculation, RecordEnd, RoutingRecorded, SpeculationSettings, SpeculationStats,
     MAX_TTL_FACTOR,
 };
-use translate::EngineKeys;
 pub use translate::{
     EngineHashes, EngineKeyState, KeyMode, KeyNotes, TranslatedBlock, TranslationReport,
     Untranslatable,
@@ -137,241 +136,6 @@ pub enum SettingsError {
 
 /// The model limit when none is configured.
 pub const DEFAULT_MAX_MODELS: usize = 64;
-
-/// Hash-check tallies for one (pod, model).
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct HashCheckStats {
-    /// Recomputed block-0 hashes that matched.
-    pub matches: u64,
-    /// Recomputed block-0 hashes that did not.
-    pub mismatches: u64,
-    /// The diagnosis logged on the first mismatch.
-    pub diagnosis: Option<String>,
-}
-
-/// One model's state.
-pub struct ModelState {
-    name: Arc<str>,
-    index: ModelIndex,
-    processor: TokenProcessor,
-    lora_paths: HashMap<String, String>,
-    /// Hash-check tallies per pod (write path only).
-    hash_checks: Mutex<HashMap<Arc<str>, HashCheckStats>>,
-    /// Per engine, its KV-cache groups as its events showed them (write path only).
-    groups: Mutex<HashMap<EngineKey, groups::EngineGroups>>,
-    /// The layouts of engines that are not plain, for scoring (lock-free to read).
-    layouts: ArcSwap<groups::Layouts>,
-    /// Recorded routings not yet confirmed by events.
-    speculation: Speculation,
-    /// How each engine's hashes become keys (write path only).
-    engine_hashes: EngineHashes,
-    /// [`ModelSettings::attention_chunk_size`] and [`ModelSettings::hybrid`] (write path
-    /// only).
-    model_groups: groups::ModelGroups,
-    /// Per engine: its key mode, a translated engine's map, copies (write path only).
-    engine_keys: Mutex<(HashMap<EngineKey, EngineKeys>, translate::Scratch)>,
-    /// When a batch was last applied ([`Indexer`]'s clock, ms): breaks ties between models
-    /// holding as little when one must give its place.
-    last_write: AtomicU64,
-    /// Set (under `engine_keys`) when the model gave its place to another (`max_models`): a
-    /// batch that finds it set applies nothing.
-    evicted: AtomicBool,
-    /// The digest memo of the model's hash unit size, when memos are enabled.
-    memo: Option<Arc<DigestMemo>>,
-    /// Tokens after each block its hash covers (vLLM's `num_hash_lookahead_tokens`), learned
-    /// from the first event that carries them ([`lookahead`]); 0: none. Set under the
-    /// model's writer, read by scoring without a lock.
-    lookahead: AtomicU32,
-}
-
-impl ModelState {
-    /// The model's index.
-    pub fn index(&self) -> &ModelIndex {
-        &self.index
-    }
-
-    /// The model's token processor.
-    pub fn processor(&self) -> &TokenProcessor {
-        &self.processor
-    }
-
-    /// The digest memo scoring uses for this model (shared with models of its unit size).
-    pub fn digest_memo(&self) -> Option<&DigestMemo> {
-        self.memo.as_deref()
-    }
-
-    /// The tokens after each block that the model's hashes cover (vLLM's
-    /// `num_hash_lookahead_tokens`, learned from its engines' events; 0: none): prompts are
-    /// hashed with their own next this many tokens.
-    pub fn lookahead(&self) -> u32 {
-        self.lookahead.load(Ordering::Relaxed)
-    }
-
-    /// What decides the keys of this model's prompts: its processor's settings and its
-    /// lookahead (what a snapshot carries with the model's keys).
-    pub fn key_space(&self) -> KeySpace {
-        KeySpace {
-            lookahead: self.lookahead(),
-            ..self.processor.key_space()
-        }
-    }
-
-    /// Takes `lookahead` as the model's when it has learned none (a snapshot's keys made
-    /// with it): true when the model's lookahead is now `lookahead`, false when it learned
-    /// another.
-    pub fn adopt_lookahead(&self, lookahead: u32) -> bool {
-        let _writer = self.engine_keys.lock();
-        let current = self.lookahead();
-        if current == 0 {
-            self.lookahead.store(lookahead, Ordering::Relaxed);
-            return true;
-        }
-        current == lookahead
-    }
-
-    /// A prompt's block hashes for scoring: with the model's lookahead when it has one
-    /// (a block without that many tokens after it has no key), else through the digest memo
-    /// when there is one.
-    fn hashes_into(
-        &self,
-        tokens: &[u32],
-        extras: &RequestExtras,
-        scratch: &mut HashScratch,
-        out: &mut Vec<BlockHash>,
-    ) {
-        let lookahead = self.lookahead() as usize;
-        if lookahead > 0 {
-            self.processor
-                .block_hashes_lookahead_into(tokens, lookahead, extras, scratch, out);
-            return;
-        }
-        match &self.memo {
-            Some(memo) => {
-                self.processor
-                    .block_hashes_memo_into(tokens, extras, memo, scratch, out);
-            }
-            None => self
-                .processor
-                .block_hashes_into(tokens, extras, scratch, out),
-        }
-    }
-
-    /// The layout scoring applies to `engine` (`None`: plain, the prefix walk alone).
-    pub fn layout(&self, engine: EngineId) -> Option<Arc<EngineLayout>> {
-        self.layouts.load().get(&engine).cloned()
-    }
-
-    /// Publishes `engine`'s layout (`None`: plain), copy-on-write: layouts change when an
-    /// engine shows a group for the first time, not per batch.
-    fn publish_layout(&self, engine: EngineId, layout: Option<EngineLayout>) {
-        let same = match (&layout, self.layouts.load().get(&engine)) {
-            (None, None) => true,
-            (Some(new), Some(old)) => **old == *new,
-            _ => false,
-        };
-        if same {
-            return;
-        }
-        let layout = layout.map(Arc::new);
-        self.layouts.rcu(|current| {
-            let mut next = (**current).clone();
-            match &layout {
-                Some(l) => next.insert(engine, l.clone()),
-                None => next.remove(&engine),
-            };
-            next
-        });
-    }
-
-    /// The model's name.
-    pub fn name(&self) -> &str {
-        &self.name
-    }
-
-    /// The LoRA adapter `name` as this model's vLLM hashes it: with its configured path, or
-    /// with none under the untagged format (which hashes the name only). `None` when the tagged
-    /// format needs a path that is not configured (vLLM >= 0.31 hashes it).
-    pub(crate) fn lora_adapter(&self, name: &str) -> Option<LoraAdapter> {
-        let path = match (
-            self.lora_paths.get(name),
-            self.processor.extra_keys_format(),
-        ) {
-            (Some(p), _) => p.clone(),
-            (None, ExtraKeysFormat::Untagged) => String::new(),
-            (None, ExtraKeysFormat::Tagged) => return None,
-        };
-        Some(LoraAdapter {
-            name: name.to_owned(),
-            path,
-        })
-    }
-
-    /// Hash-check tallies per pod.
-    pub fn hash_checks(&self) -> HashMap<Arc<str>, HashCheckStats> {
-        self.hash_checks.lock().clone()
-    }
-
-    /// Hash-check tallies of one pod.
-    pub fn hash_check(&self, pod: &str) -> Option<HashCheckStats> {
-        self.hash_checks.lock().get(pod).cloned()
-    }
-
-    /// Whether recorded routings are all the index has for `pod`: it publishes no events for
-    /// this model (no engine), or every hash check of its events mismatched (counted only for
-    /// engines whose hashes are taken as keys: a translated engine's are not mismatches).
-    pub fn speculation_fallback(&self, pod: &str) -> bool {
-        self.index.directory().engines_of(pod).is_empty()
-            || self
-                .hash_checks
-                .lock()
-                .get(pod)
-                .is_some_and(|c| c.mismatches > 0 && c.matches == 0)
-    }
-
-    /// Each engine's key mode and, for translated engines, how many engine blocks its map
-    /// holds (what `ListPods` reports).
-    pub fn key_modes(&self) -> HashMap<EngineKey, (KeyMode, usize)> {
-        self.engine_keys
-            .lock()
-            .0
-            .iter()
-            .map(|(key, keys)| (key.clone(), (keys.mode, keys.translated_blocks())))
-            .collect()
-    }
-
-    /// What each engine's translation noted beside its mode: hashes skipped because no block
-    /// could be paired with them, and the block size at which its hashes are the index's
-    /// keys (what `ListPods` reports).
-    pub fn key_notes(&self) -> HashMap<EngineKey, KeyNotes> {
-        self.engine_keys
-            .lock()
-            .0
-            .iter()
-            .map(|(key, keys)| (key.clone(), keys.notes()))
-            .collect()
-    }
-
-    /// `pod`'s speculative entries, if it has had records.
-    pub fn speculation_of(&self, pod: &str) -> Option<PodSpeculation> {
-        self.speculation.pod(pod)
-    }
-
-    /// Pods with live speculative records, in name order.
-    pub fn speculative_pods(&self) -> Vec<Arc<str>> {
-        self.speculation.pods()
-    }
-
-    /// The speculative entries' size.
-    pub fn speculation_stats(&self) -> SpeculationStats {
-        self.speculation.stats()
-    }
-
-    /// Speculative records ended so far, by [`RecordEnd`] (confirmed, expired, evicted,
-    /// superseded, cleared).
-    pub fn speculation_ends(&self) -> [u64; 5] {
-        self.speculation.ends()
-    }
-}
 
 /// Totals across models for metrics.
 #[derive(Debug, Default)]

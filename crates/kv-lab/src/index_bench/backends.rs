@@ -1,6 +1,7 @@
 //! The index benchmark's backends: kv-indexer's index alone ([`KvIndexerBackend`]), behind its
 //! facade ([`IndexerFacadeBackend`]), the bare run index ([`RunIndexBackend`]), and kv-core's
-//! reference index, which every answer is checked against ([`ReferenceBackend`]).
+//! reference index, which every answer is checked against (`ReferenceBackend`, feature
+//! `testing`).
 
 use std::sync::Arc;
 
@@ -307,12 +308,15 @@ fn published(keys: &[BlockHash]) -> Vec<EngineHash> {
 
 /// kv-core's reference index ([`kv_core::ReferenceIndex`]: a plain per-block map, walked
 /// block by block), pod `p` as engine `p`, GPU tier: what every other backend's answers are
-/// checked against, the same reference kv-core's differential harness uses.
+/// checked against, the same reference kv-core's differential harness uses (feature
+/// `testing`).
+#[cfg(feature = "testing")]
 #[derive(Default)]
 pub struct ReferenceBackend {
     index: kv_core::ReferenceIndex,
 }
 
+#[cfg(feature = "testing")]
 impl IndexBackend for ReferenceBackend {
     fn name(&self) -> &str {
         "reference (per-block map)"

@@ -17,7 +17,9 @@ mod backends;
 mod file;
 mod workload;
 
-pub use backends::{IndexerFacadeBackend, KvIndexerBackend, ReferenceBackend, RunIndexBackend};
+#[cfg(feature = "testing")]
+pub use backends::ReferenceBackend;
+pub use backends::{IndexerFacadeBackend, KvIndexerBackend, RunIndexBackend};
 pub use workload::{Eviction, IndexWorkload, Removals, Step, StoreOp, WorkloadShape};
 
 /// What a query found, reduced to numbers every backend can produce: the best pod's matched

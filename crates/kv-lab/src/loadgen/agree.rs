@@ -8,29 +8,10 @@ use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 use kv_proto::kvindexer_v1::{kv_indexer_client::KvIndexerClient, ListPodsRequest};
-use serde::Serialize;
 
-use super::{LoadgenError, ReplicaReport};
-
-/// How one replica compared with the daemon under load.
-#[derive(Debug, Clone, Serialize)]
-pub struct AgreementReport {
-    /// The other replica's gRPC address.
-    pub replica: String,
-    /// Whether both held the same memberships per (model, pod, rank) before the deadline.
-    pub agree: bool,
-    /// Publishers holding blocks on the daemon under load (at the last comparison).
-    pub publishers: usize,
-    /// Memberships on the daemon under load (at the last comparison).
-    pub memberships: u64,
-    /// Publishers whose memberships differ (0 when they agree).
-    pub differing: usize,
-    /// One difference, for the log: `model pod rank: here vs there`.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub example: Option<String>,
-    /// Seconds after the load until they agreed (or the deadline).
-    pub waited_s: f64,
-}
+use super::error::LoadgenError;
+use super::report::{AgreementReport, ReplicaReport};
+use super::scrape::{http_get, metric_sum};
 
 type Holdings = BTreeMap<(String, String, u32), u64>;
 
@@ -108,12 +89,12 @@ pub(super) async fn follow_replica(
     applied: f64,
     started: Instant,
 ) -> Result<ReplicaReport, LoadgenError> {
-    let base = super::report::metric_sum(before, "kvindexer_blocks_applied_total");
+    let base = metric_sum(before, "kvindexer_blocks_applied_total");
     let deadline = Instant::now() + Duration::from_secs(60);
     let (mut last, mut last_change) = (-1.0, Instant::now());
     loop {
-        let page = super::http_get(addr, "/metrics").await?;
-        let done = super::report::metric_sum(&page, "kvindexer_blocks_applied_total") - base;
+        let page = http_get(addr, "/metrics").await?;
+        let done = metric_sum(&page, "kvindexer_blocks_applied_total") - base;
         let now = Instant::now();
         if done != last {
             (last, last_change) = (done, now);

@@ -1,16 +1,18 @@
 //! The ScorePods callers of a load run: `score_concurrency` connections, each calling in a
-//! loop with the next document's tokens and every pod as a candidate, timing each call (or,
-//! with `--ext-proc`, the endpoint picker's callers in `picks`).
+//! loop with the next document's tokens and every pod as a candidate, timing each call.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use kv_proto::kvindexer_v1::{
     kv_indexer_client::KvIndexerClient, score_pods_request::Input, ScorePodsRequest, TokenIds,
 };
 
-use super::{Document, LoadgenArgs, LoadgenError};
+use super::args::LoadgenArgs;
+use super::calls::{channel, gather};
+use super::documents::Document;
+use super::error::LoadgenError;
 
 async fn score_loop(
     mut client: KvIndexerClient<tonic::transport::Channel>,
@@ -60,18 +62,12 @@ async fn score_loop(
 
 /// Calls ScorePods from `score_concurrency` connections for `seconds`; every call's latency
 /// (ns, sorted) and the blocks the first pod matched, summed.
-pub(super) async fn score_phase(
+pub(super) async fn score_calls(
     args: &LoadgenArgs,
     docs: &Arc<Vec<Document>>,
     pods: &[String],
     seconds: u64,
 ) -> Result<(Vec<u64>, u64), LoadgenError> {
-    if let Some(addr) = &args.ext_proc {
-        return super::picks::pick_phase(args, addr, docs, seconds).await;
-    }
-    if let Some(url) = &args.http {
-        return super::http::http_phase(args, url, docs, seconds).await;
-    }
     let stop = Arc::new(AtomicBool::new(false));
     let mut tasks = Vec::new();
     for c in 0..args.score_concurrency {
@@ -87,43 +83,4 @@ pub(super) async fn score_phase(
         )));
     }
     gather(tasks, &stop, seconds).await
-}
-
-/// A gRPC channel to `addr` with TCP_NODELAY and windows wide enough for a prompt.
-pub(super) async fn channel(addr: &str) -> Result<tonic::transport::Channel, LoadgenError> {
-    let grpc_error = |source| LoadgenError::Grpc {
-        endpoint: addr.to_owned(),
-        source,
-    };
-    tonic::transport::Endpoint::from_shared(addr.to_owned())
-        .map_err(grpc_error)?
-        .tcp_nodelay(true)
-        .initial_stream_window_size(Some(1 << 20))
-        .initial_connection_window_size(Some(4 << 20))
-        .connect()
-        .await
-        .map_err(grpc_error)
-}
-
-/// A caller task: its calls' latencies (ns) and its count.
-pub(super) type Caller = tokio::task::JoinHandle<Result<(Vec<u64>, u64), LoadgenError>>;
-
-/// Lets `tasks` call for `seconds`, stops them, and merges what they timed (sorted) and
-/// counted.
-pub(super) async fn gather(
-    tasks: Vec<Caller>,
-    stop: &AtomicBool,
-    seconds: u64,
-) -> Result<(Vec<u64>, u64), LoadgenError> {
-    tokio::time::sleep(Duration::from_secs(seconds)).await;
-    stop.store(true, Ordering::Relaxed);
-    let mut all = Vec::new();
-    let mut counted = 0;
-    for t in tasks {
-        let (l, m) = t.await.map_err(|e| LoadgenError::Task(e.to_string()))??;
-        all.extend(l);
-        counted += m;
-    }
-    all.sort_unstable();
-    Ok((all, counted))
 }

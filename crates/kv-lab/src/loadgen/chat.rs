@@ -15,7 +15,9 @@ use kv_proto::kvindexer_v1::{
 use kv_tokenize::{ChatInput, ChatMessage, LoadedTokenizer};
 use tonic::Code;
 
-use super::{Document, LoadgenArgs, LoadgenError};
+use super::args::LoadgenArgs;
+use super::calls::channel;
+use super::error::LoadgenError;
 
 /// ScorePods answers worth asking again while the daemon warms up.
 const RETRY: [Code; 4] = [
@@ -154,19 +156,16 @@ impl ChatMaker {
     }
 }
 
-/// Before the clock starts: asks ScorePods to score `doc` as a chat (so the daemon renders and
-/// tokenizes it) against `pod`, which stored it, until the pod matches every full block it
-/// published, or at most 10 s. Proves that the daemon's tokens are the load generator's over
+/// Before the clock starts: asks ScorePods to score a chat's `messages` (tokenized here as
+/// `tokens`) as a chat (so the daemon renders and tokenizes it) against `pod`, which stored
+/// it, until the pod matches every full block it published, or at most 10 s. Proves that the daemon's tokens are the load generator's over
 /// the whole prompt, not only the shared system prompt; returns the blocks matched.
 pub(super) async fn check_daemon_tokens(
     args: &LoadgenArgs,
-    doc: &Document,
+    (tokens, messages): (&[u32], &[ChatMessage]),
     pod: &str,
 ) -> Result<u32, LoadgenError> {
-    let Some(messages) = &doc.messages else {
-        return Ok(0);
-    };
-    let full = (doc.tokens.len() / args.block_size) as u32;
+    let full = (tokens.len() / args.block_size) as u32;
     let request = ScorePodsRequest {
         model: args.model.clone(),
         input: Some(Input::Chat(kvindexer_v1::ChatRequest {
@@ -183,13 +182,13 @@ pub(super) async fn check_daemon_tokens(
         pods: vec![pod.to_owned()],
         ..Default::default()
     };
-    let mut client = KvIndexerClient::new(super::callers::channel(&args.grpc).await?);
+    let mut client = KvIndexerClient::new(channel(&args.grpc).await?);
     let deadline = Instant::now() + Duration::from_secs(10);
     // First the token ids, until the pod's events are all applied: the chat is then tokenized
     // once, whole (a prompt tokenized again may come from the prefix store without its tail).
     let tokens = ScorePodsRequest {
         input: Some(Input::Tokens(kvindexer_v1::TokenIds {
-            ids: doc.tokens.clone(),
+            ids: tokens.to_vec(),
         })),
         ..request.clone()
     };

@@ -9,9 +9,11 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use zeromq::{PubSocket, Socket};
 
-use super::{Document, LoadgenError, Publisher};
+use super::documents::Document;
+use super::error::LoadgenError;
+use super::publisher::Publisher;
+use super::report::ChurnReport;
 
 /// What the churning pods did.
 #[derive(Debug, Default)]
@@ -20,6 +22,18 @@ pub(super) struct ChurnCounters {
     pub(super) joined: AtomicU64,
     /// Blocks they stored (sent).
     pub(super) blocks: AtomicU64,
+}
+
+impl ChurnCounters {
+    /// What the churning pods did over `seconds`.
+    pub(super) fn report(&self, seconds: f64) -> ChurnReport {
+        let joined = self.joined.load(Ordering::Relaxed);
+        ChurnReport {
+            joined,
+            joined_per_s: joined as f64 / seconds.max(1e-9),
+            blocks_sent: self.blocks.load(Ordering::Relaxed),
+        }
+    }
 }
 
 /// The id of churning pod `n`: an address no connection comes from (10.201/16 and up).
@@ -52,15 +66,7 @@ pub(super) async fn run(
             let (endpoint, docs, counters) = (endpoint.clone(), docs.clone(), counters.clone());
             let topic = Bytes::from(format!("kv@{}@{model}", pod_id(n)));
             pods.spawn(async move {
-                let mut publisher = Publisher {
-                    socket: PubSocket::new(),
-                    endpoint,
-                };
-                publisher
-                    .socket
-                    .connect(&publisher.endpoint.clone())
-                    .await
-                    .map_err(|source| publisher.error(source))?;
+                let mut publisher = Publisher::connect(&endpoint).await?;
                 // The subscription reaches a new PUB after a moment (ZeroMQ's slow joiner).
                 tokio::time::sleep(Duration::from_millis(300)).await;
                 counters.joined.fetch_add(1, Ordering::Relaxed);

@@ -19,12 +19,13 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use axum::Router;
 
-use super::{Document, LoadgenArgs, LoadgenError};
+use super::args::LoadgenArgs;
+use super::calls::gather;
+use super::documents::{request_bodies, Document};
+use super::error::LoadgenError;
 
 /// Loopback addresses the pods get: `127.0.0.10` onwards.
 const FIRST_HOST: u32 = 10;
-/// Pods served at most (`127.0.0.10` to `127.0.0.249`).
-pub(super) const MAX_SERVED_PODS: u32 = 240;
 
 /// The names of `pods` simulated pods: served at `127.0.0.<10+p>:port`, else the default
 /// unroutable `10.200.x.y:8000`.
@@ -35,35 +36,6 @@ pub(super) fn pod_names(pods: u32, serve_port: Option<u16>) -> Vec<String> {
             None => format!("10.200.{}.{}:8000", p / 250, p % 250),
         })
         .collect()
-}
-
-/// The OpenAI request body of a document: a chat, or a completion of its token ids.
-pub(super) fn request_body(model: &str, doc: &Document) -> (&'static str, Vec<u8>) {
-    let (path, body) = match &doc.messages {
-        Some(m) => (
-            "/v1/chat/completions",
-            serde_json::json!({"model": model, "messages": m, "max_tokens": 1}),
-        ),
-        None => (
-            "/v1/completions",
-            serde_json::json!({"model": model, "prompt": doc.tokens, "max_tokens": 1}),
-        ),
-    };
-    (path, body.to_string().into_bytes())
-}
-
-/// Every document's request body, and the path they go to (chats: chat completions).
-pub(super) fn request_bodies(model: &str, docs: &[Document]) -> (&'static str, Vec<Vec<u8>>) {
-    let mut path = "/v1/completions";
-    let bodies = docs
-        .iter()
-        .map(|d| {
-            let (p, body) = request_body(model, d);
-            path = p;
-            body
-        })
-        .collect();
-    (path, bodies)
 }
 
 /// vLLM's answer to a request, as short as it gets.
@@ -184,5 +156,5 @@ pub(super) async fn http_phase(
             c * 7,
         )));
     }
-    super::callers::gather(tasks, &stop, seconds).await
+    gather(tasks, &stop, seconds).await
 }

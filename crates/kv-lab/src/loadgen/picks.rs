@@ -16,7 +16,10 @@ use envoy_types::pb::envoy::service::ext_proc::v3::{
 };
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
-use super::{Document, LoadgenArgs, LoadgenError};
+use super::args::LoadgenArgs;
+use super::calls::{channel, gather};
+use super::documents::{request_bodies, Document};
+use super::error::LoadgenError;
 
 /// The body chunk Envoy sends at most.
 const CHUNK: usize = 62_000;
@@ -136,12 +139,12 @@ pub(super) async fn pick_phase(
     docs: &Arc<Vec<Document>>,
     seconds: u64,
 ) -> Result<(Vec<u64>, u64), LoadgenError> {
-    let (path, bodies) = super::http::request_bodies(&args.model, docs);
+    let (path, bodies) = request_bodies(&args.model, docs);
     let bodies = Arc::new(bodies);
     let stop = Arc::new(AtomicBool::new(false));
     let mut tasks = Vec::new();
     for c in 0..args.score_concurrency {
-        let client = ExternalProcessorClient::new(super::callers::channel(addr).await?);
+        let client = ExternalProcessorClient::new(channel(addr).await?);
         tasks.push(tokio::spawn(pick_loop(
             client,
             path,
@@ -150,7 +153,7 @@ pub(super) async fn pick_phase(
             c * 7,
         )));
     }
-    super::callers::gather(tasks, &stop, seconds).await
+    gather(tasks, &stop, seconds).await
 }
 
 /// Serves a vLLM-shaped Prometheus page for any pod at `/<pod>/metrics` on `addr` (loopback),

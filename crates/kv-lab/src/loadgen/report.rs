@@ -3,16 +3,7 @@
 
 use serde::Serialize;
 
-/// Sum of every sample of `name` (all label sets).
-pub(super) fn metric_sum(page: &str, name: &str) -> f64 {
-    page.lines()
-        .filter(|l| {
-            l.strip_prefix(name)
-                .is_some_and(|rest| rest.starts_with('{') || rest.starts_with(' '))
-        })
-        .filter_map(|l| l.rsplit(' ').next().and_then(|v| v.parse::<f64>().ok()))
-        .sum()
-}
+use super::scrape::metric_sum;
 
 fn percentile(sorted: &[u64], p: f64) -> f64 {
     if sorted.is_empty() {
@@ -98,7 +89,7 @@ pub struct LoadgenReport {
     pub churn: Option<ChurnReport>,
     /// `--agree-with`: whether the other replicas hold what this one holds.
     #[serde(skip_serializing_if = "Vec::is_empty")]
-    pub agreement: Vec<super::AgreementReport>,
+    pub agreement: Vec<AgreementReport>,
 }
 
 /// `--churn`: what the churning pods did.
@@ -110,18 +101,6 @@ pub struct ChurnReport {
     pub joined_per_s: f64,
     /// Blocks they sent.
     pub blocks_sent: u64,
-}
-
-impl ChurnReport {
-    pub(super) fn of(counters: &super::churn::ChurnCounters, seconds: f64) -> Self {
-        use std::sync::atomic::Ordering;
-        let joined = counters.joined.load(Ordering::Relaxed);
-        Self {
-            joined,
-            joined_per_s: joined as f64 / seconds.max(1e-9),
-            blocks_sent: counters.blocks.load(Ordering::Relaxed),
-        }
-    }
 }
 
 /// How another replica of a replicated deployment followed the load (through the log).
@@ -137,6 +116,26 @@ pub struct ReplicaReport {
     pub caught_up_after_s: f64,
     /// `applied_blocks / caught_up_after_s`: the end-to-end replication rate.
     pub applied_blocks_per_s: f64,
+}
+
+/// How one replica compared with the daemon under load.
+#[derive(Debug, Clone, Serialize)]
+pub struct AgreementReport {
+    /// The other replica's gRPC address.
+    pub replica: String,
+    /// Whether both held the same memberships per (model, pod, rank) before the deadline.
+    pub agree: bool,
+    /// Publishers holding blocks on the daemon under load (at the last comparison).
+    pub publishers: usize,
+    /// Memberships on the daemon under load (at the last comparison).
+    pub memberships: u64,
+    /// Publishers whose memberships differ (0 when they agree).
+    pub differing: usize,
+    /// One difference, for the log: `model pod rank: here vs there`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub example: Option<String>,
+    /// Seconds after the load until they agreed (or the deadline).
+    pub waited_s: f64,
 }
 
 /// One soak sample of the daemon's own gauges.

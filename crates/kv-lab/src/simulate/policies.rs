@@ -7,7 +7,9 @@ use std::sync::Mutex;
 use thiserror::Error;
 
 use super::rng;
-use super::routers::{self, CapacityGuess, PrefixScore, Router, Weights};
+use kv_core::{PickWeights, SCORERS, SCORER_COUNT};
+
+use super::routers::{self, CapacityGuess, PrefixScore, Router};
 
 /// Every policy, in the order `all` runs them.
 pub const POLICIES: [&str; 10] = [
@@ -41,8 +43,10 @@ pub enum PolicyError {
         list = POLICIES.join(", "), full_only = FULL_ONLY_POLICIES.join(", "),
         publishers = PUBLISHERS_POLICIES.join(", "))]
     UnknownPolicy(String),
-    /// Not `equal`, `llm-d` or `prefix:queue:kv` (finite, at least 0, not all 0).
-    #[error("--weights {0:?}: equal, llm-d, or prefix:queue:kv (e.g. 2:1:1; not all 0)")]
+    /// Not `equal`, `llm-d` or one weight per scorer, `prefix:queue:kv` (finite, at least 0,
+    /// not all 0).
+    #[error("--weights {0:?}: equal, llm-d, or one weight per scorer, {names} (e.g. 2:1:1; not all 0)",
+        names = SCORERS.map(|s| s.name).join(":"))]
     BadWeights(String),
     /// Not one of [`PrefixScore::NAMES`].
     #[error("--precise-prefix-score {0:?}: min-max, min-max-holders or share")]
@@ -55,28 +59,26 @@ pub fn parse_prefix_score(text: &str) -> Result<PrefixScore, PolicyError> {
 }
 
 /// The scorer weights of the approximate and the precise policies: `equal` (both 1:1:1),
-/// `llm-d` (approximate 1:1:1, precise as llm-d publishes it, 3:2:2) or `prefix:queue:kv`
-/// (both), each weight finite and at least 0, not all 0 (the daemon's pick refuses them).
-pub fn parse_weights(text: &str) -> Result<(Weights, Weights), PolicyError> {
+/// `llm-d` (approximate 1:1:1, precise as llm-d publishes it, 3:2:2) or one weight per scorer
+/// of kv-core's list in its order, `prefix:queue:kv` (both), each finite and at least 0, not
+/// all 0 (the daemon's pick refuses them).
+pub fn parse_weights(text: &str) -> Result<(PickWeights, PickWeights), PolicyError> {
     Ok(match text {
-        "equal" => (Weights::EQUAL, Weights::EQUAL),
-        "llm-d" => (Weights::EQUAL, Weights::LLM_D_PRECISE),
+        "equal" => (PickWeights::EQUAL, PickWeights::EQUAL),
+        "llm-d" => (PickWeights::EQUAL, PickWeights::LLM_D),
         other => {
             let parts: Vec<f64> = other
                 .split(':')
                 .map(|p| p.trim().parse::<f64>())
                 .collect::<Result<_, _>>()
                 .ok()
-                .filter(|v: &Vec<f64>| v.len() == 3 && v.iter().all(|x| *x >= 0.0 && x.is_finite()))
+                .filter(|v: &Vec<f64>| v.iter().all(|x| *x >= 0.0 && x.is_finite()))
                 .ok_or_else(|| PolicyError::BadWeights(other.to_owned()))?;
-            let w = Weights {
-                prefix: parts[0],
-                queue: parts[1],
-                kv: parts[2],
-            };
+            let w = <[f64; SCORER_COUNT]>::try_from(parts)
+                .map(PickWeights)
+                .map_err(|_| PolicyError::BadWeights(other.to_owned()))?;
             // The daemon's pick refuses all-zero weights; so does the simulator, which uses it.
-            kv_core::PickWeights::from(w)
-                .check()
+            w.check()
                 .map_err(|_| PolicyError::BadWeights(other.to_owned()))?;
             (w, w)
         }
@@ -89,9 +91,9 @@ pub struct PolicySettings {
     /// The approximate scorer's fixed capacity guess (`lruCapacityPerServer`), in blocks.
     pub approx_capacity: usize,
     /// The approximate policies' scorer weights.
-    pub approx_weights: Weights,
+    pub approx_weights: PickWeights,
     /// The precise policies' scorer weights.
-    pub precise_weights: Weights,
+    pub precise_weights: PickWeights,
     /// How the precise policies normalise the index's scores (min-max over every candidate by
     /// default).
     pub precise_prefix: PrefixScore,
@@ -189,13 +191,12 @@ mod tests {
     #[test]
     fn weights_parse_by_name_or_as_three_numbers() {
         assert_eq!(
-            parse_weights("llm-d").map(|(a, p)| (a.prefix, p.prefix, p.queue)),
-            Ok((1.0, 3.0, 2.0))
+            parse_weights("llm-d").map(|(a, p)| (a.0, p.0)),
+            Ok(([1.0; 3], [3.0, 2.0, 2.0]))
         );
         let (a, p) = parse_weights("2:1:0.5").expect("three weights");
-        assert_eq!((a.prefix, a.queue, a.kv), (2.0, 1.0, 0.5));
-        assert_eq!((p.prefix, p.queue, p.kv), (2.0, 1.0, 0.5));
-        for bad in ["2:1", "a:b:c", "1:-1:1", "1:inf:1", "0:0:0"] {
+        assert_eq!((a.0, p.0), ([2.0, 1.0, 0.5], [2.0, 1.0, 0.5]));
+        for bad in ["2:1", "1:1:1:1", "a:b:c", "1:-1:1", "1:inf:1", "0:0:0"] {
             assert_eq!(
                 parse_weights(bad).err(),
                 Some(PolicyError::BadWeights(bad.into())),
@@ -222,8 +223,8 @@ mod tests {
     fn every_listed_policy_builds_and_others_are_named_in_the_error() {
         let settings = PolicySettings {
             approx_capacity: 1000,
-            approx_weights: Weights::EQUAL,
-            precise_weights: Weights::EQUAL,
+            approx_weights: PickWeights::EQUAL,
+            precise_weights: PickWeights::EQUAL,
             precise_prefix: PrefixScore::MinMax,
         };
         for name in POLICIES {

@@ -36,7 +36,6 @@ use std::time::{Duration, Instant};
 
 use kv_core::SplitMix64;
 use kv_core::{BlockHash, Candidate, PickSettings, PickWeights, PrefixNormalisation};
-use serde::Serialize;
 
 use super::family::{IndexedGroups, UNIT_TOKENS};
 pub use super::membership::CandidateRule;
@@ -110,42 +109,6 @@ pub const APPROX_BLOCK_CHARS: u64 = 64;
 /// Characters per token the simulation assumes for prompt text.
 pub const CHARS_PER_TOKEN: u64 = 4;
 
-/// Scorer weights: prefix share, queue, KV utilisation.
-#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
-pub struct Weights {
-    /// The prefix scorer.
-    pub prefix: f64,
-    /// The queue scorer.
-    pub queue: f64,
-    /// The KV-utilisation scorer.
-    pub kv: f64,
-}
-
-impl Weights {
-    /// Equal weights (the head-to-head default: both kinds weighed alike).
-    pub const EQUAL: Weights = Weights {
-        prefix: 1.0,
-        queue: 1.0,
-        kv: 1.0,
-    };
-    /// llm-d's published precise configuration: prefix 3, KV utilisation 2, queue 2.
-    pub const LLM_D_PRECISE: Weights = Weights {
-        prefix: 3.0,
-        queue: 2.0,
-        kv: 2.0,
-    };
-}
-
-impl From<Weights> for PickWeights {
-    fn from(w: Weights) -> Self {
-        PickWeights {
-            prefix: w.prefix,
-            queue: w.queue,
-            kv_cache_utilization: w.kv,
-        }
-    }
-}
-
 fn least_loaded(in_flight: &[usize], among: impl Iterator<Item = usize>) -> usize {
     among.min_by_key(|&p| (in_flight[p], p)).unwrap_or(0)
 }
@@ -159,7 +122,7 @@ fn pick(
     prefix: &[f64],
     normalise: PrefixNormalisation,
     ctx: &RouterContext<'_>,
-    w: Weights,
+    w: PickWeights,
     rng: &mut SplitMix64,
 ) -> usize {
     let age = Duration::from_secs_f64((ctx.now_ms - ctx.scraped_ms).max(0.0) / 1000.0);
@@ -179,7 +142,7 @@ fn pick(
         .collect();
     let daemon = PickSettings::default();
     let settings = PickSettings {
-        weights: w.into(),
+        weights: w,
         max_metrics_age: daemon.max_metrics_age.max(Duration::from_secs_f64(
             ctx.scrape_interval_ms * 10.0 / 1000.0,
         )),
@@ -273,13 +236,13 @@ pub struct ApproxPrefix {
     guess: CapacityGuess,
     pods: Vec<BlockLru>,
     /// Scorer weights.
-    pub weights: Weights,
+    pub weights: PickWeights,
     rng: SplitMix64,
 }
 
 impl ApproxPrefix {
     /// An approximate scorer whose LRUs are sized by `guess`.
-    pub fn new(guess: CapacityGuess, weights: Weights, seed: u64) -> Self {
+    pub fn new(guess: CapacityGuess, weights: PickWeights, seed: u64) -> Self {
         Self {
             guess,
             pods: Vec::new(),
@@ -355,7 +318,7 @@ impl Router for ApproxPrefix {
 /// scorers.
 pub struct Precise {
     /// Scorer weights.
-    pub weights: Weights,
+    pub weights: PickWeights,
     /// Record each decision as speculative entries (`RecordRouting`).
     pub speculation: bool,
     /// How raw scores become the prefix scorer's value (min-max over every candidate by
@@ -375,7 +338,7 @@ pub struct Precise {
 impl Precise {
     /// Precise scoring as llm-d's scorer makes it of kv-indexer's scores, recording routings
     /// when `speculation`.
-    pub fn new(weights: Weights, speculation: bool, seed: u64) -> Self {
+    pub fn new(weights: PickWeights, speculation: bool, seed: u64) -> Self {
         Self {
             weights,
             speculation,

@@ -82,18 +82,18 @@ fn the_scoring_routers_pick_with_the_daemons_pick_and_its_seeded_ties() {
         .record_routing("m", "pod-2", 0, held, instant)
         .expect("recorded");
     let llm_d = PickSettings {
-        weights: Weights::LLM_D_PRECISE.into(),
+        weights: PickWeights::LLM_D,
         ..PickSettings::default()
     };
     let mut winners = std::collections::BTreeSet::new();
     for seed in 0..32 {
-        let mut precise = Precise::new(Weights::LLM_D_PRECISE, false, seed);
+        let mut precise = Precise::new(PickWeights::LLM_D, false, seed);
         let chosen = precise.route(&req, &ctx);
         let raw = [0.0, 0.0, 8.0, 0.0];
         let expected = daemon_pick(&raw, &llm_d, &mut crate::simulate::rng(seed ^ 0x9E_C1));
         assert_eq!(chosen, expected, "seed {seed}");
         assert_eq!(
-            Precise::new(Weights::LLM_D_PRECISE, false, seed).route(&req, &ctx),
+            Precise::new(PickWeights::LLM_D, false, seed).route(&req, &ctx),
             chosen
         );
         winners.insert(chosen);
@@ -117,19 +117,19 @@ fn the_scoring_routers_pick_with_the_daemons_pick_and_its_seeded_ties() {
         ..ctx
     };
     for seed in 0..8 {
-        let mut precise = Precise::new(Weights::LLM_D_PRECISE, false, seed);
+        let mut precise = Precise::new(PickWeights::LLM_D, false, seed);
         assert_eq!(precise.route(&req, &calm_ctx), 2);
     }
     // The approximate router hands the pick its matched share as it is (no min-max): half
     // the prompt on pod 2 scores 0.5 + 0 + 0.1 at 1:1:1, under the others' 0 + 1 + 0.9.
-    let mut approx = ApproxPrefix::new(CapacityGuess::Fixed(100), Weights::EQUAL, 5);
+    let mut approx = ApproxPrefix::new(CapacityGuess::Fixed(100), PickWeights::EQUAL, 5);
     let half = SimRequest {
         blocks: blocks[..4].to_vec(),
         ..req.clone()
     };
     approx.routed(&half, 2, &ctx);
     let equal = PickSettings {
-        weights: Weights::EQUAL.into(),
+        weights: PickWeights::EQUAL,
         prefix: PrefixNormalisation::AsGiven,
         ..PickSettings::default()
     };

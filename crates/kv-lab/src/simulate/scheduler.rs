@@ -1,6 +1,6 @@
 //! One vLLM engine (a pod), step by step, the way vLLM's V1 scheduler runs it: the scheduler
 //! both simulated engines share, over their blocks ([`Blocks`]: the plain engine's one
-//! full-attention group in `super::engine`, a hybrid model's groups in `super::hybrid`).
+//! full-attention group, a hybrid model's groups; each engine's own file implements it).
 //!
 //! - **Continuous batching under a token budget**: each step first serves the running
 //!   sequences in order (a decode is one token; a prompt still being prefilled takes what is

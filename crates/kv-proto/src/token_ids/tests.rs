@@ -1,9 +1,10 @@
 //! The hand-written `TokenIds` against prost's own derive of the same message: the same bytes
 //! out, the same ids (or an error) back, from one slice or from a buffer split anywhere.
 
-use prost::bytes::{Buf, Bytes};
+use prost::bytes::Bytes;
 use prost::Message;
 
+use super::chunked::Chunked;
 use super::TokenIds;
 
 /// `message TokenIds { repeated uint32 ids = 1; }` as prost generates it (packed).
@@ -39,25 +40,6 @@ fn ids(n: usize, seed: u64) -> Vec<u32> {
             }
         })
         .collect()
-}
-
-/// A `Buf` over `bytes` that hands out at most `step` bytes per chunk, so varints and keys
-/// straddle chunk boundaries.
-struct Chunked {
-    bytes: Bytes,
-    step: usize,
-}
-
-impl Buf for Chunked {
-    fn remaining(&self) -> usize {
-        self.bytes.len()
-    }
-    fn chunk(&self) -> &[u8] {
-        &self.bytes[..self.step.min(self.bytes.len())]
-    }
-    fn advance(&mut self, n: usize) {
-        self.bytes.advance(n);
-    }
 }
 
 #[test]

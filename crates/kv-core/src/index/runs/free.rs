@@ -14,7 +14,7 @@
 //! The stretch then goes on at `prev + 1` while that id is free, so it consumes the range it
 //! took from in order ([`FreeIds::taken`] keeps that range's start in step).
 //!
-//! Measured (docs/benchmarks.md, "Free ids by size"): in the 16-pod replay, taking the newest
+//! Measured (docs/benchmarks-history.md, "Free ids by size"): in the 16-pod replay, taking the newest
 //! range whatever its length gave ranges of 55 ids on average, nine hops per request.
 //!
 //! Invariants: every free id is in a range, the range being filled or the one being taken

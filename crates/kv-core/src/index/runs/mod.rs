@@ -84,8 +84,8 @@ const PREFETCH_AHEAD: usize = 12;
 /// misses, and a linear probe's miss reads about `(1 + 1 / (1 - load)^2) / 2` slots: 23 at
 /// 85%, under 4 at 60%. A table that only grows is rebuilt at 85% (each rebuild then more than
 /// doubles it); one that churns at a steady size fills with tombstones, and a rebuild at 60%
-/// costs a copy of the same size, not more memory. Measured in docs/benchmarks.md ("Table
-/// rebuilds: churn and growth"), with the variants that were not kept.
+/// costs a copy of the same size, not more memory. Measured in docs/benchmarks-history.md
+/// ("Table rebuilds: churn and growth"), with the variants that were not kept.
 const TABLE_FULL_PERCENT: usize = 85;
 
 /// See [`TABLE_FULL_PERCENT`].

@@ -33,8 +33,8 @@ const CHANGES: usize = 4096;
 
 /// Ids past a block a walk jumps to whose slots it prefetches before reading the block's run:
 /// the stretch it compares next (24 lines), fetched while the run slot, a dependent miss, is
-/// read. 96 and 256 ids gave the same query p99 (docs/benchmarks.md, "Where the 16-pod query
-/// p99 goes").
+/// read. 96 and 256 ids gave the same query p99 (docs/benchmarks-history.md, "Where the
+/// 16-pod query p99 goes").
 const STRETCH_AHEAD: usize = 192;
 
 /// Spins before a reader waiting for a write to end yields its thread (the writer may have
@@ -332,32 +332,7 @@ impl Shared {
         let words = &self.words;
         // The first block: its holders (those `admit` accepts) start the walk.
         let found = self.read_block(&table, None, first.get(), true, |_, _, run| {
-            s.alive.clear();
-            for w in run.holders.engine_windows() {
-                let mut engines = run.holders.engines_of(w, words);
-                if let Some(admit) = &admit {
-                    let mut admitted = 0;
-                    while engines != 0 {
-                        let b = engines.trailing_zeros();
-                        engines &= engines - 1;
-                        if admit(w * WINDOW + b) {
-                            admitted |= 1 << b;
-                        }
-                    }
-                    engines = admitted;
-                }
-                if engines != 0 {
-                    s.alive.push((w, engines));
-                }
-            }
-            read_holders(
-                &run.holders,
-                &s.alive,
-                &best,
-                words,
-                &mut s.held,
-                &mut s.deltas,
-            );
+            start_walk(&run.holders, admit.as_ref(), &best, words, s);
         });
         let Some(mut at) = found else {
             return;
@@ -367,23 +342,9 @@ impl Shared {
         let (mut j, mut since) = (0usize, 0usize);
         let mut entered = true;
         while j + 1 < prompt.len() && !s.alive.is_empty() {
-            // Where the chain last went on after this run: that block's hash and links and
-            // its run's slot, and the links of the run's last block (whose hint a hop from
-            // there reads), fetched while the run's hashes are compared (hints; the hop reads
-            // them under its seqlock). Only on entering a run.
+            // Only on entering a run: where the chain goes on after it, prefetched.
             if entered {
-                let cell = run_slot(&self.runs, at.run);
-                let after = cell.after();
-                if after != NONE {
-                    crate::memory::prefetch_read(
-                        run_slot(&self.runs, after) as *const RunSlot as *const u8
-                    );
-                }
-                let after_id = cell.after_id();
-                if after_id != NONE {
-                    self.ids.prefetch(after_id, true, true);
-                }
-                self.ids.prefetch(at.end - 1, false, true);
+                self.prefetch_exits(&at);
             }
             entered = false;
             // Inside the run (one holder set): the next ids hold the next blocks for as long
@@ -429,36 +390,101 @@ impl Shared {
                 // A new holder set from block `j`: close the run before it, then drop the
                 // engines that do not hold block `j`.
                 close_run(s, j - since);
-                for (k, (w, bits)) in s.alive.iter_mut().enumerate() {
-                    let mut dropped = *bits & !s.held[k];
-                    while dropped != 0 {
-                        let e = *w * WINDOW + dropped.trailing_zeros();
-                        dropped &= dropped - 1;
-                        out.push(score_of(e, j, &best, &s.extra));
-                    }
-                    *bits = s.held[k];
-                }
-                s.alive.retain(|&(_, bits)| bits != 0);
-                std::mem::swap(&mut s.deltas, &mut s.next_deltas);
+                next_holder_set(s, j, &best, out);
                 since = j;
             }
             at = next;
         }
         // Every engine still alive holds blocks `0 ..= j`.
         close_run(s, j + 1 - since);
-        for &(w, mut bits) in &s.alive {
-            while bits != 0 {
-                let e = w * WINDOW + bits.trailing_zeros();
-                bits &= bits - 1;
-                out.push(score_of(e, j + 1, &best, &s.extra));
-            }
-        }
-        for &e in &s.touched {
-            s.extra[e as usize] = 0.0;
-        }
-        s.touched.clear();
-        s.alive.clear();
+        finish_walk(s, j + 1, &best, out);
     }
+}
+
+impl Shared {
+    /// On entering the run `at` is in: prefetches where the chain last went on after it (that
+    /// block's hash and links, and its run's slot) and the links of the run's last block
+    /// (whose hint a hop from there reads), while the run's hashes are compared. Hints only:
+    /// the hop reads them under its seqlock.
+    #[inline]
+    fn prefetch_exits(&self, at: &Found) {
+        let cell = run_slot(&self.runs, at.run);
+        let after = cell.after();
+        if after != NONE {
+            crate::memory::prefetch_read(run_slot(&self.runs, after) as *const RunSlot as *const u8);
+        }
+        let after_id = cell.after_id();
+        if after_id != NONE {
+            self.ids.prefetch(after_id, true, true);
+        }
+        self.ids.prefetch(at.end - 1, false, true);
+    }
+}
+
+/// The walk's start: the first block's holders that `admit` accepts (every one without it)
+/// become the alive engines, with their weights beyond GPU's.
+#[inline]
+fn start_walk<F: Fn(EngineId) -> bool>(
+    holders: &RunHolders,
+    admit: Option<&F>,
+    best: &[f64; 16],
+    words: &super::Words,
+    s: &mut RunScratch,
+) {
+    s.alive.clear();
+    for w in holders.engine_windows() {
+        let mut engines = holders.engines_of(w, words);
+        if let Some(admit) = admit {
+            let mut admitted = 0;
+            while engines != 0 {
+                let b = engines.trailing_zeros();
+                engines &= engines - 1;
+                if admit(w * WINDOW + b) {
+                    admitted |= 1 << b;
+                }
+            }
+            engines = admitted;
+        }
+        if engines != 0 {
+            s.alive.push((w, engines));
+        }
+    }
+    read_holders(holders, &s.alive, best, words, &mut s.held, &mut s.deltas);
+}
+
+/// A new holder set from block `j`: the engines that do not hold it are scored for `j`
+/// blocks and dropped; the set's weights become the current run's.
+#[inline]
+fn next_holder_set(s: &mut RunScratch, j: usize, best: &[f64; 16], out: &mut Vec<EngineScore>) {
+    for (k, (w, bits)) in s.alive.iter_mut().enumerate() {
+        let mut dropped = *bits & !s.held[k];
+        while dropped != 0 {
+            let e = *w * WINDOW + dropped.trailing_zeros();
+            dropped &= dropped - 1;
+            out.push(score_of(e, j, best, &s.extra));
+        }
+        *bits = s.held[k];
+    }
+    s.alive.retain(|&(_, bits)| bits != 0);
+    std::mem::swap(&mut s.deltas, &mut s.next_deltas);
+}
+
+/// The walk's end: every engine still alive scored for `matched` blocks; the scratch left
+/// clean for the next walk.
+#[inline]
+fn finish_walk(s: &mut RunScratch, matched: usize, best: &[f64; 16], out: &mut Vec<EngineScore>) {
+    for &(w, mut bits) in &s.alive {
+        while bits != 0 {
+            let e = w * WINDOW + bits.trailing_zeros();
+            bits &= bits - 1;
+            out.push(score_of(e, matched, best, &s.extra));
+        }
+    }
+    for &e in &s.touched {
+        s.extra[e as usize] = 0.0;
+    }
+    s.touched.clear();
+    s.alive.clear();
 }
 
 /// Adds the current run's weights beyond GPU's, for its `blocks`, to its engines' sums.

@@ -86,7 +86,8 @@ impl RunIndex {
     /// Gives ids `a .. b` (inside one run) the holder set `set` (owned; empty: the blocks left
     /// the index and the ids become free) and, under `podCacheSize`, the staged holder order.
     /// The run is split around them and the result merged with equal neighbours; the largest
-    /// part keeps the run's number, so only the smaller parts are relabelled.
+    /// part keeps the run's number, so only the smaller parts are relabelled. The steps keep
+    /// the module's order: a run is written before ids point at it, and `r` shrinks last.
     pub(super) fn recolor(&mut self, a: u32, b: u32, set: RunHolders, cause: Cause) {
         let r = self.id(a).run();
         let run = self.run(r);
@@ -98,51 +99,112 @@ impl RunIndex {
                 Cause::Leave => self.stats.splits_leave += 1,
             }
         }
-        if !set.is_empty() && (left == 0) != (right == 0) {
-            // The part touches one end of its run: when the neighbour there already has `set`,
-            // the part joins it (no new run, one relabel per id).
-            let at = if left == 0 { a.checked_sub(1) } else { Some(b) };
-            let neighbour = at.map(|i| self.id(i).run()).filter(|&n| {
-                n != NONE
-                    && self
-                        .pool
-                        .same_run(&self.run(n).holders, &set, &self.reader.shared.words)
-                    && self.order.as_ref().is_none_or(|o| o.is_staged(n))
-            });
-            if let Some(n) = neighbour {
-                self.pool.release_run(set);
-                let nr = self.run(n);
-                if left == 0 {
-                    self.run_slot(n).set_bounds(nr.start, b);
-                    self.relabel(a, b, n);
-                    self.run_slot(r).set_bounds(b, run.end);
-                } else {
-                    self.run_slot(n).set_bounds(a, nr.end);
-                    self.relabel(a, b, n);
-                    self.run_slot(r).set_bounds(run.start, a);
-                }
-                return;
-            }
+        if !set.is_empty()
+            && (left == 0) != (right == 0)
+            && self.join_neighbour(a, b, (r, run), set)
+        {
+            return;
         }
         let keep_mid = !set.is_empty() && mid >= left && mid >= right;
-        let old = run.holders;
         // The middle part, when it moves to a run of its own: written, then pointed at.
         let mut mid_run = None;
         if !set.is_empty() && !keep_mid {
-            match self.new_run(a, b, set) {
-                Some(m) => {
-                    if let Some(order) = &mut self.order {
-                        order.take_staged(m);
-                    }
-                    self.relabel(a, b, m);
-                    mid_run = Some(m);
+            mid_run = self.middle_run(a, b, set);
+        }
+        let (old_owned, stays) = self.split_off_old((r, run), a, b, keep_mid);
+        if set.is_empty() {
+            self.relabel(a, b, NONE);
+        }
+        // Only now does `r` shrink (or take the middle's set, or die).
+        match (keep_mid, stays) {
+            (true, _) => {
+                self.put_run(
+                    r,
+                    Run {
+                        start: a,
+                        end: b,
+                        holders: set,
+                    },
+                );
+                if let Some(order) = &mut self.order {
+                    order.take_staged(r);
                 }
-                None => self.pool.release_run(set), // no run left: the part keeps its holders
+                mid_run = Some(r);
+            }
+            (false, Some((s, e))) => self.run_slot(r).set_bounds(s, e),
+            (false, None) if mid_run.is_none() && !set.is_empty() => {} // no run: unchanged
+            (false, None) => {
+                self.put_run(r, Run::default());
+                self.free_run(r);
             }
         }
-        // The parts that keep the old holders: the larger stays in `r` unless the middle
-        // does; every other part gets a run of its own (the first takes `old` itself).
-        let (big, small) = if left >= right {
+        if !old_owned {
+            self.pool.release_run(run.holders);
+        }
+        if let Some(m) = mid_run {
+            let m = self.merge_left(m);
+            self.merge_right(m);
+        }
+    }
+
+    /// When the part `a .. b` touches one end of its run `r` (as it was: `run`) and the
+    /// neighbour there already has `set`, the part joins it (no new run, one relabel per id,
+    /// `set` released): true.
+    fn join_neighbour(&mut self, a: u32, b: u32, (r, run): (u32, Run), set: RunHolders) -> bool {
+        let left = a == run.start;
+        let at = if left { a.checked_sub(1) } else { Some(b) };
+        let neighbour = at.map(|i| self.id(i).run()).filter(|&n| {
+            n != NONE
+                && self
+                    .pool
+                    .same_run(&self.run(n).holders, &set, &self.reader.shared.words)
+                && self.order.as_ref().is_none_or(|o| o.is_staged(n))
+        });
+        let Some(n) = neighbour else {
+            return false;
+        };
+        self.pool.release_run(set);
+        let nr = self.run(n);
+        if left {
+            self.run_slot(n).set_bounds(nr.start, b);
+            self.relabel(a, b, n);
+            self.run_slot(r).set_bounds(b, run.end);
+        } else {
+            self.run_slot(n).set_bounds(a, nr.end);
+            self.relabel(a, b, n);
+            self.run_slot(r).set_bounds(run.start, a);
+        }
+        true
+    }
+
+    /// The middle part `a .. b` in a run of its own with `set` (and the staged order),
+    /// written, then pointed at; `None` when no run is left (the part keeps its holders, `set`
+    /// is released).
+    fn middle_run(&mut self, a: u32, b: u32, set: RunHolders) -> Option<u32> {
+        let Some(m) = self.new_run(a, b, set) else {
+            self.pool.release_run(set);
+            return None;
+        };
+        if let Some(order) = &mut self.order {
+            order.take_staged(m);
+        }
+        self.relabel(a, b, m);
+        Some(m)
+    }
+
+    /// The parts of run `r` (as it was: `run`) around `a .. b` that keep its holders: the
+    /// larger stays in `r` unless the middle does (returned, for `r` to shrink to last);
+    /// every other part gets a run of its own (the first takes the old set itself, the next
+    /// a copy). Returns whether a part took the old set, and the part that stays.
+    fn split_off_old(
+        &mut self,
+        (r, run): (u32, Run),
+        a: u32,
+        b: u32,
+        keep_mid: bool,
+    ) -> (bool, Option<(u32, u32)>) {
+        let old = run.holders;
+        let (big, small) = if a - run.start >= run.end - b {
             ((run.start, a), (b, run.end))
         } else {
             ((b, run.end), (run.start, a))
@@ -171,39 +233,7 @@ impl RunIndex {
                 self.relabel(s, e, n);
             }
         }
-        if set.is_empty() {
-            self.relabel(a, b, NONE);
-        }
-        // Only now does `r` shrink (or take the middle's set, or die).
-        match (keep_mid, stays) {
-            (true, _) => {
-                self.put_run(
-                    r,
-                    Run {
-                        start: a,
-                        end: b,
-                        holders: set,
-                    },
-                );
-                if let Some(order) = &mut self.order {
-                    order.take_staged(r);
-                }
-                mid_run = Some(r);
-            }
-            (false, Some((s, e))) => self.run_slot(r).set_bounds(s, e),
-            (false, None) if mid_run.is_none() && !set.is_empty() => {} // no run: unchanged
-            (false, None) => {
-                self.put_run(r, Run::default());
-                self.free_run(r);
-            }
-        }
-        if !old_owned {
-            self.pool.release_run(old);
-        }
-        if let Some(m) = mid_run {
-            let m = self.merge_left(m);
-            self.merge_right(m);
-        }
+        (old_owned, stays)
     }
 
     /// Merges run `r` into its left neighbour (or the reverse) when they may merge

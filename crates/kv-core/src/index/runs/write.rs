@@ -61,7 +61,6 @@ impl RunIndex {
         hashes: &[BlockHash],
         mut held: impl FnMut(BlockHash, bool),
     ) -> StoreOutcome {
-        let bit = 1u64 << tier as u32;
         self.reserve(hashes.len());
         let mut outcome = StoreOutcome::default();
         let mut prefetched = 0;
@@ -121,44 +120,61 @@ impl RunIndex {
                 }
             };
             lone = None;
-            let run_of_id = self.id(id).run();
-            let run = self.run_slot(run_of_id);
-            // The run's next ids, as far as their hashes agree with the event's (one pass
-            // over the slots, to the run's end or the chunk's).
-            let slots = self.id_chunks.hash_tail(id + 1);
-            let room = ((run.end() - id - 1) as usize).min(slots.len());
-            let k = 1 + slots[..room]
-                .iter()
-                .zip(&hashes[i + 1..])
-                .take_while(|(slot, h)| slot.hash() == h.get())
-                .count();
-            let end = id + k as u32;
-            let holders = run.holders();
-            let mut added = false;
-            if holders.nibble(engine, &self.reader.shared.words) & bit == 0 {
-                let words = &self.reader.shared.words;
-                let joined = match self.pool.with_tiers(&holders, engine, bit, true, words) {
-                    Some(set) => self.within_bound(run_of_id, set, engine * 4 + tier as u32, k),
-                    None => {
-                        self.stats.pool_exhausted += 1;
-                        None
-                    }
-                };
-                if let Some(joined) = joined {
-                    self.recolor(id, end, joined, Cause::Join);
-                    self.note_range(engine, id, end);
-                    outcome.added += k;
-                    added = true;
-                }
+            let (k, added) = self.join_indexed(engine, tier, id, &hashes[i..]);
+            if added {
+                outcome.added += k;
             }
-            self.set_referenced(self.id(id).run());
             for &h in &hashes[i..i + k] {
                 held(h, added);
             }
-            prev = Some(end - 1);
+            prev = Some(id + k as u32 - 1);
             i += k;
         }
         outcome
+    }
+
+    /// `engine` stores blocks already indexed, `hashes[0]` at `id`: the stretch of the id's
+    /// run whose next ids hold the next hashes (one pass over the slots, to the run's end or
+    /// the chunk's) joins `engine` in `tier` unless it held them there. Returns the stretch's
+    /// length (at least 1) and whether the memberships are new.
+    #[inline]
+    fn join_indexed(
+        &mut self,
+        engine: EngineId,
+        tier: Tier,
+        id: u32,
+        hashes: &[BlockHash],
+    ) -> (usize, bool) {
+        let bit = 1u64 << tier as u32;
+        let run_of_id = self.id(id).run();
+        let run = self.run_slot(run_of_id);
+        let slots = self.id_chunks.hash_tail(id + 1);
+        let room = ((run.end() - id - 1) as usize).min(slots.len());
+        let k = 1 + slots[..room]
+            .iter()
+            .zip(&hashes[1..])
+            .take_while(|(slot, h)| slot.hash() == h.get())
+            .count();
+        let end = id + k as u32;
+        let holders = run.holders();
+        let mut added = false;
+        if holders.nibble(engine, &self.reader.shared.words) & bit == 0 {
+            let words = &self.reader.shared.words;
+            let joined = match self.pool.with_tiers(&holders, engine, bit, true, words) {
+                Some(set) => self.within_bound(run_of_id, set, engine * 4 + tier as u32, k),
+                None => {
+                    self.stats.pool_exhausted += 1;
+                    None
+                }
+            };
+            if let Some(joined) = joined {
+                self.recolor(id, end, joined, Cause::Join);
+                self.note_range(engine, id, end);
+                added = true;
+            }
+        }
+        self.set_referenced(self.id(id).run());
+        (k, added)
     }
 
     /// New blocks `hashes[0..n]` held by `engine` alone in `tier`, on consecutive ids from

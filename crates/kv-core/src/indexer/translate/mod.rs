@@ -57,8 +57,8 @@ pub use types::{
     Untranslatable,
 };
 
+use super::adapters::ModelHashing;
 use super::kinds::{full_attention_kind, tier_of};
-use super::ModelState;
 use crate::events::{BlockRemoved, BlockStored, EventBatch, KvEvent};
 use crate::hashing::{BlockDigest, HashScratch, TokenProcessor};
 use crate::index::{EngineId, IndexWriter, KeyBudget, Tier};
@@ -389,12 +389,12 @@ impl EngineKeys {
         engine: EngineId,
         (group, groups): (u32, &[(u32, crate::GroupSpec)]),
         s: &BlockStored,
-        model: &ModelState,
+        model: ModelHashing<'_>,
         budget: &KeyBudget,
         scratch: &mut Scratch,
         report: &mut TranslationReport,
     ) -> Result<usize, Untranslatable> {
-        let processor = &model.processor;
+        let processor = model.processor;
         let tier = tier_of(s.medium.as_ref());
         let ours = processor.block_size();
         let per_block = s.block_size as usize;

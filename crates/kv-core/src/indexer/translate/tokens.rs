@@ -8,8 +8,8 @@
 //! let us rebuild (multimodal, prompt embeddings, a LoRA without a configured path) make the
 //! run untranslatable, never guessed.
 
+use super::super::adapters::ModelHashing;
 use super::super::lookahead::run_tokens_with;
-use super::super::ModelState;
 use super::{Scratch, Untranslatable};
 use crate::events::{BlockStored, MsgpackValue};
 use crate::hashing::{BlockDigest, RequestExtras, TokenProcessor};
@@ -55,7 +55,7 @@ pub(in crate::indexer) fn run_extras(
     s: &BlockStored,
     root: bool,
     blocks: usize,
-    model: &ModelState,
+    model: ModelHashing<'_>,
 ) -> Result<RequestExtras, Untranslatable> {
     let mut extras = RequestExtras::default();
     if let Some(name) = s.lora_name.as_ref().filter(|n| !n.is_empty()) {

@@ -7,21 +7,25 @@
 //! candidate once, candidates the index never heard of with 0; a score is the hit vLLM takes:
 //! never past a prompt's `num_tokens - 1` tokens (the token form), in whole engine blocks, and
 //! for engines with KV-cache groups by their rule ([`super::layout_score`]).
+//!
+//! A score's stages: the candidates' engines; the index walk (and the layouts' rule); each
+//! pod's best engine; the speculative walk (recorded routings); the listing (`list`).
 
-use std::collections::HashSet;
 use std::sync::Arc;
 
 use thiserror::Error;
 
+mod list;
+
 use super::groups::Layouts;
 use super::layout_score::{recorded_hit_tokens, LayoutAsk, LayoutScratch};
-use super::order::{group_in_name_order, holder_order, GroupScratch};
 use super::scored::{PodRef, PodScore, RankScore};
 use super::{Indexer, ModelState};
 use crate::hashing::{HashScratch, RequestExtras};
-use crate::index::{EngineDirectory, EngineId, EngineScore, TierWeights, NO_POD};
+use crate::index::{DenseView, EngineDirectory, EngineId, EngineScore, TierWeights, NO_POD};
 use crate::marks::RoundMarks;
 use crate::BlockHash;
+use list::{ListScratch, Standing};
 
 /// Why a score request failed.
 #[derive(Debug, Error, PartialEq, Eq)]
@@ -139,18 +143,43 @@ struct PodScratch {
     spec_holding: RoundMarks,
     /// ...and, per speculative pod index, how many blocks.
     spec_len: Vec<u32>,
-    /// Speculative-only pods listed in this pass.
-    spec_listed: RoundMarks,
-    /// The pods listed in this pass (a candidate named twice is listed once).
-    listed: RoundMarks,
-    /// Candidates unknown to the index already listed in this call.
-    unknown: HashSet<Box<str>>,
-    /// The holders' ordering.
-    groups: GroupScratch,
     /// What scoring engines by their layouts works with.
     layouts: LayoutScratch,
-    /// Known pods that hold nothing of the prompt, in name order (listed after the holders).
-    others: Vec<u32>,
+    /// What the listing works with.
+    list: ListScratch,
+}
+
+impl PodScratch {
+    /// Each pod's best engine (its DP ranks'), by pod index, from the walk's engines; with
+    /// [`ScoreResult::with_ranks`], every (pod, rank) holding part of the prompt too.
+    fn best_per_pod(&mut self, dense: &DenseView, pod_slots: usize, out: &mut ScoreResult) {
+        self.holding.next_round();
+        if self.best.len() < pod_slots {
+            self.best.resize(pod_slots, (0.0, 0, 0, 0));
+        }
+        out.ranks.clear();
+        for e in &self.engines {
+            let Some(p) = dense.pod_of(e.engine) else {
+                continue;
+            };
+            let rank = dense.rank_of(e.engine);
+            let slot = &mut self.best[p as usize];
+            // The best rank; among equals, the lowest.
+            let better = (e.score, e.matched_blocks, std::cmp::Reverse(rank))
+                > (slot.0, slot.1, std::cmp::Reverse(slot.3));
+            if self.holding.mark(p as usize) || better {
+                *slot = (e.score, e.matched_blocks, 0, rank);
+            }
+            if out.want_ranks && e.matched_blocks > 0 {
+                out.ranks.push(RankScore {
+                    pod: PodRef::Known(p),
+                    rank: dense.is_parallel(p).then_some(rank),
+                    score: e.score,
+                    matched_blocks: e.matched_blocks,
+                });
+            }
+        }
+    }
 }
 
 impl Indexer {
@@ -331,7 +360,6 @@ impl Indexer {
         let directory = state.index.directory();
         out.scores.clear();
         out.unknown.clear();
-        let dense = directory.dense();
         s.candidates.clear();
         s.candidate_pods.clear();
         for pod in pods {
@@ -361,33 +389,7 @@ impl Indexer {
             };
             ask.score(&mut s.engines, &mut s.layouts);
         }
-        // Best engine per pod (DP ranks), by pod index.
-        s.holding.next_round();
-        if s.best.len() < directory.pod_slots() {
-            s.best.resize(directory.pod_slots(), (0.0, 0, 0, 0));
-        }
-        out.ranks.clear();
-        for e in &s.engines {
-            let Some(p) = dense.pod_of(e.engine) else {
-                continue;
-            };
-            let rank = dense.rank_of(e.engine);
-            let slot = &mut s.best[p as usize];
-            // The best rank; among equals, the lowest.
-            let better = (e.score, e.matched_blocks, std::cmp::Reverse(rank))
-                > (slot.0, slot.1, std::cmp::Reverse(slot.3));
-            if s.holding.mark(p as usize) || better {
-                *slot = (e.score, e.matched_blocks, 0, rank);
-            }
-            if out.want_ranks && e.matched_blocks > 0 {
-                out.ranks.push(RankScore {
-                    pod: PodRef::Known(p),
-                    rank: dense.is_parallel(p).then_some(rank),
-                    score: e.score,
-                    matched_blocks: e.matched_blocks,
-                });
-            }
-        }
+        s.best_per_pod(directory.dense(), directory.pod_slots(), out);
         let speculative = self.score_speculative(
             state,
             &directory,
@@ -400,130 +402,17 @@ impl Indexer {
             pods,
             s,
         );
-        let (holding, best) = (&s.holding, &s.best);
-        let score_of = |p: u32| match best.get(p as usize) {
-            Some(&(score, matched, spec, rank)) if holding.is_marked(p as usize) => {
-                let rank = (matched > 0 && dense.is_parallel(p)).then_some(rank);
-                (score, matched, spec, rank)
-            }
-            _ => (0.0, 0, 0, None),
+        let standing = Standing {
+            directory: &directory,
+            dense: directory.dense(),
+            speculative: speculative.as_deref(),
+            holding: &s.holding,
+            best: &s.best,
+            spec_holding: &s.spec_holding,
+            spec_len: &s.spec_len,
+            weight: self.settings.speculation.weight,
         };
-        let (spec_holding, spec_len) = (&s.spec_holding, &s.spec_len);
-        let weight = self.settings.speculation.weight;
-        // A pod known only by its speculative entries.
-        let spec_only = |sp: u32| match spec_len.get(sp as usize) {
-            Some(&n) if spec_holding.is_marked(sp as usize) => (weight * n as f64, n, n, None),
-            _ => (0.0, 0, 0, None),
-        };
-        let push =
-            |out: &mut ScoreResult, pod, (score, matched_blocks, speculative_blocks, rank)| {
-                out.scores.push(PodScore {
-                    pod,
-                    score,
-                    matched_blocks,
-                    speculative_blocks,
-                    rank,
-                })
-            };
-        // Two passes, holders then the rest, so only holders need sorting and the rest keep
-        // their order (name order, or the caller's).
-        for holders in [true, false] {
-            if pods.is_empty() {
-                // In name order: the holders keep it within each (score, matched) group. One
-                // pass: the others are set aside for the second round.
-                if holders {
-                    s.others.clear();
-                    for &p in dense.name_order() {
-                        let triple = score_of(p);
-                        if triple.1 > 0 {
-                            push(out, PodRef::Known(p), triple);
-                        } else {
-                            s.others.push(p);
-                        }
-                    }
-                } else {
-                    out.scores.extend(s.others.iter().map(|&p| PodScore {
-                        pod: PodRef::Known(p),
-                        score: 0.0,
-                        matched_blocks: 0,
-                        speculative_blocks: 0,
-                        rank: None,
-                    }));
-                }
-                if let Some(sdir) = &speculative {
-                    for (name, sp) in sdir.pods() {
-                        let triple = spec_only(sp);
-                        if directory.pod_index(name).is_none() && (triple.1 > 0) == holders {
-                            push(out, PodRef::Speculative(sp), triple);
-                        }
-                    }
-                }
-            } else {
-                // Each candidate once, in the caller's order (a pod named twice is listed once).
-                s.listed.next_round();
-                s.spec_listed.next_round();
-                s.unknown.clear();
-                for (pod, &p) in pods.iter().zip(&s.candidate_pods) {
-                    let name = pod.as_ref();
-                    if p != NO_POD {
-                        let triple = score_of(p);
-                        if (triple.1 > 0) == holders && s.listed.mark(p as usize) {
-                            push(out, PodRef::Known(p), triple);
-                        }
-                        continue;
-                    }
-                    if let Some(sp) = speculative.as_ref().and_then(|d| d.pod_index(name)) {
-                        let triple = spec_only(sp);
-                        if (triple.1 > 0) == holders && s.spec_listed.mark(sp as usize) {
-                            push(out, PodRef::Speculative(sp), triple);
-                        }
-                        continue;
-                    }
-                    // Unknown to the index: listed with 0, once.
-                    if !holders && s.unknown.insert(name.into()) {
-                        push(
-                            out,
-                            PodRef::Unknown(out.unknown.len() as u32),
-                            (0.0, 0, 0, None),
-                        );
-                        out.unknown.push(name.into());
-                    }
-                }
-            }
-            if holders {
-                // Ties by name (holders are always known pods).
-                let name = |p: &PodScore| match p.pod {
-                    PodRef::Known(i) => directory.pod(i).map_or("", |n| n),
-                    PodRef::Speculative(i) => speculative
-                        .as_ref()
-                        .and_then(|d| d.pod(i))
-                        .map_or("", |n| n),
-                    PodRef::Unknown(_) => "",
-                };
-                // Two known pods compare by name rank: no name is read.
-                let by_name = |a: &PodScore, b: &PodScore| match (a.pod, b.pod) {
-                    (PodRef::Known(i), PodRef::Known(j)) => {
-                        dense.name_rank(i).cmp(&dense.name_rank(j))
-                    }
-                    _ => name(a).cmp(name(b)),
-                };
-                let known = out.scores.iter().all(|p| matches!(p.pod, PodRef::Known(_)));
-                // Listed in name order (every pod, none speculative): placed by group.
-                let grouped =
-                    known && pods.is_empty() && group_in_name_order(&mut out.scores, &mut s.groups);
-                if !grouped && known {
-                    // Known pods only (no speculative holder): one integer key per pod.
-                    out.scores.sort_unstable_by_key(|p| holder_order(p, dense));
-                } else if !grouped {
-                    out.scores.sort_unstable_by(|a, b| {
-                        b.score
-                            .total_cmp(&a.score)
-                            .then(b.matched_blocks.cmp(&a.matched_blocks))
-                            .then_with(|| by_name(a, b))
-                    });
-                }
-            }
-        }
+        list::list(&standing, pods, &s.candidate_pods, &mut s.list, out);
         out.ranks.sort_by(|a, b| {
             b.score
                 .total_cmp(&a.score)
