@@ -2,9 +2,9 @@
 
 use std::time::Duration;
 
-use prometheus::{Histogram, HistogramOpts, IntCounter, IntCounterVec, Registry};
+use prometheus::{Histogram, IntCounter, IntCounterVec, Registry};
 
-use super::registry::{counter, counter_vec, latency};
+use super::registry::{counter, counter_vec, histogram, latency};
 
 /// The prediction error's buckets, in tokens (predicted minus cached): symmetric, from a block
 /// to a long prompt either way.
@@ -104,19 +104,13 @@ impl PickerMetrics {
                  measured: no_usage, no_cached_tokens, served_unlisted",
                 &["result"],
             ),
-            prediction_error: {
-                let h = Histogram::with_opts(
-                    HistogramOpts::new(
-                        "kvindexer_picker_prediction_error_tokens",
-                        "Predicted minus actually cached prompt tokens on the endpoint that \
-                         served (vLLM's usage.prompt_tokens_details.cached_tokens)",
-                    )
-                    .buckets(PREDICTION_ERROR_BUCKETS.to_vec()),
-                )
-                .expect("valid histogram");
-                r.register(Box::new(h.clone())).expect("unique metric");
-                h
-            },
+            prediction_error: histogram(
+                r,
+                "kvindexer_picker_prediction_error_tokens",
+                "Predicted minus actually cached prompt tokens on the endpoint that \
+                 served (vLLM's usage.prompt_tokens_details.cached_tokens)",
+                &PREDICTION_ERROR_BUCKETS,
+            ),
             pd_decisions: counter_vec(
                 r,
                 "kvindexer_picker_pd_decisions_total",
@@ -127,20 +121,14 @@ impl PickerMetrics {
                  no_prefill_candidate, prefill_is_decode (the best prefill pod is the decode pod)",
                 &["decision", "reason"],
             ),
-            pd_uncached: {
-                let h = Histogram::with_opts(
-                    HistogramOpts::new(
-                        "kvindexer_picker_pd_uncached_tokens",
-                        "Prompt tokens the chosen decode pod is predicted not to reuse, at each \
-                         prefill/decode decision (endpointPicker.pd.threshold above 0, prefix \
-                         scored)",
-                    )
-                    .buckets(PD_UNCACHED_BUCKETS.to_vec()),
-                )
-                .expect("valid histogram");
-                r.register(Box::new(h.clone())).expect("unique metric");
-                h
-            },
+            pd_uncached: histogram(
+                r,
+                "kvindexer_picker_pd_uncached_tokens",
+                "Prompt tokens the chosen decode pod is predicted not to reuse, at each \
+                 prefill/decode decision (endpointPicker.pd.threshold above 0, prefix \
+                 scored)",
+                &PD_UNCACHED_BUCKETS,
+            ),
         }
     }
 

@@ -121,7 +121,12 @@ fn latency_buckets() -> Vec<f64> {
 }
 
 pub(super) fn latency(r: &Registry, name: &str, help: &str) -> Histogram {
-    let h = Histogram::with_opts(HistogramOpts::new(name, help).buckets(latency_buckets()))
+    histogram(r, name, help, &latency_buckets())
+}
+
+/// A histogram of `buckets`, registered.
+pub(super) fn histogram(r: &Registry, name: &str, help: &str, buckets: &[f64]) -> Histogram {
+    let h = Histogram::with_opts(HistogramOpts::new(name, help).buckets(buckets.to_vec()))
         .expect("static metric definition");
     r.register(Box::new(h.clone()))
         .expect("metric names are unique");
