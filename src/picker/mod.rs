@@ -103,6 +103,57 @@ pub async fn start(
 ) -> std::io::Result<RunningPicker> {
     let cfg = &config.endpoint_picker;
     let addr = listener.local_addr()?;
+    let mut setup = setup;
+    let mut tasks: Vec<JoinHandle<()>> = setup.pool_task.take().into_iter().collect();
+    let (ready, pool) = (setup.ready.clone(), setup.pool.clone());
+    let chooser = chooser(config, setup);
+    let lister = chooser.clone();
+    tasks.push(
+        chooser
+            .scraper
+            .clone()
+            .run(move || lister.scrape_targets(), shutdown.clone()),
+    );
+    let (reporter, health) = tonic_health::server::health_reporter();
+    reporter
+        .set_service_status(HEALTH_SERVICES[0], ServingStatus::Serving)
+        .await;
+    tasks.push(tokio::spawn(report_readiness(
+        reporter,
+        ready,
+        pool,
+        shutdown.clone(),
+    )));
+    let service = extproc::ExtProc {
+        chooser,
+        max_body_bytes: cfg.max_body_bytes,
+    };
+    let mut server_shutdown = shutdown;
+    let server = tokio::spawn(
+        builder
+            .add_service(health)
+            .add_service(
+                ExternalProcessorServer::new(service)
+                    .max_decoding_message_size(cfg.max_body_bytes.saturating_add(64 << 10)),
+            )
+            .serve_with_incoming_shutdown(
+                tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true)),
+                async move {
+                    let _ = server_shutdown.changed().await;
+                },
+            ),
+    );
+    tracing::info!(%addr, "endpoint picker (ext_proc) serving");
+    Ok(RunningPicker {
+        addr,
+        server,
+        tasks,
+    })
+}
+
+/// The picker's chooser: its own scoring service, the load scraper, the pick's settings.
+fn chooser(config: &Config, setup: PickerSetup) -> Arc<choose::Chooser> {
+    let cfg = &config.endpoint_picker;
     // The picker's own score service: its in-flight bound is maxInFlight, and its picks are
     // recorded (a prompt key per pick) whatever server.enableRecordRouting says of the RPC.
     let limits = ServerConfig {
@@ -132,12 +183,12 @@ pub async fn start(
     let seed = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_nanos() as u64);
-    let chooser = Arc::new(choose::Chooser {
+    Arc::new(choose::Chooser {
         scoring,
         indexer: setup.indexer,
         pods: setup.pods,
-        scraper: scraper.clone(),
-        pool: setup.pool.clone(),
+        scraper,
+        pool: setup.pool,
         metrics: setup.metrics,
         settings: PickSettings {
             weights: cfg.weights,
@@ -149,61 +200,33 @@ pub async fn start(
         picks: Default::default(),
         seed,
         pd: cfg.pd.rule(),
-    });
-    let mut tasks: Vec<JoinHandle<()>> = setup.pool_task.into_iter().collect();
-    let lister = chooser.clone();
-    tasks.push(scraper.run(move || lister.scrape_targets(), shutdown.clone()));
-
-    let (reporter, health) = tonic_health::server::health_reporter();
-    reporter
-        .set_service_status(HEALTH_SERVICES[0], ServingStatus::Serving)
-        .await;
-    let (ready, pool) = (setup.ready, setup.pool);
-    let mut health_shutdown = shutdown.clone();
-    tasks.push(tokio::spawn(async move {
-        let mut last = None;
-        loop {
-            let now = ready.load(Ordering::Relaxed) && pool.readiness().is_ok();
-            if last != Some(now) {
-                let status = match now {
-                    true => ServingStatus::Serving,
-                    false => ServingStatus::NotServing,
-                };
-                for name in &HEALTH_SERVICES[1..] {
-                    reporter.set_service_status(*name, status).await;
-                }
-                last = Some(now);
-            }
-            tokio::select! {
-                _ = tokio::time::sleep(Duration::from_millis(100)) => {}
-                _ = health_shutdown.changed() => return,
-            }
-        }
-    }));
-
-    let service = extproc::ExtProc {
-        chooser,
-        max_body_bytes: cfg.max_body_bytes,
-    };
-    let mut server_shutdown = shutdown;
-    let server = tokio::spawn(
-        builder
-            .add_service(health)
-            .add_service(
-                ExternalProcessorServer::new(service)
-                    .max_decoding_message_size(cfg.max_body_bytes.saturating_add(64 << 10)),
-            )
-            .serve_with_incoming_shutdown(
-                tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true)),
-                async move {
-                    let _ = server_shutdown.changed().await;
-                },
-            ),
-    );
-    tracing::info!(%addr, "endpoint picker (ext_proc) serving");
-    Ok(RunningPicker {
-        addr,
-        server,
-        tasks,
     })
+}
+
+/// Keeps the health service's `readiness` and ext_proc entries at the daemon's readiness
+/// (ready, and the pool lists a candidate), checked every 100 ms, until `shutdown`.
+async fn report_readiness(
+    reporter: tonic_health::server::HealthReporter,
+    ready: Arc<AtomicBool>,
+    pool: Arc<Pool>,
+    mut shutdown: watch::Receiver<bool>,
+) {
+    let mut last = None;
+    loop {
+        let now = ready.load(Ordering::Relaxed) && pool.readiness().is_ok();
+        if last != Some(now) {
+            let status = match now {
+                true => ServingStatus::Serving,
+                false => ServingStatus::NotServing,
+            };
+            for name in &HEALTH_SERVICES[1..] {
+                reporter.set_service_status(*name, status).await;
+            }
+            last = Some(now);
+        }
+        tokio::select! {
+            _ = tokio::time::sleep(Duration::from_millis(100)) => {}
+            _ = shutdown.changed() => return,
+        }
+    }
 }
