@@ -59,6 +59,9 @@ pub enum DaemonError {
     /// Reflection descriptors are broken (a build problem).
     #[error("gRPC reflection: {0}")]
     Reflection(String),
+    /// The endpoint picker's pool could not be set up (no Kubernetes client).
+    #[error(transparent)]
+    Pool(#[from] crate::pool::PoolError),
     /// A TLS file could not be read, or the certificate and key do not make a server identity.
     #[error("gRPC TLS ({what}): {detail}")]
     Tls {
@@ -161,6 +164,8 @@ pub struct RunningDaemon {
     pub indexer: Arc<Indexer>,
     /// The metrics registry.
     pub metrics: Arc<Metrics>,
+    /// The endpoint picker's pool, when the picker is on.
+    pub pool: Option<Arc<crate::pool::Pool>>,
     shutdown: watch::Sender<bool>,
     ready: Arc<AtomicBool>,
     ingest: IngestHandle,
@@ -283,14 +288,29 @@ pub async fn start(config: Config) -> Result<RunningDaemon, DaemonError> {
         })?;
     let mut grpc_shutdown = shutdown_rx.clone();
     let builder = grpc_builder(&config.server.tls)?;
-    let picker_setup = crate::picker::PickerSetup {
+    let (pool, pool_task) = match config.endpoint_picker.enabled {
+        true => {
+            let (pool, task) = crate::pool::start(
+                &config.endpoint_picker,
+                ingest.discovered.clone(),
+                metrics.clone(),
+                shutdown_rx.clone(),
+            )
+            .await?;
+            (Some(pool), task)
+        }
+        false => (None, None),
+    };
+    let picker_setup = pool.clone().map(|pool| crate::picker::PickerSetup {
         indexer: indexer.clone(),
         tokenizers: service.tokenizers.clone(),
         metrics: metrics.clone(),
         pods: ingest.pods.clone(),
         log: log.clone(),
         ready: ready.clone(),
-    };
+        pool,
+        pool_task,
+    });
     let grpc = tokio::spawn(
         builder
             // A 500-block prompt is ~25 KB of token ids: open windows wide enough that a
@@ -303,7 +323,7 @@ pub async fn start(config: Config) -> Result<RunningDaemon, DaemonError> {
             .add_service(health_service)
             .add_service(reflection)
             .add_service(
-                KvIndexerServer::new(KvIndexerApi(service.clone()))
+                KvIndexerServer::new(KvIndexerApi(service.clone(), pool.clone()))
                     .max_decoding_message_size(config.server.max_request_bytes()),
             )
             .add_service(
@@ -331,6 +351,7 @@ pub async fn start(config: Config) -> Result<RunningDaemon, DaemonError> {
         indexer: indexer.clone(),
         metrics: metrics.clone(),
         ready: ready.clone(),
+        pool: pool.clone(),
     });
     let mut http_shutdown = shutdown_rx.clone();
     let http = tokio::spawn(async move {
@@ -341,8 +362,8 @@ pub async fn start(config: Config) -> Result<RunningDaemon, DaemonError> {
             .await
     });
 
-    let picker = match config.endpoint_picker.enabled {
-        true => {
+    let picker = match picker_setup {
+        Some(picker_setup) => {
             let addr = &config.endpoint_picker.addr;
             let listener = listen("endpoint picker", addr).await?;
             let builder = picker_builder(&config)?;
@@ -361,7 +382,7 @@ pub async fn start(config: Config) -> Result<RunningDaemon, DaemonError> {
             })?;
             Some(started)
         }
-        false => None,
+        None => None,
     };
 
     if replication.is_none() {
@@ -374,6 +395,7 @@ pub async fn start(config: Config) -> Result<RunningDaemon, DaemonError> {
         zmq_endpoint: ingest.bound_endpoint.clone(),
         indexer,
         metrics,
+        pool,
         shutdown,
         ready,
         ingest,
@@ -406,9 +428,10 @@ async fn expire_speculation(indexer: Arc<Indexer>, mut shutdown: watch::Receiver
 
 impl RunningDaemon {
     /// Whether the daemon reports ready (`/readyz`): with replication, once it has read the
-    /// log to its end.
+    /// log to its end; with the endpoint picker's pool, while the pool lists a candidate.
     pub fn is_ready(&self) -> bool {
         self.ready.load(Ordering::Relaxed)
+            && self.pool.as_ref().is_none_or(|p| p.readiness().is_ok())
     }
 
     /// Publisher states (for tests and tools).

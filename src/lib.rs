@@ -13,6 +13,8 @@
 //!   (metrics, probes), each RPC mapped onto [`scoring`];
 //! - [`picker`]: the endpoint picker of an `InferencePool` (Envoy ext_proc, GIE's protocol), off
 //!   by default, scoring through [`scoring`] and kv-core's pick;
+//! - [`pool`]: the picker's candidates: an `InferencePool`'s Ready pods (the Kubernetes API), a
+//!   static list or DNS discovery's answers, kept healthy by kv-core's membership rule;
 //! - [`config`], [`metrics`], [`daemon`]: the YAML schema, the Prometheus registry (attached to
 //!   the index and the tokenizer from the outside), and the wiring with ordered start-up and
 //!   graceful shutdown; `warn_budget`: how many warning lines input can cause; `heap`: freed
@@ -29,6 +31,7 @@ mod heap;
 mod ingest;
 mod metrics;
 mod picker;
+pub mod pool;
 pub mod replication;
 mod scoring;
 mod server;

@@ -243,7 +243,11 @@ async fn each_face_names_the_rank_that_holds_the_prefix() {
         .expect("RecordRouting")
         .into_inner();
     assert_eq!(recorded.blocks, 6);
-    let r = score(&d, &fresh, false).await;
+    // Asked with one more token: vLLM recomputes a prompt's last token, so a prompt of exactly
+    // the 6 recorded blocks would reuse 5 of them.
+    let mut asked = fresh.clone();
+    asked.push(7);
+    let r = score(&d, &asked, false).await;
     let a = r
         .scores
         .iter()
@@ -253,6 +257,13 @@ async fn each_face_names_the_rank_that_holds_the_prefix() {
         (a.matched_blocks, a.speculative_blocks, a.data_parallel_rank),
         (6, 6, Some(0)),
         "the recorded rank is the one to pin"
+    );
+    let exact = score(&d, &fresh, false).await;
+    let a = exact.scores.iter().find(|s| s.pod == "10.8.0.1:8000");
+    assert_eq!(
+        a.map(|a| a.matched_blocks),
+        Some(5),
+        "the last token recomputed"
     );
     d.shutdown().await;
 }

@@ -12,9 +12,10 @@ use std::collections::HashMap;
 use std::path::PathBuf;
 
 use k8s_openapi::api::apps::v1::Deployment;
-use k8s_openapi::api::core::v1::{ConfigMap, Secret, Service};
+use k8s_openapi::api::core::v1::{ConfigMap, Secret, Service, ServiceAccount};
 use k8s_openapi::api::networking::v1::NetworkPolicy;
 use k8s_openapi::api::policy::v1::PodDisruptionBudget;
+use k8s_openapi::api::rbac::v1::{Role, RoleBinding};
 use kv_indexer::config::Config;
 use serde::Deserialize;
 use serde_json::json;
@@ -40,6 +41,9 @@ fn check_types(docs: &[(String, serde_json::Value)]) -> HashMap<String, serde_js
             "Service" => serde_json::from_value::<Service>(doc.clone()).map(|_| ()),
             "ConfigMap" => serde_json::from_value::<ConfigMap>(doc.clone()).map(|_| ()),
             "Secret" => serde_json::from_value::<Secret>(doc.clone()).map(|_| ()),
+            "ServiceAccount" => serde_json::from_value::<ServiceAccount>(doc.clone()).map(|_| ()),
+            "Role" => serde_json::from_value::<Role>(doc.clone()).map(|_| ()),
+            "RoleBinding" => serde_json::from_value::<RoleBinding>(doc.clone()).map(|_| ()),
             "NetworkPolicy" => serde_json::from_value::<NetworkPolicy>(doc.clone()).map(|_| ()),
             "PodDisruptionBudget" => {
                 serde_json::from_value::<PodDisruptionBudget>(doc.clone()).map(|_| ())
@@ -590,6 +594,7 @@ fn the_endpoint_picker_port_and_configuration_appear_only_when_enabled() {
             "maxBodyBytes": 10485760,
             "maxInFlight": 1024,
             "fallbacks": 0,
+            "scrapeFailuresToLeave": 3,
             "tls": {"mode": "selfSigned"},
         }))
     );
@@ -667,6 +672,7 @@ fn the_endpoint_picker_port_and_configuration_appear_only_when_enabled() {
             "maxBodyBytes": 4096,
             "maxInFlight": 8,
             "fallbacks": 2,
+            "scrapeFailuresToLeave": 3,
             "tls": {"mode": "plaintext"},
         }))
     );
@@ -717,6 +723,103 @@ fn the_endpoint_picker_port_and_configuration_appear_only_when_enabled() {
     // In sidecar mode the EPP kv-indexer runs in is the picker.
     let why = refusal(json!({"mode": "sidecar", "endpointPicker": {"enabled": true}}));
     assert!(why.contains("needs mode: standalone"), "{why}");
+}
+
+#[test]
+fn a_pool_gets_namespace_scoped_rbac_and_its_values() {
+    // No pool: no identity, no token mounted.
+    let docs = render(json!({"endpointPicker": {"enabled": true}}));
+    let kinds: Vec<&str> = docs
+        .iter()
+        .filter_map(|(_, d)| d["kind"].as_str())
+        .collect();
+    for kind in ["ServiceAccount", "Role", "RoleBinding"] {
+        assert!(!kinds.contains(&kind), "{kind} without a pool");
+    }
+    let by_kind = check_types(&docs);
+    let pod = &by_kind["Deployment"]["spec"]["template"]["spec"];
+    assert_eq!(pod["automountServiceAccountToken"], false);
+    assert!(embedded_config(&by_kind).endpoint_picker.pool.is_none());
+
+    let by_kind = check_types(&render(json!({"endpointPicker": {
+        "enabled": true, "pool": {"name": "vllm-pool", "namespace": "llm"},
+        "scrapeFailuresToLeave": 5,
+    }})));
+    let picker = embedded_config(&by_kind).endpoint_picker;
+    let pool = picker.pool.expect("the pool");
+    assert_eq!(
+        (pool.name.as_str(), pool.namespace.as_str()),
+        ("vllm-pool", "llm")
+    );
+    assert_eq!(picker.scrape_failures_to_leave, 5);
+    let role: Role = serde_json::from_value(by_kind["Role"].clone()).expect("typed");
+    assert_eq!(
+        role.metadata.namespace.as_deref(),
+        Some("llm"),
+        "the pool's namespace"
+    );
+    let rules: Vec<(Vec<String>, Vec<String>, Vec<String>)> = role
+        .rules
+        .unwrap_or_default()
+        .into_iter()
+        .map(|r| {
+            (
+                r.api_groups.unwrap_or_default(),
+                r.resources.unwrap_or_default(),
+                r.verbs,
+            )
+        })
+        .collect();
+    let read = vec!["get".to_owned(), "list".into(), "watch".into()];
+    assert_eq!(
+        rules,
+        [
+            (
+                vec!["inference.networking.k8s.io".to_owned()],
+                vec!["inferencepools".to_owned()],
+                read.clone()
+            ),
+            (vec![String::new()], vec!["pods".to_owned()], read),
+        ],
+        "get, list and watch of the pool and its pods, nothing else"
+    );
+    let binding: RoleBinding =
+        serde_json::from_value(by_kind["RoleBinding"].clone()).expect("typed");
+    assert_eq!(binding.metadata.namespace.as_deref(), Some("llm"));
+    assert_eq!(binding.role_ref.name, "kvi-kv-indexer-pool");
+    let subject = &binding.subjects.expect("a subject")[0];
+    assert_eq!(
+        (
+            subject.kind.as_str(),
+            subject.name.as_str(),
+            subject.namespace.as_deref()
+        ),
+        ("ServiceAccount", "kvi-kv-indexer", Some("inference"))
+    );
+    assert_eq!(
+        by_kind["ServiceAccount"]["metadata"]["name"],
+        "kvi-kv-indexer"
+    );
+    let pod = &by_kind["Deployment"]["spec"]["template"]["spec"];
+    assert_eq!(pod["serviceAccountName"], "kvi-kv-indexer");
+    assert_eq!(pod["automountServiceAccountToken"], true);
+
+    // The release's namespace by default; a static list instead; not both.
+    let by_kind = check_types(&render(json!({"endpointPicker": {
+        "enabled": true, "pool": {"name": "vllm-pool"}}})));
+    assert_eq!(by_kind["Role"]["metadata"]["namespace"], "inference");
+    let pool = embedded_config(&by_kind)
+        .endpoint_picker
+        .pool
+        .expect("the pool");
+    assert_eq!(pool.namespace, "inference");
+    let by_kind = check_types(&render(json!({"endpointPicker": {
+        "enabled": true, "endpoints": ["10.0.0.1:8000", "10.0.0.2:8000"]}})));
+    assert_eq!(embedded_config(&by_kind).endpoint_picker.endpoints.len(), 2);
+    assert!(!by_kind.contains_key("Role"));
+    let why = refusal(json!({"endpointPicker": {
+        "enabled": true, "pool": {"name": "p"}, "endpoints": ["10.0.0.1:8000"]}}));
+    assert!(why.contains("not both"), "{why}");
 }
 
 /// The Gateway API Inference Extension's InferencePool CRD (`tests/fixtures/gie/ORIGIN.md`).

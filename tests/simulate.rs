@@ -335,6 +335,7 @@ fn the_approximate_scorer_looks_at_256_text_blocks_at_most() {
         indexer: &indexer,
         model: "m",
         pod_names: &names,
+        candidates: &[0, 1, 2, 3],
         score_before_last_token: false,
     };
     let winners = |common: u64, make: &dyn Fn(u64) -> Box<dyn Router>| {

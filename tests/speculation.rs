@@ -28,8 +28,10 @@ const MODEL: &str = "spec/model";
 const TTL: Duration = Duration::from_secs(2);
 
 /// A prompt of `blocks` full 16-token blocks, distinct per `seed`.
+/// `blocks` full blocks and one token more: vLLM recomputes a prompt's last token, so every
+/// full block of such a prompt can be reused.
 fn prompt(seed: u32, blocks: u32) -> Vec<u32> {
-    (0..blocks * 16).map(|i| seed * 100_000 + i).collect()
+    (0..blocks * 16 + 1).map(|i| seed * 100_000 + i).collect()
 }
 
 async fn start() -> RunningDaemon {

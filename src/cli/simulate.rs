@@ -12,6 +12,7 @@ use clap::Args;
 use kv_lab::simulate::charts;
 use kv_lab::simulate::engine::EngineConfig;
 use kv_lab::simulate::family::ModelFamily;
+use kv_lab::simulate::membership::PoolChanges;
 use kv_lab::simulate::policies::{
     self, parse_prefix_score, parse_weights, PolicySettings, POLICIES,
 };
@@ -36,7 +37,9 @@ pub struct SimulateArgs {
     /// approx-autotune, aibrix, localai, dynamo, precise-nospec, precise. Not in all:
     /// precise-full-only and precise-full-only-nospec, precise scoring over an index fed only
     /// the full-attention group's events (llm-d's and Dynamo's indexes today), to set beside
-    /// precise on a hybrid --model-family.
+    /// precise on a hybrid --model-family; precise-publishers and precise-publishers-nospec,
+    /// precise scoring among the pods that published (kv-indexer's picker without a pool), to
+    /// set beside precise (the pool's pods) with --scale-out-at or --kill-at.
     #[arg(long, default_value = "all")]
     pub policies: String,
     /// The model's KV-cache groups: full (full attention only, 16-token blocks: the plain
@@ -87,6 +90,28 @@ pub struct SimulateArgs {
     /// How long a restarting pod is down, seconds.
     #[arg(long, default_value_t = 60.0)]
     pub restart_downtime_s: f64,
+    /// A scale-out: `--scale-out-pods` more pods (beside `--pods`) join the pool, Ready and
+    /// idle, at this second.
+    #[arg(long)]
+    pub scale_out_at: Option<f64>,
+    /// Pods the scale-out adds.
+    #[arg(long, default_value_t = 1)]
+    pub scale_out_pods: usize,
+    /// Pod `--kill-pod`'s server stops answering for good at this second (hung, or its node cut
+    /// off; its blocks stay in the index).
+    #[arg(long)]
+    pub kill_at: Option<f64>,
+    /// The pod `--kill-at` kills.
+    #[arg(long, default_value_t = 0)]
+    pub kill_pod: usize,
+    /// How long Kubernetes takes to mark a pod that stopped answering not Ready, seconds (its
+    /// readiness probe's period x failure threshold; Kubernetes' defaults: 10 x 3).
+    #[arg(long, default_value_t = kv_lab::simulate::DEFAULT_READINESS_DELAY_MS / 1000.0)]
+    pub readiness_delay_s: f64,
+    /// kv-indexer's picker: metrics reads refused or timed out in a row that take a pod out of
+    /// its candidates (endpointPicker.scrapeFailuresToLeave).
+    #[arg(long, default_value_t = kv_core::DEFAULT_FAILURES_TO_LEAVE)]
+    pub scrape_failures_to_leave: u32,
     /// Gateway replicas: each routes a share of the arrivals with its own state (approximate
     /// replicas do not see each other's routings; precise replicas share the index).
     #[arg(long, default_value_t = 1)]
@@ -266,6 +291,7 @@ fn check(args: &SimulateArgs) -> anyhow::Result<()> {
     if args.duration_s.is_some_and(|d| !(d > 0.0 && d.is_finite())) {
         bail!("--duration-s must be a positive number of seconds");
     }
+    check_pool(args)?;
     if args.seeds == 0 || args.seeds > 100 {
         bail!("--seeds must be between 1 and 100, got {}", args.seeds);
     }
@@ -275,12 +301,37 @@ fn check(args: &SimulateArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The pool's changes: a scale-out of at least one pod, a kill of one of `--pods`, both at a
+/// time within reason.
+fn check_pool(args: &SimulateArgs) -> anyhow::Result<()> {
+    for (flag, v) in [
+        ("--scale-out-at", args.scale_out_at),
+        ("--kill-at", args.kill_at),
+        ("--readiness-delay-s", Some(args.readiness_delay_s)),
+    ] {
+        if v.is_some_and(|v| !(v >= 0.0 && v.is_finite())) {
+            bail!("{flag} must be a finite number of seconds >= 0");
+        }
+    }
+    if args.scale_out_at.is_some() && !(1..=64).contains(&args.scale_out_pods) {
+        bail!("--scale-out-pods must be between 1 and 64");
+    }
+    if args.kill_at.is_some() && args.kill_pod >= args.pods {
+        bail!("--kill-pod must be one of the --pods ({})", args.pods);
+    }
+    if !(1..=100).contains(&args.scrape_failures_to_leave) {
+        bail!("--scrape-failures-to-leave must be between 1 and 100");
+    }
+    Ok(())
+}
+
 fn settings(
     args: &SimulateArgs,
     requests: &[SimRequest],
     seed: u64,
 ) -> anyhow::Result<SimSettings> {
-    let capacities: Vec<usize> = (0..args.pods)
+    let late = args.scale_out_at.map_or(0, |_| args.scale_out_pods);
+    let capacities: Vec<usize> = (0..args.pods + late)
         .map(|p| {
             if args.heterogeneous && p % 2 == 1 {
                 args.capacity_blocks / 2
@@ -322,6 +373,23 @@ fn settings(
             })
             .collect(),
         restart_downtime_ms: args.restart_downtime_s * 1000.0,
+        pool: PoolChanges {
+            joins: args
+                .scale_out_at
+                .map(|s| {
+                    (args.pods..args.pods + late)
+                        .map(|p| (s * 1000.0, p))
+                        .collect()
+                })
+                .unwrap_or_default(),
+            kills: args
+                .kill_at
+                .map(|s| vec![(s * 1000.0, args.kill_pod)])
+                .unwrap_or_default(),
+            readiness_delay_ms: args.readiness_delay_s * 1000.0,
+            probe_timeout_ms: 250.0,
+            failures_to_leave: args.scrape_failures_to_leave,
+        },
         seed,
     })
 }
@@ -413,10 +481,23 @@ pub fn run_cli(args: SimulateArgs) -> anyhow::Result<()> {
         args.routers,
         args.seed
     );
+    if let Some(at) = args.scale_out_at {
+        println!("{} more pods join at {at} s", args.scale_out_pods);
+    }
+    if let Some(at) = args.kill_at {
+        println!(
+            "pod {} stops answering at {at} s (not Ready {} s later)",
+            args.kill_pod, args.readiness_delay_s
+        );
+    }
     if sim.model_family.is_hybrid() {
         println!("model family {}", sim.model_family.name());
     }
     print!("{}", report::policy_table(&reports));
+    if !sim.pool.joins.is_empty() || !sim.pool.kills.is_empty() {
+        println!("\nThe pool changing (a scale-out, a pod that stopped answering):");
+        print!("{}", report::pool_table(&reports));
+    }
     if sim.model_family.is_hybrid() {
         println!("\nPredicted hits (on the pod picked) against the hits the engines took:");
         print!("{}", report::prediction_table(&reports));

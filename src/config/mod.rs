@@ -20,7 +20,9 @@ pub use events::{
     MAX_POD_LEN,
 };
 pub use loud::ConfigWarning;
-pub use picker::{EndpointPickerConfig, PickWeightsConfig, PickerTlsConfig, PickerTlsMode};
+pub use picker::{
+    EndpointPickerConfig, PickWeightsConfig, PickerTlsConfig, PickerTlsMode, PoolRefConfig,
+};
 
 use std::collections::BTreeMap;
 use std::path::Path;

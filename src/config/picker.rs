@@ -39,6 +39,46 @@ pub struct EndpointPickerConfig {
     /// balancer reads a list (Envoy's `override_host` policy); 0, the default, answers one
     /// endpoint, as every GIE gateway's ORIGINAL_DST cluster parses it.
     pub fallbacks: usize,
+    /// The `InferencePool` whose Ready pods are the candidates (watched through the
+    /// Kubernetes API); absent: `endpoints`, else DNS discovery, else the live publishers.
+    pub pool: Option<PoolRefConfig>,
+    /// A static pool (`ip:port` each), outside Kubernetes.
+    pub endpoints: Vec<String>,
+    /// Refused or timed-out metrics reads in a row that take an endpoint out of the
+    /// candidates (an answer brings it back).
+    pub scrape_failures_to_leave: u32,
+}
+
+/// The `InferencePool` the picker serves (`endpointPicker.pool`), as GIE's EPP takes
+/// `--pool-name` and `--pool-namespace`.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase", deny_unknown_fields, default)]
+pub struct PoolRefConfig {
+    /// The pool's name.
+    pub name: String,
+    /// Its namespace (empty: the daemon's own, from its service account, else the
+    /// kubeconfig's).
+    pub namespace: String,
+    /// A kubeconfig file to reach the API server with (empty: the in-cluster service account,
+    /// else `KUBECONFIG` or `~/.kube/config`).
+    pub kubeconfig: String,
+}
+
+/// Most endpoints a static pool lists.
+pub const MAX_STATIC_ENDPOINTS: usize = 4096;
+
+/// Largest `scrapeFailuresToLeave`.
+pub const MAX_SCRAPE_FAILURES_TO_LEAVE: u32 = 100;
+
+/// Whether `s` is a Kubernetes DNS-1123 name of at most `max` bytes (lower-case letters,
+/// digits, `-`, and `.` when `dots`; alphanumeric at both ends).
+fn dns1123(s: &str, max: usize, dots: bool) -> bool {
+    let ok = |c: u8| c.is_ascii_lowercase() || c.is_ascii_digit();
+    !s.is_empty()
+        && s.len() <= max
+        && s.bytes().all(|c| ok(c) || c == b'-' || (dots && c == b'.'))
+        && s.bytes().next().is_some_and(ok)
+        && s.bytes().last().is_some_and(ok)
 }
 
 /// How the picker's port speaks TLS (`endpointPicker.tls`).
@@ -141,6 +181,9 @@ impl Default for EndpointPickerConfig {
             max_in_flight: 1024,
             tls: PickerTlsConfig::default(),
             fallbacks: 0,
+            pool: None,
+            endpoints: Vec::new(),
+            scrape_failures_to_leave: kv_core::DEFAULT_FAILURES_TO_LEAVE,
         }
     }
 }
@@ -193,6 +236,51 @@ impl EndpointPickerConfig {
                 format!("must be at most {MAX_FALLBACKS}"),
             ));
         }
+        if !(1..=MAX_SCRAPE_FAILURES_TO_LEAVE).contains(&self.scrape_failures_to_leave) {
+            return Err(invalid(
+                "endpointPicker.scrapeFailuresToLeave",
+                format!("must be between 1 and {MAX_SCRAPE_FAILURES_TO_LEAVE}"),
+            ));
+        }
+        self.validate_membership()
+    }
+
+    /// The pool's reference and the static endpoints (one source of membership at most).
+    fn validate_membership(&self) -> Result<(), ConfigError> {
+        if let Some(pool) = &self.pool {
+            if !dns1123(&pool.name, 253, true) {
+                return Err(invalid(
+                    "endpointPicker.pool.name",
+                    format!("{:?} is not a Kubernetes object name", pool.name),
+                ));
+            }
+            if !pool.namespace.is_empty() && !dns1123(&pool.namespace, 63, false) {
+                return Err(invalid(
+                    "endpointPicker.pool.namespace",
+                    format!("{:?} is not a Kubernetes namespace", pool.namespace),
+                ));
+            }
+            if !self.endpoints.is_empty() {
+                return Err(invalid(
+                    "endpointPicker.endpoints",
+                    "set with endpointPicker.pool: the pool's pods are the candidates; keep one",
+                ));
+            }
+        }
+        if self.endpoints.len() > MAX_STATIC_ENDPOINTS {
+            return Err(invalid(
+                "endpointPicker.endpoints",
+                format!("lists more than {MAX_STATIC_ENDPOINTS} endpoints"),
+            ));
+        }
+        for e in &self.endpoints {
+            if e.parse::<SocketAddr>().is_err() {
+                return Err(invalid(
+                    "endpointPicker.endpoints",
+                    format!("{e:?} is not ip:port (as the picker answers it)"),
+                ));
+            }
+        }
         Ok(())
     }
 
@@ -221,6 +309,12 @@ impl EndpointPickerConfig {
             ("maxInFlight", self.max_in_flight != d.max_in_flight),
             ("fallbacks", self.fallbacks != d.fallbacks),
             ("tls", self.tls != d.tls),
+            ("pool", self.pool != d.pool),
+            ("endpoints", self.endpoints != d.endpoints),
+            (
+                "scrapeFailuresToLeave",
+                self.scrape_failures_to_leave != d.scrape_failures_to_leave,
+            ),
         ] {
             if set {
                 out.push(ConfigWarning {
@@ -343,6 +437,26 @@ mod tests {
                 "endpointPicker: {tls: {mode: selfSigned, certFile: a.pem}}",
                 "endpointPicker.tls",
             ),
+            (
+                "endpointPicker: {scrapeFailuresToLeave: 0}",
+                "endpointPicker.scrapeFailuresToLeave",
+            ),
+            (
+                "endpointPicker: {pool: {name: Vllm_Pool}}",
+                "endpointPicker.pool.name",
+            ),
+            (
+                "endpointPicker: {pool: {name: p, namespace: a.b}}",
+                "endpointPicker.pool.namespace",
+            ),
+            (
+                "endpointPicker: {pool: {name: p}, endpoints: [\"10.0.0.1:8000\"]}",
+                "endpointPicker.endpoints",
+            ),
+            (
+                "endpointPicker: {endpoints: [\"vllm-0:8000\"]}",
+                "endpointPicker.endpoints",
+            ),
         ] {
             let e = load(yaml).validate().err();
             assert!(
@@ -351,5 +465,37 @@ mod tests {
             );
         }
         assert!(Config::from_yaml("endpointPicker: {bogus: 1}", "f").is_err());
+        assert!(Config::from_yaml("endpointPicker: {pool: {name: p, bogus: 1}}", "f").is_err());
+    }
+
+    #[test]
+    fn the_pool_and_the_static_endpoints_parse_by_the_issue_s_names() {
+        let c =
+            load("endpointPicker:\n  enabled: true\n  pool: {name: vllm-pool, namespace: llm}\n");
+        c.validate().unwrap_or_else(|e| panic!("{e}"));
+        let pool = c.endpoint_picker.pool.as_ref().expect("a pool");
+        assert_eq!(
+            (pool.name.as_str(), pool.namespace.as_str()),
+            ("vllm-pool", "llm")
+        );
+        let c = load(
+            "endpointPicker:\n  enabled: true\n  endpoints: [\"10.0.0.1:8000\", \"[fd00::1]:8000\"]\n  \
+             scrapeFailuresToLeave: 5\n",
+        );
+        c.validate().unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(c.endpoint_picker.endpoints.len(), 2);
+        assert_eq!(c.endpoint_picker.scrape_failures_to_leave, 5);
+        assert_eq!(
+            Config::default().endpoint_picker.scrape_failures_to_leave,
+            kv_core::DEFAULT_FAILURES_TO_LEAVE
+        );
+        let off = load("endpointPicker: {pool: {name: p}}");
+        assert!(
+            off.warnings()
+                .iter()
+                .any(|w| w.field == "endpointPicker.pool"),
+            "{:?}",
+            off.warnings()
+        );
     }
 }

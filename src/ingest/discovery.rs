@@ -18,7 +18,7 @@
 //! - at most `maxAddresses` addresses of one answer are dialled (the lowest, so replicas agree),
 //!   each with `dataParallelSize` sockets: an answer cannot open unbounded sockets.
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::net::IpAddr;
 use std::sync::Arc;
 use std::time::Duration;
@@ -119,16 +119,36 @@ impl Resolver {
     }
 }
 
-/// The publishers of the pod at `ip`: one endpoint per data-parallel rank.
-pub fn endpoints_of(service: &DiscoveredService, ip: IpAddr) -> Vec<ConnectEndpoint> {
-    let host = match ip {
+/// What DNS discovery answered: per service name that has answered, its pods now (named as
+/// the service's `pod` template names them). The endpoint picker's pool without Kubernetes.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Discovered {
+    /// The services configured.
+    pub services: usize,
+    /// Each service that has answered at least once: its pods now.
+    pub answered: BTreeMap<String, BTreeSet<String>>,
+}
+
+/// `ip` as a URL host (`[v6]`).
+fn host_of(ip: IpAddr) -> String {
+    match ip {
         IpAddr::V4(v4) => v4.to_string(),
         IpAddr::V6(v6) => format!("[{v6}]"),
-    };
+    }
+}
+
+/// The pod at `ip`, as the service's `pod` template names it.
+pub fn pod_of(service: &DiscoveredService, ip: IpAddr) -> String {
+    service.pod.replace("{ip}", &host_of(ip))
+}
+
+/// The publishers of the pod at `ip`: one endpoint per data-parallel rank.
+pub fn endpoints_of(service: &DiscoveredService, ip: IpAddr) -> Vec<ConnectEndpoint> {
+    let host = host_of(ip);
     (0..service.data_parallel_size)
         .map(|rank| ConnectEndpoint {
             endpoint: format!("tcp://{host}:{}", service.publisher_port + rank),
-            pod: service.pod.replace("{ip}", &host),
+            pod: pod_of(service, ip),
             model: service.model.clone(),
             replay_endpoint: if service.replay_port == 0 {
                 String::new()
@@ -158,13 +178,13 @@ impl Dialled {
 }
 
 /// Follows one service name until shutdown: resolves it every `interval`, dials the addresses
-/// that joined and drops those that left.
+/// that joined and drops those that left, and tells `discovered` the pods it dials.
 pub(super) async fn follow(
     service: DiscoveredService,
     resolver: Arc<Resolver>,
-    interval: Duration,
-    filter: String,
+    (interval, filter): (Duration, String),
     dispatch: Arc<Dispatch>,
+    discovered: Arc<watch::Sender<Discovered>>,
     mut shutdown: watch::Receiver<bool>,
 ) {
     let metrics = &dispatch.shared.metrics.discovery;
@@ -218,6 +238,10 @@ pub(super) async fn follow(
                     dialled.insert(ip, Dialled { receivers });
                 }
                 metrics.dialled(name, dialled.len(), added.len(), removed.len());
+                let pods = dialled.keys().map(|ip| pod_of(&service, *ip)).collect();
+                discovered.send_modify(|d| {
+                    d.answered.insert(name.to_owned(), pods);
+                });
                 if !added.is_empty() || !removed.is_empty() {
                     tracing::info!(
                         service = name,

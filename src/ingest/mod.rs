@@ -68,6 +68,7 @@ mod sockets;
 pub mod topic;
 mod workers;
 
+pub use discovery::Discovered;
 pub use feeder::Feeder;
 pub use pods::Pods;
 pub use publishers::{PublisherKey, PublisherState, Publishers};
@@ -123,6 +124,8 @@ pub struct IngestHandle {
     pub publishers: Arc<Publishers>,
     /// Publishers with their presence (for the admin API).
     pub pods: Pods,
+    /// What DNS discovery answers (connect mode by DNS only).
+    pub discovered: Option<watch::Receiver<Discovered>>,
     receivers: Vec<JoinHandle<()>>,
     workers: Vec<JoinHandle<()>>,
     dispatch: Option<Arc<Dispatch>>,
@@ -312,16 +315,26 @@ async fn start_here(
             shutdown.clone(),
         )));
     }
+    let mut discovered = None;
     if !config.discovery.services.is_empty() {
         let resolver = Arc::new(discovery::Resolver::new(&config.discovery)?);
+        let (sender, receiver) = watch::channel(Discovered {
+            services: config.discovery.services.len(),
+            ..Default::default()
+        });
+        let sender = Arc::new(sender);
+        discovered = Some(receiver);
         for service in &config.discovery.services {
             tracing::info!(service = %service.name, interval = %config.discovery.refresh_interval, ranks = service.data_parallel_size, "connect mode: discovering pods by DNS");
             receivers.push(tokio::spawn(discovery::follow(
                 service.clone(),
                 resolver.clone(),
-                config.discovery.refresh_interval.0,
-                config.topic_filter.clone(),
+                (
+                    config.discovery.refresh_interval.0,
+                    config.topic_filter.clone(),
+                ),
                 dispatch.clone(),
+                sender.clone(),
                 shutdown.clone(),
             )));
         }
@@ -340,6 +353,7 @@ async fn start_here(
             dispatch: Arc::downgrade(&dispatch),
         },
         publishers,
+        discovered,
         receivers,
         workers,
         dispatch: Some(dispatch),

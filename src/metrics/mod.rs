@@ -14,6 +14,7 @@ mod discovery;
 mod index;
 mod ingest;
 mod picker;
+mod pool;
 mod registry;
 mod replication;
 mod scoring;
@@ -30,6 +31,7 @@ pub use discovery::DiscoveryMetrics;
 pub use index::IndexMetrics;
 pub use ingest::IngestMetrics;
 pub use picker::PickerMetrics;
+pub use pool::PoolMetrics;
 pub use registry::Labels;
 pub use replication::ReplicationMetrics;
 pub use scoring::ScoringMetrics;
@@ -58,6 +60,8 @@ pub struct Metrics {
     pub replication: ReplicationMetrics,
     /// The endpoint picker (zero while it is off).
     pub picker: PickerMetrics,
+    /// The endpoint picker's pool (zero while it is off).
+    pub pool: PoolMetrics,
     /// Tokenization (the tokenizer service's observer).
     pub tokenizer: Arc<TokenizerMetrics>,
     /// The process's resident memory, read at scrape time (soak tests watch it).
@@ -78,6 +82,7 @@ impl Metrics {
             translation: TranslationMetrics::new(&registry, labels.clone()),
             replication: ReplicationMetrics::new(&registry),
             picker: PickerMetrics::new(&registry),
+            pool: PoolMetrics::new(&registry),
             tokenizer: Arc::new(TokenizerMetrics::new(&registry)),
             resident_memory: registry::gauge(
                 &registry,

@@ -242,6 +242,7 @@ mod tests {
     fn the_header_and_the_metadata_carry_one_value() {
         let d = Decision {
             endpoints: vec!["10.0.0.2:8000".into(), "10.0.0.1:8000".into()],
+            targets: Vec::new(),
             rank: Some(1),
             with_prefix: true,
             record: None,

@@ -1,4 +1,5 @@
-//! One request's pick: its candidates (the model's live pods, narrowed by the subset hint),
+//! One request's pick: its candidates (the pool's, else the model's live publishers, narrowed
+//! by the subset hint),
 //! their prefix scores through the daemon's scoring (tokenizer, chat template, LoRA and salt),
 //! their load from the scraper, kv-core's [`pick`](kv_core::pick()), and the pick recorded as
 //! a speculative entry.
@@ -20,6 +21,7 @@ use super::scrape::Scraper;
 use crate::ingest::lifecycle::Presence;
 use crate::ingest::Pods;
 use crate::metrics::Metrics;
+use crate::pool::{Pool, PoolEndpoint};
 use crate::scoring::routing::RoutingRecord;
 use crate::scoring::{ScoreRequest, Scores, Scoring, ScoringError};
 use kv_core::{mix64, Candidate, Indexer, PickSettings, SplitMix64};
@@ -33,6 +35,8 @@ pub struct Decision {
     /// The endpoints, best first (`ip:port`): the pick, then at most
     /// `endpointPicker.fallbacks` fallbacks.
     pub endpoints: Vec<String>,
+    /// Each endpoint's pod in the index and its rank (same order as `endpoints`).
+    pub targets: Vec<(String, Option<u32>)>,
     /// The first endpoint's data-parallel rank, for a data-parallel pod.
     pub rank: Option<u32>,
     /// Whether the prefix score took part.
@@ -71,6 +75,7 @@ pub struct Chooser {
     pub(super) indexer: Arc<Indexer>,
     pub(super) pods: Pods,
     pub(super) scraper: Arc<Scraper>,
+    pub(super) pool: Arc<Pool>,
     pub(super) metrics: Arc<Metrics>,
     pub(super) settings: PickSettings,
     /// Fallbacks listed after the pick (`endpointPicker.fallbacks`).
@@ -94,10 +99,12 @@ fn host_of(endpoint: &str) -> &str {
     }
 }
 
-/// The prefix scores of one request: per candidate, its score, rank and matched blocks.
+/// The prefix scores of one request: per pod, its score, best rank and matched blocks; per
+/// pod, each rank's (for data-parallel endpoints).
 #[derive(Default)]
 struct Prefix {
     by_pod: HashMap<String, (f64, Option<u32>, u32)>,
+    by_rank: HashMap<String, Vec<(u32, f64, u32)>>,
     prompt_key: Vec<u8>,
     block_size: u32,
     scored: bool,
@@ -105,16 +112,46 @@ struct Prefix {
 
 impl Prefix {
     fn of(scores: Scores) -> Self {
-        let by_pod = scores
-            .result
+        let result = &scores.result;
+        let by_pod = result
             .named()
             .map(|(pod, s)| (pod.to_owned(), (s.score, s.rank, s.matched_blocks)))
             .collect();
+        let mut by_rank: HashMap<String, Vec<(u32, f64, u32)>> = HashMap::new();
+        for r in &result.ranks {
+            if let Some(rank) = r.rank {
+                by_rank
+                    .entry(result.pod_name(r.pod).to_owned())
+                    .or_default()
+                    .push((rank, r.score, r.matched_blocks));
+            }
+        }
         Self {
             by_pod,
+            by_rank,
             prompt_key: scores.prompt_key,
             block_size: u32::try_from(scores.block_size).unwrap_or(u32::MAX),
             scored: true,
+        }
+    }
+
+    /// An endpoint's score, rank and matched blocks: its pod's (best rank), or for a
+    /// data-parallel endpoint its rank's (the pod's best when that is its rank, which covers
+    /// recorded routings; else the rank's own blocks).
+    fn of_endpoint(&self, e: &PoolEndpoint) -> (f64, Option<u32>, u32) {
+        let pod = self.by_pod.get(&e.pod).copied();
+        let Some(k) = e.rank else {
+            return pod.unwrap_or_default();
+        };
+        match pod {
+            Some((score, Some(best), blocks)) if best == k => (score, Some(k), blocks),
+            _ => self
+                .by_rank
+                .get(&e.pod)
+                .and_then(|ranks| ranks.iter().find(|r| r.0 == k))
+                .map_or((0.0, Some(k), 0), |&(_, score, blocks)| {
+                    (score, Some(k), blocks)
+                }),
         }
     }
 }
@@ -161,31 +198,59 @@ impl Chooser {
         pods
     }
 
-    /// The candidates: the pool (the model's live pods; every live pod for a request without
-    /// a model), narrowed by the subset hint.
-    fn candidates(&self, model: &str, subset: Option<Vec<String>>) -> Vec<String> {
-        let pool: Vec<String> = match model.is_empty() {
+    /// What the scraper reads: the pool's Ready endpoints, else every live publisher.
+    pub(super) fn scrape_targets(&self) -> Vec<Arc<str>> {
+        let Some(targets) = self.pool.scrape_targets() else {
+            let pods = self.all_live_pods();
+            self.pool.forget_unscraped(&pods);
+            return pods;
+        };
+        self.pool.note_publishers(
+            &self
+                .all_live_pods()
+                .iter()
+                .map(|p| p.to_string())
+                .collect::<Vec<_>>(),
+        );
+        targets
+    }
+
+    /// The pool's candidates; without a pool, the model's live publishers (every live pod for
+    /// a request without a model) whose metrics endpoint has not stopped answering.
+    fn pool_of(&self, model: &str) -> Vec<PoolEndpoint> {
+        let view = self.pool.view();
+        if self.pool.is_pool() {
+            return view.candidates.clone();
+        }
+        let pods: Vec<String> = match model.is_empty() {
             true => self.all_live_pods().iter().map(|p| p.to_string()).collect(),
             false => self.live_pods(model),
         };
-        match subset {
-            None => pool,
-            Some(hint) => {
-                // As GIE's EPP matches it: by address, whatever port the hint names (a
-                // data-parallel pod serves several).
-                let hinted: Vec<&str> = hint.iter().map(|h| host_of(h)).collect();
-                let kept: Vec<String> = pool
-                    .into_iter()
-                    .filter(|p| hinted.contains(&host_of(p)))
-                    .collect();
-                let outside = hinted
-                    .iter()
-                    .filter(|h| !kept.iter().any(|p| host_of(p) == **h))
-                    .count();
-                self.metrics.picker.subset_outside_pool(outside);
-                kept
-            }
-        }
+        pods.into_iter()
+            .filter(|p| !view.unreachable.contains(p))
+            .map(PoolEndpoint::plain)
+            .collect()
+    }
+
+    /// The candidates: the pool, narrowed by the subset hint.
+    fn candidates(&self, model: &str, subset: Option<Vec<String>>) -> Vec<PoolEndpoint> {
+        let pool = self.pool_of(model);
+        let Some(hint) = subset else {
+            return pool;
+        };
+        // As GIE's EPP matches it: by address, whatever port the hint names (a data-parallel
+        // pod serves several).
+        let hinted: Vec<&str> = hint.iter().map(|h| host_of(h)).collect();
+        let kept: Vec<PoolEndpoint> = pool
+            .into_iter()
+            .filter(|p| hinted.contains(&host_of(&p.address)))
+            .collect();
+        let outside = hinted
+            .iter()
+            .filter(|h| !kept.iter().any(|p| host_of(&p.address) == **h))
+            .count();
+        self.metrics.picker.subset_outside_pool(outside);
+        kept
     }
 
     /// Scores the prompt on `candidates`; an error the client or the load caused ends the
@@ -195,7 +260,7 @@ impl Chooser {
         request: &mut Option<PickRequest>,
         model: &str,
         lora: String,
-        candidates: &[String],
+        candidates: &[PoolEndpoint],
     ) -> Result<Prefix, Outcome> {
         let Some(prompt) = request.as_mut().and_then(|r| r.prompt.take()) else {
             return Ok(Prefix::default());
@@ -203,6 +268,9 @@ impl Chooser {
         if self.indexer.model(model).is_none() {
             return Ok(Prefix::default());
         }
+        let mut pods: Vec<String> = candidates.iter().map(|c| c.pod.clone()).collect();
+        pods.sort_unstable();
+        pods.dedup();
         let req = ScoreRequest {
             model: model.to_owned(),
             prompt,
@@ -211,8 +279,8 @@ impl Chooser {
                 .as_mut()
                 .map(|r| std::mem::take(&mut r.cache_salt))
                 .unwrap_or_default(),
-            candidates: candidates.to_vec(),
-            every_rank: false,
+            candidates: pods,
+            every_rank: candidates.iter().any(|c| c.rank.is_some()),
         };
         let scored = self
             .scoring
@@ -242,9 +310,10 @@ impl Chooser {
         };
         let candidates = self.candidates(&model, subset);
         if candidates.is_empty() {
-            return Outcome::NoCandidates(match &request {
-                Some(r) => format!("no ready endpoint serves model {:?}", r.model),
-                None => "no ready endpoint".into(),
+            return Outcome::NoCandidates(match (self.pool.readiness(), &request) {
+                (Err(why), _) => why,
+                (Ok(()), Some(r)) => format!("no ready endpoint serves model {:?}", r.model),
+                (Ok(()), None) => "no ready endpoint".into(),
             });
         }
         let _permit = match self.scoring.admit() {
@@ -259,17 +328,17 @@ impl Chooser {
     }
 
     /// kv-core's pick over the candidates with their prefix and load; the pick recorded.
-    fn decide(&self, model: &str, candidates: &[String], prefix: Prefix) -> Outcome {
+    fn decide(&self, model: &str, candidates: &[PoolEndpoint], prefix: Prefix) -> Outcome {
+        let scored: Vec<(f64, Option<u32>, u32)> =
+            candidates.iter().map(|c| prefix.of_endpoint(c)).collect();
         let list: Vec<Candidate> = candidates
             .iter()
-            .map(|pod| {
-                let (score, rank, _) = prefix.by_pod.get(pod).copied().unwrap_or_default();
-                Candidate {
-                    pod: pod.clone(),
-                    rank,
-                    prefix_score: score,
-                    metrics: self.scraper.metrics_of(pod),
-                }
+            .zip(&scored)
+            .map(|(c, &(score, rank, _))| Candidate {
+                pod: c.address.clone(),
+                rank,
+                prefix_score: score,
+                metrics: self.scraper.metrics_of(&c.address),
             })
             .collect();
         let n = self.picks.fetch_add(1, Ordering::Relaxed);
@@ -281,29 +350,33 @@ impl Chooser {
         self.metrics
             .picker
             .metrics_unusable(pick.stale, pick.missing);
-        let endpoints: Vec<String> = pick
+        let chosen: Vec<usize> = pick
             .order
             .iter()
             .take(1 + self.fallbacks)
-            .map(|r| list[r.candidate].pod.clone())
+            .map(|r| r.candidate)
             .collect();
         let predicted_tokens = match prefix.scored {
-            true => endpoints
+            true => chosen
                 .iter()
-                .map(|e| {
-                    let blocks = prefix.by_pod.get(e).map_or(0, |p| p.2);
-                    blocks.saturating_mul(prefix.block_size)
-                })
+                .map(|&i| scored[i].2.saturating_mul(prefix.block_size))
                 .collect(),
             false => Vec::new(),
         };
-        let rank = pick.best().and_then(|i| list[i].rank);
+        let rank = chosen.first().and_then(|&i| scored[i].1);
         let record = (!prefix.prompt_key.is_empty()).then(|| (model.to_owned(), prefix.prompt_key));
-        if let (Some((model, key)), Some(first)) = (&record, endpoints.first()) {
-            self.record(model, first, rank, key);
+        if let (Some((model, key)), Some(&first)) = (&record, chosen.first()) {
+            self.record(model, &candidates[first].pod, rank, key);
         }
         Outcome::Picked(Decision {
-            endpoints,
+            endpoints: chosen
+                .iter()
+                .map(|&i| candidates[i].address.clone())
+                .collect(),
+            targets: chosen
+                .iter()
+                .map(|&i| (candidates[i].pod.clone(), scored[i].1))
+                .collect(),
             rank,
             with_prefix: prefix.scored,
             record,

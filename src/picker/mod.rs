@@ -12,9 +12,11 @@
 //!   against the prediction, read by `usage`); `answer`: the messages both build.
 //!
 //! Invariants: off unless `endpointPicker.enabled`; plaintext or TLS as the daemon's gRPC
-//! (`server.tls`); the health service reports `liveness` SERVING while the process serves,
+//! (`server.tls`); the candidates are the pool's ([`crate::pool`]), whether or not they
+//! published; the health service reports `liveness` SERVING while the process serves,
 //! `readiness` and `envoy.service.ext_proc.v3.ExternalProcessor` SERVING only while the daemon
-//! is ready (`/readyz`); at most `maxInFlight` requests are scored at once (beyond: 429).
+//! is ready (`/readyz`: the pool's source has answered and lists a candidate); at most
+//! `maxInFlight` requests are scored at once (beyond: 429).
 
 mod answer;
 pub mod body;
@@ -38,6 +40,7 @@ use tonic_health::ServingStatus;
 use crate::config::{Config, ServerConfig};
 use crate::ingest::{LogHandle, Pods};
 use crate::metrics::Metrics;
+use crate::pool::Pool;
 use crate::scoring::Scoring;
 use kv_core::{Indexer, PickSettings, PrefixNormalisation};
 use kv_tokenize::TokenizerService;
@@ -63,6 +66,10 @@ pub struct PickerSetup {
     pub log: Option<LogHandle>,
     /// The daemon's readiness.
     pub ready: Arc<AtomicBool>,
+    /// The candidates' source and health.
+    pub pool: Arc<Pool>,
+    /// The pool's source, when it runs one (stopped with the picker).
+    pub pool_task: Option<JoinHandle<()>>,
 }
 
 /// A serving picker.
@@ -113,6 +120,7 @@ pub async fn start(
         &cfg.metrics_url_template,
         cfg.metrics_interval.0,
         setup.metrics.clone(),
+        setup.pool.clone(),
     );
     let adapters = config
         .models
@@ -127,6 +135,7 @@ pub async fn start(
         indexer: setup.indexer,
         pods: setup.pods,
         scraper: scraper.clone(),
+        pool: setup.pool.clone(),
         metrics: setup.metrics,
         settings: PickSettings {
             weights: (&cfg.weights).into(),
@@ -138,20 +147,20 @@ pub async fn start(
         picks: Default::default(),
         seed,
     });
-    let mut tasks = Vec::new();
+    let mut tasks: Vec<JoinHandle<()>> = setup.pool_task.into_iter().collect();
     let lister = chooser.clone();
-    tasks.push(scraper.run(move || lister.all_live_pods(), shutdown.clone()));
+    tasks.push(scraper.run(move || lister.scrape_targets(), shutdown.clone()));
 
     let (reporter, health) = tonic_health::server::health_reporter();
     reporter
         .set_service_status(HEALTH_SERVICES[0], ServingStatus::Serving)
         .await;
-    let ready = setup.ready;
+    let (ready, pool) = (setup.ready, setup.pool);
     let mut health_shutdown = shutdown.clone();
     tasks.push(tokio::spawn(async move {
         let mut last = None;
         loop {
-            let now = ready.load(Ordering::Relaxed);
+            let now = ready.load(Ordering::Relaxed) && pool.readiness().is_ok();
             if last != Some(now) {
                 let status = match now {
                     true => ServingStatus::Serving,

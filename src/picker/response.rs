@@ -107,7 +107,13 @@ impl ResponseSide {
         if first != Some(&served) {
             self.chooser.metrics.picker.served_elsewhere();
             if let Some((model, key)) = &d.record {
-                self.chooser.record(model, &served, None, key);
+                // A listed fallback is recorded as its pod and rank; any other address as
+                // itself.
+                let at = d.endpoints.iter().position(|e| *e == served);
+                let (pod, rank) = at
+                    .and_then(|i| d.targets.get(i).cloned())
+                    .unwrap_or_else(|| (served.clone(), None));
+                self.chooser.record(model, &pod, rank, key);
             }
         }
         self.served = Some(served);

@@ -4,8 +4,9 @@
 //! Invariants: one loop per pod, so a slow pod delays only its own samples; a scrape is bounded
 //! in time (a second at most) and in body size ([`MAX_METRICS_BYTES`]); every failure is
 //! counted by kind (`kvindexer_picker_scrapes_total`) and leaves the last sample to age, so a
-//! pick sees it stale rather than wrong; pods are scraped while the pool holds them, at most
-//! [`MAX_SCRAPED_PODS`].
+//! pick sees it stale rather than wrong; each read's outcome goes to the pool's health rule
+//! (refused and timed out count against the endpoint, any answer for it); pods are scraped
+//! while the pool holds them, at most [`MAX_SCRAPED_PODS`].
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -16,7 +17,8 @@ use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
 use crate::metrics::Metrics;
-use kv_core::PodMetrics;
+use crate::pool::Pool;
+use kv_core::{PodMetrics, Probe};
 
 /// The largest metrics page read (a vLLM page is some tens of KiB).
 pub const MAX_METRICS_BYTES: usize = 1 << 20;
@@ -71,6 +73,16 @@ pub fn parse_page(text: &str) -> Option<Sample> {
     })
 }
 
+/// What a read's result says of the endpoint's health: a refused (or reset) connection and a
+/// timeout count against it; any answer, even one that does not parse, is an answer.
+pub fn probe_of(result: &str) -> Probe {
+    match result {
+        "connect" => Probe::Refused,
+        "timeout" => Probe::TimedOut,
+        _ => Probe::Answered,
+    }
+}
+
 /// The latest samples, and the pods to scrape.
 pub struct Scraper {
     samples: Mutex<HashMap<Arc<str>, (Sample, Instant)>>,
@@ -78,11 +90,19 @@ pub struct Scraper {
     interval: Duration,
     client: reqwest::Client,
     metrics: Arc<Metrics>,
+    /// Told each read's outcome (an endpoint that stops answering leaves the candidates).
+    pool: Arc<Pool>,
 }
 
 impl Scraper {
-    /// A scraper of `template` (`{pod}` replaced) every `interval`.
-    pub fn new(template: &str, interval: Duration, metrics: Arc<Metrics>) -> Arc<Self> {
+    /// A scraper of `template` (`{pod}` replaced) every `interval`, telling `pool` whether
+    /// each endpoint answers.
+    pub fn new(
+        template: &str,
+        interval: Duration,
+        metrics: Arc<Metrics>,
+        pool: Arc<Pool>,
+    ) -> Arc<Self> {
         let timeout = interval
             .max(Duration::from_millis(250))
             .min(Duration::from_secs(1));
@@ -101,6 +121,7 @@ impl Scraper {
             interval,
             client,
             metrics,
+            pool,
         })
     }
 
@@ -145,9 +166,9 @@ impl Scraper {
         let mut warned = false;
         loop {
             let result = self.scrape(&pod).await;
-            self.metrics
-                .picker
-                .scrape(result.as_ref().map_or_else(|e| *e, |_| "ok"));
+            let kind = result.as_ref().map_or_else(|e| *e, |_| "ok");
+            self.metrics.picker.scrape(kind);
+            self.pool.probed(&pod, probe_of(kind));
             match result {
                 Ok(sample) => {
                     self.samples
@@ -165,8 +186,8 @@ impl Scraper {
         }
     }
 
-    /// Keeps one scrape loop per pod `pods()` lists until
-    /// shutdown; checks the list every second.
+    /// Keeps one scrape loop per pod `pods()` lists until shutdown; checks the list every
+    /// second and whenever the pool changes.
     pub fn run(
         self: Arc<Self>,
         pods: impl Fn() -> Vec<Arc<str>> + Send + 'static,
@@ -195,6 +216,7 @@ impl Scraper {
                 }
                 tokio::select! {
                     _ = tokio::time::sleep(Duration::from_secs(1)) => {}
+                    _ = self.pool.changed() => {}
                     _ = shutdown.changed() => break,
                 }
             }

@@ -1,4 +1,5 @@
-//! The admin RPCs: `ListPods` (what the index and the publishers say of each pod; read-only)
+//! The admin RPCs: `ListPods` (what the index, the publishers and the endpoint picker's pool
+//! say of each pod; read-only)
 //! and `ClearPod` (changes the index: closed unless `server.enableAdminRpcs`, then only with
 //! the bearer token).
 //!
@@ -12,6 +13,8 @@ use tonic::{Request, Status};
 use super::grpc::KvIndexerApi;
 use crate::ingest::lifecycle::{unix_ms, Presence};
 use crate::ingest::PublisherKey;
+use crate::pool::Pool;
+use kv_core::Standing;
 use kv_proto::kvindexer_v1;
 
 impl KvIndexerApi {
@@ -145,7 +148,18 @@ impl KvIndexerApi {
                 pods[i].speculative_fallback = spec.fallback;
             }
         }
-        kvindexer_v1::ListPodsResponse { pods }
+        let (pool, pool_source) = match &self.1 {
+            Some(p) => {
+                mark_standings(p, &mut pods);
+                (pool_listing(p), p.kind().label().to_owned())
+            }
+            None => (Vec::new(), String::new()),
+        };
+        kvindexer_v1::ListPodsResponse {
+            pods,
+            pool,
+            pool_source,
+        }
     }
 
     /// `ClearPod`: forgets a pod of a model on this replica (through its worker) and, with
@@ -172,6 +186,39 @@ impl KvIndexerApi {
             removed: removed as u64,
         })
     }
+}
+
+/// Each listed pod's standing as a candidate: with a pool, the best of its endpoints' (none:
+/// not in the pool); without, its health.
+fn mark_standings(pool: &Pool, pods: &mut [kvindexer_v1::PodInfo]) {
+    let listed = pool.listing();
+    for info in pods {
+        let standing = match pool.is_pool() {
+            true => listed
+                .iter()
+                .filter(|l| l.endpoint.pod == info.pod)
+                .map(|l| l.standing)
+                .min()
+                .unwrap_or(Standing::NotInPool),
+            false => pool.standing(&info.pod).0,
+        };
+        info.standing = standing.label().to_owned();
+    }
+}
+
+/// The pool's endpoints as `ListPods` lists them.
+fn pool_listing(pool: &Pool) -> Vec<kvindexer_v1::PoolEndpoint> {
+    pool.listing()
+        .into_iter()
+        .map(|l| kvindexer_v1::PoolEndpoint {
+            address: l.endpoint.address,
+            pod: l.endpoint.pod,
+            data_parallel_rank: l.endpoint.rank,
+            name: l.endpoint.name,
+            standing: l.standing.label().to_owned(),
+            failed_scrapes: l.failures,
+        })
+        .collect()
 }
 
 /// Compares secrets without an early exit on the first differing byte.

@@ -12,6 +12,7 @@ use std::time::Instant;
 
 use tonic::{Request, Response, Status};
 
+use crate::pool::Pool;
 use crate::scoring::routing::RoutingRecord;
 use crate::scoring::{Prompt, ScoreRequest, Scores, Scoring, ScoringError};
 use kv_proto::kvindexer_v1;
@@ -127,9 +128,10 @@ pub(super) fn count_request(svc: &Scoring, rpc: &str, status: &Result<(), &Statu
     svc.metrics.scoring.request(rpc, &code);
 }
 
-/// `kvindexer.v1.KvIndexer`.
+/// `kvindexer.v1.KvIndexer`: scoring, and the endpoint picker's pool (for `ListPods`) when the
+/// picker is on.
 #[derive(Clone)]
-pub struct KvIndexerApi(pub Arc<Scoring>);
+pub struct KvIndexerApi(pub Arc<Scoring>, pub Option<Arc<Pool>>);
 
 #[tonic::async_trait]
 impl kvindexer_v1::kv_indexer_server::KvIndexer for KvIndexerApi {

@@ -1,7 +1,9 @@
 //! The HTTP side port: `/metrics` (Prometheus text), `/healthz` (the process is up) and
 //! `/readyz`: 200 once the event sockets are bound and gRPC is serving, 503 before that and
 //! while shutting down. An empty index is ready: scores are 0 until events arrive, and a fleet
-//! without traffic must not hold its gateway unready.
+//! without traffic must not hold its gateway unready. With the endpoint picker's pool, readiness
+//! follows membership: 503 until the pool's source has answered, and while it lists no ready
+//! endpoint, the body saying why.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -13,6 +15,7 @@ use axum::routing::get;
 use axum::Router;
 
 use crate::metrics::Metrics;
+use crate::pool::Pool;
 use kv_core::Indexer;
 
 /// What the HTTP handlers read.
@@ -24,6 +27,8 @@ pub struct HttpState {
     pub metrics: Arc<Metrics>,
     /// Set once ingestion and gRPC are up; cleared on shutdown.
     pub ready: Arc<AtomicBool>,
+    /// The endpoint picker's pool (its readiness), when the picker is on.
+    pub pool: Option<Arc<Pool>>,
 }
 
 /// The HTTP application of the metrics port (axum calls its route table a `Router`).
@@ -43,9 +48,14 @@ async fn metrics(State(s): State<HttpState>) -> impl IntoResponse {
 }
 
 async fn readyz(State(s): State<HttpState>) -> impl IntoResponse {
-    if s.ready.load(Ordering::Relaxed) {
-        (StatusCode::OK, "ready\n")
-    } else {
-        (StatusCode::SERVICE_UNAVAILABLE, "not ready\n")
+    if !s.ready.load(Ordering::Relaxed) {
+        return (StatusCode::SERVICE_UNAVAILABLE, "not ready\n".to_owned());
+    }
+    match s.pool.as_ref().map_or(Ok(()), |p| p.readiness()) {
+        Ok(()) => (StatusCode::OK, "ready\n".to_owned()),
+        Err(why) => (
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!("not ready: endpoint picker: {why}\n"),
+        ),
     }
 }

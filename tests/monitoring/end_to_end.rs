@@ -2,7 +2,8 @@
 //! Prometheus that evaluates the shipped rules every second (a copy with every `for:` at 0s,
 //! so an alert shows at once; the shipped file is unchanged). A driver publishes over a real
 //! ZMQ socket, round after round, a pod for each condition an alert watches that one machine
-//! can reach, and calls ScorePods and RecordRouting, until each of those alerts is pending or
+//! can reach, and calls ScorePods, RecordRouting and the endpoint picker (its pool a static list
+//! of a live pod and a dead address), until each of those alerts is pending or
 //! firing; then every dashboard query, its variables substituted, must evaluate and return
 //! series. Replication lag, dropped appends, old snapshots and slow reads cannot be caused here
 //! on purpose: their unit tests (promtool) fire them.
@@ -12,6 +13,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
+use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_client::ExternalProcessorClient;
 use kv_core::{
     encode_batch, mix64, BlockHash, BlockStored, EngineHash, EngineHashes, EventBatch, KvEvent,
     Medium,
@@ -118,6 +120,8 @@ fn root_run(hashes: Vec<BlockHash>, tokens: Vec<u32>, block_size: u32) -> Vec<u8
 struct Driver {
     publisher: zeromq::PubSocket,
     grpc: KvIndexerClient<Channel>,
+    /// The endpoint picker's ext_proc client: a pick a round.
+    picker: ExternalProcessorClient<Channel>,
     /// The flooder's payload: one run of 500 blocks, the same every message.
     flood: Vec<u8>,
     round: u64,
@@ -126,9 +130,13 @@ struct Driver {
 impl Driver {
     async fn new(d: &RunningDaemon) -> Self {
         let blocks: Vec<BlockHash> = (0..500).map(|i| hash(7, 0, i)).collect();
+        let picker = d.picker_addr.expect("the picker is on");
         Self {
             publisher: support::pods::connect(d).await,
             grpc: support::client(d).await,
+            picker: ExternalProcessorClient::connect(format!("http://{picker}"))
+                .await
+                .expect("ext_proc connects"),
             flood: encode_batch(&EventBatch::stored_on_gpu(
                 1.7e9,
                 0,
@@ -203,11 +211,21 @@ impl Driver {
             .grpc
             .record_routing(RecordRoutingRequest {
                 model: MODEL.into(),
-                tokens: Some(TokenIds { ids }),
+                tokens: Some(TokenIds { ids: ids.clone() }),
                 pod: EVICTOR.into(),
                 ..Default::default()
             })
             .await;
+        // A pick among the static pool (its live pod: the other never answers).
+        let body = serde_json::json!({"model": MODEL, "prompt": ids, "max_tokens": 1}).to_string();
+        let mut request = vec![support::picker::headers(
+            "/v1/completions",
+            None,
+            None,
+            false,
+        )];
+        request.extend(support::picker::body(body.as_bytes(), 4096));
+        support::picker::exchange(&mut self.picker, request).await;
     }
 }
 
@@ -257,7 +275,17 @@ async fn a_real_prometheus_sees_each_alert_and_every_dashboard_query() {
     ) {
         return;
     }
-    let d = daemon::start(config()).await.expect("daemon starts");
+    // The endpoint picker on, its static pool a live pod and an address nothing answers on (it
+    // leaves the candidates: the pool's panels have series).
+    let live = support::picker::FakePod::start().await;
+    let mut c = config();
+    c.endpoint_picker.enabled = true;
+    c.endpoint_picker.addr = "127.0.0.1:0".into();
+    c.endpoint_picker.endpoints = vec![
+        live.name.clone(),
+        format!("127.0.0.1:{}", support::redis::free_port()),
+    ];
+    let d = daemon::start(c).await.expect("daemon starts");
     let replica = daemon::start(replica_config())
         .await
         .expect("replica starts without Redis");

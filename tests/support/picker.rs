@@ -37,6 +37,12 @@ pub fn pod_address() -> std::net::Ipv4Addr {
     std::net::Ipv4Addr::new(127, 0, 0, 10 + n as u8)
 }
 
+/// A port free on every loopback address the fake pods use (an InferencePool's target port).
+pub fn shared_port() -> u16 {
+    let probe = std::net::TcpListener::bind("127.0.0.1:0").expect("binds");
+    probe.local_addr().expect("addr").port()
+}
+
 /// A fake vLLM pod: its load on `/metrics`, and OpenAI requests served, recorded and answered
 /// with `usage` (`support::pod_http`), on an address of its own.
 pub struct FakePod {
@@ -49,9 +55,13 @@ pub struct FakePod {
 impl FakePod {
     /// A pod serving on a fresh loopback port.
     pub async fn start() -> Self {
-        let listener = tokio::net::TcpListener::bind((pod_address(), 0))
-            .await
-            .expect("binds");
+        Self::start_at((pod_address(), 0).into()).await
+    }
+
+    /// A pod serving on `addr` (port 0: a fresh one); pods of an InferencePool share its
+    /// target port, each on an address of its own.
+    pub async fn start_at(addr: std::net::SocketAddr) -> Self {
+        let listener = tokio::net::TcpListener::bind(addr).await.expect("binds");
         let name = listener.local_addr().expect("addr").to_string();
         let state = Arc::new(PodState::new(name.clone()));
         let task = tokio::spawn(super::pod_http::serve(state.clone(), listener, MODEL));
@@ -144,14 +154,26 @@ impl Fleet {
     /// vLLM hashes such a request; the daemon must take the engine's hashes as keys
     /// (`engineHashes: aligned`), since the events do not carry the salt.
     pub async fn store_with(&mut self, pod: &str, ids: &[u32], extras: RequestExtras) {
+        self.store_as((pod, 0), ids, extras).await;
+    }
+
+    /// [`Fleet::store`] from data-parallel rank `rank` of `pod`.
+    pub async fn store_ranked(&mut self, pod: &str, rank: i64, ids: &[u32]) {
+        self.store_as((pod, rank), ids, RequestExtras::default())
+            .await;
+    }
+
+    async fn store_as(&mut self, (pod, rank): (&str, i64), ids: &[u32], extras: RequestExtras) {
         let lora = extras.lora.as_ref().map(|l| l.name.clone());
         let salt = extras.cache_salt.clone();
         let hashes = self.processor.block_hashes(ids, &extras);
         assert!(!hashes.is_empty(), "the prompt must have full blocks");
         let tokens = &ids[..hashes.len() * BLOCK];
-        let seq = self.seq.entry(pod.to_owned()).or_default();
+        // Each rank is a publisher of its own, with its own sequence.
+        let seq = self.seq.entry(format!("{pod}#{rank}")).or_default();
         for _ in 0..200 {
-            let msg = super::pods::token_stored_message(MODEL, pod, *seq, &hashes, tokens, BLOCK);
+            let msg =
+                super::pods::ranked_token_message(MODEL, (pod, rank), *seq, &hashes, tokens, BLOCK);
             self.publisher.send(msg).await.expect("send");
             tokio::time::sleep(Duration::from_millis(25)).await;
             let held = self

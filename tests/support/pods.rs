@@ -54,6 +54,18 @@ pub fn token_stored_message(
     tokens: &[u32],
     block_size: usize,
 ) -> ZmqMessage {
+    ranked_token_message(model, (pod, 0), seq, hashes, tokens, block_size)
+}
+
+/// [`token_stored_message`] from data-parallel rank `rank` of `pod`.
+pub fn ranked_token_message(
+    model: &str,
+    (pod, rank): (&str, i64),
+    seq: u64,
+    hashes: &[BlockHash],
+    tokens: &[u32],
+    block_size: usize,
+) -> ZmqMessage {
     let payload = encode_batch(&EventBatch {
         ts: 1.7e9,
         events: vec![KvEvent::BlockStored(Box::new(BlockStored {
@@ -63,7 +75,7 @@ pub fn token_stored_message(
             medium: Some(Medium::Gpu),
             ..Default::default()
         }))],
-        data_parallel_rank: Some(0),
+        data_parallel_rank: Some(rank),
     });
     payload_message(model, pod, seq, &payload)
 }

@@ -12,7 +12,11 @@
 //!   token ids), pod scores and speculative entries (recorded routings not yet confirmed by
 //!   events) ([`Indexer`]): what a transport (the daemon, a gateway, a benchmark) calls;
 //! - `pick`: which candidate serves a request, from the index's prefix scores and the pods'
-//!   load, as llm-d's default profile scores them ([`pick()`]).
+//!   load, as llm-d's default profile scores them ([`pick()`]);
+//! - `membership`: which endpoints are candidates at all: the pool's Ready members whose metrics
+//!   endpoint answers ([`Membership`]);
+//! - `disagg`: prefill/decode disaggregation: a pod's role and whether a request's prefill is
+//!   split off to a pod of its own, llm-d's rule on the exact hit ([`decide`]).
 //!
 //! Every block in the index is keyed by a [`BlockHash`] (computed from token ids); what an
 //! engine publishes in its events is an [`EngineHash`], a key only for an aligned engine
@@ -23,6 +27,7 @@
 //! embedding program exports them.
 
 mod block_hash;
+mod disagg;
 mod events;
 // Index rules broken on purpose, for the differential test's negative controls only.
 #[cfg(feature = "fault-injection")]
@@ -33,6 +38,7 @@ mod hit;
 mod index;
 mod indexer;
 mod marks;
+mod membership;
 // Memory for randomly probed structures: with the run index's cells (`index::runs::cells`),
 // the only `unsafe` in kv-core.
 #[allow(unsafe_code)]
@@ -88,6 +94,12 @@ pub use pick::{
     pick, Candidate, Pick, PickError, PickSettings, PickWeights, PodMetrics, PrefixNormalisation,
     Ranked,
 };
+
+/// Which endpoints are candidates: the pool's Ready members whose metrics answer (`membership`).
+pub use membership::{Change, Membership, Probe, Standing, DEFAULT_FAILURES_TO_LEAVE};
+
+/// Prefill/decode disaggregation: roles and the split decision (`disagg`).
+pub use disagg::{decide, Decision, Role, SplitReason, SplitRule, UnknownRole, ROLE_LABEL};
 
 /// 64-bit mixing, the project's one PRNG and its one FNV-1a (`mix`).
 pub use mix::{fnv1a, mix64, Fnv1a, SplitMix64};

@@ -23,8 +23,12 @@
 //! routers (`bypass_fraction`), prefix-cache resets (`resets`: free cached blocks dropped) and
 //! pod restarts (`restarts`: the pod is down for `restart_downtime_ms`, loses its cache and
 //! publishes `AllBlocksCleared`; requests that had no token yet are retried through a router,
-//! streams already started are cut; a request routed to a down pod goes to the live pod with
-//! the fewest of that replica's requests, as a gateway retries on connection refused).
+//! streams already started are cut; a request routed to a down pod goes to the live candidate
+//! with the fewest of that replica's requests, as a gateway retries on connection refused, and
+//! is counted), and the pool changing ([`membership`]: pods joining late, a pod whose server
+//! stops answering for good). Each router picks among its candidates: the pool's Ready pods as
+//! Kubernetes says (a restarting pod is not Ready a second after its restart), or for the
+//! precise routers kv-core's membership rule over them (the daemon's picker).
 
 pub mod cache;
 #[cfg(feature = "charts")]
@@ -32,6 +36,7 @@ pub mod charts;
 pub mod engine;
 pub mod family;
 pub mod hybrid;
+pub mod membership;
 pub mod pod;
 pub mod policies;
 pub mod prefix_score;
@@ -81,9 +86,15 @@ pub struct SimSettings {
     pub restarts: Vec<(f64, usize)>,
     /// How long a restarting pod takes no requests, ms.
     pub restart_downtime_ms: f64,
+    /// Pods joining the pool late (a scale-out) and pods whose server stops answering.
+    pub pool: membership::PoolChanges,
     /// RNG seed.
     pub seed: u64,
 }
+
+/// How long Kubernetes takes to mark a pod whose server stopped answering not Ready at its
+/// readiness probe's defaults (`periodSeconds` 10 x `failureThreshold` 3), ms.
+pub const DEFAULT_READINESS_DELAY_MS: f64 = 30_000.0;
 
 /// KV tokens per pod in the published benchmark (llm-d, 8 x Qwen3-32B TP2 on H100).
 pub const ANCHOR_KV_TOKENS: usize = 307_328;
@@ -101,6 +112,13 @@ impl Default for SimSettings {
             resets: Vec::new(),
             restarts: Vec::new(),
             restart_downtime_ms: 60_000.0,
+            pool: membership::PoolChanges {
+                joins: Vec::new(),
+                kills: Vec::new(),
+                readiness_delay_ms: DEFAULT_READINESS_DELAY_MS,
+                probe_timeout_ms: 250.0,
+                failures_to_leave: kv_core::DEFAULT_FAILURES_TO_LEAVE,
+            },
             seed: 42,
         }
     }
@@ -138,6 +156,8 @@ enum EventKind {
     Deliver(usize, Vec<u8>),
     Reset(usize),
     Restart(usize),
+    /// The pod's server stops answering for good (its blocks stay in the index).
+    Kill(usize),
     /// A request a restart lost before its first token comes back to a router.
     Retry(usize),
     /// A restarted pod takes requests again.
@@ -209,6 +229,15 @@ pub struct PolicyReport {
     pub load_spread: f64,
     /// Engine counters summed over pods (the largest step over all).
     pub engine: EngineStats,
+    /// Requests first routed to a pod that was down (a 503 behind a gateway without retries,
+    /// such as GIE's; here retried on the least loaded live candidate).
+    pub misrouted: usize,
+    /// Requests that found no candidate at all (a 503), not run.
+    pub refused: usize,
+    /// Of the arrivals after the first late pod joined, the share routed to late pods (`None`:
+    /// no pod joined late).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub late_share: Option<f64>,
     /// How the router's predicted hits compare with the hits the engines took (routers that
     /// predict: the precise ones).
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -320,6 +349,14 @@ pub fn run(
             push(&mut heap, t, EventKind::Restart(pod));
         }
     }
+    for &(t, pod) in &settings.pool.kills {
+        if pod < n_pods {
+            push(&mut heap, t, EventKind::Kill(pod));
+        }
+    }
+    let mut pool = membership::SimPool::new(&pod_names, &settings.pool);
+    let first_join = pool.first_join();
+    let (mut misrouted, mut refused, mut after_join, mut on_late) = (0, 0, 0usize, 0usize);
     push(&mut heap, 0.0, EventKind::Scrape);
     let mut scraped = vec![PodMetrics::default(); n_pods];
     let mut scraped_ms = 0.0;
@@ -358,9 +395,22 @@ pub fn run(
                     spread_n += 1;
                 }
                 let replica = rng.below(routers.len() as u64) as usize;
+                let candidates = pool.candidates(routers[replica].candidate_rule(), now);
+                if candidates.is_empty() {
+                    refused += 1;
+                    unfinished -= 1;
+                    continue;
+                }
                 let pod = if settings.bypass_fraction > 0.0 && rng.unit() < settings.bypass_fraction
                 {
-                    rng.below(n_pods as u64) as usize
+                    // Traffic around the routers reaches a Ready pod.
+                    let ready = pool.candidates(membership::CandidateRule::Ready, now);
+                    let among = if ready.is_empty() {
+                        &candidates
+                    } else {
+                        &ready
+                    };
+                    among[rng.below(among.len() as u64) as usize]
                 } else {
                     let ctx = routers::RouterContext {
                         now_ms: now,
@@ -372,13 +422,17 @@ pub fn run(
                         indexer: &indexer,
                         model: MODEL,
                         pod_names: &pod_names,
+                        candidates: &candidates,
                         score_before_last_token: hybrid,
                     };
                     let p = routers[replica].route(&requests[i], &ctx).min(n_pods - 1);
-                    // A down pod refuses the connection; the gateway retries on the live pod
-                    // with the fewest of its requests, and knows where the request went.
+                    // A down pod does not serve; the gateway retries on the live candidate with
+                    // the fewest of its requests, and knows where the request went.
                     let p = if pods[p].down_until > now {
-                        (0..n_pods)
+                        misrouted += 1;
+                        candidates
+                            .iter()
+                            .copied()
                             .filter(|&q| pods[q].down_until <= now)
                             .min_by_key(|&q| (in_flight[replica][q], q))
                             .unwrap_or(p)
@@ -393,6 +447,10 @@ pub fn run(
                     rejected += 1;
                     unfinished -= 1;
                     continue;
+                }
+                if first_join.is_some_and(|t| now >= t) && !retry {
+                    after_join += 1;
+                    on_late += usize::from(pool.joined_late(pod));
                 }
                 in_flight[replica][pod] += 1;
                 placed[i] = Some((replica, pod));
@@ -429,6 +487,7 @@ pub fn run(
                 touched = Some(p);
             }
             EventKind::Deliver(p, payload) => {
+                pool.published(p);
                 if let Ok(batch) = decode_batch(&payload) {
                     let _ = indexer.apply_batch_at(MODEL, &pod_names[p], &batch, at(now));
                 }
@@ -442,11 +501,15 @@ pub fn run(
                     );
                 }
             }
-            EventKind::Restart(p) => {
+            EventKind::Restart(p) | EventKind::Kill(p) => {
+                let killed = matches!(kind, EventKind::Kill(_));
                 let pod = &mut pods[p];
                 pod.incarnation += 1;
                 pod.stepping = false;
-                pod.down_until = now + settings.restart_downtime_ms;
+                pod.down_until = match killed {
+                    true => f64::INFINITY,
+                    false => now + settings.restart_downtime_ms,
+                };
                 let (retry, cut) = pod.engine.restart();
                 for i in cut {
                     // Its stream is cut: the client saw its first tokens, then an error.
@@ -461,13 +524,17 @@ pub fn run(
                     }
                     push(&mut heap, now, EventKind::Retry(i));
                 }
-                // The restarted engine's first batch clears what the index held for it.
-                push(
-                    &mut heap,
-                    now + settings.event_delay_ms,
-                    EventKind::Deliver(p, wire::cleared()),
-                );
-                push(&mut heap, pod.down_until, EventKind::Up(p));
+                // The restarted engine's first batch clears what the index held for it; a killed
+                // one publishes nothing again, and the index keeps its blocks.
+                if !killed {
+                    pool.restarting(p, now, pod.down_until);
+                    push(
+                        &mut heap,
+                        now + settings.event_delay_ms,
+                        EventKind::Deliver(p, wire::cleared()),
+                    );
+                    push(&mut heap, pod.down_until, EventKind::Up(p));
+                }
             }
             EventKind::Up(p) => touched = Some(p),
             EventKind::Scrape => {
@@ -480,6 +547,7 @@ pub fn run(
                     };
                 }
                 scraped_ms = now;
+                pool.scrape(now, |p| pods[p].down_until > now);
                 indexer.expire_speculation(at(now));
                 if unfinished > 0 {
                     push(
@@ -544,6 +612,9 @@ pub fn run(
             spread_sum / spread_n as f64
         },
         engine: stats,
+        misrouted,
+        refused,
+        late_share: first_join.map(|_| on_late as f64 / after_join.max(1) as f64),
         prediction: (prediction.requests > 0).then_some(prediction),
     }
 }

@@ -28,12 +28,18 @@ pub const POLICIES: [&str; 10] = [
 /// `precise-nospec` on a hybrid model family (on `full` they are the same).
 pub const FULL_ONLY_POLICIES: [&str; 2] = ["precise-full-only", "precise-full-only-nospec"];
 
+/// Policies `all` leaves out: precise scoring whose candidates are the pods that published
+/// (kv-indexer's picker without a pool), to set beside `precise` (the pool's pods) when the pool
+/// changes (`--scale-out-at`, `--kill-at`); while it does not, they are the same.
+pub const PUBLISHERS_POLICIES: [&str; 2] = ["precise-publishers", "precise-publishers-nospec"];
+
 /// A policy or weight setting that does not parse.
 #[derive(Debug, Error, PartialEq, Eq)]
 pub enum PolicyError {
     /// Not one of [`POLICIES`] or [`FULL_ONLY_POLICIES`].
-    #[error("unknown policy {0:?} (one of {list}, {full_only})", list = POLICIES.join(", "),
-        full_only = FULL_ONLY_POLICIES.join(", "))]
+    #[error("unknown policy {0:?} (one of {list}, {full_only}, {publishers})",
+        list = POLICIES.join(", "), full_only = FULL_ONLY_POLICIES.join(", "),
+        publishers = PUBLISHERS_POLICIES.join(", "))]
     UnknownPolicy(String),
     /// Not `equal`, `llm-d` or `prefix:queue:kv` (finite, at least 0, not all 0).
     #[error("--weights {0:?}: equal, llm-d, or prefix:queue:kv (e.g. 2:1:1; not all 0)")]
@@ -122,6 +128,11 @@ pub fn router(
             routers::Precise::new(settings.precise_weights, name == "precise-full-only", seed)
                 .with_prefix_score(settings.precise_prefix)
                 .full_attention_only(),
+        ),
+        "precise-publishers" | "precise-publishers-nospec" => Box::new(
+            routers::Precise::new(settings.precise_weights, name == "precise-publishers", seed)
+                .with_prefix_score(settings.precise_prefix)
+                .publishers_only(),
         ),
         other => return Err(PolicyError::UnknownPolicy(other.to_owned())),
     })

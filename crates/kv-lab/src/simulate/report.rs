@@ -173,6 +173,31 @@ pub fn policy_table(reports: &[PolicyReport]) -> String {
     out
 }
 
+/// What each policy made of a changing pool (a scale-out, a pod that stopped answering), as a
+/// Markdown table.
+pub fn pool_table(reports: &[PolicyReport]) -> String {
+    let mut out = String::from(
+        "| policy | requests | sent to a down pod | no candidate (503) | arrivals on the scaled-out pods after they joined | prefix-hit rate | TTFT p50 ms | TTFT p90 ms |\n|---|---:|---:|---:|---:|---:|---:|---:|\n",
+    );
+    for r in reports {
+        let late = r
+            .late_share
+            .map_or("-".to_owned(), |s| format!("{:.1}%", 100.0 * s));
+        out += &format!(
+            "| {} | {} | {} | {} | {} | {:.1}% | {:.0} | {:.0} |\n",
+            r.policy,
+            r.requests,
+            r.misrouted,
+            r.refused,
+            late,
+            100.0 * r.token_hit_rate,
+            r.ttft_p50_ms,
+            r.ttft_p90_ms,
+        );
+    }
+    out
+}
+
 /// How each predicting policy's expected hits compared with the hits the engines took, as a
 /// Markdown table (policies that predict nothing are left out).
 pub fn prediction_table(reports: &[PolicyReport]) -> String {

@@ -39,6 +39,7 @@ use kv_core::{BlockHash, Candidate, PickSettings, PickWeights, PrefixNormalisati
 use serde::Serialize;
 
 use super::family::{IndexedGroups, UNIT_TOKENS};
+pub use super::membership::CandidateRule;
 pub use super::prefix_score::PrefixScore;
 use super::{PodMetrics, SimRequest};
 use crate::lru::LruSet;
@@ -64,6 +65,9 @@ pub struct RouterContext<'a> {
     pub model: &'a str,
     /// Pod names in the index.
     pub pod_names: &'a [String],
+    /// The pods this router may pick, in order, as its [`Router::candidate_rule`] makes them
+    /// (every pod while the pool does not change).
+    pub candidates: &'a [usize],
     /// Score only the prompt's hash units before its last token (vLLM recomputes the last
     /// token, and the hash form carries no token count): set for hybrid pods, whose rule the
     /// index applies to the units it is given; plain runs score every block, as the published
@@ -89,6 +93,11 @@ pub trait Router {
     /// models an index of the full-attention group alone).
     fn indexed_groups(&self) -> IndexedGroups {
         IndexedGroups::All
+    }
+    /// Which pods it may pick: the pool's Ready pods, as Kubernetes says, unless it is
+    /// kv-indexer's picker.
+    fn candidate_rule(&self) -> CandidateRule {
+        CandidateRule::Ready
     }
 }
 
@@ -141,7 +150,7 @@ fn least_loaded(in_flight: &[usize], among: impl Iterator<Item = usize>) -> usiz
     among.min_by_key(|&p| (in_flight[p], p)).unwrap_or(0)
 }
 
-/// The daemon's endpoint pick ([`kv_core::pick()`]) over every pod: the prefix scores
+/// The daemon's endpoint pick ([`kv_core::pick()`]) over the candidates: the prefix scores
 /// (normalised as `normalise` says), the queue and KV-cache scorers from the scraped metrics
 /// (as old as the last scrape; older than the daemon's default `metricsStaleAfter`, 500 ms,
 /// or ten scrape intervals if that is longer, they are left out as the daemon leaves them
@@ -155,15 +164,13 @@ fn pick(
 ) -> usize {
     let age = Duration::from_secs_f64((ctx.now_ms - ctx.scraped_ms).max(0.0) / 1000.0);
     let candidates: Vec<Candidate> = ctx
-        .scraped
+        .candidates
         .iter()
-        .zip(prefix)
-        .enumerate()
-        .map(|(p, (m, &prefix_score))| Candidate {
+        .map(|&p| Candidate {
             pod: ctx.pod_names.get(p).cloned().unwrap_or_default(),
             rank: None,
-            prefix_score,
-            metrics: Some(kv_core::PodMetrics {
+            prefix_score: prefix.get(p).copied().unwrap_or(0.0),
+            metrics: ctx.scraped.get(p).map(|m| kv_core::PodMetrics {
                 waiting_requests: m.waiting as f64,
                 kv_cache_usage: m.kv_usage,
                 age,
@@ -181,8 +188,8 @@ fn pick(
     // Weights are checked when parsed and every input is finite, so the pick cannot fail; if it
     // did, the gateway would fall back to load.
     match kv_core::pick(&candidates, &settings, rng) {
-        Ok(pick) => pick.best().unwrap_or(0),
-        Err(_) => least_loaded(ctx.in_flight, 0..ctx.in_flight.len()),
+        Ok(pick) => ctx.candidates[pick.best().unwrap_or(0)],
+        Err(_) => least_loaded(ctx.in_flight, ctx.candidates.iter().copied()),
     }
 }
 
@@ -194,7 +201,7 @@ impl Router for Random {
         "random".into()
     }
     fn route(&mut self, _: &SimRequest, ctx: &RouterContext<'_>) -> usize {
-        self.0.below(ctx.in_flight.len() as u64) as usize
+        ctx.candidates[self.0.below(ctx.candidates.len() as u64) as usize]
     }
 }
 
@@ -207,8 +214,8 @@ impl Router for RoundRobin {
         "round-robin".into()
     }
     fn route(&mut self, _: &SimRequest, ctx: &RouterContext<'_>) -> usize {
-        self.0 = (self.0 + 1) % ctx.in_flight.len();
-        self.0
+        self.0 = (self.0 + 1) % ctx.candidates.len();
+        ctx.candidates[self.0]
     }
 }
 
@@ -220,7 +227,7 @@ impl Router for LeastLoaded {
         "least-loaded".into()
     }
     fn route(&mut self, _: &SimRequest, ctx: &RouterContext<'_>) -> usize {
-        least_loaded(ctx.in_flight, 0..ctx.in_flight.len())
+        least_loaded(ctx.in_flight, ctx.candidates.iter().copied())
     }
 }
 
@@ -357,6 +364,9 @@ pub struct Precise {
     /// The index is fed the full-attention groups' events only (llm-d's and Dynamo's indexes
     /// today), so it predicts a hybrid engine's hit as that group's prefix.
     pub full_attention_only: bool,
+    /// Its candidates: the pool's (the daemon's picker with a pool, the default) or the pods
+    /// that published (the picker without one).
+    pub rule: CandidateRule,
     rng: SplitMix64,
     /// The last routing's matched blocks per pod (what it predicted).
     last_matched: Vec<u32>,
@@ -371,6 +381,7 @@ impl Precise {
             speculation,
             prefix_score: PrefixScore::MinMax,
             full_attention_only: false,
+            rule: CandidateRule::Pool,
             rng: super::rng(seed ^ 0x9E_C1),
             last_matched: Vec::new(),
         }
@@ -379,6 +390,12 @@ impl Precise {
     /// The same router over an index fed only the full-attention groups' events.
     pub fn full_attention_only(mut self) -> Self {
         self.full_attention_only = true;
+        self
+    }
+
+    /// The same router picking among the pods that published (the picker without a pool).
+    pub fn publishers_only(mut self) -> Self {
+        self.rule = CandidateRule::Publishers;
         self
     }
 
@@ -431,10 +448,10 @@ fn indexed_blocks(
 
 impl Router for Precise {
     fn name(&self) -> String {
-        let base = if self.full_attention_only {
-            "precise-full-only"
-        } else {
-            "precise"
+        let base = match (self.full_attention_only, self.rule) {
+            (true, _) => "precise-full-only",
+            (false, CandidateRule::Publishers) => "precise-publishers",
+            (false, _) => "precise",
         };
         if self.speculation {
             base.into()
@@ -469,6 +486,9 @@ impl Router for Precise {
             IndexedGroups::All
         }
     }
+    fn candidate_rule(&self) -> CandidateRule {
+        self.rule
+    }
 }
 
 /// Dynamo's KV router cost function.
@@ -496,16 +516,17 @@ impl Router for Dynamo {
         let n = req.blocks.len() as f64;
         let overlap = indexed_blocks(&req.blocks, ctx, None);
         let costs: Vec<f64> = ctx
-            .scraped
+            .candidates
             .iter()
-            .enumerate()
-            .map(|(p, m)| {
+            .map(|&p| {
+                let m = &ctx.scraped[p];
                 self.overlap_weight * (n - overlap[p]) + m.kv_usage * m.num_gpu_blocks as f64
             })
             .collect();
         let best = costs.iter().copied().fold(f64::MAX, f64::min);
         let tied: Vec<usize> = (0..costs.len())
-            .filter(|&p| costs[p] <= best + 1e-9)
+            .filter(|&i| costs[i] <= best + 1e-9)
+            .map(|i| ctx.candidates[i])
             .collect();
         tied[self.rng.below(tied.len() as u64) as usize]
     }
@@ -538,18 +559,22 @@ impl Router for Aibrix {
         while self.table.len() < ctx.in_flight.len() {
             self.table.push(BlockLru::new(APPROX_CAPACITY_GUESS));
         }
-        let loads: Vec<f64> = ctx.in_flight.iter().map(|&l| l as f64).collect();
+        let pods = ctx.candidates;
+        let loads: Vec<f64> = pods.iter().map(|&p| ctx.in_flight[p] as f64).collect();
         let (min, max) = loads
             .iter()
             .fold((f64::MAX, 0.0f64), |(a, b), &x| (a.min(x), b.max(x)));
         if max - min > self.imbalance as f64 {
-            return least_loaded(ctx.in_flight, 0..loads.len());
+            return least_loaded(ctx.in_flight, pods.iter().copied());
         }
         let mean = loads.iter().sum::<f64>() / loads.len() as f64;
         let sd =
             (loads.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / loads.len() as f64).sqrt();
         let limit = mean + self.k * sd;
-        let candidates: Vec<usize> = (0..loads.len()).filter(|&p| loads[p] <= limit).collect();
+        let candidates: Vec<usize> = (0..loads.len())
+            .filter(|&i| loads[i] <= limit)
+            .map(|i| pods[i])
+            .collect();
         let best = candidates
             .iter()
             .map(|&p| (self.table[p].prefix(&req.blocks), p))
@@ -599,7 +624,10 @@ impl Router for LocalAi {
     fn route(&mut self, req: &SimRequest, ctx: &RouterContext<'_>) -> usize {
         let n = ctx.in_flight.len();
         let mut depth = vec![0usize; n];
-        let mut alive: Vec<bool> = vec![true; n];
+        let mut alive: Vec<bool> = vec![false; n];
+        for &p in ctx.candidates {
+            alive[p] = true;
+        }
         for &b in &req.blocks {
             let Some(pods) = self.seen.get(&b) else { break };
             let mut any = false;
@@ -615,8 +643,12 @@ impl Router for LocalAi {
                 break;
             }
         }
-        let mean = ctx.in_flight.iter().map(|&l| l as f64).sum::<f64>() / n as f64;
-        let best = (0..n).max_by_key(|&p| (depth[p], std::cmp::Reverse(ctx.in_flight[p])));
+        let pods = ctx.candidates;
+        let mean = pods.iter().map(|&p| ctx.in_flight[p] as f64).sum::<f64>() / pods.len() as f64;
+        let best = pods
+            .iter()
+            .copied()
+            .max_by_key(|&p| (depth[p], std::cmp::Reverse(ctx.in_flight[p])));
         match best {
             Some(p)
                 if depth[p] as f64 >= self.min_match_ratio * req.blocks.len() as f64
@@ -624,7 +656,7 @@ impl Router for LocalAi {
             {
                 p
             }
-            _ => least_loaded(ctx.in_flight, 0..n),
+            _ => least_loaded(ctx.in_flight, pods.iter().copied()),
         }
     }
     fn routed(&mut self, req: &SimRequest, pod: usize, ctx: &RouterContext<'_>) {

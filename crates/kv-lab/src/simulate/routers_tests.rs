@@ -64,6 +64,7 @@ fn the_scoring_routers_pick_with_the_daemons_pick_and_its_seeded_ties() {
         indexer: &indexer,
         model: "m",
         pod_names: &names,
+        candidates: &[0, 1, 2, 3],
         score_before_last_token: false,
     };
     let blocks: Vec<BlockHash> = (1..=8u64).map(|h| BlockHash::new(h * 2 + 1)).collect();

@@ -30,5 +30,8 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- if and (eq $tls "secret") (not .Values.tls.existingSecret) -}}
 {{- fail "endpointPicker.tls: secret needs tls.existingSecret" -}}
 {{- end -}}
+{{- if and .Values.endpointPicker.pool.name .Values.endpointPicker.endpoints -}}
+{{- fail "endpointPicker: set pool or endpoints, not both (the pool's pods are the candidates)" -}}
+{{- end -}}
 {{- end -}}
 {{- end }}

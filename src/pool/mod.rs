@@ -1,0 +1,462 @@
+//! The endpoint picker's pool: which endpoints may serve a request. The candidates are the
+//! pool's Ready endpoints whether or not they ever published a KV event (a scaled-out pod
+//! competes on load at once); an endpoint whose metrics endpoint refuses or times out
+//! `endpointPicker.scrapeFailuresToLeave` times in a row leaves until it answers (kv-core's
+//! [`Membership`], the rule the lab's simulated gateways keep too).
+//!
+//! - here: [`Pool`] (the membership, the view picks read, readiness, the listing) and the
+//!   sources' common shape ([`Member`]);
+//! - [`kubernetes`]: `endpointPicker.pool`, the `InferencePool` and the Pods it selects watched
+//!   through the API server;
+//! - `sources`: `endpointPicker.endpoints` (a static list) and connect mode's DNS discovery.
+//!
+//! Without any of them the candidates are the model's live publishers (the picker's behaviour
+//! before pools), with the same health rule.
+//!
+//! Invariants: a pick reads the [`PoolView`] published after every change, without a lock; the
+//! picker is ready only once the source has answered and lists a candidate ([`Pool::readiness`]
+//! says why not); every change of standing is logged and counted by reason; a publisher the
+//! pool does not list is never a candidate, logged once and counted.
+
+pub mod kubernetes;
+mod sources;
+
+use std::collections::{BTreeMap, HashSet};
+use std::sync::Arc;
+
+use arc_swap::ArcSwap;
+use parking_lot::Mutex;
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+
+use crate::config::EndpointPickerConfig;
+use crate::ingest::Discovered;
+use crate::metrics::Metrics;
+use kv_core::{Change, Membership, Probe, Standing};
+
+pub use sources::follow_discovery;
+
+/// An endpoint of the pool: where the gateway sends a request, and what the index knows it as.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PoolEndpoint {
+    /// `ip:port`: the pick's answer, and `{pod}` in `metricsUrlTemplate`.
+    pub address: String,
+    /// The pod the index scores for it (the name vLLM's topic gives: `ip:port`).
+    pub pod: String,
+    /// Its data-parallel rank (a pool with several target ports: rank `k` serves on the
+    /// `k`-th); `None`: the pod's best rank, as the index scores it.
+    pub rank: Option<u32>,
+    /// The Kubernetes pod's name (empty outside Kubernetes).
+    pub name: String,
+}
+
+impl PoolEndpoint {
+    /// An endpoint the index knows by its own address (one target port, a static list, DNS).
+    pub fn plain(address: String) -> Self {
+        Self {
+            pod: address.clone(),
+            address,
+            rank: None,
+            name: String::new(),
+        }
+    }
+}
+
+/// An endpoint as a source lists it, and whether the source says it is Ready.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Member {
+    /// The endpoint.
+    pub endpoint: PoolEndpoint,
+    /// Ready, as the source says (a static list and DNS answers list Ready endpoints only).
+    pub ready: bool,
+}
+
+/// Where the pool's members come from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SourceKind {
+    /// `endpointPicker.pool`: an InferencePool through the Kubernetes API.
+    Kubernetes,
+    /// `endpointPicker.endpoints`.
+    Static,
+    /// `kvEventsConfig.discovery.services`.
+    Dns,
+    /// None: the model's live publishers are the candidates.
+    Publishers,
+}
+
+impl SourceKind {
+    /// Its name in logs and `ListPods`.
+    pub fn label(self) -> &'static str {
+        match self {
+            Self::Kubernetes => "kubernetes",
+            Self::Static => "static",
+            Self::Dns => "dns",
+            Self::Publishers => "publishers",
+        }
+    }
+}
+
+/// What a pick reads: published after every change.
+#[derive(Debug, Default)]
+pub struct PoolView {
+    /// The pool's candidates, by address (empty without a pool).
+    pub candidates: Vec<PoolEndpoint>,
+    /// Endpoints out for failed probes (without a pool: publishers the pick skips).
+    pub unreachable: HashSet<String>,
+}
+
+/// One endpoint as `ListPods` shows it.
+#[derive(Debug, Clone)]
+pub struct Listed {
+    /// The endpoint.
+    pub endpoint: PoolEndpoint,
+    /// Where it stands.
+    pub standing: Standing,
+    /// Its metrics reads that failed in a row.
+    pub failures: u32,
+}
+
+struct Inner {
+    membership: Membership,
+    endpoints: BTreeMap<String, PoolEndpoint>,
+    synced: bool,
+    /// Why the source lists nothing, when it says so (the InferencePool does not exist).
+    absent: Option<String>,
+    /// Publishers seen outside the pool (each logged and counted once).
+    outside: HashSet<String>,
+}
+
+/// The pool: its members, their health, and the view picks read.
+pub struct Pool {
+    kind: SourceKind,
+    /// What the source is, for logs and `/readyz` ("InferencePool llm/vllm").
+    description: String,
+    inner: Mutex<Inner>,
+    view: ArcSwap<PoolView>,
+    /// Woken on every change (the scraper reads a new endpoint at once).
+    changed: tokio::sync::Notify,
+    metrics: Arc<Metrics>,
+}
+
+impl Pool {
+    /// An empty pool of `kind`; endpoints leave after `failures_to_leave` failed reads.
+    pub fn new(
+        kind: SourceKind,
+        description: String,
+        failures_to_leave: u32,
+        metrics: Arc<Metrics>,
+    ) -> Arc<Self> {
+        let mut membership = Membership::new(failures_to_leave);
+        if kind != SourceKind::Publishers {
+            // A pool known to list nothing yet: its first members are counted as added.
+            membership.set_pool(std::iter::empty());
+        }
+        Arc::new(Self {
+            kind,
+            description,
+            inner: Mutex::new(Inner {
+                membership,
+                endpoints: BTreeMap::new(),
+                synced: kind == SourceKind::Publishers,
+                absent: None,
+                outside: HashSet::new(),
+            }),
+            view: ArcSwap::default(),
+            changed: tokio::sync::Notify::new(),
+            metrics,
+        })
+    }
+
+    /// Where the members come from.
+    pub fn kind(&self) -> SourceKind {
+        self.kind
+    }
+
+    /// Whether a source lists the members (else the publishers are the candidates).
+    pub fn is_pool(&self) -> bool {
+        self.kind != SourceKind::Publishers
+    }
+
+    /// The view a pick reads.
+    pub fn view(&self) -> arc_swap::Guard<Arc<PoolView>> {
+        self.view.load()
+    }
+
+    /// Resolves at the pool's next change.
+    pub async fn changed(&self) {
+        self.changed.notified().await;
+    }
+
+    /// The source's members now (it has answered).
+    pub fn set_members(&self, members: Vec<Member>) {
+        self.set(members, None);
+    }
+
+    /// The source says the pool does not exist (`why`): no members.
+    pub fn set_absent(&self, why: String) {
+        self.set(Vec::new(), Some(why));
+    }
+
+    fn set(&self, members: Vec<Member>, absent: Option<String>) {
+        let mut inner = self.inner.lock();
+        let changes = inner.membership.set_pool(
+            members
+                .iter()
+                .map(|m| (m.endpoint.address.clone(), m.ready)),
+        );
+        inner.endpoints = members
+            .into_iter()
+            .map(|m| (m.endpoint.address.clone(), m.endpoint))
+            .collect();
+        if !inner.synced {
+            tracing::info!(pool = %self.description, endpoints = inner.endpoints.len(), "endpoint picker: the pool's source answered");
+        }
+        inner.synced = true;
+        inner.absent = absent;
+        self.metrics.pool.synced(true);
+        self.publish(&inner, &changes);
+    }
+
+    /// Counts a read of `endpoint`'s metrics.
+    pub fn probed(&self, endpoint: &str, probe: Probe) {
+        let mut inner = self.inner.lock();
+        if let Some(change) = inner.membership.probed(endpoint, probe) {
+            self.publish(&inner, &[change]);
+        }
+    }
+
+    /// Logs and counts `changes`, then publishes the view.
+    fn publish(&self, inner: &Inner, changes: &[Change]) {
+        for c in changes {
+            self.metrics.pool.changed(c.from, c.to);
+            tracing::info!(endpoint = %c.endpoint, from = c.from.label(), to = c.to.label(), pool = %self.description, "endpoint picker: an endpoint's standing changed");
+        }
+        let m = &inner.membership;
+        let candidates: Vec<PoolEndpoint> = m
+            .candidates()
+            .iter()
+            .filter_map(|e| inner.endpoints.get(e).cloned())
+            .collect();
+        let count = |s: Standing| m.members().filter(|(_, x)| *x == s).count();
+        self.metrics.pool.standings(
+            candidates.len(),
+            count(Standing::NotReady),
+            count(Standing::Unreachable),
+        );
+        self.view.store(Arc::new(PoolView {
+            candidates,
+            unreachable: m.unreachable().into_iter().collect(),
+        }));
+        self.changed.notify_waiters();
+    }
+
+    /// `Ok` when the picker can pick: always without a pool; with one, once its source has
+    /// answered and while it lists a candidate. `Err` says why not.
+    pub fn readiness(&self) -> Result<(), String> {
+        if !self.is_pool() {
+            return Ok(());
+        }
+        let inner = self.inner.lock();
+        if !inner.synced {
+            return Err(format!("waiting for {}'s first answer", self.description));
+        }
+        if let Some(why) = &inner.absent {
+            return Err(why.clone());
+        }
+        let m = &inner.membership;
+        if m.members().any(|(_, s)| s == Standing::Candidate) {
+            return Ok(());
+        }
+        let count = |s: Standing| m.members().filter(|(_, x)| *x == s).count();
+        Err(format!(
+            "{} has no ready endpoint ({} listed: {} not Ready, {} unreachable)",
+            self.description,
+            inner.endpoints.len(),
+            count(Standing::NotReady),
+            count(Standing::Unreachable)
+        ))
+    }
+
+    /// The endpoints to read metrics from: the pool's Ready members (`None` without a pool:
+    /// the caller's publishers).
+    pub fn scrape_targets(&self) -> Option<Vec<Arc<str>>> {
+        if !self.is_pool() {
+            return None;
+        }
+        let inner = self.inner.lock();
+        let targets = inner
+            .membership
+            .members()
+            .filter(|(_, s)| matches!(s, Standing::Candidate | Standing::Unreachable))
+            .map(|(e, _)| Arc::from(e))
+            .collect();
+        Some(targets)
+    }
+
+    /// Without a pool: forgets the health of endpoints no longer read (`scraped` lists those
+    /// read now, sorted).
+    pub fn forget_unscraped(&self, scraped: &[Arc<str>]) {
+        if self.is_pool() {
+            return;
+        }
+        let mut inner = self.inner.lock();
+        let before = inner.membership.unreachable().len();
+        inner
+            .membership
+            .forget(|e| scraped.binary_search_by(|s| (**s).cmp(e)).is_ok());
+        if inner.membership.unreachable().len() != before {
+            self.publish(&inner, &[]);
+        }
+    }
+
+    /// With a pool: the publishers (index pod names) the pool does not list are logged once
+    /// each and counted.
+    pub fn note_publishers(&self, publishers: &[String]) {
+        if !self.is_pool() {
+            return;
+        }
+        let mut inner = self.inner.lock();
+        if !inner.synced {
+            return;
+        }
+        let known: HashSet<&str> = inner.endpoints.values().map(|e| e.pod.as_str()).collect();
+        let outside: Vec<String> = publishers
+            .iter()
+            .filter(|p| !known.contains(p.as_str()))
+            .cloned()
+            .collect();
+        let mut new = 0;
+        for p in &outside {
+            if inner.outside.insert(p.clone()) {
+                new += 1;
+                tracing::warn!(pod = %p, pool = %self.description, "endpoint picker: a pod publishes KV events but the pool does not list it; it is not a candidate");
+            }
+        }
+        self.metrics.pool.outside(new, outside.len());
+    }
+
+    /// Every endpoint the pool lists, with its standing (empty without a pool).
+    pub fn listing(&self) -> Vec<Listed> {
+        let inner = self.inner.lock();
+        inner
+            .membership
+            .members()
+            .filter_map(|(e, standing)| {
+                Some(Listed {
+                    endpoint: inner.endpoints.get(e)?.clone(),
+                    standing,
+                    failures: inner.membership.failures(e),
+                })
+            })
+            .collect()
+    }
+
+    /// The health of `endpoint` (with or without a pool).
+    pub fn standing(&self, endpoint: &str) -> (Standing, u32) {
+        let inner = self.inner.lock();
+        (
+            inner.membership.standing(endpoint),
+            inner.membership.failures(endpoint),
+        )
+    }
+}
+
+/// Why the pool could not be set up.
+#[derive(Debug, thiserror::Error)]
+pub enum PoolError {
+    /// The Kubernetes client could not be configured.
+    #[error("endpointPicker.pool: {0}")]
+    Kubernetes(String),
+}
+
+/// The pool `config` describes, with its source's task (none for a static list or without a
+/// pool). `discovered`: connect mode's DNS answers, when discovery is on.
+pub async fn start(
+    config: &EndpointPickerConfig,
+    discovered: Option<watch::Receiver<Discovered>>,
+    metrics: Arc<Metrics>,
+    shutdown: watch::Receiver<bool>,
+) -> Result<(Arc<Pool>, Option<JoinHandle<()>>), PoolError> {
+    let failures = config.scrape_failures_to_leave;
+    if let Some(pool_ref) = &config.pool {
+        let (client, namespace) = kubernetes::client(pool_ref)
+            .await
+            .map_err(PoolError::Kubernetes)?;
+        let description = format!("InferencePool {namespace}/{}", pool_ref.name);
+        let pool = Pool::new(SourceKind::Kubernetes, description, failures, metrics);
+        tracing::info!(pool = %pool.description, "endpoint picker: candidates are the pool's Ready pods (watched through the Kubernetes API)");
+        let task = kubernetes::watch(client, &namespace, &pool_ref.name, pool.clone(), shutdown);
+        return Ok((pool, Some(task)));
+    }
+    if !config.endpoints.is_empty() {
+        let description = format!("endpointPicker.endpoints ({})", config.endpoints.len());
+        let pool = Pool::new(SourceKind::Static, description, failures, metrics);
+        pool.set_members(sources::static_members(&config.endpoints));
+        return Ok((pool, None));
+    }
+    if let Some(discovered) = discovered {
+        let description = "kvEventsConfig.discovery.services".to_owned();
+        let pool = Pool::new(SourceKind::Dns, description, failures, metrics);
+        tracing::info!("endpoint picker: candidates are the addresses DNS discovery answers");
+        let task = tokio::spawn(follow_discovery(discovered, pool.clone(), shutdown));
+        return Ok((pool, Some(task)));
+    }
+    let description = "the model's live publishers".to_owned();
+    tracing::info!("endpoint picker: no pool configured; candidates are the model's live publishers (endpointPicker.pool or endpointPicker.endpoints lists the pool)");
+    Ok((
+        Pool::new(SourceKind::Publishers, description, failures, metrics),
+        None,
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn member(address: &str, ready: bool) -> Member {
+        Member {
+            endpoint: PoolEndpoint::plain(address.into()),
+            ready,
+        }
+    }
+
+    #[test]
+    fn readiness_follows_membership() {
+        let pool = Pool::new(SourceKind::Static, "test".into(), 2, Metrics::new());
+        assert!(pool.readiness().is_err_and(|e| e.contains("first answer")));
+        pool.set_members(vec![member("10.0.0.1:8000", false)]);
+        let why = pool.readiness().expect_err("no ready endpoint");
+        assert!(why.contains("1 not Ready"), "{why}");
+        pool.set_members(vec![member("10.0.0.1:8000", true)]);
+        assert_eq!(pool.readiness(), Ok(()));
+        pool.probed("10.0.0.1:8000", Probe::Refused);
+        pool.probed("10.0.0.1:8000", Probe::Refused);
+        assert!(pool.view().candidates.is_empty());
+        assert!(pool.readiness().is_err_and(|e| e.contains("1 unreachable")));
+        pool.probed("10.0.0.1:8000", Probe::Answered);
+        assert_eq!(pool.view().candidates.len(), 1);
+        pool.set_absent("InferencePool a/b not found".into());
+        assert_eq!(pool.readiness(), Err("InferencePool a/b not found".into()));
+        let publishers = Pool::new(SourceKind::Publishers, "p".into(), 2, Metrics::new());
+        assert_eq!(publishers.readiness(), Ok(()));
+    }
+
+    #[test]
+    fn publishers_outside_the_pool_are_counted_once() {
+        let metrics = Metrics::new();
+        let pool = Pool::new(SourceKind::Static, "test".into(), 3, metrics.clone());
+        pool.set_members(vec![member("10.0.0.1:8000", true)]);
+        let publishers = vec!["10.0.0.1:8000".to_owned(), "10.0.0.9:8000".to_owned()];
+        pool.note_publishers(&publishers);
+        pool.note_publishers(&publishers);
+        let text = metrics.render(&kv_core::Indexer::new(Default::default()).expect("indexer"));
+        assert!(
+            text.contains("kvindexer_pool_publishers_outside_total 1"),
+            "{text}"
+        );
+        assert!(
+            text.contains("kvindexer_pool_publishers_outside 1"),
+            "{text}"
+        );
+    }
+}
