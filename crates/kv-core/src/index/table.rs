@@ -80,7 +80,9 @@ impl Table {
         let capacity = capacity.max(16);
         // EMPTY is 0: a zeroed allocation is an empty table.
         let slots = crate::memory::zeroed_slice(capacity);
-        // Inserts land at random: every page is written soon, so fault them in at once.
+        // Inserts land at random: every page is written soon, so fault them in at once. No
+        // huge-page hint: on a growing table it cost more kernel time than it saved
+        // (crate::memory has the figures).
         crate::memory::prefault(&slots);
         Self {
             slots,
