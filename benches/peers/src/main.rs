@@ -365,8 +365,8 @@ fn print_table(backends: &[Backend], rounds: &[Rounds]) {
     let smg = backends
         .iter()
         .position(|b| b.key == "smg" && b.tag.is_empty());
-    println!("| backend | block-ops/s | apply blocks/s | block-ops per CPU-s | query p50 | query p99 | bytes/membership | ops/s vs SMG | apply vs SMG | per CPU-s vs SMG | queries differing (short) | load avg | s waiting for a CPU |");
-    println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
+    println!("| backend | block-ops/s | apply blocks/s | block-ops per CPU-s | query p50 | query p99 | bytes/membership | ops/s vs SMG | apply vs SMG | per CPU-s vs SMG | queries differing (short) | load avg | s waiting for a CPU | CPU s user / kernel |");
+    println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
     let m = |x: f64| format!("{:.1}M", x / 1e6);
     let us = |x: f64| format!("{x:.2}");
     let ratio = |x: f64| format!("{x:.2}");
@@ -384,7 +384,7 @@ fn print_table(backends: &[Backend], rounds: &[Rounds]) {
             (!r.is_empty()).then(|| spread(&r, ratio))
         };
         println!(
-            "| {} | {} | {} | {} | {} us | {} us | {:.1} | {} | {} | {} | {} ({}) | {} | {} |",
+            "| {} | {} | {} | {} | {} us | {} us | {:.1} | {} | {} | {} | {} ({}) | {} | {} | {:.2} / {:.2} |",
             acc.name,
             spread(&col(|r| r.ops), m),
             spread(&col(|r| r.apply), m),
@@ -399,6 +399,8 @@ fn print_table(backends: &[Backend], rounds: &[Rounds]) {
             acc.short,
             spread(&acc.loads, |x| format!("{x:.1}")),
             spread(&col(|r| r.waiting), |x| format!("{x:.2}")),
+            median(&col(|r| r.user)),
+            median(&col(|r| r.system)),
         );
     }
     println!();

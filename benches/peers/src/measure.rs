@@ -83,13 +83,16 @@ pub struct Measured {
     pub cpu_ops: f64,
     pub waiting: f64,
     pub shape: String,
+    /// Of the CPU time over the stream: seconds in user mode and in the kernel (0: unknown).
+    pub user: f64,
+    pub system: f64,
 }
 
 impl Measured {
     /// The line the child prints.
     pub fn line(&self) -> String {
         format!(
-            "RESULT\t{}\t{}\t{}\t{}\t{}\t{}\t{}\t{}\t{}\t{}",
+            "RESULT\t{}\t{}\t{}\t{}\t{}\t{}\t{}\t{}\t{}\t{}\t{}\t{}",
             self.name,
             self.ops,
             self.apply,
@@ -99,7 +102,9 @@ impl Measured {
             self.seconds,
             self.cpu_ops,
             self.waiting,
-            self.shape
+            self.shape,
+            self.user,
+            self.system
         )
     }
 
@@ -122,6 +127,9 @@ impl Measured {
                 .get(if num(7).is_some() { 9 } else { 7 })
                 .unwrap_or(&"")
                 .to_string(),
+            // Builds before 2026-11-28 print no user/system split.
+            user: num(10).unwrap_or(0.0),
+            system: num(11).unwrap_or(0.0),
         })
     }
 }
@@ -154,6 +162,8 @@ pub fn child(
         cpu_ops: report.block_ops_per_cpu_sec().unwrap_or(0.0),
         waiting: report.cpu.map_or(0.0, |c| c.waiting),
         shape: backend.shape().unwrap_or_default().replace('\t', " "),
+        user: report.cpu.map_or(0.0, |c| c.user),
+        system: report.cpu.map_or(0.0, |c| c.system),
     };
     write_answers(answers, &report.answers).map_err(|e| format!("{}: {e}", answers.display()))?;
     Ok(measured)

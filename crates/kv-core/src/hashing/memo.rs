@@ -26,7 +26,7 @@
 use std::cell::Cell;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 
-use crate::memory::{prefetch_read, zeroed_slice, CacheLine as Line};
+use crate::memory::{advise_huge, prefetch_read, zeroed_slice, CacheLine as Line};
 use crate::seqlock::{StdFence, PROTOCOL};
 
 use super::BlockDigest;
@@ -87,6 +87,7 @@ impl DigestMemo {
         // and matches only zero tokens after a parent whose tail is 0, the same 2^-64 bar as
         // every hit.
         let lines = zeroed_slice(entries * lines_per_entry);
+        advise_huge(&lines);
         Self {
             lines,
             unit,

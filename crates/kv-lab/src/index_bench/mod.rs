@@ -120,6 +120,11 @@ pub struct CpuTime {
     pub running: f64,
     /// Seconds runnable but waiting for a CPU (other work on the machine).
     pub waiting: f64,
+    /// Of `running`: seconds in user mode and in the kernel (page faults: memory first
+    /// touched), from `/proc/thread-self/stat` (10 ms ticks); 0 where it cannot be read.
+    pub user: f64,
+    /// See [`CpuTime::user`].
+    pub system: f64,
 }
 
 /// The calling thread's (running, waiting) nanoseconds so far, from
@@ -173,6 +178,16 @@ impl BenchReport {
     }
 }
 
+/// The calling thread's (user, system) seconds so far, from `/proc/thread-self/stat` (fields
+/// 14 and 15, in clock ticks of 10 ms).
+fn user_system() -> Option<(f64, f64)> {
+    let text = std::fs::read_to_string("/proc/thread-self/stat").ok()?;
+    // The command name (field 2) may hold spaces: count fields after its closing parenthesis.
+    let mut fields = text.rsplit_once(')')?.1.split_whitespace().skip(11);
+    let mut tick = || fields.next()?.parse::<u64>().ok().map(|t| t as f64 / 100.0);
+    Some((tick()?, tick()?))
+}
+
 /// Runs `workload` against `backend` on the calling thread, timing every query and every
 /// step's events (removals, then stores, as vLLM's scheduler step emits them). The backend
 /// prepares its input before and releases it after, both untimed.
@@ -187,6 +202,7 @@ pub fn drive(workload: &IndexWorkload, backend: &mut dyn IndexBackend) -> BenchR
     report.block_ops = (q + s + r) as u64;
     backend.prepare(workload);
     let started = schedstat();
+    let started_modes = user_system();
     let mut apply_ns = 0u128;
     let mut query_total = 0u128;
     for step in &workload.steps {
@@ -221,11 +237,16 @@ pub fn drive(workload: &IndexWorkload, backend: &mut dyn IndexBackend) -> BenchR
         }
         apply_ns += t.elapsed().as_nanos();
     }
+    let (user, system) = started_modes
+        .zip(user_system())
+        .map_or((0.0, 0.0), |((u0, s0), (u1, s1))| (u1 - u0, s1 - s0));
     report.cpu = started
         .zip(schedstat())
         .map(|((r0, w0), (r1, w1))| CpuTime {
             running: r1.saturating_sub(r0) as f64 / 1e9,
             waiting: w1.saturating_sub(w0) as f64 / 1e9,
+            user,
+            system,
         });
     backend.release_input();
     report.query_ns.sort_unstable();

@@ -31,7 +31,8 @@
 //! thread) score and look up without a lock. Ids, runs and pooled words are atomics in chunks
 //! that never move ([`cells`] has the publication rules); a reader checks that the run it read
 //! still covers its id under the run's seqlock and retries otherwise; the table is replaced
-//! through `ArcSwap` when it grows.
+//! through `ArcSwap` when it grows, and a deletion that moves table entries back is a seqlock
+//! write of the table's own sequence, during which a reader's table miss is probed again.
 //!
 //! Exactness does not depend on the structure being a chain: a block is named by its hash at
 //! every step of a query, so a publisher whose "chain" is not one (a forged run) can only put
@@ -79,17 +80,22 @@ pub use read::{RunReader, RunScratch};
 const PREFETCH_AHEAD: usize = 12;
 
 /// When the table is rebuilt (at 2.5 times its live entries), in percent of its slots: when
-/// live entries and tombstones fill [`TABLE_FULL_PERCENT`], or [`TABLE_CHURN_PERCENT`] with
-/// tombstones a third or more of them. Every block entering the index probes for its hash and
-/// misses, and a linear probe's miss reads about `(1 + 1 / (1 - load)^2) / 2` slots: 23 at
-/// 85%, under 4 at 60%. A table that only grows is rebuilt at 85% (each rebuild then more than
-/// doubles it); one that churns at a steady size fills with tombstones, and a rebuild at 60%
-/// costs a copy of the same size, not more memory. Measured in docs/benchmarks-history.md
-/// ("Table rebuilds: churn and growth"), with the variants that were not kept.
+/// live entries would fill [`TABLE_FULL_PERCENT`] (each rebuild of a growing table then more
+/// than doubles it, and few rebuilds mean little memory written), when a table that churns
+/// (as many deletions as live entries since its last rebuild) is over [`TABLE_CHURN_PERCENT`]
+/// full, or when it is under [`TABLE_EMPTY_PERCENT`] full (memory follows an index that
+/// shrank). Every block entering the index probes for its hash and misses, and a linear
+/// probe's miss reads about `(1 + 1 / (1 - load)^2) / 2` slots: 23 at 85%, under 4 at 60%, 2
+/// at 40%; a deletion moves entries back over as many. Deletions leave no tombstones
+/// ([`super::table`]), so a table churning at a steady size keeps its load. Earlier variants:
+/// docs/benchmarks-history.md ("Table rebuilds: churn and growth").
 const TABLE_FULL_PERCENT: usize = 85;
 
 /// See [`TABLE_FULL_PERCENT`].
 const TABLE_CHURN_PERCENT: usize = 60;
+
+/// See [`TABLE_FULL_PERCENT`].
+const TABLE_EMPTY_PERCENT: usize = 10;
 
 /// Members per engine in the other-tiers set (bit `t` for tier `t`; GPU has its own set).
 const TIERS: u32 = 4;
@@ -158,9 +164,9 @@ pub struct RunIndex {
     /// The writer's handles on the id and run chunks.
     id_chunks: WriterIds,
     run_chunks: WriterChunks<RunSlot, RUN_CHUNK>,
-    /// Table slots in use (live entries and tombstones) and live entries.
-    table_used: usize,
+    /// Live table entries, and entries deleted since the table was built.
     table_live: usize,
+    table_deleted: usize,
     /// Ids handed out so far (live or free), and the most there may be.
     ids_len: u32,
     capacity: u32,
@@ -217,8 +223,8 @@ impl RunIndex {
             table,
             id_chunks: WriterIds::default(),
             run_chunks: WriterChunks::default(),
-            table_used: 0,
             table_live: 0,
+            table_deleted: 0,
             ids_len: 0,
             capacity,
             runs_len: 0,
@@ -346,7 +352,9 @@ impl RunIndex {
     /// match is confirmed by the hash alone.
     #[inline]
     fn find(&self, hash: u64) -> Option<u32> {
-        self.table.find(hash, |id| self.id(id).hash())
+        self.table
+            .find_or_vacancy(hash, |id| self.id(id).hash())
+            .ok()
     }
 
     /// Whether `id` is a live block with `hash` (the stretch test: no probe). A freed id's
@@ -386,20 +394,26 @@ impl RunIndex {
     }
 
     /// Rebuilds the table before a batch of up to `more` new blocks could fill it past
-    /// [`TABLE_FULL_PERCENT`] (or [`TABLE_CHURN_PERCENT`] with many tombstones); the new
-    /// table is published to readers (those on the old one finish on it).
+    /// [`TABLE_FULL_PERCENT`], or when it churns over [`TABLE_CHURN_PERCENT`] full, or is
+    /// under [`TABLE_EMPTY_PERCENT`] full; the new table is published to readers (those on the
+    /// old one finish on it).
     fn reserve(&mut self, more: usize) {
-        let filled = (self.table_used + more) * 100;
-        let tombstones = self.table_used - self.table_live;
-        let churned = filled > self.table.capacity() * TABLE_CHURN_PERCENT
-            && tombstones * 3 >= self.table_used;
-        if filled <= self.table.capacity() * TABLE_FULL_PERCENT && !churned {
+        let filled = (self.table_live + more) * 100;
+        let capacity = self.table.capacity();
+        let churned = self.table_deleted >= self.table_live.max(1024)
+            && filled > capacity * TABLE_CHURN_PERCENT;
+        if filled <= capacity * TABLE_FULL_PERCENT
+            && !churned
+            && (filled >= capacity * TABLE_EMPTY_PERCENT || capacity <= 1024)
+        {
             return;
         }
-        let capacity = ((self.table_live + more) * 5 / 2).max(1024);
+        // A churning table keeps its size: half full leaves room for its ups and downs.
+        let percent = 250;
+        let capacity = ((self.table_live + more) * percent / 100).max(1024);
         let fresh = Arc::new(Table::with_capacity(capacity, self.table.seed()));
         self.table_live = self.table.copy_into(&fresh);
-        self.table_used = self.table_live;
+        self.table_deleted = 0;
         self.reader.shared.table.store(fresh.clone());
         self.table = fresh;
     }

@@ -7,8 +7,8 @@
 //! the comparison (nothing in a run changes without a write of it).
 //!
 //! Retries: a write under way is waited for, however long (a write is a few stores, so only a
-//! descheduled writer makes it long); a section the writer wrote during is read again, up to
-//! [`CHANGES`] times; a check that fails without such a write (the id's slot or run moved
+//! descheduled writer makes it long); a section the writer wrote during, or a table probe that
+//! missed while the writer moved table entries, is read again, up to [`CHANGES`] times; a check that fails without such a write (the id's slot or run moved
 //! between two loads) re-reads the block through the table, up to [`RETRIES`] times. Past
 //! either bound the block counts as not held (an underestimate, never a false hit) and the
 //! reader's [`RunReader::gave_up`] count grows.
@@ -18,7 +18,7 @@ use std::sync::Arc;
 
 use super::cells::{id_slot, run_slot, HashCell, Run, RunSlot, NONE};
 use super::{RunHolders, Shared, WINDOW};
-use crate::index::table::Table;
+use crate::index::table::{Moved, Table};
 use crate::index::types::{EngineId, EngineScore, Tier, TierWeights};
 use crate::BlockHash;
 
@@ -112,14 +112,20 @@ impl RunReader {
     }
 }
 
-/// Begins a read of `cell`, waiting while a write is under way (spinning, then yielding: the
-/// writer may have been descheduled inside the write, and every write ends).
+/// Begins a read of `cell`, waiting while a write is under way.
 #[inline]
 fn wait_even(cell: &super::cells::RunSlot) -> u32 {
+    wait_for(|| cell.begin_read())
+}
+
+/// Waits until `ready` gives a value (a write under way ended), spinning, then yielding: the
+/// writer may have been descheduled inside the write, and every write ends.
+#[inline]
+fn wait_for<T>(ready: impl Fn() -> Option<T>) -> T {
     let mut spins = 0u32;
     loop {
-        if let Some(seq) = cell.begin_read() {
-            return seq;
+        if let Some(value) = ready() {
+            return value;
         }
         if spins < SPINS {
             spins += 1;
@@ -179,24 +185,25 @@ fn read_holders(
 }
 
 impl Shared {
-    /// The id of `hash` through `table` (unchecked).
+    /// The id of `hash` through `table` (unchecked); [`Moved`] when the table moved entries
+    /// while a miss was found (probe again).
     #[inline]
-    fn find(&self, table: &Table, hash: u64) -> Option<u32> {
+    fn find(&self, table: &Table, hash: u64) -> Result<Option<u32>, Moved> {
         table.find(hash, |id| id_slot(&self.ids, id).hash())
     }
 
     /// The id of `hash` following block `parent`: the next id, the parent's hint, the table
     /// (unchecked: the caller reads it under its run's seqlock).
     #[inline]
-    fn locate(&self, table: &Table, parent: Option<u32>, hash: u64) -> Option<u32> {
+    fn locate(&self, table: &Table, parent: Option<u32>, hash: u64) -> Result<Option<u32>, Moved> {
         if let Some(p) = parent {
             let next = p.wrapping_add(1);
             if id_slot(&self.ids, next).hash() == hash {
-                return Some(next);
+                return Ok(Some(next));
             }
             let hint = id_slot(&self.ids, p).next();
             if hint != NONE && id_slot(&self.ids, hint).hash() == hash {
-                return Some(hint);
+                return Ok(Some(hint));
             }
         }
         self.find(table, hash)
@@ -218,7 +225,15 @@ impl Shared {
         let mut from = parent;
         let (mut failed, mut changed) = (0, 0);
         while failed < RETRIES && changed < CHANGES {
-            let id = self.locate(table, from, hash)?;
+            let id = match self.locate(table, from, hash) {
+                Ok(found) => found?,
+                Err(Moved) => {
+                    // A miss while the table moved entries: probe again once they are moved.
+                    changed += 1;
+                    wait_for(|| table.settled().then_some(()));
+                    continue;
+                }
+            };
             if walk {
                 self.prefetch_stretch(id);
             }

@@ -234,10 +234,7 @@ impl RunIndex {
     fn put_new_block(&mut self, id: u32, hash: u64, vacancy: Vacancy) {
         self.id(id).set_hash(hash);
         self.id(id).set_next(NONE);
-        // `insert_at` reports whether it reused a tombstone (a slot already counted as used).
-        if !self.table.insert_at(vacancy, id) {
-            self.table_used += 1;
-        }
+        self.table.insert_at(vacancy, id);
         self.table_live += 1;
         self.stats.blocks += 1;
     }
@@ -332,9 +329,9 @@ impl RunIndex {
 
     /// Takes back a block that got an id and a table entry but no run.
     fn drop_new_block(&mut self, id: u32, hash: u64) {
-        if let Some(emptied) = self.table.remove(hash, id) {
-            self.table_used -= emptied;
+        if self.table.remove(hash, id) {
             self.table_live -= 1;
+            self.table_deleted += 1;
         }
         self.id(id).set_hash(0);
         self.free.free(id);
@@ -531,9 +528,9 @@ impl RunIndex {
                     self.table.prefetch(ahead.hash());
                 }
                 let hash = slot.hash();
-                if let Some(emptied) = self.table.remove(hash, id) {
-                    self.table_used -= emptied;
+                if self.table.remove(hash, id) {
                     self.table_live -= 1;
+                    self.table_deleted += 1;
                 }
                 // Zeroed before the id leaves its run: a reader in the run sees no block.
                 slot.set_hash(0);

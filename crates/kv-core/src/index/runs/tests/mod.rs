@@ -403,10 +403,10 @@ fn a_full_index_drops_new_blocks_and_counts_them() {
 }
 
 #[test]
-fn a_churning_table_is_rebuilt_before_tombstones_fill_it_and_keeps_every_block() {
-    use super::{TABLE_CHURN_PERCENT, TABLE_FULL_PERCENT};
-    // A steady 3,000 blocks, each stored alone and removed in a random order later: the
-    // table fills with tombstones, never with more live entries.
+fn a_churning_table_keeps_its_size_without_rebuilds_and_keeps_every_block() {
+    use super::TABLE_FULL_PERCENT;
+    // A steady 3,000 blocks, each stored alone and removed in a random order later: deletions
+    // leave no tombstones, so once the table has grown to the live blocks it is never rebuilt.
     let live = 3_000;
     let mut rng = SplitMix64::new(12);
     let mut index = RunIndex::new(12, CAPACITY);
@@ -426,22 +426,23 @@ fn a_churning_table_is_rebuilt_before_tombstones_fill_it_and_keeps_every_block()
                 "step {step}: a removed block stays"
             );
         }
-        let (used, slots) = (index.table_used, index.table.capacity());
-        let tombstones = used - index.table_live;
+        let slots = index.table.capacity();
+        assert_eq!(
+            index.table_live,
+            held.len(),
+            "step {step}: one entry a block"
+        );
         assert!(
-            used * 100 <= slots * TABLE_FULL_PERCENT,
+            index.table_live * 100 <= slots * TABLE_FULL_PERCENT,
             "step {step}: over full"
         );
-        assert!(
-            used * 100 <= slots * TABLE_CHURN_PERCENT || tombstones * 3 < used + 3,
-            "step {step}: {tombstones} tombstones of {used} used in {slots} slots"
-        );
         if std::sync::Arc::as_ptr(&index.table) != table {
+            assert!(step < 3 * live, "step {step}: a rebuild at a steady size");
             rebuilds += 1;
             table = std::sync::Arc::as_ptr(&index.table);
         }
     }
-    assert!(rebuilds > 5, "tombstones made rebuilds ({rebuilds})");
+    assert!(rebuilds > 0, "the table grew");
     let slots = index.table.capacity();
     assert!(
         slots <= live * 3,
