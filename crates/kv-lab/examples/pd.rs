@@ -139,10 +139,33 @@ fn m(tokens: u64) -> f64 {
     tokens as f64 / 1e6
 }
 
+/// One table row: the columns after the policy's name.
+struct Row {
+    threshold: String,
+    split: String,
+    needless: String,
+    missed: String,
+    ttft_ms: [f64; 3],
+    on_prefill: String,
+    on_decode: String,
+    total: u64,
+    moved: String,
+    preemptions: u64,
+}
+
+fn print_row(policy: &str, r: &Row) {
+    let [p50, p90, p99] = r.ttft_ms.map(|t| t / 1e3);
+    println!(
+        "{policy:<22} {:>6} {:>6} {:>8} {:>7} {p50:>8.3} {p90:>8.3} {p99:>8.3} {:>9} {:>9} {:>8.1}M {:>9} {:>8}",
+        r.threshold, r.split, r.needless, r.missed, r.on_prefill, r.on_decode, m(r.total),
+        r.moved, r.preemptions
+    );
+}
+
 fn print_table(scale: f64, n: usize, base: &[PolicyReport], pd: &[PdReport]) {
     println!("\ntime scale {scale} ({n} requests)");
     println!(
-        "{:<22} {:>6} {:>6} {:>8} {:>7} {:>8} {:>8} {:>8} {:>9} {:>9} {:>9} {:>9}",
+        "{:<22} {:>6} {:>6} {:>8} {:>7} {:>8} {:>8} {:>8} {:>9} {:>9} {:>9} {:>9} {:>8}",
         "policy",
         "thresh",
         "split",
@@ -154,33 +177,39 @@ fn print_table(scale: f64, n: usize, base: &[PolicyReport], pd: &[PdReport]) {
         "pf on P",
         "pf on D",
         "pf total",
-        "moved"
+        "moved",
+        "preempt"
     );
+    let dash = || "-".to_string();
     for b in base {
-        println!(
-            "{:<22} {:>6} {:>6} {:>8} {:>7} {:>8.3} {:>8.3} {:>8.3} {:>9} {:>9} {:>8.1}M {:>9}",
-            format!("aggregated {}", b.policy),
-            "-",
-            "-",
-            "-",
-            "-",
-            b.ttft_p50_ms / 1e3,
-            b.ttft_p90_ms / 1e3,
-            b.ttft_p99_ms / 1e3,
-            "-",
-            "-",
-            m(b.prefill_tokens),
-            "-"
-        );
+        let row = Row {
+            threshold: dash(),
+            split: dash(),
+            needless: dash(),
+            missed: dash(),
+            ttft_ms: [b.ttft_p50_ms, b.ttft_p90_ms, b.ttft_p99_ms],
+            on_prefill: dash(),
+            on_decode: dash(),
+            total: b.prefill_tokens,
+            moved: dash(),
+            preemptions: b.preemptions,
+        };
+        print_row(&format!("aggregated {}", b.policy), &row);
     }
     for r in pd {
-        println!(
-            "{:<22} {:>6} {:>5.1}% {:>8} {:>7} {:>8.3} {:>8.3} {:>8.3} {:>8.1}M {:>8.1}M {:>8.1}M {:>8.1}M",
-            r.policy, r.threshold, 100.0 * r.split_rate, r.needless_splits, r.missed_splits,
-            r.ttft_p50_ms / 1e3, r.ttft_p90_ms / 1e3, r.ttft_p99_ms / 1e3,
-            m(r.prefill_tokens_on_prefill), m(r.prefill_tokens_on_decode),
-            m(r.prefill_tokens()), m(r.transfer_tokens)
-        );
+        let row = Row {
+            threshold: r.threshold.to_string(),
+            split: format!("{:.1}%", 100.0 * r.split_rate),
+            needless: r.needless_splits.to_string(),
+            missed: r.missed_splits.to_string(),
+            ttft_ms: [r.ttft_p50_ms, r.ttft_p90_ms, r.ttft_p99_ms],
+            on_prefill: format!("{:.1}M", m(r.prefill_tokens_on_prefill)),
+            on_decode: format!("{:.1}M", m(r.prefill_tokens_on_decode)),
+            total: r.prefill_tokens(),
+            moved: format!("{:.1}M", m(r.transfer_tokens)),
+            preemptions: r.engine.preemptions,
+        };
+        print_row(&r.policy, &row);
     }
 }
 
