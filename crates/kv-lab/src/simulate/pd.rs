@@ -12,8 +12,10 @@
 //!   ends the blocks join the decode pod's prefix cache (published as `BlockStored` then, as
 //!   vLLM caches them only after the transfer) and the request queues on the decode pod, which
 //!   hits them, computes the rest (at most a partial block and the last token) and samples the
-//!   first token: TTFT is arrival to that step's end. The pulled blocks stay pinned until the
-//!   request is admitted, as vLLM holds them for the request.
+//!   first token: TTFT is arrival to that step's end. The blocks stay pinned while the pull
+//!   runs, then are cached and free until the request is admitted (vLLM keeps them allocated to
+//!   the request; here a long queue may evict them first, and the decode pod recomputes them).
+//!   A prefill pod that cannot hold the request (smaller than its decode pod) leaves it whole.
 //!
 //! Both pods publish their events into one real index (after `event_delay_ms`); metrics are
 //! scraped every `scrape_interval_ms`. Prefill work is every token computed, on either kind of
@@ -188,7 +190,7 @@ struct PdSim<'a> {
     in_flight: Vec<usize>,
     scraped: Vec<PodMetrics>,
     scraped_ms: f64,
-    /// Per request, its pull (in flight, or done and pinned until admitted).
+    /// Per request, its pull while in flight.
     pulls: Vec<Option<Pull>>,
     outcomes: Vec<PdOutcome>,
     report: PdReport,
@@ -349,11 +351,14 @@ impl<'a> PdSim<'a> {
         }
         let outcome = &mut self.outcomes[i];
         outcome.decode = Some(pick.decode);
-        outcome.prefill = pick.prefill;
         outcome.believed_cached = pick.believed_cached;
         outcome.exact_cached = exact;
         self.in_flight[pick.decode] += 1;
-        let pod = match pick.prefill {
+        let prefill = pick
+            .prefill
+            .filter(|&p| self.pods[p].fits(&self.prefill_requests[i]));
+        self.outcomes[i].prefill = prefill;
+        let pod = match prefill {
             Some(p) => {
                 self.report.splits += 1;
                 p
@@ -476,6 +481,12 @@ impl<'a> PdSim<'a> {
                 Kind::Deliver(d, payload),
             );
         }
+        // Cached and free from now (the most recently freed, so evicted last): held on until
+        // admission, pulls queued behind a request that needs their memory would never run.
+        if let Some(mut pull) = self.pulls[i].take() {
+            let cache = &mut self.pods[d].cache;
+            <super::engine::PlainBlocks as Blocks>::release(cache, &mut pull.held);
+        }
         self.pods[d].add(i);
         Some(d)
     }
@@ -493,14 +504,8 @@ impl<'a> PdSim<'a> {
             return;
         };
         for &(i, hit) in &step.admitted {
-            if prefill {
-                continue;
-            }
-            self.outcomes[i].decode_hit = Some(hit);
-            // Admitted: the request pins its blocks itself now.
-            if let Some(mut pull) = self.pulls[i].take() {
-                let cache = &mut self.pods[p].cache;
-                <super::engine::PlainBlocks as Blocks>::release(cache, &mut pull.held);
+            if !prefill {
+                self.outcomes[i].decode_hit = Some(hit);
             }
         }
         self.stepping[p] = true;

@@ -229,3 +229,21 @@ fn the_comparison_is_deterministic_for_a_seed() {
     };
     assert_eq!(once(5), once(5));
 }
+
+#[test]
+fn pulls_into_a_small_decode_pod_under_a_burst_all_finish() {
+    // 24 distinct 3,000-token prompts at once into one decode pod of 1,000 blocks (16,000
+    // tokens): pulls and queued requests compete for its memory, and every one still ends.
+    let requests: Vec<SimRequest> = (0..24)
+        .map(|i| request(i, 100 + i, 0, 3_000, 20, 0.0))
+        .collect();
+    for mut router in routers() {
+        let r = run_pd(&settings(2, 1, 16, 1_000), &requests, router.as_mut());
+        assert_eq!(r.requests, requests.len(), "{}", r.policy);
+        assert!(r
+            .outcomes
+            .iter()
+            .all(|o| o.finished == 1 && o.prefilled == 1));
+        assert_eq!(r.pins_left, 0);
+    }
+}
