@@ -354,11 +354,12 @@ impl<'a> PdSim<'a> {
         outcome.believed_cached = pick.believed_cached;
         outcome.exact_cached = exact;
         self.in_flight[pick.decode] += 1;
-        let prefill = pick
+        // A prefill pod too small for the request (smaller than the decode pods) leaves it whole.
+        let prefill_pod = pick
             .prefill
             .filter(|&p| self.pods[p].fits(&self.prefill_requests[i]));
-        self.outcomes[i].prefill = prefill;
-        let pod = match prefill {
+        self.outcomes[i].prefill = prefill_pod;
+        let pod = match prefill_pod {
             Some(p) => {
                 self.report.splits += 1;
                 p
