@@ -29,6 +29,10 @@
 //! stops answering for good). Each router picks among its candidates: the pool's Ready pods as
 //! Kubernetes says (a restarting pod is not Ready a second after its restart), or for the
 //! precise routers kv-core's membership rule over them (the daemon's picker).
+//!
+//! Prefill/decode pools run in a loop of their own ([`pd`]): prefill pods compute prompts whose
+//! KV moves to decode pods at a transfer cost, routed by [`pd_routers`] (llm-d's approximate
+//! split decision against the exact one, both through kv-core's split rule).
 
 pub mod cache;
 #[cfg(feature = "charts")]
@@ -37,6 +41,8 @@ pub mod engine;
 pub mod family;
 pub mod hybrid;
 pub mod membership;
+pub mod pd;
+pub mod pd_routers;
 pub mod pod;
 pub mod policies;
 pub mod prefix_score;

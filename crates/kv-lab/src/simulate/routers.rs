@@ -118,7 +118,7 @@ fn least_loaded(in_flight: &[usize], among: impl Iterator<Item = usize>) -> usiz
 /// (as old as the last scrape; older than the daemon's default `metricsStaleAfter`, 500 ms,
 /// or ten scrape intervals if that is longer, they are left out as the daemon leaves them
 /// out), weighted by `w`; ties broken by `rng`. Returns the winner.
-fn pick(
+pub(super) fn pick(
     prefix: &[f64],
     normalise: PrefixNormalisation,
     ctx: &RouterContext<'_>,
