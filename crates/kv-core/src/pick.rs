@@ -89,8 +89,31 @@ pub const SCORERS: [Scorer; SCORER_COUNT] = [
 ];
 
 /// Where scorer `name` is in [`SCORERS`].
-pub fn scorer_index(name: &str) -> Option<usize> {
-    SCORERS.iter().position(|s| s.name == name)
+pub const fn scorer_index(name: &str) -> Option<usize> {
+    let mut i = 0;
+    while i < SCORER_COUNT {
+        if str_eq(SCORERS[i].name, name) {
+            return Some(i);
+        }
+        i += 1;
+    }
+    None
+}
+
+/// `a == b`, in a `const fn` (weights built by name at compile time).
+const fn str_eq(a: &str, b: &str) -> bool {
+    let (a, b) = (a.as_bytes(), b.as_bytes());
+    if a.len() != b.len() {
+        return false;
+    }
+    let mut i = 0;
+    while i < a.len() {
+        if a[i] != b[i] {
+            return false;
+        }
+        i += 1;
+    }
+    true
 }
 
 /// The scorers' weights, one per entry of [`SCORERS`], in its order. Read from the config as a
@@ -115,6 +138,9 @@ impl PickWeights {
     /// Every scorer weighed alike (the lab's head-to-head default).
     pub const EQUAL: PickWeights = PickWeights([1.0; SCORER_COUNT]);
 
+    /// Every scorer weighed 0: a start for weights that name each scorer they use (`with`).
+    pub const NONE: PickWeights = PickWeights([0.0; SCORER_COUNT]);
+
     /// Scorer `name`'s weight (`None`: no such scorer).
     pub fn get(&self, name: &str) -> Option<f64> {
         scorer_index(name).map(|i| self.0[i])
@@ -122,7 +148,7 @@ impl PickWeights {
 
     /// These weights with scorer `name`'s set to `weight` (unchanged when there is no such
     /// scorer).
-    pub fn with(mut self, name: &str, weight: f64) -> Self {
+    pub const fn with(mut self, name: &str, weight: f64) -> Self {
         if let Some(i) = scorer_index(name) {
             self.0[i] = weight;
         }

@@ -21,9 +21,11 @@
 //! prefill pod only when the rule splits and there is a prefill candidate, and tells the
 //! router where the request went exactly once.
 
-use kv_core::{decide, BlockHash, Decision, PrefixNormalisation, SplitMix64, SplitRule};
+use kv_core::{
+    decide, BlockHash, Decision, PickWeights, PrefixNormalisation, SplitMix64, SplitRule,
+};
 
-use super::routers::{pick, Precise, Router, RouterContext, Weights};
+use super::routers::{pick, Precise, Router, RouterContext};
 use super::SimRequest;
 use crate::lru::LruSet;
 
@@ -117,16 +119,12 @@ pub const LLMD_MAX_PREFIX_TOKENS: u64 = 16_384;
 pub const LLMD_LRU_CAPACITY: usize = 31_250;
 /// llm-d's shipped P/D weights in both profiles: prefix-cache-scorer 2, queue-scorer 1 (no
 /// KV-utilisation scorer).
-pub const LLMD_PD_WEIGHTS: Weights = Weights {
-    prefix: 2.0,
-    queue: 1.0,
-    kv: 0.0,
-};
+pub const LLMD_PD_WEIGHTS: PickWeights = PickWeights::NONE.with("prefix", 2.0).with("queue", 1.0);
 
 /// llm-d's P/D scheduler with its approximate prefix producer.
 pub struct LlmdApproxPd {
     pods: Vec<LruSet<BlockHash>>,
-    weights: Weights,
+    weights: PickWeights,
     rng: SplitMix64,
     /// Per pod, the blocks matched for the request being routed.
     matched: Vec<u64>,
@@ -263,7 +261,7 @@ impl ExactPd {
     /// With the scorer weights `weights` (llm-d's shipped [`LLMD_PD_WEIGHTS`] for a like-for-
     /// like comparison), ties broken from `seed`'s stream; both pods' routings recorded as
     /// speculative entries.
-    pub fn new(weights: Weights, seed: u64) -> Self {
+    pub fn new(weights: PickWeights, seed: u64) -> Self {
         Self {
             decode: Precise::new(weights, true, seed),
             prefill: Precise::new(weights, true, seed ^ 0x9F_E1),
