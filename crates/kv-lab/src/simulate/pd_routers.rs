@@ -1,4 +1,4 @@
-//! P/D routers: for a prefill/decode pool ([`super::pd`]), each picks the decode pod first,
+//! P/D routers: for a prefill/decode pool (the `pd` module), each picks the decode pod first,
 //! then lets kv-core's split rule ([`kv_core::decide`], the one the daemon's picker uses)
 //! decide from the prompt tokens it believes that pod holds whether a prefill pod computes the
 //! prompt, and if so which. They differ only in that belief:
