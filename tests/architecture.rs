@@ -268,9 +268,6 @@ fn long_functions(root: &Path, dirs: &[&str]) -> Vec<String> {
     over
 }
 
-/// Functions still over the bound while issue 55 cuts them (to be emptied, then removed).
-const FUNCTIONS_STILL_LONG: &[(&str, &str)] = &[("crates/kv-lab/src/simulate/mod.rs", "run")];
-
 #[test]
 fn no_function_is_over_100_lines() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
@@ -286,14 +283,7 @@ fn no_function_is_over_100_lines() {
     }
     assert!(sources.len() >= 5, "found the crates: {sources:?}");
     let sources: Vec<&str> = sources.iter().map(String::as_str).collect();
-    let over: Vec<String> = long_functions(root, &sources)
-        .into_iter()
-        .filter(|f| {
-            !FUNCTIONS_STILL_LONG.iter().any(|(file, name)| {
-                f.starts_with(&format!("{file}:")) && f.contains(&format!(" {name} ("))
-            })
-        })
-        .collect();
+    let over = long_functions(root, &sources);
     assert!(
         over.is_empty(),
         "functions over {MAX_FUNCTION_LINES} lines (cut them along their stages):\n{}",

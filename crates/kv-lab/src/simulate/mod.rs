@@ -30,6 +30,10 @@
 //! Kubernetes says (a restarting pod is not Ready a second after its restart), or for the
 //! precise routers kv-core's membership rule over them (the daemon's picker).
 //!
+//! The event loop (`event_loop.rs`) keeps a run deterministic for a seed: events pop by time,
+//! ties in the order they were queued, and the run's one random stream is drawn in the same
+//! order every run.
+//!
 //! Prefill/decode pools run in a loop of their own ([`pd`]): prefill pods compute prompts whose
 //! KV moves to decode pods at a transfer cost, routed by [`pd_routers`] (llm-d's approximate
 //! split decision against the exact one, both through kv-core's split rule).
@@ -38,6 +42,7 @@ pub mod cache;
 #[cfg(feature = "charts")]
 pub mod charts;
 pub mod engine;
+mod event_loop;
 pub mod family;
 pub mod hybrid;
 pub mod membership;
@@ -54,19 +59,14 @@ pub mod wire;
 pub mod workloads;
 
 use std::cmp::Ordering as CmpOrdering;
-use std::collections::BinaryHeap;
-use std::time::{Duration, Instant};
 
 use serde::Serialize;
 
-use kv_core::decode_batch;
 use kv_core::BlockHash;
 use kv_core::SplitMix64;
-use kv_core::{EngineHashes, Indexer, IndexerSettings};
 
 use engine::{EngineConfig, EngineStats};
 use family::ModelFamily;
-use pod::PodEngine;
 pub use request::SimRequest;
 
 /// Simulation settings.
@@ -152,58 +152,6 @@ pub struct PodMetrics {
     pub kv_usage: f64,
     /// KV blocks the engine has.
     pub num_gpu_blocks: usize,
-}
-
-#[derive(Debug)]
-enum EventKind {
-    Arrival(usize),
-    /// (pod, its incarnation when the step started).
-    StepDone(usize, u32),
-    Deliver(usize, Vec<u8>),
-    Reset(usize),
-    Restart(usize),
-    /// The pod's server stops answering for good (its blocks stay in the index).
-    Kill(usize),
-    /// A request a restart lost before its first token comes back to a router.
-    Retry(usize),
-    /// A restarted pod takes requests again.
-    Up(usize),
-    /// The gateways scrape every pod's metrics (and the index expires speculative entries).
-    Scrape,
-}
-
-struct Event {
-    at: f64,
-    order: u64,
-    kind: EventKind,
-}
-
-impl PartialEq for Event {
-    fn eq(&self, o: &Self) -> bool {
-        self.at == o.at && self.order == o.order
-    }
-}
-impl Eq for Event {}
-impl PartialOrd for Event {
-    fn partial_cmp(&self, o: &Self) -> Option<CmpOrdering> {
-        Some(self.cmp(o))
-    }
-}
-impl Ord for Event {
-    fn cmp(&self, o: &Self) -> CmpOrdering {
-        // Min-heap by time, then by insertion order.
-        o.at.total_cmp(&self.at).then(o.order.cmp(&self.order))
-    }
-}
-
-struct Pod {
-    engine: PodEngine,
-    /// A step is in flight.
-    stepping: bool,
-    /// Bumped by a restart: steps of an earlier incarnation are void.
-    incarnation: u32,
-    /// The pod takes requests again from this time.
-    down_until: f64,
 }
 
 /// One policy's results.
@@ -311,316 +259,7 @@ pub fn run(
     routers: &mut [Box<dyn routers::Router>],
 ) -> PolicyReport {
     assert!(!routers.is_empty(), "at least one router");
-    let mut index_settings = IndexerSettings::default();
-    if settings.model_family.is_hybrid() {
-        // The simulated engines publish the index's keys; an engine whose groups' blocks are
-        // wider than the unit (Mamba's 576 tokens) carries no token ids to show it, so the
-        // index is told rather than left to decide per engine.
-        index_settings.default_model.engine_hashes = EngineHashes::Aligned;
-    }
-    let indexer = Indexer::new(index_settings).expect("default settings are valid");
-    let epoch = Instant::now();
-    let at = |ms: f64| epoch + Duration::from_secs_f64(ms.max(0.0) / 1_000.0);
-    let pod_names: Vec<String> = (0..settings.pod_capacity_blocks.len())
-        .map(|p| format!("10.9.0.{p}:8000"))
-        .collect();
-    let mut pods: Vec<Pod> = settings
-        .pod_capacity_blocks
-        .iter()
-        .map(|&c| Pod {
-            engine: PodEngine::new(settings.engine, settings.model_family, c),
-            stepping: false,
-            incarnation: 0,
-            down_until: f64::NEG_INFINITY,
-        })
-        .collect();
-    let n_pods = pods.len();
-    let mut rng = rng(settings.seed);
-    let mut heap = BinaryHeap::new();
-    let mut order = 0u64;
-    let mut push = |heap: &mut BinaryHeap<Event>, at: f64, kind: EventKind| {
-        order += 1;
-        heap.push(Event { at, order, kind });
-    };
-    for (i, r) in requests.iter().enumerate() {
-        push(&mut heap, r.arrival_ms, EventKind::Arrival(i));
-    }
-    for &(t, pod) in &settings.resets {
-        if pod < n_pods {
-            push(&mut heap, t, EventKind::Reset(pod));
-        }
-    }
-    for &(t, pod) in &settings.restarts {
-        if pod < n_pods {
-            push(&mut heap, t, EventKind::Restart(pod));
-        }
-    }
-    for &(t, pod) in &settings.pool.kills {
-        if pod < n_pods {
-            push(&mut heap, t, EventKind::Kill(pod));
-        }
-    }
-    let mut pool = membership::SimPool::new(&pod_names, &settings.pool);
-    let first_join = pool.first_join();
-    let (mut misrouted, mut refused, mut after_join, mut on_late) = (0, 0, 0usize, 0usize);
-    push(&mut heap, 0.0, EventKind::Scrape);
-    let mut scraped = vec![PodMetrics::default(); n_pods];
-    let mut scraped_ms = 0.0;
-    // Per gateway replica, its requests in flight per pod; per request, (replica, pod).
-    let mut in_flight = vec![vec![0usize; n_pods]; routers.len()];
-    let mut placed: Vec<Option<(usize, usize)>> = vec![None; requests.len()];
-    // Per request, the hit its router predicted on the pod it went to.
-    let mut predicted: Vec<Option<u64>> = vec![None; requests.len()];
-    let mut prediction = PredictionStats::default();
-    let indexed = routers[0].indexed_groups();
-    let hybrid = settings.model_family.is_hybrid();
-    let mut unfinished = requests.len();
-    let mut ttft = Vec::with_capacity(requests.len());
-    let (mut hit_tokens, mut prompt_tokens, mut prefill_tokens) = (0u64, 0u64, 0u64);
-    let (mut output_tokens, mut last_token_ms, mut rejected) = (0u64, 0.0f64, 0usize);
-    let mut stats = EngineStats::default();
-    let (mut spread_sum, mut spread_n) = (0.0, 0usize);
-    let first_arrival = requests.first().map_or(0.0, |r| r.arrival_ms);
-    while let Some(Event { at: now, kind, .. }) = heap.pop() {
-        let mut touched = None;
-        match kind {
-            EventKind::Arrival(i) | EventKind::Retry(i) => {
-                let retry = matches!(kind, EventKind::Retry(_));
-                if !pods[0].engine.fits(&requests[i]) && !retry {
-                    rejected += 1;
-                    unfinished -= 1;
-                    continue;
-                }
-                let totals: Vec<usize> = (0..n_pods)
-                    .map(|p| in_flight.iter().map(|r| r[p]).sum())
-                    .collect();
-                let total: usize = totals.iter().sum();
-                if total > 0 && !retry {
-                    let max = totals.iter().copied().max().unwrap_or(0) as f64;
-                    spread_sum += max / (total as f64 / n_pods as f64);
-                    spread_n += 1;
-                }
-                let replica = rng.below(routers.len() as u64) as usize;
-                let candidates = pool.candidates(routers[replica].candidate_rule(), now);
-                if candidates.is_empty() {
-                    refused += 1;
-                    unfinished -= 1;
-                    continue;
-                }
-                let pod = if settings.bypass_fraction > 0.0 && rng.unit() < settings.bypass_fraction
-                {
-                    // Traffic around the routers reaches a Ready pod.
-                    let ready = pool.candidates(membership::CandidateRule::Ready, now);
-                    let among = if ready.is_empty() {
-                        &candidates
-                    } else {
-                        &ready
-                    };
-                    among[rng.below(among.len() as u64) as usize]
-                } else {
-                    let ctx = routers::RouterContext {
-                        now_ms: now,
-                        instant: at(now),
-                        in_flight: &in_flight[replica],
-                        scraped: &scraped,
-                        scraped_ms,
-                        scrape_interval_ms: settings.scrape_interval_ms,
-                        indexer: &indexer,
-                        model: MODEL,
-                        pod_names: &pod_names,
-                        candidates: &candidates,
-                        score_before_last_token: hybrid,
-                    };
-                    let p = routers[replica].route(&requests[i], &ctx).min(n_pods - 1);
-                    // A down pod does not serve; the gateway retries on the live candidate with
-                    // the fewest of its requests, and knows where the request went.
-                    let p = if pods[p].down_until > now {
-                        misrouted += 1;
-                        candidates
-                            .iter()
-                            .copied()
-                            .filter(|&q| pods[q].down_until <= now)
-                            .min_by_key(|&q| (in_flight[replica][q], q))
-                            .unwrap_or(p)
-                    } else {
-                        p
-                    };
-                    routers[replica].routed(&requests[i], p, &ctx);
-                    predicted[i] = routers[replica].predicted_hit_tokens(&requests[i], p);
-                    p
-                };
-                if !pods[pod].engine.fits(&requests[i]) {
-                    rejected += 1;
-                    unfinished -= 1;
-                    continue;
-                }
-                if first_join.is_some_and(|t| now >= t) && !retry {
-                    after_join += 1;
-                    on_late += usize::from(pool.joined_late(pod));
-                }
-                in_flight[replica][pod] += 1;
-                placed[i] = Some((replica, pod));
-                pods[pod].engine.add(i);
-                touched = Some(pod);
-            }
-            EventKind::StepDone(p, incarnation) => {
-                if pods[p].incarnation != incarnation {
-                    continue;
-                }
-                pods[p].stepping = false;
-                let end = pods[p].engine.complete(requests, indexed);
-                for &i in &end.first_tokens {
-                    ttft.push(now - requests[i].arrival_ms);
-                }
-                for &i in &end.finished {
-                    if let Some((replica, pod)) = placed[i].take() {
-                        in_flight[replica][pod] -= 1;
-                    }
-                    unfinished -= 1;
-                }
-                prefill_tokens += end.prefill_tokens;
-                output_tokens += end.output_tokens;
-                if end.output_tokens > 0 {
-                    last_token_ms = now;
-                }
-                if let Some(payload) = end.payload {
-                    push(
-                        &mut heap,
-                        now + settings.event_delay_ms,
-                        EventKind::Deliver(p, payload),
-                    );
-                }
-                touched = Some(p);
-            }
-            EventKind::Deliver(p, payload) => {
-                pool.published(p);
-                if let Ok(batch) = decode_batch(&payload) {
-                    let _ = indexer.apply_batch_at(MODEL, &pod_names[p], &batch, at(now));
-                }
-            }
-            EventKind::Reset(p) => {
-                if let Some(payload) = pods[p].engine.reset_prefix_cache(indexed) {
-                    push(
-                        &mut heap,
-                        now + settings.event_delay_ms,
-                        EventKind::Deliver(p, payload),
-                    );
-                }
-            }
-            EventKind::Restart(p) | EventKind::Kill(p) => {
-                let killed = matches!(kind, EventKind::Kill(_));
-                let pod = &mut pods[p];
-                pod.incarnation += 1;
-                pod.stepping = false;
-                pod.down_until = match killed {
-                    true => f64::INFINITY,
-                    false => now + settings.restart_downtime_ms,
-                };
-                let (retry, cut) = pod.engine.restart();
-                for i in cut {
-                    // Its stream is cut: the client saw its first tokens, then an error.
-                    if let Some((replica, q)) = placed[i].take() {
-                        in_flight[replica][q] -= 1;
-                    }
-                    unfinished -= 1;
-                }
-                for i in retry {
-                    if let Some((replica, q)) = placed[i].take() {
-                        in_flight[replica][q] -= 1;
-                    }
-                    push(&mut heap, now, EventKind::Retry(i));
-                }
-                // The restarted engine's first batch clears what the index held for it; a killed
-                // one publishes nothing again, and the index keeps its blocks.
-                if !killed {
-                    pool.restarting(p, now, pod.down_until);
-                    push(
-                        &mut heap,
-                        now + settings.event_delay_ms,
-                        EventKind::Deliver(p, wire::cleared()),
-                    );
-                    push(&mut heap, pod.down_until, EventKind::Up(p));
-                }
-            }
-            EventKind::Up(p) => touched = Some(p),
-            EventKind::Scrape => {
-                for (m, pod) in scraped.iter_mut().zip(&pods) {
-                    *m = PodMetrics {
-                        waiting: pod.engine.waiting(),
-                        running: pod.engine.running(),
-                        kv_usage: pod.engine.kv_usage(),
-                        num_gpu_blocks: pod.engine.capacity_blocks(),
-                    };
-                }
-                scraped_ms = now;
-                pool.scrape(now, |p| pods[p].down_until > now);
-                indexer.expire_speculation(at(now));
-                if unfinished > 0 {
-                    push(
-                        &mut heap,
-                        now + settings.scrape_interval_ms,
-                        EventKind::Scrape,
-                    );
-                }
-            }
-        }
-        // A pod that is idle and has work starts its next step.
-        if let Some(p) = touched {
-            let pod = &mut pods[p];
-            if !pod.stepping && pod.down_until <= now {
-                if let Some(step) = pod.engine.schedule(requests) {
-                    for &(i, hit) in &step.admitted {
-                        if let Some(expected) = predicted[i].take() {
-                            prediction.record(expected, hit);
-                        }
-                        hit_tokens += hit;
-                        prompt_tokens += requests[i].prompt_tokens;
-                    }
-                    pod.stepping = true;
-                    let incarnation = pod.incarnation;
-                    push(
-                        &mut heap,
-                        now + step.duration_ms,
-                        EventKind::StepDone(p, incarnation),
-                    );
-                }
-            }
-        }
-    }
-    for pod in &pods {
-        let s = pod.engine.stats();
-        stats.steps += s.steps;
-        stats.preemptions += s.preemptions;
-        stats.max_step_tokens = stats.max_step_tokens.max(s.max_step_tokens);
-        stats.max_step_seqs = stats.max_step_seqs.max(s.max_step_seqs);
-    }
-    ttft.sort_by(f64::total_cmp);
-    let span_s = (last_token_ms - first_arrival).max(1.0) / 1_000.0;
-    PolicyReport {
-        policy: routers[0].name(),
-        requests: ttft.len(),
-        rejected,
-        token_hit_rate: if prompt_tokens == 0 {
-            0.0
-        } else {
-            hit_tokens as f64 / prompt_tokens as f64
-        },
-        prefill_tokens,
-        ttft_p50_ms: percentile(&ttft, 50.0),
-        ttft_p90_ms: percentile(&ttft, 90.0),
-        ttft_p99_ms: percentile(&ttft, 99.0),
-        ttft_mean_ms: ttft.iter().sum::<f64>() / ttft.len().max(1) as f64,
-        output_tokens_per_s: output_tokens as f64 / span_s,
-        preemptions: stats.preemptions,
-        load_spread: if spread_n == 0 {
-            1.0
-        } else {
-            spread_sum / spread_n as f64
-        },
-        engine: stats,
-        misrouted,
-        refused,
-        late_share: first_join.map(|_| on_late as f64 / after_join.max(1) as f64),
-        prediction: (prediction.requests > 0).then_some(prediction),
-    }
+    let mut sim = event_loop::Sim::new(settings, requests, routers);
+    sim.run_events();
+    sim.report()
 }
