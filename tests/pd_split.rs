@@ -17,6 +17,9 @@
 //!   and against a strict comparison, must disagree;
 //! - a short prompt is not split, nor is anything with `threshold: 0`
 //!   (`short_prompts_and_a_zero_threshold_are_not_split`);
+//! - a split that is due stays whole when no pod prefills or the best prefill pod is the decode
+//!   pod itself, each counted by its reason, and a pool whose pods cannot decode answers 503
+//!   (`a_due_split_with_nowhere_else_to_prefill_stays_whole_and_a_pool_that_cannot_decode_is_503`);
 //! - roles come from the InferencePool's pods' labels; an unknown label is counted and never
 //!   picked (`roles_come_from_the_pods_labels`);
 //! - the header's values, IPv4 and IPv6, as llm-d's routing sidecar parses them (its parsing
@@ -242,6 +245,60 @@ async fn short_prompts_and_a_zero_threshold_are_not_split() {
     }
     assert_eq!(count(&off, "whole", "disabled"), 2.0);
     assert_eq!(count(&off, "split", "uncached"), 0.0);
+}
+
+/// A static pool of `pods`, each with its role, and P/D at the tests' threshold.
+fn roled_config(pods: &[(&FakePod, &str)]) -> Config {
+    let mut c = support::picker::config(None);
+    c.endpoint_picker.endpoints = pods.iter().map(|(p, role)| entry(p, role)).collect();
+    c.endpoint_picker.pd = PdConfig {
+        threshold: THRESHOLD,
+        min_prompt_tokens: MIN_PROMPT,
+    };
+    c
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_due_split_with_nowhere_else_to_prefill_stays_whole_and_a_pool_that_cannot_decode_is_503()
+{
+    let long = prompt(50, 8);
+    // No pod prefills: the split is due (nothing cached), there is no prefill pod.
+    let (d1, d2) = (FakePod::start().await, FakePod::start().await);
+    let mut fleet = Fleet::start(roled_config(&[(&d1, "decode"), (&d2, "decode")])).await;
+    fleet.scraped(2, 2).await;
+    let mut client = fleet.client().await;
+    let answer = pick(&mut client, &long).await;
+    assert!(
+        first(&answer) == d1.name || first(&answer) == d2.name,
+        "{answer:?}"
+    );
+    assert_eq!(prefiller(&answer), None);
+    assert_eq!(count(&fleet, "whole", "no_prefill_candidate"), 1.0);
+    assert_eq!(count(&fleet, "split", "uncached"), 0.0);
+    fleet.daemon.shutdown().await;
+    // One pod that does both: the best prefill pod is the decode pod itself.
+    let both = FakePod::start().await;
+    let mut fleet = Fleet::start(roled_config(&[(&both, "prefill-decode")])).await;
+    fleet.scraped(1, 2).await;
+    let mut client = fleet.client().await;
+    let answer = pick(&mut client, &long).await;
+    assert_eq!(first(&answer), both.name);
+    assert_eq!(prefiller(&answer), None);
+    assert_eq!(count(&fleet, "whole", "prefill_is_decode"), 1.0);
+    fleet.daemon.shutdown().await;
+    // Only prefill pods: no candidate decodes, so no pick (503), and no prefill pod is ever
+    // the destination.
+    let (p1, p2) = (FakePod::start().await, FakePod::start().await);
+    let mut fleet = Fleet::start(roled_config(&[(&p1, "prefill"), (&p2, "prefill")])).await;
+    fleet.scraped(2, 2).await;
+    let mut client = fleet.client().await;
+    let answer = pick(&mut client, &long).await;
+    assert_eq!(answer.header, None, "{answer:?}");
+    assert_eq!(
+        answer.immediate.as_ref().map(|i| i.0),
+        Some(503),
+        "{answer:?}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
