@@ -264,7 +264,7 @@ async fn a_due_split_with_nowhere_else_to_prefill_stays_whole_and_a_pool_that_ca
     let long = prompt(50, 8);
     // No pod prefills: the split is due (nothing cached), there is no prefill pod.
     let (d1, d2) = (FakePod::start().await, FakePod::start().await);
-    let mut fleet = Fleet::start(roled_config(&[(&d1, "decode"), (&d2, "decode")])).await;
+    let fleet = Fleet::start(roled_config(&[(&d1, "decode"), (&d2, "decode")])).await;
     fleet.scraped(2, 2).await;
     let mut client = fleet.client().await;
     let answer = pick(&mut client, &long).await;
@@ -278,7 +278,7 @@ async fn a_due_split_with_nowhere_else_to_prefill_stays_whole_and_a_pool_that_ca
     fleet.daemon.shutdown().await;
     // One pod that does both: the best prefill pod is the decode pod itself.
     let both = FakePod::start().await;
-    let mut fleet = Fleet::start(roled_config(&[(&both, "prefill-decode")])).await;
+    let fleet = Fleet::start(roled_config(&[(&both, "prefill-decode")])).await;
     fleet.scraped(1, 2).await;
     let mut client = fleet.client().await;
     let answer = pick(&mut client, &long).await;
@@ -289,7 +289,7 @@ async fn a_due_split_with_nowhere_else_to_prefill_stays_whole_and_a_pool_that_ca
     // Only prefill pods: no candidate decodes, so no pick (503), and no prefill pod is ever
     // the destination.
     let (p1, p2) = (FakePod::start().await, FakePod::start().await);
-    let mut fleet = Fleet::start(roled_config(&[(&p1, "prefill"), (&p2, "prefill")])).await;
+    let fleet = Fleet::start(roled_config(&[(&p1, "prefill"), (&p2, "prefill")])).await;
     fleet.scraped(2, 2).await;
     let mut client = fleet.client().await;
     let answer = pick(&mut client, &long).await;
