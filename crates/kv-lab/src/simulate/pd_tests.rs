@@ -247,3 +247,11 @@ fn pulls_into_a_small_decode_pod_under_a_burst_all_finish() {
         assert_eq!(r.pins_left, 0);
     }
 }
+
+#[test]
+fn llm_d_s_pd_weights_name_scorers_of_the_list() {
+    // Built by name at compile time, where a misspelt name would leave the weights at 0.
+    assert_eq!(LLMD_PD_WEIGHTS.get("prefix"), Some(2.0));
+    assert_eq!(LLMD_PD_WEIGHTS.get("queue"), Some(1.0));
+    assert_eq!(LLMD_PD_WEIGHTS.0.iter().sum::<f64>(), 3.0);
+}
