@@ -38,7 +38,6 @@ use tokio::task::JoinHandle;
 use super::{Member, Pool, PoolEndpoint};
 use crate::config::PoolRefConfig;
 use crate::warn_budget::WarnThrottle;
-use kv_core::Role;
 
 /// The InferencePool's API group.
 pub const GROUP: &str = "inference.networking.k8s.io";
@@ -147,10 +146,7 @@ pub fn members_of(spec: &PoolSpec, pod: &Pod) -> Vec<Member> {
         .as_ref()
         .and_then(|l| l.get(kv_core::ROLE_LABEL))
         .map(String::as_str);
-    let (role, unknown_role) = match Role::from_label(label) {
-        Ok(role) => (role, None),
-        Err(e) => (Role::Neither, Some(e.0)),
-    };
+    let (role, unknown_role) = super::role_of(label);
     let first = join(ip, spec.target_ports[0]);
     let ranked = spec.target_ports.len() > 1;
     let name = pod.metadata.name.clone().unwrap_or_default();
@@ -409,6 +405,7 @@ impl Watcher {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use kv_core::Role;
     use serde_json::json;
 
     fn pod(value: serde_json::Value) -> Pod {

@@ -84,6 +84,16 @@ pub struct Member {
     pub unknown_role: Option<String>,
 }
 
+/// The role a pod's `llm-d.ai/role` label gives (`None`: no label), and the label itself when
+/// no llm-d filter knows it (the role is then [`Role::Neither`], as llm-d excludes it): what
+/// every source fills a [`Member`]'s role and `unknown_role` with.
+pub(crate) fn role_of(label: Option<&str>) -> (Role, Option<String>) {
+    match Role::from_label(label) {
+        Ok(role) => (role, None),
+        Err(unknown) => (Role::Neither, Some(unknown.0)),
+    }
+}
+
 /// Where the pool's members come from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum SourceKind {

@@ -13,7 +13,6 @@ use tokio::sync::watch;
 use super::{Member, Pool, PoolEndpoint};
 use crate::config::StaticEndpoint;
 use crate::ingest::Discovered;
-use kv_core::Role;
 
 /// The static list's members, each Ready, each with its role (validated with the config: a
 /// label no llm-d filter knows is refused there, so it is neither here).
@@ -21,10 +20,7 @@ pub(super) fn static_members(endpoints: &[StaticEndpoint]) -> Vec<Member> {
     endpoints
         .iter()
         .map(|e| {
-            let (role, unknown_role) = match Role::from_label(e.role()) {
-                Ok(role) => (role, None),
-                Err(u) => (Role::Neither, Some(u.0)),
-            };
+            let (role, unknown_role) = super::role_of(e.role());
             Member {
                 endpoint: PoolEndpoint {
                     role,
