@@ -22,7 +22,9 @@ pub use events::{
 };
 pub use loud::ConfigWarning;
 pub use pd::{PdConfig, RoledEndpoint, StaticEndpoint};
-pub use picker::{EndpointPickerConfig, PickerTlsConfig, PickerTlsMode, PoolRefConfig};
+pub use picker::{
+    EndpointPickerConfig, PickerHealthConfig, PickerTlsConfig, PickerTlsMode, PoolRefConfig,
+};
 
 use std::collections::BTreeMap;
 use std::path::Path;

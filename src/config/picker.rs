@@ -23,15 +23,27 @@ pub struct EndpointPickerConfig {
     /// Each pod's Prometheus endpoint; `{pod}` is the pod's name (`ip:port`, as vLLM's topic
     /// names it).
     pub metrics_url_template: String,
-    /// How often each pod's metrics are read.
+    /// How often each pod's metrics are read (stretched when the pool is larger than
+    /// `metricsMaxScrapesPerSecond` allows).
     pub metrics_interval: ConfigDuration,
-    /// Metrics older than this are stale: picks fall back to the index alone (counted).
+    /// All pods' metrics reads a second, at most: a fleet of more than
+    /// `metricsMaxScrapesPerSecond × metricsInterval` pods is read less often than
+    /// `metricsInterval` (each pod every `pods / metricsMaxScrapesPerSecond`).
+    pub metrics_max_scrapes_per_second: u32,
+    /// Metrics older than this are stale (or older than two stretched intervals, when longer):
+    /// the pod's load is scored as the fresh pods' median (counted).
     pub metrics_stale_after: ConfigDuration,
     /// The scorers' weights, by scorer name (`kv_core::SCORERS`; one left out keeps its
     /// default, llm-d's 3:2:2).
     pub weights: kv_core::PickWeights,
-    /// Request bodies larger than this are refused with 400 (as GIE's EPP, 10 MiB).
+    /// Request bodies larger than this are refused with 413 (GIE's EPP: 10 MiB).
     pub max_body_bytes: usize,
+    /// All request bodies held at once, at most (bytes): a chunk that would pass it is answered
+    /// 429 before it is kept, so bodies cannot hold more memory than this.
+    pub max_buffered_body_bytes: usize,
+    /// ext_proc streams (HTTP requests through the gateway) open at once, at most; past it a
+    /// new one is answered 429 at its first message.
+    pub max_streams: usize,
     /// Requests being picked at once at most; beyond, 429 (shedding).
     pub max_in_flight: usize,
     /// How the picker's port speaks TLS.
@@ -45,16 +57,19 @@ pub struct EndpointPickerConfig {
     pub pool: Option<PoolRefConfig>,
     /// A static pool (`ip:port` each, or `{address, role}`), outside Kubernetes.
     pub endpoints: Vec<StaticEndpoint>,
-    /// Refused or timed-out metrics reads in a row that take an endpoint out of the
-    /// candidates (an answer brings it back).
+    /// Metrics reads in a row that got no connection (refused, reset, or the TCP connect timed
+    /// out) that eject an endpoint from the candidates (an answer brings it back); a slow
+    /// answer only ages its load sample.
     pub scrape_failures_to_leave: u32,
+    /// How much of the pool health may eject (`endpointPicker.health`).
+    pub health: PickerHealthConfig,
     /// Prefill/decode disaggregation (off by default).
     pub pd: PdConfig,
 }
 
 /// The `InferencePool` the picker serves (`endpointPicker.pool`), as GIE's EPP takes
 /// `--pool-name` and `--pool-namespace`.
-#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 #[serde(rename_all = "camelCase", deny_unknown_fields, default)]
 pub struct PoolRefConfig {
     /// The pool's name.
@@ -65,6 +80,43 @@ pub struct PoolRefConfig {
     /// A kubeconfig file to reach the API server with (empty: the in-cluster service account,
     /// else `KUBECONFIG` or `~/.kube/config`).
     pub kubeconfig: String,
+    /// How long a Kubernetes request may go without an answer (a list page, a watch's start, the
+    /// liveness read of the pool): past it the request is abandoned, counted and retried, and
+    /// the last pool keeps serving.
+    pub request_timeout: ConfigDuration,
+}
+
+impl Default for PoolRefConfig {
+    fn default() -> Self {
+        Self {
+            name: String::new(),
+            namespace: String::new(),
+            kubeconfig: String::new(),
+            request_timeout: ConfigDuration::secs(5),
+        }
+    }
+}
+
+/// How much of the pool health may eject (`endpointPicker.health`), as Envoy's outlier
+/// detection bounds it.
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase", deny_unknown_fields, default)]
+pub struct PickerHealthConfig {
+    /// The most of the pool's Ready endpoints ejected at once, in percent (at least one is
+    /// ejected whatever it says, as Envoy's `max_ejection_percent`).
+    pub max_ejection_percent: u32,
+    /// Below this share of the Ready endpoints left, in percent, every Ready endpoint is a
+    /// candidate (panic, as Envoy's `healthy_panic_threshold`; 0 never panics).
+    pub panic_threshold_percent: u32,
+}
+
+impl Default for PickerHealthConfig {
+    fn default() -> Self {
+        Self {
+            max_ejection_percent: kv_core::DEFAULT_MAX_EJECTION_PERCENT,
+            panic_threshold_percent: kv_core::DEFAULT_PANIC_THRESHOLD_PERCENT,
+        }
+    }
 }
 
 /// Most endpoints a static pool lists.
@@ -145,16 +197,46 @@ impl Default for EndpointPickerConfig {
             addr: "0.0.0.0:9002".into(),
             metrics_url_template: "http://{pod}/metrics".into(),
             metrics_interval: ConfigDuration::millis(50),
+            metrics_max_scrapes_per_second: 2_000,
             metrics_stale_after: ConfigDuration::millis(500),
             weights: kv_core::PickWeights::default(),
             max_body_bytes: 10 << 20,
+            max_buffered_body_bytes: 512 << 20,
+            max_streams: 16_384,
             max_in_flight: 1024,
             tls: PickerTlsConfig::default(),
             fallbacks: 0,
             pool: None,
             endpoints: Vec::new(),
             scrape_failures_to_leave: kv_core::DEFAULT_FAILURES_TO_LEAVE,
+            health: PickerHealthConfig::default(),
             pd: PdConfig::default(),
+        }
+    }
+}
+
+impl PickerHealthConfig {
+    fn validate(&self) -> Result<(), ConfigError> {
+        for (field, v) in [
+            ("maxEjectionPercent", self.max_ejection_percent),
+            ("panicThresholdPercent", self.panic_threshold_percent),
+        ] {
+            if v > 100 {
+                return Err(invalid(
+                    format!("endpointPicker.health.{field}"),
+                    "is a percentage: 0 to 100",
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// kv-core's ejection rule with `failures_to_leave` probes without a connection in a row.
+    pub fn settings(&self, failures_to_leave: u32) -> kv_core::HealthSettings {
+        kv_core::HealthSettings {
+            failures_to_leave,
+            max_ejection_percent: self.max_ejection_percent,
+            panic_threshold_percent: self.panic_threshold_percent,
         }
     }
 }
@@ -182,6 +264,12 @@ impl EndpointPickerConfig {
                 "must be between 10ms and 60s",
             ));
         }
+        if !(1..=100_000).contains(&self.metrics_max_scrapes_per_second) {
+            return Err(invalid(
+                "endpointPicker.metricsMaxScrapesPerSecond",
+                "must be between 1 and 100000",
+            ));
+        }
         if self.metrics_stale_after.0 <= interval {
             return Err(invalid(
                 "endpointPicker.metricsStaleAfter",
@@ -197,8 +285,23 @@ impl EndpointPickerConfig {
                 "must be at least 1024",
             ));
         }
+        if self.max_buffered_body_bytes < self.max_body_bytes {
+            return Err(invalid(
+                "endpointPicker.maxBufferedBodyBytes",
+                format!(
+                    "must be at least maxBodyBytes ({}): one body must fit",
+                    self.max_body_bytes
+                ),
+            ));
+        }
         if self.max_in_flight == 0 {
             return Err(invalid("endpointPicker.maxInFlight", "must be at least 1"));
+        }
+        if self.max_streams < self.max_in_flight {
+            return Err(invalid(
+                "endpointPicker.maxStreams",
+                "must be at least maxInFlight (every pick is a stream)",
+            ));
         }
         self.tls.validate()?;
         if self.fallbacks > MAX_FALLBACKS {
@@ -213,6 +316,7 @@ impl EndpointPickerConfig {
                 format!("must be between 1 and {MAX_SCRAPE_FAILURES_TO_LEAVE}"),
             ));
         }
+        self.health.validate()?;
         self.validate_membership()
     }
 
@@ -229,6 +333,13 @@ impl EndpointPickerConfig {
                 return Err(invalid(
                     "endpointPicker.pool.namespace",
                     format!("{:?} is not a Kubernetes namespace", pool.namespace),
+                ));
+            }
+            let timeout = pool.request_timeout.0;
+            if timeout < Duration::from_millis(100) || timeout > Duration::from_secs(300) {
+                return Err(invalid(
+                    "endpointPicker.pool.requestTimeout",
+                    "must be between 100ms and 300s",
                 ));
             }
             if !self.endpoints.is_empty() {
@@ -277,11 +388,21 @@ impl EndpointPickerConfig {
                 self.metrics_interval != d.metrics_interval,
             ),
             (
+                "metricsMaxScrapesPerSecond",
+                self.metrics_max_scrapes_per_second != d.metrics_max_scrapes_per_second,
+            ),
+            (
                 "metricsStaleAfter",
                 self.metrics_stale_after != d.metrics_stale_after,
             ),
             ("weights", self.weights != d.weights),
             ("maxBodyBytes", self.max_body_bytes != d.max_body_bytes),
+            (
+                "maxBufferedBodyBytes",
+                self.max_buffered_body_bytes != d.max_buffered_body_bytes,
+            ),
+            ("maxStreams", self.max_streams != d.max_streams),
+            ("health", self.health != d.health),
             ("maxInFlight", self.max_in_flight != d.max_in_flight),
             ("fallbacks", self.fallbacks != d.fallbacks),
             ("tls", self.tls != d.tls),

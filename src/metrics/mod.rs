@@ -10,6 +10,7 @@
 //! `"_other"`), so a fleet whose pods restart under new addresses cannot grow the series count
 //! without bound; model labels are bounded the same way.
 
+mod bounds;
 mod discovery;
 mod index;
 mod ingest;
@@ -27,6 +28,7 @@ use std::sync::Arc;
 use kv_core::Indexer;
 use prometheus::{Encoder, IntGauge, Registry, TextEncoder};
 
+pub use bounds::BoundsMetrics;
 pub use discovery::DiscoveryMetrics;
 pub use index::IndexMetrics;
 pub use ingest::IngestMetrics;
@@ -60,6 +62,8 @@ pub struct Metrics {
     pub replication: ReplicationMetrics,
     /// The endpoint picker (zero while it is off).
     pub picker: PickerMetrics,
+    /// The endpoint picker's bounds: streams, body bytes, the scraper's budget.
+    pub bounds: BoundsMetrics,
     /// The endpoint picker's pool (zero while it is off).
     pub pool: PoolMetrics,
     /// Tokenization (the tokenizer service's observer).
@@ -82,6 +86,7 @@ impl Metrics {
             translation: TranslationMetrics::new(&registry, labels.clone()),
             replication: ReplicationMetrics::new(&registry),
             picker: PickerMetrics::new(&registry),
+            bounds: BoundsMetrics::new(&registry),
             pool: PoolMetrics::new(&registry),
             tokenizer: Arc::new(TokenizerMetrics::new(&registry)),
             resident_memory: registry::gauge(

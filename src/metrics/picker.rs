@@ -54,8 +54,8 @@ impl PickerMetrics {
             stale: counter_vec(
                 r,
                 "kvindexer_picker_metrics_unusable_total",
-                "Candidates whose load metrics were stale or missing at a pick (the pick then \
-                 used the index alone)",
+                "Candidates whose load metrics were stale or missing at a pick (each scored on \
+                 load as the median of the fresh candidates)",
                 &["reason"],
             ),
             scrapes: counter_vec(

@@ -17,7 +17,11 @@ pub struct PoolMetrics {
     synced: IntGauge,
     watch_events: IntCounterVec,
     watch_errors: IntCounterVec,
+    watch_restarts: IntCounterVec,
+    api_probes: IntCounterVec,
     unknown_roles: IntCounter,
+    panics: IntCounter,
+    panicking: IntGauge,
 }
 
 impl PoolMetrics {
@@ -27,8 +31,8 @@ impl PoolMetrics {
                 r,
                 "kvindexer_pool_endpoints",
                 "The pool's endpoints by standing: candidate, not_ready (the pool says so), \
-                 unreachable (its metrics endpoint refused or timed out scrapeFailuresToLeave \
-                 times in a row)",
+                 unreachable (ejected: its metrics port gave no connection \
+                 scrapeFailuresToLeave times in a row; a candidate again while the pool panics)",
                 &["standing"],
             ),
             joined: counter_vec(
@@ -42,8 +46,8 @@ impl PoolMetrics {
                 r,
                 "kvindexer_pool_left_total",
                 "Endpoints that stopped being candidates, by reason: removed (the pool no longer \
-                 lists it), not_ready (the pool says not Ready), unreachable (metrics refused or \
-                 timed out scrapeFailuresToLeave times in a row)",
+                 lists it), not_ready (the pool says not Ready), unreachable (ejected: its \
+                 metrics port gave no connection scrapeFailuresToLeave times in a row)",
                 &["reason"],
             ),
             outside: counter(
@@ -76,6 +80,35 @@ impl PoolMetrics {
                 "Kubernetes watcher errors by resource (each retried with backoff; a 410 Gone \
                  relists)",
                 &["resource"],
+            ),
+            watch_restarts: counter_vec(
+                r,
+                "kvindexer_pool_watch_restarts_total",
+                "Kubernetes watches the picker restarted (a new list and watch), by cause: \
+                 api_back (the API server answers again after it did not: a watch opened \
+                 before may be dead), list_stalled (a list page did not come within \
+                 endpointPicker.pool.requestTimeout)",
+                &["cause"],
+            ),
+            api_probes: counter_vec(
+                r,
+                "kvindexer_pool_api_probes_total",
+                "Reads of the InferencePool that check the API server answers (every 2 s), by \
+                 result: ok, timeout (no answer within endpointPicker.pool.requestTimeout), \
+                 error",
+                &["result"],
+            ),
+            panics: counter(
+                r,
+                "kvindexer_pool_panics_total",
+                "Panics begun: fewer than endpointPicker.health.panicThresholdPercent of the \
+                 Ready endpoints would be left, so every Ready endpoint was a candidate again",
+            ),
+            panicking: gauge(
+                r,
+                "kvindexer_pool_panicking",
+                "1 while the pool panics (every Ready endpoint a candidate, ejected ones \
+                 included), else 0",
             ),
             unknown_roles: counter(
                 r,
@@ -146,5 +179,25 @@ impl PoolMetrics {
     /// A watcher error on `resource`.
     pub fn watch_error(&self, resource: &'static str) {
         self.watch_errors.with_label_values(&[resource]).inc();
+    }
+
+    /// A panic began.
+    pub fn panic(&self) {
+        self.panics.inc();
+    }
+
+    /// Whether the pool panics now.
+    pub fn panicking(&self, now: bool) {
+        self.panicking.set(i64::from(now));
+    }
+
+    /// The picker restarted a watch, for `cause`.
+    pub fn watch_restart(&self, cause: &'static str) {
+        self.watch_restarts.with_label_values(&[cause]).inc();
+    }
+
+    /// A read of the InferencePool that checks the API server, and its `result`.
+    pub fn api_probe(&self, result: &'static str) {
+        self.api_probes.with_label_values(&[result]).inc();
     }
 }

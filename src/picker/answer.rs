@@ -55,28 +55,32 @@ fn string_value(s: &str) -> Value {
 }
 
 /// The pick as a header mutation and as `envoy.lb` dynamic metadata (the same value: the
-/// endpoint, then its fallbacks when configured, comma-separated), with the prefill pod in
-/// `x-prefiller-host-port` when the prefill is split off (else that header removed). `content_length`: the
+/// endpoint, then its fallbacks when configured, comma-separated), with the data-parallel rank
+/// in `x-data-parallel-rank` and the prefill pod in `x-prefiller-host-port` when the pick names
+/// them (else a client's header of that name removed). `content_length`: the
 /// request body's length, set back as GIE's EPP does (Envoy drops the header when it streams
 /// the body through a processor).
 pub fn pick_parts(d: &Decision, content_length: Option<usize>) -> (CommonResponse, Struct) {
     let value = d.endpoints.join(",");
     let mut set_headers = vec![header(DESTINATION, &value)];
-    if let Some(rank) = d.rank {
-        set_headers.push(header(RANK_HEADER, &rank.to_string()));
-    }
     if let Some(len) = content_length {
         set_headers.push(header("content-length", &len.to_string()));
     }
-    // The prefill pod replaces whatever a client sent; without one, a client's header is
-    // removed, so no client chooses a prefiller.
+    // The rank and the prefill pod replace whatever a client sent; without them, a client's
+    // header is removed, so no client chooses a rank or a prefiller the pick did not.
     let mut remove_headers = Vec::new();
-    match &d.prefiller {
-        Some(p) => set_headers.push(HeaderValueOption {
-            append_action: HeaderAppendAction::OverwriteIfExistsOrAdd as i32,
-            ..header(PREFILLER_HEADER, p)
-        }),
-        None => remove_headers.push(PREFILLER_HEADER.to_owned()),
+    let rank = d.rank.map(|r| r.to_string());
+    for (name, value) in [
+        (RANK_HEADER, rank.as_deref()),
+        (PREFILLER_HEADER, d.prefiller.as_deref()),
+    ] {
+        match value {
+            Some(v) => set_headers.push(HeaderValueOption {
+                append_action: HeaderAppendAction::OverwriteIfExistsOrAdd as i32,
+                ..header(name, v)
+            }),
+            None => remove_headers.push(name.to_owned()),
+        }
     }
     let common = CommonResponse {
         header_mutation: Some(HeaderMutation {

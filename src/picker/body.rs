@@ -33,6 +33,20 @@ use thiserror::Error;
 use crate::scoring::Prompt;
 use kv_tokenize::{ChatInput, ChatMessage};
 
+impl PickRequest {
+    /// A body Envoy cut at its buffer limit (BUFFERED_PARTIAL) that does not parse: nothing of
+    /// it is read, so it is picked on load alone, counted as `partial_body`.
+    pub fn partial(body_len: usize) -> Self {
+        Self {
+            model: String::new(),
+            prompt: None,
+            unscored: Some("partial_body"),
+            cache_salt: String::new(),
+            body_len,
+        }
+    }
+}
+
 /// Why a body cannot be read as an OpenAI request.
 #[derive(Debug, Error)]
 pub enum BodyError {

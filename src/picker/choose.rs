@@ -16,6 +16,7 @@
 
 use std::borrow::Cow;
 use std::collections::{BTreeMap, HashMap};
+use std::net::{IpAddr, SocketAddr};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -96,15 +97,19 @@ pub struct Chooser {
     pub(super) pd: SplitRule,
 }
 
-/// The address of an `ip:port` endpoint (`[v6]:port` included), the whole string without a
-/// port.
-fn host_of(endpoint: &str) -> &str {
-    match endpoint.rsplit_once(':') {
-        Some((host, port)) if !port.is_empty() && port.bytes().all(|b| b.is_ascii_digit()) => {
-            host.trim_start_matches('[').trim_end_matches(']')
-        }
-        _ => endpoint,
-    }
+/// The IP of an endpoint or a hint, parsed (`ip:port`, `[v6]:port`, or a bare IP), in its
+/// canonical form (an IPv4-mapped IPv6 address as IPv4), so spellings of one address compare
+/// equal; `None` when it is not an address.
+fn ip_of(endpoint: &str) -> Option<IpAddr> {
+    let ip = match endpoint.parse::<SocketAddr>() {
+        Ok(addr) => addr.ip(),
+        Err(_) => endpoint
+            .trim_start_matches('[')
+            .trim_end_matches(']')
+            .parse::<IpAddr>()
+            .ok()?,
+    };
+    Some(ip.to_canonical())
 }
 
 /// An endpoint's prefix score, rank and matched blocks.
@@ -246,25 +251,39 @@ impl Chooser {
             .collect()
     }
 
-    /// The candidates: the pool, narrowed by the subset hint.
-    fn candidates(&self, model: &str, subset: Option<Vec<String>>) -> Vec<PoolEndpoint> {
+    /// The candidates: the pool, narrowed by the subset hint; `Err` says why none is left
+    /// when the hint named none of them.
+    fn candidates(
+        &self,
+        model: &str,
+        subset: Option<Vec<String>>,
+    ) -> Result<Vec<PoolEndpoint>, String> {
         let pool = self.pool_of(model);
         let Some(hint) = subset else {
-            return pool;
+            return Ok(pool);
         };
         // As GIE's EPP matches it: by address, whatever port the hint names (a data-parallel
-        // pod serves several).
-        let hinted: Vec<&str> = hint.iter().map(|h| host_of(h)).collect();
+        // pod serves several); addresses compare parsed, so spellings of one IP match.
+        let hinted: Vec<Option<IpAddr>> = hint.iter().map(|h| ip_of(h)).collect();
+        let held = |p: &PoolEndpoint| ip_of(&p.address);
         let kept: Vec<PoolEndpoint> = pool
-            .into_iter()
-            .filter(|p| hinted.contains(&host_of(&p.address)))
+            .iter()
+            .filter(|p| held(p).is_some_and(|ip| hinted.contains(&Some(ip))))
+            .cloned()
             .collect();
         let outside = hinted
             .iter()
-            .filter(|h| !kept.iter().any(|p| host_of(&p.address) == **h))
+            .filter(|h| h.is_none() || !kept.iter().any(|p| held(p) == **h))
             .count();
         self.metrics.picker.subset_outside_pool(outside);
-        kept
+        match kept.is_empty() && !pool.is_empty() {
+            true => Err(format!(
+                "the gateway's subset hint ({}) names no candidate of the pool ({} candidates)",
+                hint.join(","),
+                pool.len()
+            )),
+            false => Ok(kept),
+        }
     }
 
     /// Scores the prompt on `candidates`; an error the client or the load caused ends the
@@ -322,12 +341,15 @@ impl Chooser {
             Some(r) => self.resolve(&r.model),
             None => (String::new(), String::new()),
         };
-        let candidates = self.candidates(&model, subset);
+        let candidates = match self.candidates(&model, subset) {
+            Ok(c) => c,
+            Err(why) => return Outcome::NoCandidates(why),
+        };
         if candidates.is_empty() {
-            return Outcome::NoCandidates(match (self.pool.readiness(), &request) {
-                (Err(why), _) => why,
-                (Ok(()), Some(r)) => format!("no ready endpoint serves model {:?}", r.model),
-                (Ok(()), None) => "no ready endpoint".into(),
+            return Outcome::NoCandidates(match (self.pool.why_empty(), &request) {
+                (Some(why), _) => why,
+                (None, Some(r)) => format!("no ready endpoint serves model {:?}", r.model),
+                (None, None) => "no ready endpoint".into(),
             });
         }
         let _permit = match self.scoring.admit() {
@@ -361,7 +383,12 @@ impl Chooser {
             .collect();
         let n = self.picks.fetch_add(1, Ordering::Relaxed);
         let mut rng = SplitMix64::new(mix64(self.seed ^ n));
-        let pick = kv_core::pick(&list, &self.settings, &mut rng).map_err(|e| e.to_string())?;
+        // A sample is stale past the configured age, or past what a stretched interval allows.
+        let settings = PickSettings {
+            max_metrics_age: self.scraper.stale_after(),
+            ..self.settings
+        };
+        let pick = kv_core::pick(&list, &settings, &mut rng).map_err(|e| e.to_string())?;
         self.metrics
             .picker
             .metrics_unusable(pick.stale, pick.missing);

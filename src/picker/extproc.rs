@@ -7,17 +7,28 @@
 //! - FULL_DUPLEX_STREAMED: the headers' answer waits for the whole body (its end, or the
 //!   request trailers); then the pick (header mutation with `Content-Length` set back, and
 //!   `envoy.lb` dynamic metadata) and the body handed back unchanged as streamed body responses;
-//! - BUFFERED: the headers are answered at once; the body's answer carries the pick;
-//! - STREAMED: as full duplex when Envoy sends the body without waiting for the headers'
-//!   answer (then each chunk is answered after the pick), else as buffered.
+//! - BUFFERED and BUFFERED_PARTIAL: the headers are answered at once; the one body message
+//!   (the whole body, whether or not trailers follow it) is answered with the pick; a partial
+//!   body that does not parse is picked on load alone (counted as unscored `partial_body`);
+//! - STREAMED and NONE (for a request with a body): refused at the first message (500,
+//!   `kvindexer_picker_refused_total{bound="body_mode"}`, a log line naming the setting to
+//!   change). Envoy forwards the headers, and chooses the upstream, on the headers' answer,
+//!   which must come before any body answer; with `send_body_without_waiting_for_header_response`
+//!   Envoy sends chunks early, but holds each until it is answered and stops reading the client
+//!   past its buffer limit, so a body larger than that never arrives whole while the headers
+//!   wait (behind Envoy 1.40 with GIE's 32 KiB limit, a 72 KB body hung until its timeout).
 //!
 //! Response side (`response`): full duplex unless `protocol_config` announces another response
 //! body mode, as GIE's EPP answers it: each chunk handed back as it comes, `usage` read on the
 //! way to hold the pick's prediction against.
 //!
-//! Invariants: a stream ends with an ImmediateResponse (400 unreadable body, 429 shed, 503 no
-//! candidate) rather than a gRPC error for anything a client sent; request trailers, response
-//! headers, bodies and trailers are answered unchanged.
+//! Invariants: a stream ends with an ImmediateResponse (400 unreadable body, 413 a body over
+//! `maxBodyBytes`, 429 shed: `maxInFlight` picks, `maxStreams` streams or
+//! `maxBufferedBodyBytes` of bodies held, 500 a body mode that cannot carry a pick, 503 no
+//! candidate) rather than a gRPC error for anything a client sent; a body's bytes are charged
+//! to the shared budget before they are kept and given back once the body is handed on or the
+//! stream ends; request trailers, response headers, bodies and trailers are answered
+//! unchanged.
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -38,14 +49,22 @@ use super::answer::{
     streamed, SUBSET_KEY, SUBSET_NAMESPACE,
 };
 use super::body;
+use super::bounds::{BodyBudget, Charge, StreamSlots};
 use super::choose::{Chooser, Decision, Outcome};
 use super::response::ResponseSide;
+use crate::warn_budget::WarnThrottle;
 
 /// The ext_proc service.
 #[derive(Clone)]
 pub struct ExtProc {
     pub(super) chooser: Arc<Chooser>,
     pub(super) max_body_bytes: usize,
+    /// Every stream's bodies together.
+    pub(super) budget: Arc<BodyBudget>,
+    /// The streams open at once.
+    pub(super) slots: Arc<StreamSlots>,
+    /// Warnings about the gateway's body mode (one line per 10 s).
+    pub(super) mode_warnings: Arc<WarnThrottle>,
 }
 
 #[tonic::async_trait]
@@ -58,6 +77,7 @@ impl ExternalProcessor for ExtProc {
     ) -> Result<Response<Self::ProcessStream>, Status> {
         let mut inbound = request.into_inner();
         let (tx, rx) = mpsc::channel(16);
+        let slot = self.slots.enter();
         let mut stream = RequestStream::new(self.clone());
         tokio::spawn(async move {
             while let Some(message) = inbound.next().await {
@@ -68,12 +88,17 @@ impl ExternalProcessor for ExtProc {
                         return;
                     }
                 };
-                let (answers, done) = stream.handle(message).await;
+                let (answers, done) = match &slot {
+                    Some(_) => stream.handle(message).await,
+                    None => stream.too_many_streams(),
+                };
                 for answer in answers {
                     if tx.send(Ok(answer)).await.is_err() {
                         return;
                     }
                 }
+                // The body handed on: its bytes go back to the budget.
+                stream.settle();
                 if done {
                     return;
                 }
@@ -87,11 +112,16 @@ impl ExternalProcessor for ExtProc {
 enum Mode {
     /// Headers answered after the body; the body handed back as streamed responses.
     FullDuplex,
-    /// Headers answered after the body; each body chunk answered (empty) after the pick.
-    StreamedDeferred,
-    /// Headers answered at once; the pick in the (last) body answer.
+    /// Headers answered at once; the pick in the answer to the one body message.
     Buffered,
+    /// Envoy picks the upstream before the body reaches the picker (STREAMED waiting for the
+    /// headers' answer, or NONE): what to set instead.
+    Unpickable(&'static str),
 }
+
+/// What a gateway whose body mode cannot carry a pick is told to set.
+const BODY_MODE_FIX: &str = "set the ext_proc filter's processing_mode.request_body_mode to \
+     FULL_DUPLEX_STREAMED (as GIE's gateways do) or BUFFERED";
 
 /// How a request body ended.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -100,6 +130,9 @@ enum BodyEnd {
     EndOfStream,
     /// Trailers followed it.
     Trailers,
+    /// Envoy buffered it and sent it in one message not marked `end_of_stream` (trailers
+    /// follow, or BUFFERED_PARTIAL cut it at Envoy's buffer limit).
+    Buffered,
 }
 
 /// One HTTP request's state.
@@ -110,7 +143,8 @@ struct RequestStream {
     /// The request's `:path`.
     path: Option<String>,
     body: Vec<u8>,
-    chunks: usize,
+    /// What `body` holds of the shared budget.
+    charge: Charge,
     /// The pick was made (the request side is done).
     picked: bool,
     response: ResponseSide,
@@ -125,7 +159,7 @@ impl RequestStream {
             subset: None,
             path: None,
             body: Vec::new(),
-            chunks: 0,
+            charge: Charge::default(),
             picked: false,
             response,
         }
@@ -138,14 +172,13 @@ impl RequestStream {
         let duplex = BodySendMode::FullDuplexStreamed as i32;
         self.mode = Some(match &m.protocol_config {
             None => Mode::FullDuplex,
-            Some(c) if c.request_body_mode == duplex => Mode::FullDuplex,
-            Some(c)
-                if c.request_body_mode == BodySendMode::Streamed as i32
-                    && c.send_body_without_waiting_for_header_response =>
-            {
-                Mode::StreamedDeferred
-            }
-            Some(_) => Mode::Buffered,
+            Some(c) => match BodySendMode::try_from(c.request_body_mode) {
+                Ok(BodySendMode::FullDuplexStreamed) => Mode::FullDuplex,
+                Ok(BodySendMode::Buffered | BodySendMode::BufferedPartial) => Mode::Buffered,
+                Ok(BodySendMode::Streamed) => Mode::Unpickable("STREAMED"),
+                Ok(BodySendMode::None) => Mode::Unpickable("NONE"),
+                _ => Mode::Unpickable("an unknown mode"),
+            },
         });
         // GIE's EPP streams responses back whatever Envoy announces (or omits).
         self.response.duplex = m
@@ -175,11 +208,17 @@ impl RequestStream {
                         vec![respond(headers_response(CommonResponse::default()))],
                         false,
                     ),
-                    Mode::FullDuplex | Mode::StreamedDeferred => (Vec::new(), false),
+                    Mode::FullDuplex => (Vec::new(), false),
+                    Mode::Unpickable(name) => self.unpickable(name),
                 }
             }
             Some(R::RequestBody(b)) => {
-                let end = b.end_of_stream.then_some(BodyEnd::EndOfStream);
+                // A buffered body comes whole in one message, whether or not trailers follow.
+                let end = match (b.end_of_stream, mode) {
+                    (true, _) => Some(BodyEnd::EndOfStream),
+                    (false, Mode::Buffered) => Some(BodyEnd::Buffered),
+                    (false, _) => None,
+                };
                 self.request_body(mode, b.body, end).await
             }
             Some(R::RequestTrailers(_)) => {
@@ -212,16 +251,12 @@ impl RequestStream {
         end: Option<BodyEnd>,
     ) -> (Vec<ProcessingResponse>, bool) {
         if self.body.len() + chunk.len() > self.svc.max_body_bytes {
-            return self.refuse(
-                "too_large",
-                &format!(
-                    "the request body exceeds {} bytes (endpointPicker.maxBodyBytes)",
-                    self.svc.max_body_bytes
-                ),
-            );
+            return self.too_large();
+        }
+        if !self.svc.budget.charge(&mut self.charge, chunk.len()) {
+            return self.over_budget();
         }
         self.body.extend_from_slice(&chunk);
-        self.chunks += 1;
         let Some(end) = end else {
             return match mode {
                 Mode::Buffered => (
@@ -233,13 +268,14 @@ impl RequestStream {
         };
         let parsed = match body::parse(self.path.as_deref(), &self.body) {
             Ok(r) => r,
+            // Cut at Envoy's buffer limit (BUFFERED_PARTIAL): picked on load alone.
+            Err(_) if end == BodyEnd::Buffered => body::PickRequest::partial(self.body.len()),
             Err(e) => return self.refuse(e.reason(), &e.to_string()),
         };
         if let Some(reason) = parsed.unscored {
             self.svc.chooser.metrics.picker.unscored(reason);
         }
         let body = std::mem::take(&mut self.body);
-        let chunks = self.chunks;
         // Full duplex: the last chunk handed back ends the stream unless trailers follow.
         let ends = end == BodyEnd::EndOfStream;
         self.pick(Some(parsed), move |common| match mode {
@@ -248,14 +284,93 @@ impl RequestStream {
                 out.extend(streamed(&body, true, ends));
                 out
             }
-            Mode::StreamedDeferred => {
-                let mut out = vec![respond(headers_response(common))];
-                out.extend((0..chunks).map(|_| respond(body_response(CommonResponse::default()))));
-                out
-            }
-            Mode::Buffered => vec![respond(body_response(common))],
+            // Refused at the first message; never reaches a body.
+            Mode::Buffered | Mode::Unpickable(_) => vec![respond(body_response(common))],
         })
         .await
+    }
+
+    /// Lets the body's bytes go back to the budget once the body has been handed on.
+    fn settle(&mut self) {
+        if self.body.is_empty() {
+            self.charge.release();
+        }
+    }
+
+    /// A 413 for a body over `maxBodyBytes`: logged and counted.
+    fn too_large(&mut self) -> (Vec<ProcessingResponse>, bool) {
+        let message = format!(
+            "the request body exceeds {} bytes (endpointPicker.maxBodyBytes)",
+            self.svc.max_body_bytes
+        );
+        self.refuse_for(
+            "body_size",
+            StatusCode::PayloadTooLarge,
+            "PayloadTooLarge",
+            &message,
+        )
+    }
+
+    /// A 429 for a chunk the shared body budget cannot hold.
+    fn over_budget(&mut self) -> (Vec<ProcessingResponse>, bool) {
+        let message = format!(
+            "the picker holds {} bytes of request bodies at most (endpointPicker.\
+             maxBufferedBodyBytes); retry",
+            self.svc.budget.limit()
+        );
+        self.refuse_for(
+            "body_budget",
+            StatusCode::TooManyRequests,
+            "TooManyRequests",
+            &message,
+        )
+    }
+
+    /// A 429 for a stream past `maxStreams`, at its first message.
+    fn too_many_streams(&mut self) -> (Vec<ProcessingResponse>, bool) {
+        self.refuse_for(
+            "streams",
+            StatusCode::TooManyRequests,
+            "TooManyRequests",
+            "the picker serves endpointPicker.maxStreams requests at once; retry",
+        )
+    }
+
+    /// A 500 at the first message of a request whose body mode cannot carry a pick.
+    fn unpickable(&mut self, mode: &str) -> (Vec<ProcessingResponse>, bool) {
+        let message = format!(
+            "the gateway sends request bodies in mode {mode}, which picks the upstream before \
+             the body reaches the endpoint picker: {BODY_MODE_FIX}"
+        );
+        if let Some(suppressed) = self.svc.mode_warnings.allow() {
+            tracing::error!(suppressed, "endpoint picker: {message}");
+        }
+        let (code, kind) = (StatusCode::InternalServerError, "InternalServerError");
+        self.refuse_for("body_mode", code, kind, &message)
+    }
+
+    /// An immediate answer for a request a bound refused: counted by `bound`.
+    fn refuse_for(
+        &mut self,
+        bound: &'static str,
+        code: StatusCode,
+        kind: &str,
+        message: &str,
+    ) -> (Vec<ProcessingResponse>, bool) {
+        let metrics = &self.svc.chooser.metrics;
+        metrics.bounds.refused(bound);
+        let outcome = match code {
+            StatusCode::TooManyRequests => "shed",
+            StatusCode::PayloadTooLarge => "too_large",
+            _ => "refused",
+        };
+        metrics.picker.pick(outcome, None);
+        if bound != "body_mode" {
+            tracing::debug!(bound, %message, "endpoint picker: request refused");
+        }
+        self.body = Vec::new();
+        self.charge.release();
+        (vec![immediate(code, kind, message)], true)
     }
 
     /// A 400 for a body the picker cannot read: logged and counted.
@@ -265,6 +380,7 @@ impl RequestStream {
         metrics.pick("bad_request", None);
         tracing::warn!(reason, error = %message, "endpoint picker: unreadable request body (400)");
         self.body = Vec::new();
+        self.charge.release();
         (
             vec![immediate(StatusCode::BadRequest, "BadRequest", message)],
             true,

@@ -16,11 +16,13 @@
 //! (`server.tls`); the candidates are the pool's ([`crate::pool`]), whether or not they
 //! published; the health service reports `liveness` SERVING while the process serves,
 //! `readiness` and `envoy.service.ext_proc.v3.ExternalProcessor` SERVING only while the daemon
-//! is ready (`/readyz`: the pool's source has answered and lists a candidate); at most
-//! `maxInFlight` requests are scored at once (beyond: 429).
+//! is ready (`/readyz`: the pool's source has answered, whether or not it lists a candidate);
+//! at most `maxInFlight` requests are scored at once, `maxStreams` streams are open and
+//! `maxBufferedBodyBytes` of bodies are held (beyond each: 429, `bounds`).
 
 mod answer;
 pub mod body;
+mod bounds;
 mod choose;
 mod extproc;
 mod response;
@@ -98,7 +100,7 @@ pub async fn start(
     config: &Config,
     setup: PickerSetup,
     listener: TcpListener,
-    mut builder: tonic::transport::Server,
+    builder: tonic::transport::Server,
     shutdown: watch::Receiver<bool>,
 ) -> std::io::Result<RunningPicker> {
     let cfg = &config.endpoint_picker;
@@ -124,13 +126,20 @@ pub async fn start(
         pool,
         shutdown.clone(),
     )));
+    let metrics = chooser.metrics.clone();
     let service = extproc::ExtProc {
         chooser,
         max_body_bytes: cfg.max_body_bytes,
+        budget: bounds::BodyBudget::new(cfg.max_buffered_body_bytes, metrics.clone()),
+        slots: bounds::StreamSlots::new(cfg.max_streams, metrics),
+        mode_warnings: Default::default(),
     };
     let mut server_shutdown = shutdown;
+    // HTTP/2's own bound per connection too, so a gateway is told before it opens more.
+    let streams = u32::try_from(cfg.max_streams).unwrap_or(u32::MAX);
     let server = tokio::spawn(
         builder
+            .max_concurrent_streams(Some(streams))
             .add_service(health)
             .add_service(
                 ExternalProcessorServer::new(service)
@@ -170,8 +179,12 @@ fn chooser(config: &Config, setup: PickerSetup) -> Arc<choose::Chooser> {
         setup.log,
     );
     let scraper = scrape::Scraper::new(
-        &cfg.metrics_url_template,
-        cfg.metrics_interval.0,
+        scrape::ScrapeSettings {
+            template: cfg.metrics_url_template.clone(),
+            interval: cfg.metrics_interval.0,
+            max_per_second: cfg.metrics_max_scrapes_per_second,
+            stale_after: cfg.metrics_stale_after.0,
+        },
         setup.metrics.clone(),
         setup.pool.clone(),
     );
@@ -204,7 +217,7 @@ fn chooser(config: &Config, setup: PickerSetup) -> Arc<choose::Chooser> {
 }
 
 /// Keeps the health service's `readiness` and ext_proc entries at the daemon's readiness
-/// (ready, and the pool lists a candidate), checked every 100 ms, until `shutdown`.
+/// (ready, and the pool's source has answered), checked every 100 ms, until `shutdown`.
 async fn report_readiness(
     reporter: tonic_health::server::HealthReporter,
     ready: Arc<AtomicBool>,

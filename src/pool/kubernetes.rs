@@ -5,7 +5,14 @@
 //!
 //! The watching is kube's runtime watcher: a list, then a watch from the list's
 //! `resourceVersion` (with bookmarks, so a restarted watch resumes from the newest version it
-//! saw), a relist when the server answers 410 Gone, and a backoff on errors. Each endpoint of
+//! saw), a relist when the server answers 410 Gone, and a backoff on errors (capped at
+//! [`liveness::MAX_BACKOFF`]). Every call has a deadline the picker controls, as client-go's
+//! do: a list page that does not come within `endpointPicker.pool.requestTimeout` restarts the
+//! list (`list_stalled`); a watch closes after [`WATCH_SECONDS`] and is resumed (kube's idle
+//! timeout catches one that went silent); and the API server is read every two seconds
+//! ([`liveness`]): when it answers again after it did not, both watches start anew
+//! (`api_back`), since one opened before may never deliver again. Meanwhile the last pool keeps
+//! serving, and `/readyz` says why it is not ready before the first answer. Each endpoint of
 //! the pool is `podIP:targetPort`; a pool with several target ports makes each pod several
 //! data-parallel endpoints (rank `k` on the `k`-th port, as GIE's datastore names them
 //! `<pod>-rank-<k>`), scored as the ranks of the pod vLLM's topic names `podIP:<first port>`.
@@ -32,9 +39,11 @@ use kube::config::{KubeConfigOptions, Kubeconfig};
 use kube::runtime::watcher::{self, Event};
 use kube::runtime::WatchStreamExt;
 use kube::{Api, Client};
-use tokio::sync::watch;
+use std::time::{Duration, Instant};
+use tokio::sync::{mpsc, watch};
 use tokio::task::JoinHandle;
 
+use super::liveness::{self, CappedBackoff, ProbeResult};
 use super::{Member, Pool, PoolEndpoint};
 use crate::config::PoolRefConfig;
 use crate::warn_budget::WarnThrottle;
@@ -49,6 +58,9 @@ pub const KIND: &str = "InferencePool";
 pub const PLURAL: &str = "inferencepools";
 /// GIE's annotation naming the target ports a pod serves now (comma-separated).
 pub const ACTIVE_PORTS: &str = "inference.networking.k8s.io/active-ports";
+/// How long a watch call lasts before the server closes it and the watcher resumes it (kube's
+/// idle timeout, 5 s past this, catches a watch that went silent).
+pub const WATCH_SECONDS: u32 = 60;
 
 /// The InferencePool's spec as the picker reads it.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -231,54 +243,104 @@ impl Pods {
     }
 }
 
-/// The watcher's state: the pool's spec, its pods, and the two streams.
+/// The watcher's state: the pool's spec, its pods, the two streams and what the API server
+/// last did.
 struct Watcher {
+    pools_api: Api<DynamicObject>,
     pods_api: Api<Pod>,
+    /// The pool's name (its field selector).
+    name: String,
     pool: Arc<Pool>,
     description: String,
     spec: Option<PoolSpec>,
     /// The pool's list is complete (so a missing pool is known to be missing).
     pool_listed: bool,
     listing_pool: Option<Option<DynamicObject>>,
+    pool_stream: Watched<DynamicObject>,
     pods: Pods,
     pod_stream: Option<Watched<Pod>>,
+    /// While a stream lists: when it last made progress (each list page must come within
+    /// `request_timeout`).
+    pool_listing: Option<Instant>,
+    pod_listing: Option<Instant>,
+    request_timeout: Duration,
+    /// Since when the API server has not answered the liveness read.
+    away_since: Option<Instant>,
     warn: WarnThrottle,
 }
 
-/// Watches the InferencePool `name` in `namespace` and its pods into `pool`, until shutdown.
+/// Watches the InferencePool `pool_ref` names in `namespace` and its pods into `pool`, until
+/// shutdown.
 pub fn watch(
     client: Client,
     namespace: &str,
-    name: &str,
+    pool_ref: &PoolRefConfig,
     pool: Arc<Pool>,
     mut shutdown: watch::Receiver<bool>,
 ) -> JoinHandle<()> {
     let gvk = GroupVersionKind::gvk(GROUP, VERSION, KIND);
     let resource = ApiResource::from_gvk_with_plural(&gvk, PLURAL);
-    let pools: Api<DynamicObject> = Api::namespaced_with(client.clone(), namespace, &resource);
-    let config = watcher::Config::default().fields(&format!("metadata.name={name}"));
-    let mut pool_stream: Watched<DynamicObject> =
-        watcher::watcher(pools, config).default_backoff().boxed();
+    let pools_api: Api<DynamicObject> = Api::namespaced_with(client.clone(), namespace, &resource);
+    let name = pool_ref.name.clone();
+    let request_timeout = pool_ref.request_timeout.0;
     let mut w = Watcher {
+        pool_stream: pool_watch(&pools_api, &name),
+        pools_api,
         pods_api: Api::namespaced(client, namespace),
         description: format!("InferencePool {namespace}/{name}"),
+        name,
         pool,
         spec: None,
         pool_listed: false,
         listing_pool: None,
         pods: Pods::default(),
         pod_stream: None,
+        pool_listing: Some(Instant::now()),
+        pod_listing: None,
+        request_timeout,
+        away_since: None,
         warn: WarnThrottle::default(),
     };
+    let (probes_tx, mut probes) = mpsc::channel(4);
+    let prober = tokio::spawn(liveness::probe(
+        w.pools_api.clone(),
+        w.name.clone(),
+        request_timeout,
+        probes_tx,
+    ));
     tokio::spawn(async move {
         loop {
+            let stalled_at = w.stall_deadline();
             tokio::select! {
-                _ = shutdown.changed() => return,
-                Some(event) = pool_stream.next() => w.on_pool(event),
+                _ = shutdown.changed() => break,
+                Some(event) = w.pool_stream.next() => w.on_pool(event),
                 Some(event) = next_pod(&mut w.pod_stream) => w.on_pod(event),
+                Some(result) = probes.recv() => w.on_probe(result),
+                _ = tokio::time::sleep_until(stalled_at.into()) => w.restart_stalled(),
             }
         }
+        prober.abort();
     })
+}
+
+/// A watch of the InferencePool `name` alone.
+fn pool_watch(pools: &Api<DynamicObject>, name: &str) -> Watched<DynamicObject> {
+    let config = watcher::Config::default()
+        .fields(&format!("metadata.name={name}"))
+        .timeout(WATCH_SECONDS);
+    watcher::watcher(pools.clone(), config)
+        .backoff(CappedBackoff::default())
+        .boxed()
+}
+
+/// A watch of the pods `spec`'s selector picks.
+fn pod_watch(pods: &Api<Pod>, spec: &PoolSpec) -> Watched<Pod> {
+    let config = watcher::Config::default()
+        .labels(&spec.label_selector())
+        .timeout(WATCH_SECONDS);
+    watcher::watcher(pods.clone(), config)
+        .backoff(CappedBackoff::default())
+        .boxed()
 }
 
 /// The next pod event, or never when no pod watch runs.
@@ -300,6 +362,15 @@ fn kind<K>(event: &Event<K>) -> &'static str {
     }
 }
 
+/// When a list in progress last moved: now while it lists, `None` once it is done.
+fn progress<K>(event: &Event<K>) -> Option<Option<Instant>> {
+    match event {
+        Event::Init | Event::InitApply(_) => Some(Some(Instant::now())),
+        Event::InitDone => Some(None),
+        Event::Apply(_) | Event::Delete(_) => None,
+    }
+}
+
 impl Watcher {
     fn error(&self, resource: &'static str, e: &watcher::Error) {
         self.pool.metrics.pool.watch_error(resource);
@@ -308,11 +379,91 @@ impl Watcher {
         }
     }
 
+    /// When the first list in progress must have moved by (far ahead when none lists).
+    fn stall_deadline(&self) -> Instant {
+        [self.pool_listing, self.pod_listing]
+            .into_iter()
+            .flatten()
+            .min()
+            .map_or(Instant::now() + Duration::from_secs(3600), |t| {
+                t + self.request_timeout
+            })
+    }
+
+    /// A list page did not come in time: that list starts again.
+    fn restart_stalled(&mut self) {
+        let late =
+            |since: Option<Instant>| since.is_some_and(|t| t.elapsed() >= self.request_timeout);
+        let (pool_late, pods_late) = (late(self.pool_listing), late(self.pod_listing));
+        let why = format!(
+            "the Kubernetes API server did not answer a list within {:?} \
+             (endpointPicker.pool.requestTimeout)",
+            self.request_timeout
+        );
+        if pool_late || pods_late {
+            tracing::warn!(pool = %self.description, "endpoint picker: {why}; listing again (the last pool keeps serving)");
+            self.pool.set_trouble(Some(why));
+        }
+        if pool_late {
+            self.restart_pool_watch("list_stalled");
+        }
+        if pods_late {
+            self.restart_pod_watch("list_stalled");
+        }
+    }
+
+    fn restart_pool_watch(&mut self, cause: &'static str) {
+        self.pool.metrics.pool.watch_restart(cause);
+        self.pool_stream = pool_watch(&self.pools_api, &self.name);
+        self.pool_listing = Some(Instant::now());
+    }
+
+    fn restart_pod_watch(&mut self, cause: &'static str) {
+        let Some(spec) = &self.spec else { return };
+        self.pool.metrics.pool.watch_restart(cause);
+        // The pods held stay until the new list replaces them.
+        self.pod_stream = Some(pod_watch(&self.pods_api, spec));
+        self.pod_listing = Some(Instant::now());
+    }
+
+    /// A liveness read's result: the server's absence noted once, its return restarting both
+    /// watches.
+    fn on_probe(&mut self, result: ProbeResult) {
+        self.pool.metrics.pool.api_probe(result.label());
+        match (&result, self.away_since) {
+            (ProbeResult::Answered, None) => {}
+            (ProbeResult::Answered, Some(since)) => {
+                tracing::info!(pool = %self.description, away = ?since.elapsed(), "endpoint picker: the Kubernetes API server answers again; watching the pool anew");
+                self.away_since = None;
+                self.pool.set_trouble(None);
+                self.restart_pool_watch("api_back");
+                self.restart_pod_watch("api_back");
+            }
+            (_, Some(_)) => {}
+            (failed, None) => {
+                let why = match failed {
+                    ProbeResult::Error(e) => format!("the Kubernetes API server fails: {e}"),
+                    _ => format!(
+                        "the Kubernetes API server did not answer within {:?} \
+                         (endpointPicker.pool.requestTimeout)",
+                        self.request_timeout
+                    ),
+                };
+                tracing::warn!(pool = %self.description, "endpoint picker: {why}; the last pool keeps serving until it answers");
+                self.away_since = Some(Instant::now());
+                self.pool.set_trouble(Some(why));
+            }
+        }
+    }
+
     fn on_pool(&mut self, event: Result<Event<DynamicObject>, watcher::Error>) {
         let event = match event {
             Ok(e) => e,
             Err(e) => return self.error("inferencepool", &e),
         };
+        if let Some(listing) = progress(&event) {
+            self.pool_listing = listing;
+        }
         if !matches!(event, Event::InitApply(_)) {
             self.pool
                 .metrics
@@ -354,6 +505,7 @@ impl Watcher {
         match &self.spec {
             None => {
                 self.pod_stream = None;
+                self.pod_listing = None;
                 self.pods = Pods::default();
                 let why = match object {
                     None => format!("{} does not exist", self.description),
@@ -363,9 +515,8 @@ impl Watcher {
             }
             Some(spec) if selector_changed => {
                 tracing::info!(pool = %self.description, selector = %spec.label_selector(), "endpoint picker: watching the pool's pods");
-                let config = watcher::Config::default().labels(&spec.label_selector());
-                let pods = watcher::watcher(self.pods_api.clone(), config).default_backoff();
-                self.pod_stream = Some(pods.boxed());
+                self.pod_stream = Some(pod_watch(&self.pods_api, spec));
+                self.pod_listing = Some(Instant::now());
                 // The old pods stay until the new selector's first list replaces them.
                 self.pods.synced = false;
             }
@@ -378,6 +529,9 @@ impl Watcher {
             Ok(e) => e,
             Err(e) => return self.error("pod", &e),
         };
+        if let Some(listing) = progress(&event) {
+            self.pod_listing = listing;
+        }
         if !matches!(event, Event::InitApply(_)) {
             self.pool.metrics.pool.watch_event("pod", kind(&event));
         }

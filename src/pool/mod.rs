@@ -1,8 +1,11 @@
 //! The endpoint picker's pool: which endpoints may serve a request. The candidates are the
 //! pool's Ready endpoints whether or not they ever published a KV event (a scaled-out pod
-//! competes on load at once); an endpoint whose metrics endpoint refuses or times out
-//! `endpointPicker.scrapeFailuresToLeave` times in a row leaves until it answers (kv-core's
-//! [`Membership`], the rule the lab's simulated gateways keep too).
+//! competes on load at once); an endpoint whose metrics port gives no connection
+//! `endpointPicker.scrapeFailuresToLeave` times in a row is ejected until it answers, at most
+//! `endpointPicker.health.maxEjectionPercent` of the Ready ones, and below
+//! `panicThresholdPercent` left every Ready endpoint is a candidate again (kv-core's
+//! [`Membership`], the rule the lab's simulated gateways keep too). A slow metrics page only
+//! ages the pod's load sample.
 //!
 //! - here: [`Pool`] (the membership, the view picks read, readiness, the listing) and the
 //!   sources' common shape ([`Member`]);
@@ -18,13 +21,16 @@
 //! may name one, DNS answers and publishers decode only (no label).
 //!
 //! Invariants: a pick reads the [`PoolView`] published after every change, without a lock; the
-//! picker is ready only once the source has answered and lists a candidate ([`Pool::readiness`]
-//! says why not); every change of standing is logged and counted by reason; a publisher the
+//! picker is ready once the source has answered, as GIE's EPP is once its pool is synced (an
+//! empty pool is ready, and each pick is a 503 saying why; [`Pool::readiness`] says why not);
+//! every change of standing is logged and counted by reason, each panic logged once and counted;
+//! a publisher the
 //! pool does not list is never a candidate, logged once and counted; an endpoint whose role
 //! label no llm-d filter knows is neither role (never picked), logged and counted once per
 //! endpoint and label.
 
 pub mod kubernetes;
+mod liveness;
 mod sources;
 
 use std::collections::{BTreeMap, HashSet};
@@ -38,7 +44,7 @@ use tokio::task::JoinHandle;
 use crate::config::EndpointPickerConfig;
 use crate::ingest::Discovered;
 use crate::metrics::Metrics;
-use kv_core::{Change, Membership, Probe, Role, Standing};
+use kv_core::{Change, HealthSettings, Membership, Probe, Role, Standing};
 
 pub use sources::follow_discovery;
 
@@ -124,7 +130,8 @@ impl SourceKind {
 pub struct PoolView {
     /// The pool's candidates, by address (empty without a pool).
     pub candidates: Vec<PoolEndpoint>,
-    /// Endpoints out for failed probes (without a pool: publishers the pick skips).
+    /// Endpoints ejected for probes without a connection, that picks skip (without a pool:
+    /// publishers; empty while the pool panics).
     pub unreachable: HashSet<String>,
 }
 
@@ -153,6 +160,10 @@ struct Inner {
     /// prefills), and whether the last view had one (so the warning is logged per change).
     wants_prefill: bool,
     had_prefill: Option<bool>,
+    /// Whether the last view was a panic's (every Ready endpoint a candidate).
+    panicking: bool,
+    /// What the source's last failure was, while it fails.
+    trouble: Option<String>,
 }
 
 /// The pool: its members, their health, and the view picks read.
@@ -168,14 +179,14 @@ pub struct Pool {
 }
 
 impl Pool {
-    /// An empty pool of `kind`; endpoints leave after `failures_to_leave` failed reads.
+    /// An empty pool of `kind`; endpoints are ejected as `health` says.
     pub fn new(
         kind: SourceKind,
         description: String,
-        failures_to_leave: u32,
+        health: HealthSettings,
         metrics: Arc<Metrics>,
     ) -> Arc<Self> {
-        let mut membership = Membership::new(failures_to_leave);
+        let mut membership = Membership::new(health);
         if kind != SourceKind::Publishers {
             // A pool known to list nothing yet: its first members are counted as added.
             membership.set_pool(std::iter::empty());
@@ -192,6 +203,8 @@ impl Pool {
                 unknown_roles: HashSet::new(),
                 wants_prefill: false,
                 had_prefill: None,
+                panicking: false,
+                trouble: None,
             }),
             view: ArcSwap::default(),
             changed: tokio::sync::Notify::new(),
@@ -279,8 +292,9 @@ impl Pool {
     /// Counts a read of `endpoint`'s metrics.
     pub fn probed(&self, endpoint: &str, probe: Probe) {
         let mut inner = self.inner.lock();
-        if let Some(change) = inner.membership.probed(endpoint, probe) {
-            self.publish(&mut inner, &[change]);
+        let changes = inner.membership.probed(endpoint, probe);
+        if !changes.is_empty() {
+            self.publish(&mut inner, &changes);
         }
     }
 
@@ -304,11 +318,37 @@ impl Pool {
         );
         let view = PoolView {
             candidates,
-            unreachable: m.unreachable().into_iter().collect(),
+            unreachable: match m.panicking() {
+                true => HashSet::new(),
+                false => m.unreachable().into_iter().collect(),
+            },
         };
         self.view.store(Arc::new(view));
         self.changed.notify_waiters();
+        self.check_panic(inner);
         self.check_prefill(inner);
+    }
+
+    /// Logs and counts a panic's start (once per episode) and its end.
+    fn check_panic(&self, inner: &mut Inner) {
+        let m = &inner.membership;
+        let now = m.panicking();
+        self.metrics.pool.panicking(now);
+        if now == inner.panicking {
+            return;
+        }
+        inner.panicking = now;
+        let ejected = m.unreachable().len();
+        let threshold = m.settings().panic_threshold_percent;
+        match now {
+            true => {
+                self.metrics.pool.panic();
+                tracing::warn!(pool = %self.description, ejected, threshold_percent = threshold, "endpoint picker: panic: too few endpoints would be left, so every Ready endpoint is a candidate, ejected ones included, until enough answer again (endpointPicker.health.panicThresholdPercent)");
+            }
+            false => {
+                tracing::info!(pool = %self.description, ejected, "endpoint picker: panic over: ejected endpoints are skipped again")
+            }
+        }
     }
 
     /// With a split configured: warns when the candidates come to have no pod that prefills
@@ -337,31 +377,51 @@ impl Pool {
         }
     }
 
-    /// `Ok` when the picker can pick: always without a pool; with one, once its source has
-    /// answered and while it lists a candidate. `Err` says why not.
+    /// `Ok` when the picker has its pool: always without a pool; with one, once its source has
+    /// answered (as GIE's EPP is ready once its pool is synced), whether or not it lists a
+    /// candidate (a pick then is a 503 saying why, [`Self::why_empty`]). `Err` says why not.
     pub fn readiness(&self) -> Result<(), String> {
         if !self.is_pool() {
             return Ok(());
         }
         let inner = self.inner.lock();
         if !inner.synced {
-            return Err(format!("waiting for {}'s first answer", self.description));
+            let mut why = format!("waiting for {}'s first answer", self.description);
+            if let Some(trouble) = &inner.trouble {
+                why.push_str(&format!(" ({trouble})"));
+            }
+            return Err(why);
         }
-        if let Some(why) = &inner.absent {
-            return Err(why.clone());
+        match &inner.absent {
+            Some(why) => Err(why.clone()),
+            None => Ok(()),
         }
+    }
+
+    /// Why the pool has no candidate now, for a pick's 503 (`None`: it has one).
+    pub fn why_empty(&self) -> Option<String> {
+        if let Err(why) = self.readiness() {
+            return Some(why);
+        }
+        let inner = self.inner.lock();
         let m = &inner.membership;
-        if m.members().any(|(_, s)| s == Standing::Candidate) {
-            return Ok(());
+        if !self.is_pool() || m.members().any(|(e, _)| m.admits(e)) {
+            return None;
         }
         let count = |s: Standing| m.members().filter(|(_, x)| *x == s).count();
-        Err(format!(
+        Some(format!(
             "{} has no ready endpoint ({} listed: {} not Ready, {} unreachable)",
             self.description,
             inner.endpoints.len(),
             count(Standing::NotReady),
             count(Standing::Unreachable)
         ))
+    }
+
+    /// The source is having trouble (`Some`: why, e.g. the API server does not answer) or is
+    /// not (`None`); shown by `/readyz` until the first answer.
+    pub fn set_trouble(&self, trouble: Option<String>) {
+        self.inner.lock().trouble = trouble;
     }
 
     /// The endpoints to read metrics from: the pool's Ready members (`None` without a pool:
@@ -464,7 +524,7 @@ pub async fn start(
     metrics: Arc<Metrics>,
     shutdown: watch::Receiver<bool>,
 ) -> Result<(Arc<Pool>, Option<JoinHandle<()>>), PoolError> {
-    let failures = config.scrape_failures_to_leave;
+    let failures = config.health.settings(config.scrape_failures_to_leave);
     if let Some(pool_ref) = &config.pool {
         let (client, namespace) = kubernetes::client(pool_ref)
             .await
@@ -473,7 +533,7 @@ pub async fn start(
         let pool = Pool::new(SourceKind::Kubernetes, description, failures, metrics);
         want_prefill(config, &pool);
         tracing::info!(pool = %pool.description, "endpoint picker: candidates are the pool's Ready pods (watched through the Kubernetes API)");
-        let task = kubernetes::watch(client, &namespace, &pool_ref.name, pool.clone(), shutdown);
+        let task = kubernetes::watch(client, &namespace, pool_ref, pool.clone(), shutdown);
         return Ok((pool, Some(task)));
     }
     if !config.endpoints.is_empty() {
@@ -506,54 +566,4 @@ fn want_prefill(config: &EndpointPickerConfig, pool: &Pool) {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn member(address: &str, ready: bool) -> Member {
-        Member {
-            endpoint: PoolEndpoint::plain(address.into()),
-            ready,
-            unknown_role: None,
-        }
-    }
-
-    #[test]
-    fn readiness_follows_membership() {
-        let pool = Pool::new(SourceKind::Static, "test".into(), 2, Metrics::new());
-        assert!(pool.readiness().is_err_and(|e| e.contains("first answer")));
-        pool.set_members(vec![member("10.0.0.1:8000", false)]);
-        let why = pool.readiness().expect_err("no ready endpoint");
-        assert!(why.contains("1 not Ready"), "{why}");
-        pool.set_members(vec![member("10.0.0.1:8000", true)]);
-        assert_eq!(pool.readiness(), Ok(()));
-        pool.probed("10.0.0.1:8000", Probe::Refused);
-        pool.probed("10.0.0.1:8000", Probe::Refused);
-        assert!(pool.view().candidates.is_empty());
-        assert!(pool.readiness().is_err_and(|e| e.contains("1 unreachable")));
-        pool.probed("10.0.0.1:8000", Probe::Answered);
-        assert_eq!(pool.view().candidates.len(), 1);
-        pool.set_absent("InferencePool a/b not found".into());
-        assert_eq!(pool.readiness(), Err("InferencePool a/b not found".into()));
-        let publishers = Pool::new(SourceKind::Publishers, "p".into(), 2, Metrics::new());
-        assert_eq!(publishers.readiness(), Ok(()));
-    }
-
-    #[test]
-    fn publishers_outside_the_pool_are_counted_once() {
-        let metrics = Metrics::new();
-        let pool = Pool::new(SourceKind::Static, "test".into(), 3, metrics.clone());
-        pool.set_members(vec![member("10.0.0.1:8000", true)]);
-        let publishers = vec!["10.0.0.1:8000".to_owned(), "10.0.0.9:8000".to_owned()];
-        pool.note_publishers(&publishers);
-        pool.note_publishers(&publishers);
-        let text = metrics.render(&kv_core::Indexer::new(Default::default()).expect("indexer"));
-        assert!(
-            text.contains("kvindexer_pool_publishers_outside_total 1"),
-            "{text}"
-        );
-        assert!(
-            text.contains("kvindexer_pool_publishers_outside 1"),
-            "{text}"
-        );
-    }
-}
+mod tests;

@@ -13,8 +13,8 @@
 //!   events) ([`Indexer`]): what a transport (the daemon, a gateway, a benchmark) calls;
 //! - `pick`: which candidate serves a request, from the index's prefix scores and the pods'
 //!   load, as llm-d's default profile scores them ([`pick()`]);
-//! - `membership`: which endpoints are candidates at all: the pool's Ready members whose metrics
-//!   endpoint answers ([`Membership`]);
+//! - `membership`: which endpoints are candidates at all: the pool's Ready members less those
+//!   whose metrics port refuses, within a bound, with a panic threshold ([`Membership`]);
 //! - `disagg`: prefill/decode disaggregation: a pod's role and whether a request's prefill is
 //!   split off to a pod of its own, llm-d's rule on the exact hit ([`decide`]).
 //!
@@ -97,8 +97,11 @@ pub use pick::{
     PrefixNormalisation, Ranked, Scorer, ScorerInput, SCORERS, SCORER_COUNT,
 };
 
-/// Which endpoints are candidates: the pool's Ready members whose metrics answer (`membership`).
-pub use membership::{Change, Membership, Probe, Standing, DEFAULT_FAILURES_TO_LEAVE};
+/// Which endpoints are candidates: the pool's Ready members less the ejected (`membership`).
+pub use membership::{
+    Change, HealthSettings, Membership, Probe, Standing, DEFAULT_FAILURES_TO_LEAVE,
+    DEFAULT_MAX_EJECTION_PERCENT, DEFAULT_PANIC_THRESHOLD_PERCENT,
+};
 
 /// Prefill/decode disaggregation: roles and the split decision (`disagg`).
 pub use disagg::{decide, Decision, Role, SplitReason, SplitRule, UnknownRole, ROLE_LABEL};

@@ -1,40 +1,109 @@
-//! Which endpoints may serve a request: the pool's members that the pool says are Ready and
-//! whose metrics endpoint answers, with no I/O (the daemon's endpoint picker and the lab's
-//! simulated gateways keep their candidates with this one rule).
+//! Which endpoints may serve a request: the pool's members that the pool says are Ready, less
+//! those whose server has been seen dead, within a bound, with no I/O (the daemon's endpoint
+//! picker and the lab's simulated gateways keep their candidates with this one rule).
+//!
+//! Health follows Envoy's outlier detection, not a scrape's latency:
+//! - no connection (refused, reset, or a TCP connect that timed out: nothing listens, or the
+//!   node is cut off) is evidence of a dead server ([`Probe::NoConnection`]);
+//!   [`HealthSettings::failures_to_leave`] of them in a row eject the endpoint;
+//! - a slow answer is not ([`Probe::Slow`]: connected, no page in time, changes nothing here:
+//!   the caller's load sample ages instead), so a busy pod whose metrics page answers late
+//!   keeps serving, and a hung server whose kernel still accepts leaves when its pod stops
+//!   being Ready;
+//! - ejection is bounded: at most [`HealthSettings::max_ejection_percent`] of the Ready
+//!   endpoints (and always at least one, as Envoy ejects one host whatever the percentage),
+//!   the first to cross the streak first;
+//! - when fewer than [`HealthSettings::panic_threshold_percent`] of the Ready endpoints would
+//!   remain, every Ready endpoint is a candidate again ([`Membership::panicking`]), as Envoy's
+//!   `healthy_panic_threshold` routes to every host rather than none.
 //!
 //! An endpoint's [`Standing`]:
 //! - with a pool ([`Membership::set_pool`]): [`Standing::NotInPool`] unless the pool lists it,
-//!   [`Standing::NotReady`] while the pool says it is not Ready, [`Standing::Unreachable`] once
-//!   its metrics endpoint has refused or timed out [`Membership::failures_to_leave`] times in a
-//!   row, else [`Standing::Candidate`] (whether or not it ever published a KV event);
+//!   [`Standing::NotReady`] while the pool says it is not Ready, [`Standing::Unreachable`] while
+//!   it is ejected, else [`Standing::Candidate`] (whether or not it ever published a KV event);
 //! - without a pool (the daemon's picker with no pool configured: the model's live publishers
-//!   are the candidates, as the caller lists them): [`Standing::Unreachable`] as above, else
-//!   [`Standing::Candidate`].
+//!   are the candidates, as the caller lists them): [`Standing::Unreachable`] while ejected,
+//!   else [`Standing::Candidate`]; the bound's base is then the endpoints probed.
 //!
 //! Invariants:
 //! - an endpoint's first probe that answers (any HTTP answer: the server is up) ends its streak,
 //!   so it is a candidate again at once ([`Probe::Answered`]);
 //! - a streak belongs to one stay in the pool: an endpoint that leaves the pool or stops being
 //!   Ready starts from zero when it comes back;
+//! - at most `max(1, ready * max_ejection_percent / 100)` endpoints are ejected, and while
+//!   panicking [`Membership::admits`] every Ready endpoint;
 //! - every change of standing is returned ([`Change`]) exactly once, so a caller can count
-//!   them by reason; nothing here panics on any input.
+//!   them by reason; nothing here panics on any input, and a probe that changes no streak's
+//!   crossing costs no pass over the pool.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 
-/// Refused or timed-out probes in a row that take an endpoint out of the candidates, by
-/// default: at the daemon's default scrape interval (50 ms, a probe timing out after 250 ms)
-/// a pod that refuses leaves within 150 ms, one that times out within 900 ms.
+/// Probes in a row without a connection that eject an endpoint, by default: at the daemon's
+/// default scrape interval (50 ms) a pod whose port refuses leaves within 150 ms.
 pub const DEFAULT_FAILURES_TO_LEAVE: u32 = 3;
+
+/// The most of the Ready endpoints ejected at once, by default (Envoy's outlier detection
+/// bounds it likewise; GIE's EPP never ejects on metrics).
+pub const DEFAULT_MAX_EJECTION_PERCENT: u32 = 50;
+
+/// Below this share of Ready endpoints left, every Ready endpoint is a candidate, by default
+/// (Envoy's `healthy_panic_threshold`).
+pub const DEFAULT_PANIC_THRESHOLD_PERCENT: u32 = 50;
+
+/// How health takes endpoints out, and how far.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HealthSettings {
+    /// Probes in a row without a connection that eject an endpoint (at least 1).
+    pub failures_to_leave: u32,
+    /// The most of the Ready endpoints ejected at once, 0-100 (at least one is, whatever it
+    /// says).
+    pub max_ejection_percent: u32,
+    /// Below this share (0-100) of Ready endpoints left, every Ready endpoint is a candidate.
+    pub panic_threshold_percent: u32,
+}
+
+impl Default for HealthSettings {
+    fn default() -> Self {
+        Self {
+            failures_to_leave: DEFAULT_FAILURES_TO_LEAVE,
+            max_ejection_percent: DEFAULT_MAX_EJECTION_PERCENT,
+            panic_threshold_percent: DEFAULT_PANIC_THRESHOLD_PERCENT,
+        }
+    }
+}
+
+impl HealthSettings {
+    /// The defaults with `failures_to_leave` probes without a connection in a row.
+    pub fn leaving_after(failures_to_leave: u32) -> Self {
+        Self {
+            failures_to_leave,
+            ..Self::default()
+        }
+    }
+
+    /// How many of `base` endpoints may be ejected at once (at least one).
+    pub fn max_ejected(&self, base: usize) -> usize {
+        let percent = self.max_ejection_percent.min(100) as usize;
+        (base * percent / 100).max(1)
+    }
+
+    /// Whether `left` of `base` endpoints is below the panic threshold.
+    pub fn panics(&self, left: usize, base: usize) -> bool {
+        base > 0 && left * 100 < base * self.panic_threshold_percent.min(100) as usize
+    }
+}
 
 /// What one read of an endpoint's metrics came to, as health counts it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Probe {
     /// The endpoint answered (whatever the page said).
     Answered,
-    /// The connection was refused or reset (nothing listens).
-    Refused,
-    /// No answer in time.
-    TimedOut,
+    /// No connection: refused or reset (nothing listens), or the TCP connect timed out (the
+    /// node is down or cut off): evidence of a dead server.
+    NoConnection,
+    /// Connected, but no answer in time: the server may be busy, so health counts nothing (the
+    /// load sample ages instead).
+    Slow,
 }
 
 /// Where an endpoint stands.
@@ -44,7 +113,8 @@ pub enum Standing {
     Candidate,
     /// The pool lists it but says it is not Ready.
     NotReady,
-    /// Its metrics endpoint refused or timed out too many times in a row.
+    /// Ejected: its metrics port gave no connection too many times in a row (a candidate again
+    /// while the pool panics).
     Unreachable,
     /// A pool is known and does not list it.
     NotInPool,
@@ -73,35 +143,64 @@ pub struct Change {
     pub to: Standing,
 }
 
-/// The pool (when known) and each probed endpoint's run of failed probes.
+/// The pool (when known), each probed endpoint's run of probes without a connection, and who
+/// is ejected.
 #[derive(Debug, Clone)]
 pub struct Membership {
-    failures_to_leave: u32,
+    settings: HealthSettings,
     /// Endpoint -> Ready, as the pool says; `None`: no pool known.
     pool: Option<BTreeMap<String, bool>>,
-    /// Endpoint -> refused or timed-out probes in a row.
+    /// Endpoint -> probes without a connection in a row.
     streaks: HashMap<String, u32>,
+    /// The endpoints whose streak reached `failures_to_leave`, by when they reached it.
+    over: BTreeMap<u64, String>,
+    /// Where each endpoint of `over` is in it.
+    crossed_at: HashMap<String, u64>,
+    crossings: u64,
+    /// Without a pool: the endpoints probed (the bound's base).
+    seen: BTreeSet<String>,
+    /// The endpoints ejected now: the first of `over`, within the bound.
+    ejected: BTreeSet<String>,
+    panicking: bool,
 }
 
 impl Membership {
-    /// No pool yet; an endpoint leaves after `failures_to_leave` failed probes in a row (at
-    /// least 1).
-    pub fn new(failures_to_leave: u32) -> Self {
+    /// No pool yet; endpoints are ejected as `settings` says.
+    pub fn new(settings: HealthSettings) -> Self {
         Self {
-            failures_to_leave: failures_to_leave.max(1),
+            settings: HealthSettings {
+                failures_to_leave: settings.failures_to_leave.max(1),
+                ..settings
+            },
             pool: None,
             streaks: HashMap::new(),
+            over: BTreeMap::new(),
+            crossed_at: HashMap::new(),
+            crossings: 0,
+            seen: BTreeSet::new(),
+            ejected: BTreeSet::new(),
+            panicking: false,
         }
     }
 
-    /// Failed probes in a row that take an endpoint out.
+    /// How endpoints are ejected.
+    pub fn settings(&self) -> HealthSettings {
+        self.settings
+    }
+
+    /// Probes without a connection in a row that eject an endpoint.
     pub fn failures_to_leave(&self) -> u32 {
-        self.failures_to_leave
+        self.settings.failures_to_leave
     }
 
     /// Whether a pool is known (else the caller's publishers are the candidates).
     pub fn has_pool(&self) -> bool {
         self.pool.is_some()
+    }
+
+    /// Whether too few endpoints would be left, so every Ready one is a candidate.
+    pub fn panicking(&self) -> bool {
+        self.panicking
     }
 
     /// Where `endpoint` stands.
@@ -113,18 +212,22 @@ impl Membership {
                 Some(true) => {}
             }
         }
-        match self.failures(endpoint) >= self.failures_to_leave {
+        match self.ejected.contains(endpoint) {
             true => Standing::Unreachable,
             false => Standing::Candidate,
         }
     }
 
-    /// Whether `endpoint` may serve.
+    /// Whether `endpoint` may serve (an ejected one too while the pool panics).
     pub fn admits(&self, endpoint: &str) -> bool {
-        self.standing(endpoint) == Standing::Candidate
+        match self.standing(endpoint) {
+            Standing::Candidate => true,
+            Standing::Unreachable => self.panicking,
+            Standing::NotReady | Standing::NotInPool => false,
+        }
     }
 
-    /// The failed probes in a row of `endpoint`.
+    /// The probes without a connection in a row of `endpoint`.
     pub fn failures(&self, endpoint: &str) -> u32 {
         self.streaks.get(endpoint).copied().unwrap_or(0)
     }
@@ -132,18 +235,14 @@ impl Membership {
     /// The pool's endpoints that may serve, in order (empty without a pool).
     pub fn candidates(&self) -> Vec<String> {
         self.members()
-            .filter(|(_, s)| *s == Standing::Candidate)
+            .filter(|(e, _)| self.admits(e))
             .map(|(e, _)| e.to_owned())
             .collect()
     }
 
-    /// The endpoints out for failed probes, in no order (with or without a pool).
+    /// The endpoints ejected now, in order (with or without a pool; see [`Self::panicking`]).
     pub fn unreachable(&self) -> Vec<String> {
-        self.streaks
-            .keys()
-            .filter(|e| self.standing(e) == Standing::Unreachable)
-            .cloned()
-            .collect()
+        self.ejected.iter().cloned().collect()
     }
 
     /// Every endpoint the pool lists, in order, with its standing (none without a pool).
@@ -162,165 +261,153 @@ impl Membership {
         if let Some(old) = &self.pool {
             touched.extend(old.keys().filter(|e| !new.contains_key(*e)).cloned());
         }
-        let before: Vec<Standing> = touched.iter().map(|e| self.standing(e)).collect();
-        // A streak belongs to one stay: it ends when the endpoint leaves or is not Ready.
-        self.streaks
-            .retain(|e, _| new.get(e).copied().unwrap_or(false));
-        self.pool = Some(new);
-        self.changes(touched, before)
+        self.changing(touched, |m| {
+            // A streak belongs to one stay: it ends when the endpoint leaves or is not Ready.
+            let ended: Vec<String> = m
+                .streaks
+                .keys()
+                .filter(|e| !new.get(*e).copied().unwrap_or(false))
+                .cloned()
+                .collect();
+            for e in ended {
+                m.end_streak(&e);
+            }
+            m.pool = Some(new);
+            m.seen.clear();
+        })
     }
 
     /// Forgets the pool: the caller's publishers are the candidates again.
     pub fn clear_pool(&mut self) -> Vec<Change> {
         let touched: Vec<String> = self.members().map(|(e, _)| e.to_owned()).collect();
-        let before: Vec<Standing> = touched.iter().map(|e| self.standing(e)).collect();
-        self.pool = None;
-        self.streaks.clear();
-        self.changes(touched, before)
+        self.changing(touched, |m| {
+            m.pool = None;
+            m.streaks.clear();
+            m.over.clear();
+            m.crossed_at.clear();
+        })
     }
 
-    /// Counts a probe of `endpoint`; its change of standing, if any. A probe of an endpoint
-    /// a known pool does not list, or says is not Ready, is not counted.
-    pub fn probed(&mut self, endpoint: &str, probe: Probe) -> Option<Change> {
+    /// Counts a probe of `endpoint`; the changes of standing it makes (its own, and others'
+    /// when the bound lets another in or out). A probe of an endpoint a known pool does not
+    /// list, or says is not Ready, is not counted.
+    pub fn probed(&mut self, endpoint: &str, probe: Probe) -> Vec<Change> {
         if matches!(
             self.standing(endpoint),
             Standing::NotInPool | Standing::NotReady
         ) {
-            return None;
+            return Vec::new();
         }
-        let from = self.standing(endpoint);
-        match probe {
-            Probe::Answered => {
-                self.streaks.remove(endpoint);
-            }
-            Probe::Refused | Probe::TimedOut => {
+        let newly_seen = self.pool.is_none() && !self.seen.contains(endpoint);
+        let crossing = match probe {
+            Probe::Slow => false,
+            Probe::Answered => self.end_streak(endpoint),
+            Probe::NoConnection => {
                 let streak = self.streaks.entry(endpoint.to_owned()).or_insert(0);
                 *streak = streak.saturating_add(1);
+                *streak == self.settings.failures_to_leave && self.cross(endpoint)
             }
+        };
+        if !newly_seen && !crossing {
+            return Vec::new();
         }
-        let to = self.standing(endpoint);
-        (from != to).then(|| Change {
-            endpoint: endpoint.to_owned(),
-            from,
-            to,
+        self.changing(vec![endpoint.to_owned()], |m| {
+            if newly_seen {
+                m.seen.insert(endpoint.to_owned());
+            }
         })
     }
 
-    /// Drops the streaks of endpoints `keep` refuses (no longer probed).
+    /// Drops what is known of endpoints `keep` refuses (no longer probed).
     pub fn forget(&mut self, keep: impl Fn(&str) -> bool) {
-        self.streaks.retain(|e, _| keep(e));
+        let gone: Vec<String> = self
+            .streaks
+            .keys()
+            .chain(self.seen.iter())
+            .filter(|e| !keep(e))
+            .cloned()
+            .collect();
+        if gone.is_empty() {
+            return;
+        }
+        self.changing(gone.clone(), |m| {
+            for e in &gone {
+                m.end_streak(e);
+                m.seen.remove(e);
+            }
+        });
     }
 
-    fn changes(&self, touched: Vec<String>, before: Vec<Standing>) -> Vec<Change> {
+    /// Puts `endpoint` over the streak; whether it was not already.
+    fn cross(&mut self, endpoint: &str) -> bool {
+        if self.crossed_at.contains_key(endpoint) {
+            return false;
+        }
+        self.crossings += 1;
+        self.over.insert(self.crossings, endpoint.to_owned());
+        self.crossed_at.insert(endpoint.to_owned(), self.crossings);
+        true
+    }
+
+    /// Ends `endpoint`'s streak; whether it was over the streak.
+    fn end_streak(&mut self, endpoint: &str) -> bool {
+        self.streaks.remove(endpoint);
+        match self.crossed_at.remove(endpoint) {
+            Some(at) => {
+                self.over.remove(&at);
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// How many endpoints the bound is a share of: the pool's Ready ones, or those probed.
+    fn base(&self) -> usize {
+        match &self.pool {
+            Some(pool) => pool.values().filter(|ready| **ready).count(),
+            None => self.seen.len(),
+        }
+    }
+
+    /// Runs `change`, then decides again who is ejected and whether the pool panics; every
+    /// standing that changed among `touched`, the ejected and those over the streak.
+    fn changing(
+        &mut self,
+        mut touched: Vec<String>,
+        change: impl FnOnce(&mut Self),
+    ) -> Vec<Change> {
+        touched.extend(self.ejected.iter().cloned());
+        touched.extend(self.over.values().cloned());
+        let before: Vec<Standing> = touched.iter().map(|e| self.standing(e)).collect();
+        change(self);
+        let allowed = self.settings.max_ejected(self.base());
+        self.ejected = self
+            .over
+            .values()
+            .filter(|e| self.pool.as_ref().is_none_or(|p| p.get(*e) == Some(&true)))
+            .take(allowed)
+            .cloned()
+            .collect();
+        let base = self.base();
+        self.panicking = self
+            .settings
+            .panics(base - self.ejected.len().min(base), base);
+        // Each endpoint once (it may be touched, ejected and over the streak at once).
+        let mut listed = BTreeSet::new();
         touched
             .into_iter()
             .zip(before)
             .filter_map(|(endpoint, from)| {
                 let to = self.standing(&endpoint);
-                (from != to).then_some(Change { endpoint, from, to })
+                (from != to && listed.insert(endpoint.clone())).then_some(Change {
+                    endpoint,
+                    from,
+                    to,
+                })
             })
             .collect()
     }
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn pool(m: &mut Membership, members: &[(&str, bool)]) -> Vec<Change> {
-        m.set_pool(members.iter().map(|(e, r)| (e.to_string(), *r)))
-    }
-
-    #[test]
-    fn ready_members_are_candidates_whether_or_not_they_published() {
-        let mut m = Membership::new(3);
-        assert!(!m.has_pool());
-        assert!(
-            m.admits("10.0.0.1:8000"),
-            "no pool: the caller's publishers"
-        );
-        let changes = pool(&mut m, &[("10.0.0.1:8000", true), ("10.0.0.2:8000", false)]);
-        assert_eq!(m.candidates(), ["10.0.0.1:8000"]);
-        assert_eq!(m.standing("10.0.0.2:8000"), Standing::NotReady);
-        assert_eq!(m.standing("10.0.0.9:8000"), Standing::NotInPool);
-        // Only the unready one changed (from a candidate with no pool known).
-        assert_eq!(
-            changes,
-            [Change {
-                endpoint: "10.0.0.2:8000".into(),
-                from: Standing::Candidate,
-                to: Standing::NotReady
-            }]
-        );
-    }
-
-    #[test]
-    fn failed_probes_in_a_row_take_an_endpoint_out_and_an_answer_brings_it_back() {
-        let mut m = Membership::new(3);
-        pool(&mut m, &[("a:1", true), ("b:1", true)]);
-        assert_eq!(m.probed("a:1", Probe::Refused), None);
-        assert_eq!(
-            m.probed("a:1", Probe::Answered),
-            None,
-            "an answer ends the run"
-        );
-        assert_eq!(m.probed("a:1", Probe::Refused), None);
-        assert_eq!(m.probed("a:1", Probe::TimedOut), None);
-        let left = m.probed("a:1", Probe::Refused);
-        assert_eq!(
-            left.map(|c| (c.from, c.to)),
-            Some((Standing::Candidate, Standing::Unreachable))
-        );
-        assert_eq!(m.candidates(), ["b:1"]);
-        assert_eq!(m.probed("a:1", Probe::Refused), None, "already out");
-        let back = m.probed("a:1", Probe::Answered);
-        assert_eq!(
-            back.map(|c| (c.from, c.to)),
-            Some((Standing::Unreachable, Standing::Candidate))
-        );
-        assert_eq!(m.candidates(), ["a:1", "b:1"]);
-    }
-
-    #[test]
-    fn a_streak_ends_with_the_stay_in_the_pool() {
-        let mut m = Membership::new(2);
-        pool(&mut m, &[("a:1", true)]);
-        m.probed("a:1", Probe::Refused);
-        m.probed("a:1", Probe::Refused);
-        assert_eq!(m.standing("a:1"), Standing::Unreachable);
-        pool(&mut m, &[("a:1", false)]);
-        assert_eq!(m.standing("a:1"), Standing::NotReady);
-        assert_eq!(m.probed("a:1", Probe::Refused), None, "not counted");
-        let changes = pool(&mut m, &[("a:1", true)]);
-        assert_eq!(m.standing("a:1"), Standing::Candidate, "{changes:?}");
-        assert_eq!(m.failures("a:1"), 0);
-        // Removed from the pool: not in it, and a probe is not counted.
-        let changes = pool(&mut m, &[]);
-        assert_eq!(changes[0].to, Standing::NotInPool);
-        assert_eq!(m.probed("a:1", Probe::Refused), None);
-        assert_eq!(m.failures("a:1"), 0);
-    }
-
-    #[test]
-    fn without_a_pool_health_still_applies() {
-        let mut m = Membership::new(1);
-        let left = m.probed("p:1", Probe::TimedOut);
-        assert_eq!(left.map(|c| c.to), Some(Standing::Unreachable));
-        assert!(!m.admits("p:1"));
-        assert_eq!(m.unreachable(), ["p:1"]);
-        assert!(m.candidates().is_empty(), "the caller lists the publishers");
-        m.forget(|_| false);
-        assert!(m.admits("p:1"), "forgotten: no streak");
-        pool(&mut m, &[("p:1", true)]);
-        let changes = m.clear_pool();
-        assert!(changes.is_empty(), "{changes:?}");
-        assert!(!m.has_pool());
-    }
-
-    #[test]
-    fn zero_failures_to_leave_is_one() {
-        let mut m = Membership::new(0);
-        assert_eq!(m.failures_to_leave(), 1);
-        assert!(m.probed("x:1", Probe::Refused).is_some());
-    }
-}
+mod tests;

@@ -21,10 +21,12 @@
 //! list.
 //!
 //! Invariants:
-//! - the metric scorers apply only when every candidate has metrics no older than
-//!   [`PickSettings::max_metrics_age`]; otherwise the pick is the index's alone (the prefix
-//!   scorer), and [`Pick::stale`] / [`Pick::missing`] count the candidates that caused it, so a
-//!   pod whose scraper fails can neither win nor lose on numbers that are not current;
+//! - a candidate whose metrics are missing or older than [`PickSettings::max_metrics_age`] is
+//!   scored on load as the median of the fresh candidates' values (a new or slow-to-scrape pod
+//!   is taken as average), per candidate: one pod's missing sample never turns load scoring off
+//!   for the others, and it can neither win nor lose on numbers that are not current;
+//!   [`Pick::stale`] / [`Pick::missing`] count those candidates; with no fresh candidate at all
+//!   the metric scorers do not apply and the pick is the index's alone;
 //! - the order is total and best first: the candidates are shuffled (the injected RNG), then
 //!   sorted stably by score, so equals are ordered at random and a seed makes it repeatable;
 //! - every candidate appears exactly once in [`Pick::order`] (the rest are the gateway's ordered
@@ -222,7 +224,7 @@ pub enum PrefixNormalisation {
 pub struct PickSettings {
     /// The scorers' weights.
     pub weights: PickWeights,
-    /// Metrics older than this are stale: the pick falls back to the index alone.
+    /// Metrics older than this are stale: the candidate is scored on the fresh ones' median.
     pub max_metrics_age: Duration,
     /// How the prefix scores become the prefix scorer's values (min-max by default).
     pub prefix: PrefixNormalisation,
@@ -288,7 +290,7 @@ pub struct Ranked {
     /// Its weighted total.
     pub score: f64,
     /// Each scorer's value, 0 to 1, in [`SCORERS`]' order (`None`: a metric scorer, not used
-    /// because some candidate's metrics were stale or missing).
+    /// because no candidate's metrics were fresh).
     pub values: [Option<f64>; SCORER_COUNT],
 }
 
@@ -304,11 +306,11 @@ impl Ranked {
 pub struct Pick {
     /// The candidates, best first (the first is the pick, the others its fallbacks).
     pub order: Vec<Ranked>,
-    /// Whether the metric scorers were used (every candidate had fresh metrics).
+    /// Whether the metric scorers were used (some candidate had fresh metrics).
     pub metrics_used: bool,
-    /// Candidates whose metrics were older than `max_metrics_age`.
+    /// Candidates whose metrics were older than `max_metrics_age` (scored on the median).
     pub stale: usize,
-    /// Candidates without metrics.
+    /// Candidates without metrics (scored on the median).
     pub missing: usize,
 }
 
@@ -348,15 +350,41 @@ fn finite_inputs(c: &Candidate) -> bool {
         })
 }
 
-/// One scorer's values for `candidates`, in their order (`None`: a metric scorer while the
-/// metrics are not used).
+/// The median of `values` (`None`: no value), the mean of the middle two for an even count.
+fn median(mut values: Vec<f64>) -> Option<f64> {
+    values.sort_by(f64::total_cmp);
+    let n = values.len();
+    match n {
+        0 => None,
+        _ if n % 2 == 1 => Some(values[n / 2]),
+        _ => Some((values[n / 2 - 1] + values[n / 2]) / 2.0),
+    }
+}
+
+/// Each candidate's input to a metric scorer: its own metric when fresh, else the fresh
+/// candidates' median (`None`: no candidate is fresh).
+fn metric_inputs(
+    f: fn(&PodMetrics) -> f64,
+    candidates: &[Candidate],
+    fresh: &[bool],
+) -> Option<Vec<f64>> {
+    let own = |i: usize| candidates[i].metrics.filter(|_| fresh[i]).map(|m| f(&m));
+    let neutral = median((0..candidates.len()).filter_map(own).collect())?;
+    Some(
+        (0..candidates.len())
+            .map(|i| own(i).unwrap_or(neutral))
+            .collect(),
+    )
+}
+
+/// One scorer's values for `candidates`, in their order (`None`: a metric scorer while no
+/// candidate's metrics are fresh).
 fn values_of(
     scorer: &Scorer,
     candidates: &[Candidate],
     settings: &PickSettings,
-    metrics_used: bool,
+    fresh: &[bool],
 ) -> Vec<Option<f64>> {
-    let metrics = || candidates.iter().filter_map(|c| c.metrics);
     let values = match scorer.input {
         ScorerInput::Prefix => {
             let scores = candidates.iter().map(|c| c.prefix_score);
@@ -368,10 +396,16 @@ fn values_of(
                 PrefixNormalisation::AsGiven => scores.map(|s| s.clamp(0.0, 1.0)).collect(),
             }
         }
-        _ if !metrics_used => return vec![None; candidates.len()],
-        // The negated metric min-max normalised: the least gets 1.
-        ScorerInput::Fewest(f) => min_max(metrics().map(|m| -f(&m)), 1.0),
-        ScorerInput::FreeShare(f) => metrics().map(|m| 1.0 - f(&m).clamp(0.0, 1.0)).collect(),
+        ScorerInput::Fewest(f) | ScorerInput::FreeShare(f) => {
+            let Some(inputs) = metric_inputs(f, candidates, fresh) else {
+                return vec![None; candidates.len()];
+            };
+            match scorer.input {
+                // The negated metric min-max normalised: the least gets 1.
+                ScorerInput::Fewest(_) => min_max(inputs.iter().map(|v| -v), 1.0),
+                _ => inputs.iter().map(|v| 1.0 - v.clamp(0.0, 1.0)).collect(),
+            }
+        }
     };
     values.into_iter().map(Some).collect()
 }
@@ -391,15 +425,16 @@ pub fn pick(
     if let Some(c) = candidates.iter().find(|c| !finite_inputs(c)) {
         return Err(PickError::NotFinite { pod: c.pod.clone() });
     }
-    let missing = candidates.iter().filter(|c| c.metrics.is_none()).count();
-    let stale = candidates
+    let fresh: Vec<bool> = candidates
         .iter()
-        .filter(|c| c.metrics.is_some_and(|m| m.age > settings.max_metrics_age))
-        .count();
-    let metrics_used = missing == 0 && stale == 0;
+        .map(|c| c.metrics.is_some_and(|m| m.age <= settings.max_metrics_age))
+        .collect();
+    let missing = candidates.iter().filter(|c| c.metrics.is_none()).count();
+    let stale = fresh.iter().filter(|f| !**f).count() - missing;
+    let metrics_used = fresh.contains(&true);
     let columns: Vec<Vec<Option<f64>>> = SCORERS
         .iter()
-        .map(|s| values_of(s, candidates, settings, metrics_used))
+        .map(|s| values_of(s, candidates, settings, &fresh))
         .collect();
     let mut order: Vec<Ranked> = (0..candidates.len())
         .map(|i| {

@@ -86,24 +86,52 @@ fn weights_trade_prefix_against_load() {
 }
 
 #[test]
-fn stale_or_missing_metrics_fall_back_to_the_index_and_are_counted() {
+fn stale_or_missing_metrics_are_scored_as_the_fresh_median_and_counted() {
     let old = Some(PodMetrics {
         waiting_requests: 0.0,
         kv_cache_usage: 0.0,
         age: Duration::from_secs(5),
     });
-    // With fresh metrics the idle pod a would win (as above); one stale pod makes the pick
-    // the index's alone, and b holds the prompt.
-    let c = [cand("a", 0.0, old), cand("b", 10.0, fresh(10.0, 1.0))];
+    // a's stale sample says idle, and would win if trusted; it is scored as the median of b
+    // and c instead (5 waiting, half the cache), so the idle c wins and a is between.
+    let c = [
+        cand("a", 0.0, old),
+        cand("b", 0.0, fresh(10.0, 0.9)),
+        cand("c", 0.0, fresh(0.0, 0.1)),
+    ];
+    let p = run(&c);
+    assert_eq!(pods(&p, &c), ["c", "a", "b"]);
+    assert!(p.metrics_used);
+    assert_eq!((p.stale, p.missing), (1, 0));
+    let a = p
+        .order
+        .iter()
+        .find(|r| r.candidate == 0)
+        .map(|r| r.value("queue"));
+    assert_eq!(a, Some(Some(0.5)), "the median is halfway");
+    // One pod never read does not turn load off for the others: the idle one of the two read
+    // still beats the busy one, whatever the tie-break seed.
+    let c = [
+        cand("new", 0.0, None),
+        cand("busy", 0.0, fresh(10.0, 0.9)),
+        cand("idle", 0.0, fresh(0.0, 0.1)),
+    ];
+    for seed in 0..16 {
+        let p = pick(&c, &PickSettings::default(), &mut SplitMix64::new(seed))
+            .unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(pods(&p, &c), ["idle", "new", "busy"], "seed {seed}");
+        assert_eq!((p.stale, p.missing), (0, 1));
+    }
+}
+
+#[test]
+fn with_no_fresh_metrics_the_pick_is_the_index_s_alone() {
+    let c = [cand("a", 0.0, None), cand("b", 10.0, None)];
     let p = run(&c);
     assert_eq!(pods(&p, &c), ["b", "a"]);
     assert!(!p.metrics_used);
-    assert_eq!((p.stale, p.missing), (1, 0));
+    assert_eq!((p.stale, p.missing), (0, 2));
     assert_eq!(p.order[0].value("queue"), None);
-    let c = [cand("a", 0.0, None), cand("b", 10.0, fresh(10.0, 1.0))];
-    let p = run(&c);
-    assert_eq!(pods(&p, &c), ["b", "a"]);
-    assert_eq!((p.stale, p.missing), (0, 1));
 }
 
 #[test]

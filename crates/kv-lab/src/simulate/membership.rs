@@ -1,17 +1,18 @@
 //! Which pods a simulated gateway may route to, as time goes: the pool as Kubernetes lists it
-//! (pods join at a time: a scale-out; a pod whose server stops answering, hung or cut off, is
-//! marked not Ready only once its readiness probe has failed long enough), and kv-indexer's
-//! picker's rule over it, kv-core's [`Membership`] (the daemon's one implementation): the pool's
-//! Ready pods whose metrics answer, or without a pool the pods that published.
+//! (pods join at a time: a scale-out; a pod whose node is cut off is marked not Ready only once
+//! its readiness probe has failed long enough), and kv-indexer's picker's rule over it,
+//! kv-core's [`Membership`] (the daemon's one implementation): the pool's Ready pods less those
+//! whose metrics port gives no connection, or without a pool the pods that published.
 //!
 //! Invariants: a pod is in the pool from its join time on (pods without a join time from the
 //! start); a restarting pod is not Ready from [`CRASH_NOTICED_MS`] after its restart until it
-//! serves again (the kubelet sees its container exit); a killed pod never answers again, and its probes time out (`probe_timeout_ms`
-//! each, as the daemon's scraper times out), while a restarting pod refuses at once; the
+//! serves again (the kubelet sees its container exit); a killed pod's node is cut off, so each
+//! of its probes is a TCP connect that times out (`probe_timeout_ms` each, as the daemon's
+//! scraper times out), while a restarting pod refuses at once; the
 //! fleet's pods that were in the pool from the start count as having published (a fleet that
 //! has served), a later pod once its first events are delivered.
 
-use kv_core::{Membership, Probe};
+use kv_core::{HealthSettings, Membership, Probe};
 
 /// How long the kubelet takes to see a restarting pod's container exit and mark the pod not
 /// Ready (its pod lifecycle relist runs every second), ms.
@@ -34,15 +35,15 @@ pub struct PoolChanges {
     /// (time ms, pod): the pod joins the pool, Ready (a scale-out); other pods are in it from
     /// the start.
     pub joins: Vec<(f64, usize)>,
-    /// (time ms, pod): the pod's server stops answering for good (hung, or its node cut off);
-    /// its blocks stay in the index.
+    /// (time ms, pod): the pod's node is cut off for good (no connection reaches it); its
+    /// blocks stay in the index.
     pub kills: Vec<(f64, usize)>,
     /// How long Kubernetes takes to mark a pod that stopped answering not Ready (its readiness
     /// probe's period times its failure threshold), ms.
     pub readiness_delay_ms: f64,
     /// How long a metrics read of a pod that does not answer takes to time out, ms.
     pub probe_timeout_ms: f64,
-    /// Failed reads in a row that take a pod out of the picker's candidates.
+    /// Reads in a row without a connection that take a pod out of the picker's candidates.
     pub failures_to_leave: u32,
 }
 
@@ -87,8 +88,8 @@ impl SimPool {
             readiness_delay_ms: changes.readiness_delay_ms,
             probe_timeout_ms: changes.probe_timeout_ms,
             pending: vec![None; n],
-            with_pool: Membership::new(changes.failures_to_leave),
-            without_pool: Membership::new(changes.failures_to_leave),
+            with_pool: Membership::new(HealthSettings::leaving_after(changes.failures_to_leave)),
+            without_pool: Membership::new(HealthSettings::leaving_after(changes.failures_to_leave)),
         }
     }
 
@@ -136,7 +137,7 @@ impl SimPool {
                 match self.pending[p] {
                     Some(at) if now >= at => {
                         self.pending[p] = None;
-                        Probe::TimedOut
+                        Probe::NoConnection
                     }
                     Some(_) => continue,
                     None => {
@@ -145,7 +146,7 @@ impl SimPool {
                     }
                 }
             } else if refusing(p) {
-                Probe::Refused
+                Probe::NoConnection
             } else {
                 Probe::Answered
             };
@@ -222,7 +223,7 @@ mod tests {
     }
 
     #[test]
-    fn a_hung_pod_leaves_the_picker_in_three_timeouts_and_kubernetes_after_its_probe() {
+    fn a_cut_off_pod_leaves_the_picker_in_three_connect_timeouts_and_kubernetes_after_its_probe() {
         let mut s = pool(PoolChanges {
             kills: vec![(100.0, 0)],
             readiness_delay_ms: 30_000.0,
