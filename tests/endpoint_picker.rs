@@ -11,8 +11,9 @@
 //!   list, or one naming no pool pod, is 503 (`the_subset_hint_is_obeyed`);
 //! - "Destination Endpoint" constraints: no ready endpoint is ImmediateResponse 503
 //!   (`no_candidates_is_503`); a request shed is 429
-//!   (`past_max_in_flight_requests_are_shed_with_429`); a body that is not a request is 400 with a JSON error and the
-//!   picker goes on (`unreadable_bodies_are_400_and_the_daemon_lives`);
+//!   (`past_max_in_flight_requests_are_shed_with_429`); a body that is not a request is 400
+//!   with a JSON error, one over `maxBodyBytes` 413, and the picker goes on
+//!   (`unreadable_bodies_are_400_oversized_413_and_the_daemon_lives`);
 //! - streaming mode (the protocol's MUST; llm-d's FULL_DUPLEX_STREAMED): the body in many
 //!   chunks is handed back unchanged after the pick; BUFFERED answers the headers at once and
 //!   picks in the body answer (`full_duplex_bodies_come_back_unchanged`);
@@ -380,7 +381,7 @@ async fn no_candidates_is_503() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn unreadable_bodies_are_400_and_the_daemon_lives() {
+async fn unreadable_bodies_are_400_oversized_413_and_the_daemon_lives() {
     let pod = FakePod::start().await;
     let mut c = support::picker::config(None);
     c.endpoint_picker.max_body_bytes = 4096;
@@ -396,10 +397,25 @@ async fn unreadable_bodies_are_400_and_the_daemon_lives() {
     let oversized = json!({"model": MODEL, "prompt": "x".repeat(10_000)})
         .to_string()
         .into_bytes();
-    let cases: [(&str, Vec<u8>); 4] = [
+    // Over maxBodyBytes: a 413, counted by its bound, refused before it is all held.
+    let a = read(
+        &exchange(
+            &mut client,
+            request(CHAT_PATH, None, None, &oversized, 1000),
+        )
+        .await,
+    );
+    let (code, body) = a.immediate.clone().expect("refused");
+    assert_eq!(code, 413, "{body}");
+    assert!(body.contains("endpointPicker.maxBodyBytes"), "{body}");
+    let page = fleet.daemon.metrics_text();
+    assert_eq!(
+        support::metric(&page, "kvindexer_picker_refused_total{bound=\"body_size\"}"),
+        1.0
+    );
+    let cases: [(&str, Vec<u8>); 3] = [
         ("not_json", b"\x00\x01\xffgarbage{".to_vec()),
         ("not_json", truncated),
-        ("too_large", oversized),
         (
             "shape",
             br#"{"model":"Qwen/Qwen3-8B","input":"no prompt"}"#.to_vec(),
@@ -439,7 +455,11 @@ async fn unreadable_bodies_are_400_and_the_daemon_lives() {
             &page,
             "kvindexer_picker_picks_total{outcome=\"bad_request\"}"
         ),
-        4.0
+        3.0
+    );
+    assert_eq!(
+        support::metric(&page, "kvindexer_picker_picks_total{outcome=\"too_large\"}"),
+        1.0
     );
     fleet.daemon.shutdown().await;
 }

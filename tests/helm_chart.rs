@@ -68,8 +68,16 @@ fn check_types(docs: &[(String, serde_json::Value)]) -> HashMap<String, serde_js
             other => panic!("{file}: unexpected kind {other}"),
         };
         ok.unwrap_or_else(|e| panic!("{file} ({kind}) does not deserialize: {e}\n{doc:#}"));
-        // The first of a kind: the configuration's ConfigMap comes before the dashboard's.
-        by_kind.entry(kind).or_insert_with(|| doc.clone());
+        // The first of a kind: the configuration's ConfigMap comes before the dashboard's. The
+        // events Service is a kind of its own here ("Service/events"), beside the main one.
+        let events = doc["metadata"]["name"]
+            .as_str()
+            .is_some_and(|n| n.ends_with("-events"));
+        let key = match events {
+            true => format!("{kind}/events"),
+            false => kind,
+        };
+        by_kind.entry(key).or_insert_with(|| doc.clone());
     }
     by_kind
 }
@@ -100,7 +108,13 @@ fn default_values_render_a_secure_standalone_deployment() {
     kinds.sort();
     assert_eq!(
         kinds,
-        ["ConfigMap", "Deployment", "NetworkPolicy", "Service"]
+        [
+            "ConfigMap",
+            "Deployment",
+            "NetworkPolicy",
+            "Service",
+            "Service/events"
+        ]
     );
     // Closed by default: only the vLLM pods reach ZMQ, only the EPP reaches gRPC.
     let np: NetworkPolicy =
@@ -166,7 +180,11 @@ fn default_values_render_a_secure_standalone_deployment() {
         .flatten()
         .map(|p| p.port)
         .collect();
-    assert_eq!(svc_ports, [50051, 9090, 5557]);
+    assert_eq!(
+        svc_ports,
+        [50051, 9090],
+        "the event port has a Service of its own"
+    );
     let config = embedded_config(&by_kind);
     assert_eq!(config.kv_events_config.zmq_endpoint, "tcp://*:5557");
     assert_eq!(
@@ -182,6 +200,64 @@ fn default_values_render_a_secure_standalone_deployment() {
         !config.server.enable_admin_rpcs,
         "admin RPCs are off by default"
     );
+}
+
+/// The events Service (`<release>-kv-indexer-events`) of a rendering, its ports and whether it
+/// lists pods that are not Ready.
+fn events_service(by_kind: &HashMap<String, serde_json::Value>) -> Option<(Vec<i32>, bool)> {
+    let svc: Service = serde_json::from_value(by_kind.get("Service/events")?.clone()).ok()?;
+    let spec = svc.spec.expect("spec");
+    let ports = spec.ports.iter().flatten().map(|p| p.port).collect();
+    Some((ports, spec.publish_not_ready_addresses == Some(true)))
+}
+
+#[test]
+fn the_event_port_stays_reachable_while_no_replica_is_ready() {
+    // Readiness (/readyz) gates gRPC and the picker; publishers reach the event port through a
+    // Service that lists every replica, Ready or not, in bind mode, standalone or sidecar.
+    for values in [json!({}), json!({"mode": "sidecar"})] {
+        let by_kind = check_types(&render(values.clone()));
+        let (ports, not_ready_too) = events_service(&by_kind).expect("an events Service");
+        assert_eq!(ports, [5557], "{values}");
+        assert!(not_ready_too, "publishNotReadyAddresses: {values}");
+        let main = &by_kind["Service"]["spec"];
+        assert_eq!(
+            by_kind["Service/events"]["spec"]["selector"], main["selector"],
+            "the same pods: {values}"
+        );
+        assert!(!main["ports"].to_string().contains("5557"), "{values}");
+    }
+    let d: Deployment =
+        serde_json::from_value(check_types(&render(json!({})))["Deployment"].clone())
+            .expect("typed");
+    let labels = d
+        .spec
+        .expect("spec")
+        .template
+        .metadata
+        .expect("meta")
+        .labels;
+    let by_kind = check_types(&render(json!({})));
+    for (k, v) in by_kind["Service/events"]["spec"]["selector"]
+        .as_object()
+        .expect("selector")
+    {
+        assert_eq!(
+            labels.as_ref().and_then(|l| l.get(k)).map(String::as_str),
+            v.as_str()
+        );
+    }
+    // The vLLM example publishes to it.
+    let vllm = std::fs::read_to_string(
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("deploy/examples/vllm-deployment.yaml"),
+    )
+    .expect("example");
+    assert!(vllm.contains("tcp://kvi-kv-indexer-events.inference.svc:5557"));
+    // Negative control: connect mode binds no event port, so has no events Service.
+    let connect = check_types(&render(json!({"events": {"mode": "connect",
+        "endpoints": [{"endpoint": "tcp://10.0.0.7:5557"}]}})));
+    assert_eq!(events_service(&connect), None);
 }
 
 #[test]
@@ -589,12 +665,16 @@ fn the_endpoint_picker_port_and_configuration_appear_only_when_enabled() {
             "addr": "0.0.0.0:9002",
             "metricsUrlTemplate": "http://{pod}/metrics",
             "metricsInterval": "50ms",
+            "metricsMaxScrapesPerSecond": 2000,
             "weights": {"prefix": 3, "queue": 2, "kvCacheUtilization": 2},
             "metricsStaleAfter": "500ms",
             "maxBodyBytes": 10485760,
+            "maxBufferedBodyBytes": 536870912,
             "maxInFlight": 1024,
+            "maxStreams": 16384,
             "fallbacks": 0,
             "scrapeFailuresToLeave": 3,
+            "health": {"maxEjectionPercent": 50, "panicThresholdPercent": 50},
             "pd": {"threshold": 0, "minPromptTokens": 0},
             "tls": {"mode": "selfSigned"},
         }))
@@ -669,12 +749,16 @@ fn the_endpoint_picker_port_and_configuration_appear_only_when_enabled() {
             "addr": "0.0.0.0:9102",
             "metricsUrlTemplate": "http://{pod}/custom-metrics",
             "metricsInterval": "200ms",
+            "metricsMaxScrapesPerSecond": 2000,
             "weights": {"prefix": 1, "queue": 0, "kvCacheUtilization": 0},
             "metricsStaleAfter": "2s",
             "maxBodyBytes": 4096,
+            "maxBufferedBodyBytes": 536870912,
             "maxInFlight": 8,
+            "maxStreams": 16384,
             "fallbacks": 2,
             "scrapeFailuresToLeave": 3,
+            "health": {"maxEjectionPercent": 50, "panicThresholdPercent": 50},
             "pd": {"threshold": 16, "minPromptTokens": 64},
             "tls": {"mode": "plaintext"},
         }))
@@ -745,8 +829,9 @@ fn a_pool_gets_namespace_scoped_rbac_and_its_values() {
     assert!(embedded_config(&by_kind).endpoint_picker.pool.is_none());
 
     let by_kind = check_types(&render(json!({"endpointPicker": {
-        "enabled": true, "pool": {"name": "vllm-pool", "namespace": "llm"},
-        "scrapeFailuresToLeave": 5,
+        "enabled": true, "pool": {"name": "vllm-pool", "namespace": "llm", "requestTimeout": "3s"},
+        "scrapeFailuresToLeave": 5, "health": {"maxEjectionPercent": 30, "panicThresholdPercent": 20},
+        "maxBufferedBodyBytes": 268435456, "maxStreams": 4096, "metricsMaxScrapesPerSecond": 500,
     }})));
     let picker = embedded_config(&by_kind).endpoint_picker;
     let pool = picker.pool.expect("the pool");
@@ -754,7 +839,23 @@ fn a_pool_gets_namespace_scoped_rbac_and_its_values() {
         (pool.name.as_str(), pool.namespace.as_str()),
         ("vllm-pool", "llm")
     );
+    assert_eq!(pool.request_timeout.0, std::time::Duration::from_secs(3));
     assert_eq!(picker.scrape_failures_to_leave, 5);
+    assert_eq!(
+        (
+            picker.health.max_ejection_percent,
+            picker.health.panic_threshold_percent
+        ),
+        (30, 20)
+    );
+    assert_eq!(
+        (
+            picker.max_buffered_body_bytes,
+            picker.max_streams,
+            picker.metrics_max_scrapes_per_second
+        ),
+        (256 << 20, 4096, 500)
+    );
     let role: Role = serde_json::from_value(by_kind["Role"].clone()).expect("typed");
     assert_eq!(
         role.metadata.namespace.as_deref(),

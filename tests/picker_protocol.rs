@@ -8,7 +8,11 @@
 //! - the response's `usage.prompt_tokens_details.cached_tokens` held against the prediction
 //!   (exact, under, over, not measured);
 //! - bodies of every API GIE routes: a completions batch by its first prompt, embeddings,
-//!   a chat with an image part scored up to the image, other paths on load alone.
+//!   a chat with an image part scored up to the image, other paths on load alone;
+//! - every body mode Envoy offers picks or is refused at the first message: BUFFERED whether
+//!   trailers follow or not, BUFFERED_PARTIAL cut short on load alone, STREAMED and NONE (with
+//!   a body) a 500 naming the setting to change; a client's `x-data-parallel-rank` removed
+//!   unless the pick names a rank (`every_body_mode_picks_or_is_refused_at_the_first_message`).
 
 mod support;
 
@@ -402,6 +406,87 @@ async fn a_chat_with_an_image_is_scored_up_to_the_image() {
     assert!(
         (-16.0..=0.0).contains(&error),
         "predicted minus reused: {error} (true hit {true_hit})"
+    );
+    fleet.daemon.shutdown().await;
+}
+
+/// `messages`' answers as an Answer, with the ImmediateResponse's status (0: none).
+async fn answer_of(
+    client: &mut envoy_types::pb::envoy::service::ext_proc::v3::external_processor_client::ExternalProcessorClient<tonic::transport::Channel>,
+    messages: Vec<ProcessingRequest>,
+) -> support::picker::Answer {
+    read(&exchange(client, messages).await)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_body_mode_picks_or_is_refused_at_the_first_message() {
+    let pod = FakePod::start().await;
+    let mut fleet = Fleet::start(support::picker::config(None)).await;
+    let ids = prompt_ids(9, 600);
+    fleet.store(&pod.name, &ids).await;
+    let mut client = fleet.client().await;
+    let whole = tokens_body(&ids);
+    let one_message = |end_of_stream: bool, bytes: &[u8]| {
+        message(R::RequestBody(HttpBody {
+            body: bytes.to_vec(),
+            end_of_stream,
+            ..Default::default()
+        }))
+    };
+    // BUFFERED, trailers following (the body's message not ending the stream): picked on it.
+    let mode = Some(BodySendMode::Buffered);
+    let m = vec![
+        headers(COMPLETIONS, mode, None, false),
+        one_message(false, &whole),
+        message(R::RequestTrailers(HttpTrailers::default())),
+    ];
+    let a = answer_of(&mut client, m).await;
+    assert_eq!(first(&a), pod.name, "{:?}", a.kinds);
+    assert_eq!(a.kinds, ["headers", "body", "request_trailers"]);
+    // BUFFERED_PARTIAL cut at Envoy's limit: not JSON, picked on load alone and counted.
+    let mode = Some(BodySendMode::BufferedPartial);
+    let m = vec![
+        headers(COMPLETIONS, mode, None, false),
+        one_message(false, &whole[..whole.len() / 2]),
+    ];
+    let a = answer_of(&mut client, m).await;
+    assert_eq!(first(&a), pod.name, "the only pod, on load");
+    let page = fleet.daemon.metrics_text();
+    let unscored = "kvindexer_picker_unscored_requests_total{reason=\"partial_body\"}";
+    assert_eq!(support::metric(&page, unscored), 1.0);
+    // STREAMED (with or without waiting) and NONE with a body: refused at the first message.
+    for mode in [BodySendMode::Streamed, BodySendMode::None] {
+        let a = answer_of(&mut client, request(COMPLETIONS, Some(mode), &whole)).await;
+        let (code, body) = a
+            .immediate
+            .clone()
+            .unwrap_or_else(|| panic!("{mode:?}: {a:?}"));
+        assert_eq!(code, 500, "{mode:?}");
+        assert!(body.contains("FULL_DUPLEX_STREAMED"), "{mode:?}: {body}");
+        assert_eq!(a.kinds, ["immediate"], "{mode:?}: at the first message");
+    }
+    let page = fleet.daemon.metrics_text();
+    let refused = "kvindexer_picker_refused_total{bound=\"body_mode\"}";
+    assert_eq!(support::metric(&page, refused), 2.0);
+    // NONE for a request without a body (a GET): picked on load, as GIE's EPP does.
+    let a = answer_of(
+        &mut client,
+        vec![headers(COMPLETIONS, Some(BodySendMode::None), None, true)],
+    )
+    .await;
+    assert_eq!(first(&a), pod.name);
+    // A client's rank header is removed when the pick names no rank (a plain pod).
+    let mut m = vec![support::picker::headers_with(
+        COMPLETIONS,
+        &[("x-data-parallel-rank", "3")],
+    )];
+    m.extend(body(&whole, 4096));
+    let a = answer_of(&mut client, m).await;
+    assert_eq!(a.rank, None);
+    assert!(
+        a.removed.iter().any(|h| h == "x-data-parallel-rank"),
+        "{:?}",
+        a.removed
     );
     fleet.daemon.shutdown().await;
 }

@@ -100,6 +100,17 @@ impl Gateway {
     /// `pods` fake pods, a daemon with `c`, Envoy on the configuration `file`; `None` (the test
     /// skipped, loudly) without Envoy.
     pub async fn start(pods: usize, c: Config, file: &str) -> Option<Self> {
+        Self::start_with(pods, c, file, Vec::new()).await
+    }
+
+    /// [`Gateway::start`] with `more` substitutions in the configuration (each `from` must
+    /// stand once in it).
+    pub async fn start_with(
+        pods: usize,
+        c: Config,
+        file: &str,
+        mut more: Vec<(&str, String)>,
+    ) -> Option<Self> {
         let bin = binary()?;
         let mut list = Vec::new();
         for _ in 0..pods {
@@ -107,10 +118,9 @@ impl Gateway {
         }
         let fleet = Fleet::start(c).await;
         let port = fleet.daemon.picker_addr.expect("the picker is on").port();
-        let more = match project_file(file).contains(POOL_PLACEHOLDER) {
-            true => vec![(POOL_PLACEHOLDER, pool_endpoints(&list))],
-            false => Vec::new(),
-        };
+        if project_file(file).contains(POOL_PLACEHOLDER) {
+            more.push((POOL_PLACEHOLDER, pool_endpoints(&list)));
+        }
         let envoy = Envoy::start(&bin, &config(file, port, &more)).await;
         Some(Self {
             pods: list,

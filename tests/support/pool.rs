@@ -29,6 +29,7 @@ pub fn config(api: &KubeApi, test: &str) -> Config {
         name: POOL.into(),
         namespace: NS.into(),
         kubeconfig: api.kubeconfig(&dir, NS).display().to_string(),
+        ..PoolRefConfig::default()
     });
     c
 }
