@@ -28,6 +28,8 @@
 
 mod support;
 
+use std::time::Duration;
+
 use envoy_types::pb::envoy::extensions::filters::http::ext_proc::v3::processing_mode::BodySendMode;
 use serde_json::json;
 use support::picker::{body, exchange, first, headers, read, FakePod, Fleet, Hint, MODEL};
@@ -291,55 +293,106 @@ async fn a_lora_adapter_and_a_cache_salt_are_scored_as_score_pods_scores_them() 
     fleet.daemon.shutdown().await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn past_max_in_flight_requests_are_shed_with_429() {
-    let Some((dir, samples)) = support::shared_samples("qwen3") else {
-        return;
-    };
-    let pod = FakePod::start().await;
-    let mut c = support::picker::config(Some(&dir));
-    c.endpoint_picker.max_in_flight = 1;
-    let mut fleet = Fleet::start(c).await;
-    fleet.store(&pod.name, &prompt_ids(10, 32)).await;
-    let chat_body = json!({"model": MODEL, "messages": samples["chat"]["messages"]})
-        .to_string()
-        .into_bytes();
-    // Eight requests at once while the first one in loads the tokenizer (a cold start takes
-    // far longer than the others need to arrive): one is scored at a time, the rest are shed.
-    let mut calls = Vec::new();
-    for _ in 0..8 {
-        let mut client = fleet.client().await;
-        let body = chat_body.clone();
-        calls.push(tokio::spawn(async move {
-            read(&exchange(&mut client, request(CHAT_PATH, None, None, &body, 4096)).await)
-        }));
-    }
-    let mut shed = 0;
-    let mut picked = 0;
-    for call in calls {
-        let a = call.await.expect("the call ends");
-        match &a.immediate {
-            Some((429, body)) => {
-                let error: serde_json::Value = serde_json::from_str(body).expect("a JSON error");
-                assert_eq!(error["error"]["code"], 429);
-                shed += 1;
+/// A HuggingFace Hub that holds every download until released, then answers 404: a
+/// tokenizer load that keeps its request in flight as long as the test wants.
+struct HeldHub {
+    url: String,
+    asked: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+    release: std::sync::Arc<tokio::sync::Notify>,
+    _task: tokio::task::JoinHandle<()>,
+}
+
+impl HeldHub {
+    async fn start() -> Self {
+        use std::sync::atomic::Ordering;
+        let asked = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let release = std::sync::Arc::new(tokio::sync::Notify::new());
+        let (a, r) = (asked.clone(), release.clone());
+        let app = axum::Router::new().fallback(move || {
+            let (a, r) = (a.clone(), r.clone());
+            async move {
+                let released = r.notified();
+                a.fetch_add(1, Ordering::SeqCst);
+                released.await;
+                axum::http::StatusCode::NOT_FOUND
             }
-            None => {
-                assert_eq!(first(&a), pod.name);
-                picked += 1;
-            }
-            other => panic!("unexpected answer {other:?}"),
+        });
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("binds");
+        let url = format!("http://{}", listener.local_addr().expect("addr"));
+        let task = tokio::spawn(async move {
+            let _ = axum::serve(listener, app).await;
+        });
+        Self {
+            url,
+            asked,
+            release,
+            _task: task,
         }
     }
-    assert!(shed >= 1 && picked >= 1, "shed {shed}, picked {picked}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn past_max_in_flight_requests_are_shed_with_429() {
+    // The model's tokenizer comes from a hub that holds the download: the first request is
+    // scored (in flight) until the test releases it, so the others meet a full picker.
+    let hub = HeldHub::start().await;
+    let pod = FakePod::start().await;
+    let mut c = support::picker::config(None);
+    c.endpoint_picker.max_in_flight = 1;
+    c.indexer_config.tokenizers_pool_config.offline = false;
+    c.indexer_config.tokenizers_pool_config.hf_endpoint = hub.url.clone();
+    let mut fleet = Fleet::start(c).await;
+    fleet.store(&pod.name, &prompt_ids(10, 32)).await;
+    let chat_body = json!({"model": MODEL, "messages": [{"role": "user", "content": "hi"}]})
+        .to_string()
+        .into_bytes();
+    let mut client = fleet.client().await;
+    let body = chat_body.clone();
+    let first_call = tokio::spawn(async move {
+        read(&exchange(&mut client, request(CHAT_PATH, None, None, &body, 4096)).await)
+    });
+    support::pods::eventually(
+        Duration::from_secs(20),
+        "the first request in flight",
+        || {
+            let n = hub.asked.load(std::sync::atomic::Ordering::SeqCst);
+            async move { n >= 1 }
+        },
+    )
+    .await;
+    let mut client = fleet.client().await;
+    for _ in 0..7 {
+        let a = read(
+            &exchange(
+                &mut client,
+                request(CHAT_PATH, None, None, &chat_body, 4096),
+            )
+            .await,
+        );
+        let (code, body) = a.immediate.clone().unwrap_or_else(|| panic!("shed: {a:?}"));
+        assert_eq!(code, 429, "{body}");
+        let error: serde_json::Value = serde_json::from_str(&body).expect("a JSON error");
+        assert_eq!(error["error"]["code"], 429);
+        assert!(body.contains("endpointPicker.maxInFlight"), "{body}");
+    }
+    hub.release.notify_waiters();
+    let a = first_call.await.expect("the call ends");
+    assert_eq!(
+        first(&a),
+        pod.name,
+        "the first is picked (on load, no tokenizer)"
+    );
     let page = fleet.daemon.metrics_text();
     assert_eq!(
         support::metric(&page, "kvindexer_picker_picks_total{outcome=\"shed\"}"),
-        f64::from(shed)
+        7.0
     );
     // Negative control: one at a time, nothing is shed.
     let mut client = fleet.client().await;
     for _ in 0..3 {
+        hub.release.notify_waiters();
         let a = read(
             &exchange(
                 &mut client,

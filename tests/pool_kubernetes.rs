@@ -5,8 +5,9 @@
 //! cluster does to a pool. No real cluster ran these tests (none can run on the machines this
 //! project is built on); the server follows the API's documented list/watch contract.
 //!
-//! - pods added, made unready, made Ready again and deleted change the candidates, and
-//!   `/readyz` follows (`pods_added_made_unready_and_deleted_change_the_candidates`);
+//! - pods added, made unready, made Ready again and deleted change the candidates; `/readyz`
+//!   says the pool is synced whether or not it has a candidate, and a pick without one is a
+//!   503 saying why (`pods_added_made_unready_and_deleted_change_the_candidates`);
 //! - a new selector replaces the pods (`a_new_selector_replaces_the_pool_s_pods`);
 //! - a restarted watch resumes from the bookmark's version, and a watch from a compacted
 //!   version (410 Gone) relists and sees what changed meanwhile
@@ -14,7 +15,13 @@
 //! - a deleted pool empties the candidates and `/readyz` says why; recreated, it is back
 //!   (`a_deleted_pool_empties_the_candidates_and_readyz_says_why`);
 //! - two target ports make each pod two data-parallel endpoints, and a rank's prefix is picked
-//!   on its port (`two_target_ports_are_two_data_parallel_endpoints`).
+//!   on its port (`two_target_ports_are_two_data_parallel_endpoints`);
+//! - an API server that accepts and never answers, from the start: `/readyz` says why, and the
+//!   picker is ready within 10 s of it answering; negative control: a request deadline longer
+//!   than the wait, and it is not (`an_api_server_hung_at_start_is_left_behind_within_seconds`);
+//! - one that hangs after the first sync: the last pool serves meanwhile, and a pod added after
+//!   it answers again is a candidate within 10 s; negative control: the same with a deadline
+//!   longer than the wait (`an_api_server_hung_after_the_sync_is_watched_anew_when_it_answers`).
 
 mod support;
 
@@ -61,9 +68,14 @@ async fn pods_added_made_unready_and_deleted_change_the_candidates() {
     wait_standings(d, &[(&ea, "not_ready"), (&eb, C)]).await;
     api.delete_pod(NS, &b.name);
     wait_standings(d, &[(&ea, "not_ready")]).await;
-    let (code, why) = readyz(&fleet).await;
-    assert_eq!(code, 503);
-    assert!(why.contains("no ready endpoint"), "{why}");
+    // Synced, so ready (a gateway gets the picker's 503 with its reason, not a dead Service).
+    assert_eq!(readyz(&fleet).await.0, 200);
+    let why = d.pool.as_ref().and_then(|p| p.why_empty());
+    assert!(
+        why.as_deref()
+            .is_some_and(|w| w.contains("no ready endpoint")),
+        "{why:?}"
+    );
     // ListPods shows the pool, with where it comes from.
     let listed = support::client(d)
         .await
@@ -139,17 +151,27 @@ async fn bookmarks_resume_the_watch_and_410_gone_relists() {
     api.wait_for("a pod watch with bookmarks", pod_watch(None))
         .await;
     // The pool changes (the pods' watch sees nothing of it), then a bookmark carries the new
-    // version to the pods' watch: a restarted watch resumes from there.
+    // version to the pods' watch: a restarted watch resumes from there. Whether the watcher
+    // read the bookmark before its watch was dropped cannot be seen from here, so the round
+    // is tried again (a new bookmark each time) until a resumed watch names one.
     api.set_pool(NS, POOL, &SELECTOR, &[port]);
-    tokio::time::sleep(Duration::from_millis(200)).await;
-    let bookmark = api.bookmark();
-    tokio::time::sleep(Duration::from_millis(500)).await;
-    api.drop_watches();
-    api.wait_for(
-        "the pods' watch resumed from the bookmark's version",
-        pod_watch(Some(bookmark)),
-    )
-    .await;
+    let mut resumed = false;
+    for _ in 0..20 {
+        let bookmark = api.bookmark();
+        let before = api.requests().len();
+        api.drop_watches();
+        api.wait_for("the pods' watch restarted", |rs| {
+            rs[before..]
+                .iter()
+                .any(|r| r.resource == Resource::Pods && r.watch)
+        })
+        .await;
+        if pod_watch(Some(bookmark))(&api.requests()[before..]) {
+            resumed = true;
+            break;
+        }
+    }
+    assert!(resumed, "the pods' watch resumed from a bookmark's version");
     // The watch goes down; a pod joins and the history is compacted meanwhile: the resumed
     // watch gets 410 Gone, the watcher relists, and the new pod is a candidate.
     let lists = api.lists(Resource::Pods);
@@ -257,4 +279,134 @@ async fn two_target_ports_are_two_data_parallel_endpoints() {
         assert_eq!(first(&answer), e1, "{answer:?}");
         assert_eq!(answer.rank.as_deref(), Some("1"), "{answer:?}");
     }
+}
+
+/// Whether `fleet`'s picker becomes ready within `within` (polled).
+async fn ready_within(fleet: &Fleet, within: Duration) -> Option<Duration> {
+    let start = std::time::Instant::now();
+    while start.elapsed() < within {
+        if readyz(fleet).await.0 == 200 {
+            return Some(start.elapsed());
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    None
+}
+
+/// The pool of one Ready pod on an API server hung from the start, a picker with
+/// `request_timeout` started on it: how long after the server answers again the picker is
+/// ready (`None`: not within 10 s).
+async fn hung_at_start(test: &str, request_timeout: Duration) -> Option<Duration> {
+    let api = KubeApi::start().await;
+    let port = shared_port();
+    api.set_pool(NS, POOL, &SELECTOR, &[port]);
+    let a = PoolPod::start("vllm-a", port).await;
+    a.list(&api, true);
+    api.hang(true);
+    let mut c = pool::config(&api, test);
+    if let Some(p) = c.endpoint_picker.pool.as_mut() {
+        p.request_timeout = kv_indexer::config::ConfigDuration(request_timeout);
+    }
+    let fleet = Fleet::start(c).await;
+    // Not ready, and saying why, once a request has gone unanswered past its deadline.
+    if request_timeout < Duration::from_secs(10) {
+        support::pods::eventually(Duration::from_secs(30), "readyz says why", || async {
+            let (code, why) = readyz(&fleet).await;
+            code == 503 && why.contains("did not answer")
+        })
+        .await;
+    } else {
+        support::pods::eventually(Duration::from_secs(10), "readyz 503", || async {
+            readyz(&fleet).await.0 == 503
+        })
+        .await;
+    }
+    api.hang(false);
+    let ready = ready_within(&fleet, Duration::from_secs(10)).await;
+    if ready.is_some() {
+        wait_standings(&fleet.daemon, &[(&a.endpoint(), C)]).await;
+    }
+    ready
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_api_server_hung_at_start_is_left_behind_within_seconds() {
+    let ready = hung_at_start("pool-k8s-hung-start", Duration::from_secs(5)).await;
+    let ready = ready.expect("ready within 10 s of the API server answering");
+    eprintln!("an API server hung at start: ready {ready:?} after it answered");
+    // Negative control: a deadline past the wait leaves the first list hanging.
+    let never = hung_at_start("pool-k8s-hung-start-control", Duration::from_secs(300)).await;
+    assert_eq!(never, None, "the check above fails without a deadline");
+}
+
+/// A pool of pod A, synced; the API server hangs, pod B joins meanwhile and A keeps being
+/// picked; the server answers again: how long until B is a candidate (`None`: not within
+/// 10 s).
+async fn hung_after_sync(test: &str, request_timeout: Duration) -> Option<Duration> {
+    let api = KubeApi::start().await;
+    let port = shared_port();
+    api.set_pool(NS, POOL, &SELECTOR, &[port]);
+    let a = PoolPod::start("vllm-a", port).await;
+    let b = PoolPod::start("vllm-b", port).await;
+    a.list(&api, true);
+    let mut c = pool::config(&api, test);
+    if let Some(p) = c.endpoint_picker.pool.as_mut() {
+        p.request_timeout = kv_indexer::config::ConfigDuration(request_timeout);
+    }
+    let fleet = Fleet::start(c).await;
+    wait_standings(&fleet.daemon, &[(&a.endpoint(), C)]).await;
+    api.hang(true);
+    b.list(&api, true);
+    // The last pool serves while the server does not answer (past the liveness read's
+    // deadline, when it has one short enough to be noticed here).
+    if request_timeout < Duration::from_secs(10) {
+        support::pods::eventually(
+            Duration::from_secs(30),
+            "the server's absence noticed",
+            || {
+                let n = support::metric(
+                    &fleet.daemon.metrics_text(),
+                    "kvindexer_pool_api_probes_total{result=\"timeout\"}",
+                );
+                async move { n >= 1.0 }
+            },
+        )
+        .await;
+    }
+    let mut client = fleet.client().await;
+    let request = json!({"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 1}).to_string();
+    let mut messages = vec![headers("/v1/completions", None, None, false)];
+    messages.extend(body(request.as_bytes(), 4096));
+    let answer = read(&exchange(&mut client, messages).await);
+    assert_eq!(first(&answer), a.endpoint(), "the last pool serves");
+    assert_eq!(
+        readyz(&fleet).await.0,
+        200,
+        "still ready: the last pool is good"
+    );
+    api.hang(false);
+    let start = std::time::Instant::now();
+    while start.elapsed() < Duration::from_secs(10) {
+        let p = fleet.daemon.pool.as_ref().expect("pool");
+        if p.view()
+            .candidates
+            .iter()
+            .any(|c| c.address == b.endpoint())
+        {
+            return Some(start.elapsed());
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    None
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_api_server_hung_after_the_sync_is_watched_anew_when_it_answers() {
+    let joined = hung_after_sync("pool-k8s-hung-sync", Duration::from_secs(5)).await;
+    let joined = joined.expect("the new pod a candidate within 10 s of the server answering");
+    eprintln!("an API server hung after the sync: the new pod in {joined:?} after it answered");
+    // Negative control: a deadline past the wait never notices the server was away, and the
+    // watch that stalled never delivers.
+    let never = hung_after_sync("pool-k8s-hung-sync-control", Duration::from_secs(300)).await;
+    assert_eq!(never, None, "the check above fails without a deadline");
 }

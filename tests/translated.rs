@@ -164,7 +164,28 @@ impl Pair {
         for r in [&self.a, &b] {
             scores(r, &self.s.tokens, self.pod, held, Duration::from_secs(20)).await;
         }
-        tokio::time::sleep(Duration::from_millis(2_500)).await;
+        // A snapshot written since, holding them (each replica writes in turn).
+        let (a, b_ref) = (&self.a, &b);
+        support::pods::eventually(
+            Duration::from_secs(30),
+            "a snapshot holding the stores",
+            || async move {
+                for r in [a, b_ref] {
+                    let page = r.metrics_text().await;
+                    let wrote = support::metric(
+                        &page,
+                        "kvindexer_replication_snapshots_total{operation=\"write\",result=\"ok\"}",
+                    );
+                    let held_now =
+                        support::metric(&page, "kvindexer_replication_snapshot_memberships");
+                    if wrote > 0.0 && held_now >= f64::from(held) {
+                        return true;
+                    }
+                }
+                false
+            },
+        )
+        .await;
         (b, held)
     }
 

@@ -109,12 +109,35 @@ impl Gateway {
         pods: usize,
         c: Config,
         file: &str,
+        more: Vec<(&str, String)>,
+    ) -> Option<Self> {
+        Self::launch(pods, c, file, more, false).await
+    }
+
+    /// [`Gateway::start_with`], the pods the picker's static pool (`endpointPicker.endpoints`).
+    pub async fn start_pooled(
+        pods: usize,
+        c: Config,
+        file: &str,
+        more: Vec<(&str, String)>,
+    ) -> Option<Self> {
+        Self::launch(pods, c, file, more, true).await
+    }
+
+    async fn launch(
+        pods: usize,
+        mut c: Config,
+        file: &str,
         mut more: Vec<(&str, String)>,
+        pooled: bool,
     ) -> Option<Self> {
         let bin = binary()?;
         let mut list = Vec::new();
         for _ in 0..pods {
             list.push(FakePod::start().await);
+        }
+        if pooled {
+            c.endpoint_picker.endpoints = list.iter().map(|p| p.name.as_str().into()).collect();
         }
         let fleet = Fleet::start(c).await;
         let port = fleet.daemon.picker_addr.expect("the picker is on").port();

@@ -13,9 +13,12 @@
 //!   `Status` with code 410 (`Expired`), in a 200 response, as the API server answers it;
 //! - `labelSelector` (`k=v,k=v`) and `fieldSelector=metadata.name=..` filter lists and watches.
 //!
+//! - a get (`GET .../inferencepools/<name>`) answers the object, or a 404 `Status`.
+//!
 //! The test drives it: objects added, changed and deleted; bookmarks sent; open watches dropped
 //! (as the server's watch timeout ends them); history compacted; new watches held back; every
-//! request recorded.
+//! request recorded; and the server hung ([`KubeApi::hang`]): it accepts connections and never
+//! answers, and open watches stall for good, as behind a proxy that lost them.
 
 use std::collections::{BTreeMap, HashMap};
 use std::net::SocketAddr;
@@ -96,6 +99,10 @@ struct Shared {
     requests: Mutex<Vec<Recorded>>,
     /// Watches answered 410 Gone.
     gone: std::sync::atomic::AtomicU64,
+    /// Hung: requests are accepted and never answered; open watches stall.
+    hung: std::sync::atomic::AtomicBool,
+    /// Hangs so far: a watch opened before the last one stalls for good.
+    hangs: Arc<std::sync::atomic::AtomicU64>,
 }
 
 /// The running server; stops when dropped.
@@ -192,11 +199,17 @@ impl KubeApi {
             released: Notify::new(),
             requests: Mutex::new(Vec::new()),
             gone: Default::default(),
+            hung: Default::default(),
+            hangs: Default::default(),
         });
         let app = Router::new()
             .route(
                 "/apis/inference.networking.k8s.io/v1/namespaces/{ns}/inferencepools",
                 get(pools),
+            )
+            .route(
+                "/apis/inference.networking.k8s.io/v1/namespaces/{ns}/inferencepools/{name}",
+                get(one_pool),
             )
             .route("/api/v1/namespaces/{ns}/pods", get(pods))
             .with_state(shared.clone());
@@ -331,6 +344,20 @@ impl KubeApi {
         }
     }
 
+    /// Hangs (`true`): every request from now on is accepted and never answered, even after
+    /// the server answers again, and every open watch stalls for good; `false`: new requests
+    /// are answered again.
+    pub fn hang(&self, hung: bool) {
+        if hung {
+            self.shared
+                .hangs
+                .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        }
+        self.shared
+            .hung
+            .store(hung, std::sync::atomic::Ordering::SeqCst);
+    }
+
     /// The requests answered so far.
     pub fn requests(&self) -> Vec<Recorded> {
         self.shared.requests.lock().expect("requests").clone()
@@ -404,6 +431,31 @@ async fn pools(
     serve(s, Resource::Pools, ns, params(q)).await
 }
 
+async fn one_pool(
+    State(s): State<Arc<Shared>>,
+    axum::extract::Path((ns, name)): axum::extract::Path<(String, String)>,
+) -> Response {
+    if s.hung.load(std::sync::atomic::Ordering::SeqCst) {
+        std::future::pending::<()>().await;
+    }
+    let key = (Resource::Pools, ns, name.clone());
+    let object = s.store.lock().expect("store").objects.get(&key).cloned();
+    match object {
+        Some(o) => ([(header::CONTENT_TYPE, "application/json")], o.to_string()).into_response(),
+        None => {
+            let status = json!({"kind": "Status", "apiVersion": "v1", "metadata": {},
+                "status": "Failure", "reason": "NotFound", "code": 404,
+                "message": format!("inferencepools \"{name}\" not found")});
+            (
+                StatusCode::NOT_FOUND,
+                [(header::CONTENT_TYPE, "application/json")],
+                status.to_string(),
+            )
+                .into_response()
+        }
+    }
+}
+
 async fn pods(
     State(s): State<Arc<Shared>>,
     axum::extract::Path(ns): axum::extract::Path<String>,
@@ -419,6 +471,9 @@ async fn serve(
     q: HashMap<String, String>,
 ) -> Response {
     let watch = q.get("watch").is_some_and(|w| w == "true" || w == "1");
+    if s.hung.load(std::sync::atomic::Ordering::SeqCst) {
+        std::future::pending::<()>().await;
+    }
     s.requests.lock().expect("requests").push(Recorded {
         resource,
         watch,
@@ -470,19 +525,31 @@ fn watch_stream(
     let store = s.store.lock().expect("store");
     let chunked = |lines: Vec<Value>, live: Option<broadcast::Receiver<Note>>| {
         let backlog = futures::stream::iter(lines.into_iter().map(line));
+        let hangs = s.hangs.clone();
+        let born = hangs.load(std::sync::atomic::Ordering::SeqCst);
         let live = futures::stream::unfold(
             (live, resource, ns.clone(), q.clone()),
-            |(rx, resource, ns, q)| async move {
-                let mut rx = rx?;
-                loop {
-                    match rx.recv().await {
-                        Ok(Note::Drop) | Err(broadcast::error::RecvError::Closed) => return None,
-                        Ok(note) => {
-                            if let Some(e) = event_for(resource, &ns, &q, &note) {
-                                return Some((line(e), (Some(rx), resource, ns, q)));
-                            }
+            move |(rx, resource, ns, q)| {
+                let hangs = hangs.clone();
+                async move {
+                    let mut rx = rx?;
+                    loop {
+                        let note = rx.recv().await;
+                        // A watch open while the server hung stalls for good.
+                        if hangs.load(std::sync::atomic::Ordering::SeqCst) != born {
+                            std::future::pending::<()>().await;
                         }
-                        Err(broadcast::error::RecvError::Lagged(_)) => return None,
+                        match note {
+                            Ok(Note::Drop) | Err(broadcast::error::RecvError::Closed) => {
+                                return None
+                            }
+                            Ok(note) => {
+                                if let Some(e) = event_for(resource, &ns, &q, &note) {
+                                    return Some((line(e), (Some(rx), resource, ns, q)));
+                                }
+                            }
+                            Err(broadcast::error::RecvError::Lagged(_)) => return None,
+                        }
                     }
                 }
             },

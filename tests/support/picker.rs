@@ -217,6 +217,20 @@ impl Fleet {
     }
 }
 
+/// Waits until every pod of `pods` has answered `rounds` more metrics reads than when called
+/// (the picker then holds a sample each read after the call: reads of one pod are in turn).
+pub async fn each_read(pods: &[FakePod], rounds: u64) {
+    let start: Vec<u64> = pods.iter().map(|p| p.state().metrics_served()).collect();
+    super::pods::eventually(Duration::from_secs(30), "every pod's metrics read", || {
+        let done = pods
+            .iter()
+            .zip(&start)
+            .all(|(p, s)| p.state().metrics_served() >= s + rounds);
+        async move { done }
+    })
+    .await;
+}
+
 /// The body mode a test announces in `protocol_config` (`None`: no protocol_config).
 pub fn protocol(mode: Option<BodySendMode>) -> Option<ProtocolConfiguration> {
     mode.map(|m| ProtocolConfiguration {

@@ -73,6 +73,10 @@ pub struct PodState {
     /// Streams pause after their first event until released.
     hold: AtomicBool,
     release: Notify,
+    /// How long a metrics page takes to answer, ms (a busy pod's API server).
+    metrics_delay_ms: AtomicU64,
+    /// Metrics pages answered so far.
+    metrics_served: AtomicU64,
 }
 
 impl PodState {
@@ -87,7 +91,20 @@ impl PodState {
             received: Mutex::new(Vec::new()),
             hold: AtomicBool::new(false),
             release: Notify::new(),
+            metrics_delay_ms: AtomicU64::new(0),
+            metrics_served: AtomicU64::new(0),
         }
+    }
+
+    /// Makes every metrics page answer `delay` late (inference answers at once).
+    pub fn set_metrics_delay(&self, delay: std::time::Duration) {
+        self.metrics_delay_ms
+            .store(delay.as_millis() as u64, Ordering::Relaxed);
+    }
+
+    /// Metrics pages answered so far.
+    pub fn metrics_served(&self) -> u64 {
+        self.metrics_served.load(Ordering::Relaxed)
     }
 
     /// Sets the cached tokens answered (`None`: `prompt_tokens_details` is null).
@@ -257,13 +274,19 @@ async fn connection(state: Arc<PodState>, s: TcpStream, model: &'static str) {
             if health == Health::Down {
                 return;
             }
+            let delay = state.metrics_delay_ms.load(Ordering::Relaxed);
+            if delay > 0 {
+                tokio::time::sleep(std::time::Duration::from_millis(delay)).await;
+            }
             let page = state.metrics_page(model);
             let response = format!(
                 "HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\ncontent-length: {}\r\n\
                  connection: close\r\n\r\n{page}",
                 page.len()
             );
-            let _ = conn.s.write_all(response.as_bytes()).await;
+            if conn.s.write_all(response.as_bytes()).await.is_ok() {
+                state.metrics_served.fetch_add(1, Ordering::Relaxed);
+            }
             return;
         }
         if health != Health::Up {
