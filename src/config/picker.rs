@@ -120,7 +120,7 @@ impl Default for PickerHealthConfig {
 }
 
 /// Most endpoints a static pool lists.
-pub const MAX_STATIC_ENDPOINTS: usize = 4096;
+pub const MAX_STATIC_ENDPOINTS: usize = crate::picker::MAX_SCRAPED_PODS;
 
 /// Largest `scrapeFailuresToLeave`.
 pub const MAX_SCRAPE_FAILURES_TO_LEAVE: u32 = 100;

@@ -17,6 +17,15 @@ pub struct BoundsMetrics {
 
 impl BoundsMetrics {
     pub(super) fn new(r: &Registry) -> Self {
+        let metrics = Self::register(r);
+        // Every bound's series exists from the start, at 0 (a dashboard and an alert read it).
+        for bound in ["streams", "body_budget", "body_size", "body_mode"] {
+            metrics.refused.with_label_values(&[bound]);
+        }
+        metrics
+    }
+
+    fn register(r: &Registry) -> Self {
         Self {
             streams: gauge(
                 r,

@@ -38,12 +38,22 @@ pub struct PickerMetrics {
 
 impl PickerMetrics {
     pub(super) fn new(r: &Registry) -> Self {
+        let metrics = Self::register(r);
+        // Both reasons' series exist from the start, at 0 (the dashboard charts them).
+        for reason in ["stale", "missing"] {
+            metrics.stale.with_label_values(&[reason]);
+        }
+        metrics
+    }
+
+    fn register(r: &Registry) -> Self {
         Self {
             picks: counter_vec(
                 r,
                 "kvindexer_picker_picks_total",
                 "Endpoint-picker requests by outcome: picked, picked_without_prefix, \
-                 no_candidates (503), shed (429), bad_request (400)",
+                 no_candidates (503), shed (429), too_large (413), refused (500: a body mode \
+                 that cannot carry a pick), bad_request (400)",
                 &["outcome"],
             ),
             pick_latency: latency(
@@ -61,7 +71,8 @@ impl PickerMetrics {
             scrapes: counter_vec(
                 r,
                 "kvindexer_picker_scrapes_total",
-                "Pod metrics scrapes by result: ok, connect, timeout, status, too_large, parse",
+                "Pod metrics scrapes by result: ok, connect (no connection), reset, timeout \
+                 (connected, no page in time), status, too_large, parse",
                 &["result"],
             ),
             rejected_bodies: counter_vec(

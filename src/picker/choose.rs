@@ -482,3 +482,19 @@ impl Chooser {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::ip_of;
+
+    #[test]
+    fn spellings_of_one_address_compare_equal() {
+        let long = ip_of("[0:0:0:0:0:0:0:1]:8000");
+        assert!(long.is_some());
+        assert_eq!(ip_of("[::1]:9000"), long, "the port aside");
+        assert_eq!(ip_of("::1"), long, "a bare IP");
+        assert_eq!(ip_of("[::ffff:10.0.0.7]:8000"), ip_of("10.0.0.7:8000"));
+        assert_ne!(ip_of("10.0.0.7:8000"), ip_of("10.0.0.70:8000"));
+        assert_eq!(ip_of("vllm-0.vllm:8000"), None, "a name is not an address");
+    }
+}
