@@ -24,6 +24,7 @@ pub use loud::ConfigWarning;
 pub use pd::{PdConfig, RoledEndpoint, StaticEndpoint};
 pub use picker::{
     EndpointPickerConfig, PickerHealthConfig, PickerTlsConfig, PickerTlsMode, PoolRefConfig,
+    MAX_STATIC_ENDPOINTS,
 };
 
 use std::collections::BTreeMap;

@@ -120,7 +120,7 @@ impl Default for PickerHealthConfig {
 }
 
 /// Most endpoints a static pool lists.
-pub const MAX_STATIC_ENDPOINTS: usize = crate::picker::MAX_SCRAPED_PODS;
+pub const MAX_STATIC_ENDPOINTS: usize = 16_384;
 
 /// Largest `scrapeFailuresToLeave`.
 pub const MAX_SCRAPE_FAILURES_TO_LEAVE: u32 = 100;

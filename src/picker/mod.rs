@@ -27,7 +27,6 @@ mod choose;
 mod extproc;
 mod response;
 mod scrape;
-pub use scrape::MAX_SCRAPED_PODS;
 mod split;
 pub mod usage;
 

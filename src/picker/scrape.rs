@@ -30,8 +30,9 @@ use kv_core::{mix64, PodMetrics, Probe};
 /// The largest metrics page read (a vLLM page is some tens of KiB).
 pub const MAX_METRICS_BYTES: usize = 1 << 20;
 
-/// Pods scraped at most (beyond, a pod is scored on the median load, counted).
-pub const MAX_SCRAPED_PODS: usize = 16_384;
+/// Pods scraped at most (beyond, a pod is scored on the median load, counted): as many as a
+/// static pool may list.
+pub const MAX_SCRAPED_PODS: usize = crate::config::MAX_STATIC_ENDPOINTS;
 
 /// Metrics reads in flight at once, at most (a pod that does not answer holds its place until
 /// its read times out).
